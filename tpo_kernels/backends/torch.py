@@ -1,0 +1,82 @@
+"""Portable PyTorch row ops: the fallback on any device.
+
+Works on row chunks so that at most ``_CHUNK_ELEMENTS`` fp32 temporaries exist at once, never a
+full ``[M, V]`` fp32 copy of the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import Backend, compute_dtype
+
+_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per temporary
+
+
+def _row_chunks(rows: Tensor, vocab: int):
+    step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    return rows.split(step)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def supports_device(self, device: torch.device) -> bool:
+        return True
+
+    def row_forward(
+        self, logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        m, v = logits.shape
+        acc = compute_dtype(logits.dtype)
+        lse = logits.new_zeros(m, dtype=acc)
+        target = logits.new_zeros(m, dtype=acc)
+        entropy = logits.new_zeros(m, dtype=acc) if with_entropy else None
+        rows = torch.nonzero(labels >= 0).squeeze(1)  # skipped rows are never read
+        for chunk in _row_chunks(rows, v):
+            z = logits.index_select(0, chunk).to(acc) * inv_temperature
+            chunk_lse = torch.logsumexp(z, dim=1)
+            lse[chunk] = chunk_lse
+            target[chunk] = z.gather(1, labels[chunk].unsqueeze(1)).squeeze(1)
+            if with_entropy:
+                # H = lse - sum_v p_v z_v, with p = exp(z - lse)
+                probs = torch.exp(z - chunk_lse.unsqueeze(1))
+                entropy[chunk] = chunk_lse - (probs * z).sum(dim=1)
+        return lse, target, entropy
+
+    def row_backward(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        lse: Tensor,
+        grad_logprob: Tensor,
+        grad_entropy: Optional[Tensor],
+        entropy: Optional[Tensor],
+        inv_temperature: float,
+        out: Tensor,
+    ) -> None:
+        m, v = logits.shape
+        acc = compute_dtype(logits.dtype)
+        active = grad_logprob != 0
+        if grad_entropy is not None:
+            active = active | (grad_entropy != 0)
+        out[~active] = 0  # zero-signal rows: written, never read
+        rows = torch.nonzero(active).squeeze(1)
+        for chunk in _row_chunks(rows, v):
+            z = logits.index_select(0, chunk).to(acc) * inv_temperature
+            log_probs = z - lse[chunk].unsqueeze(1)
+            probs = torch.exp(log_probs)
+            g = grad_logprob[chunk].unsqueeze(1)
+            grad = -g * probs
+            label = labels[chunk]
+            has_label = label >= 0
+            grad[has_label] = grad[has_label].scatter_add(
+                1, label[has_label].unsqueeze(1), g[has_label]
+            )
+            if grad_entropy is not None:
+                ge = grad_entropy[chunk].unsqueeze(1)
+                grad = grad - ge * probs * (log_probs + entropy[chunk].unsqueeze(1))
+            out[chunk] = (grad * inv_temperature).to(out.dtype)

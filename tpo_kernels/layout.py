@@ -1,0 +1,101 @@
+"""Batch layout: which flat token belongs to which completion, and which completion to which group.
+
+Every path flattens tokens to ``M`` rows (padded ``[N, T]`` -> ``M = N*T``; packed: the rows given,
+split by ``cu_seqlens``). Completion ``n`` owns rows ``[seq_start[n], seq_start[n] + seq_len[n])``.
+Groups are listed as ``group_members[group_offsets[g]:group_offsets[g+1]]`` (completion indices in
+ascending order), so both contiguous ``group_size`` batches and arbitrary ``group_ids`` share one
+description. Group ``g`` of ``group_ids`` is the g-th smallest distinct id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class BatchLayout:
+    num_tokens: int  # M, rows of the flat token matrix
+    num_seqs: int  # N
+    num_groups: int  # G
+    seq_start: Tensor  # [N] int64, first row of each completion
+    seq_len: Tensor  # [N] int64
+    max_seq_len: int
+    token_seq: Tensor  # [M] int64, completion of each row, -1 for rows outside every completion
+    seq_group: Tensor  # [N] int64, group of each completion
+    group_offsets: Tensor  # [G+1] int64
+    group_members: Tensor  # [N] int64, completions sorted by group (stable)
+    max_group_size: int
+    group_size: Optional[int]  # K when every group is K contiguous completions, else None
+    padded_len: Optional[int]  # T for a padded [N, T] batch, None for packed
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_start.device
+
+
+def build_layout(
+    num_tokens: int,
+    device: torch.device,
+    *,
+    padded_shape: Optional[tuple] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    group_size: Optional[int] = None,
+    group_ids: Optional[Tensor] = None,
+) -> BatchLayout:
+    """Build the layout from a padded ``(N, T)`` shape or packed ``cu_seqlens`` (already validated)."""
+    if padded_shape is not None:
+        n, t = padded_shape
+        seq_start = torch.arange(n, device=device, dtype=torch.int64) * t
+        seq_len = torch.full((n,), t, device=device, dtype=torch.int64)
+        token_seq = torch.arange(n, device=device, dtype=torch.int64).repeat_interleave(t)
+        max_seq_len = t
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        n = cu.numel() - 1
+        seq_start = cu[:-1].contiguous()
+        seq_len = (cu[1:] - cu[:-1]).contiguous()
+        token_seq = torch.full((num_tokens,), -1, device=device, dtype=torch.int64)
+        covered = int(cu[-1])
+        token_seq[:covered] = torch.arange(n, device=device, dtype=torch.int64).repeat_interleave(
+            seq_len, output_size=covered
+        )
+        max_seq_len = int(seq_len.max()) if n > 0 else 0
+
+    if group_ids is None:
+        k = group_size
+        g = n // k
+        seq_group = torch.arange(n, device=device, dtype=torch.int64) // k
+        group_offsets = torch.arange(g + 1, device=device, dtype=torch.int64) * k
+        group_members = torch.arange(n, device=device, dtype=torch.int64)
+        max_group_size = k
+        contiguous_k = k
+    else:
+        _, seq_group = torch.unique(group_ids.to(device), sorted=True, return_inverse=True)
+        seq_group = seq_group.to(torch.int64)
+        counts = torch.bincount(seq_group)
+        g = counts.numel()
+        group_offsets = torch.zeros(g + 1, device=device, dtype=torch.int64)
+        group_offsets[1:] = torch.cumsum(counts, 0)
+        group_members = torch.sort(seq_group, stable=True).indices
+        max_group_size = int(counts.max())
+        contiguous_k = None
+
+    return BatchLayout(
+        num_tokens=num_tokens,
+        num_seqs=n,
+        num_groups=g,
+        seq_start=seq_start,
+        seq_len=seq_len,
+        max_seq_len=max_seq_len,
+        token_seq=token_seq,
+        seq_group=seq_group,
+        group_offsets=group_offsets,
+        group_members=group_members,
+        max_group_size=max_group_size,
+        group_size=contiguous_k,
+        padded_len=padded_shape[1] if padded_shape is not None else None,
+    )
