@@ -90,6 +90,13 @@ def dense_group_targets(
     return u, p, q, log_p, group_loss
 
 
+def _dense_slots(layout: BatchLayout):
+    """(group, slot) of each entry of ``group_members`` in a dense ``[G, max_group_size]`` layout."""
+    rows = layout.seq_group[layout.group_members]
+    cols = torch.arange(layout.num_seqs, device=rows.device) - layout.group_offsets[rows]
+    return rows, cols
+
+
 def loss_weight(reduction: str, num_groups: int) -> float:
     return 1.0 / num_groups if reduction == "mean" else 1.0
 
@@ -119,8 +126,7 @@ def group_targets(
         valid = None
     else:
         members = layout.group_members
-        rows = layout.seq_group[members]
-        cols = torch.arange(layout.num_seqs, device=ell.device) - layout.group_offsets[rows]
+        rows, cols = _dense_slots(layout)
         valid = torch.zeros(g, kmax, dtype=torch.bool, device=ell.device)
         valid[rows, cols] = True
 
@@ -140,3 +146,13 @@ def group_targets(
     p, q = from_dense(p), from_dense(q)
     coef = (p - q) * loss_weight(reduction, g)
     return GroupTargets(ell, from_dense(u), p, q, group_loss, coef)
+
+
+def group_sum(seq_values: Tensor, layout: BatchLayout) -> Tensor:
+    """Deterministic per-group sum of a per-completion ``[N]`` tensor."""
+    if layout.group_size is not None:
+        return seq_values.view(layout.num_groups, layout.group_size).sum(dim=1)
+    rows, cols = _dense_slots(layout)
+    dense = seq_values.new_zeros(layout.num_groups, layout.max_group_size)
+    dense[rows, cols] = seq_values[layout.group_members]
+    return dense.sum(dim=1)

@@ -110,7 +110,7 @@ _instances: dict = {}
 def _load(name: str) -> Backend:
     if name not in _instances:
         if name == "torch":
-            from .torch import TorchBackend as cls
+            from .pytorch import TorchBackend as cls
         elif name == "triton":
             from .triton import TritonBackend as cls
         elif name == "cpu":

@@ -1,4 +1,4 @@
-"""Portable PyTorch row ops: the fallback on any device.
+"""Portable PyTorch row ops (backend "torch"): the fallback on any device.
 
 Works on row chunks so that at most ``_CHUNK_ELEMENTS`` fp32 temporaries exist at once, never a
 full ``[M, V]`` fp32 copy of the logits.

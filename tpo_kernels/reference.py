@@ -1,0 +1,165 @@
+"""Plain-PyTorch TPO: the semantic ground truth every kernel and path is checked against.
+
+Written for clarity, not speed: full-vocab log_softmax, explicit loops over completions and
+groups, and ordinary autograd for the gradients. Works in float64. Accepts the same arguments as
+:func:`tpo_kernels.tpo_loss` (no validation: pass well-formed inputs).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def token_logprobs(
+    logits: Tensor, labels: Tensor, *, temperature: float = 1.0, ignore_index: int = -100
+) -> Tensor:
+    """log softmax(logits / temperature)[label] per token; 0 where ``labels == ignore_index``."""
+    log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0)
+    picked = log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) per token."""
+    log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def selective_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+):
+    lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    if not return_entropy:
+        return lp
+    ent = token_entropy(logits, temperature=temperature)
+    return lp, torch.where(labels != ignore_index, ent, torch.zeros_like(ent))
+
+
+def standardize(scores: Tensor) -> Tensor:
+    """Appendix A: (s - mean) / std with the population std; all zeros when the scores tie."""
+    if bool(scores.max() == scores.min()):
+        return torch.zeros_like(scores)
+    mean = scores.sum() / scores.numel()
+    std = (((scores - mean) ** 2).sum() / scores.numel()).sqrt()
+    return (scores - mean) / std
+
+
+def _sequence_slices(labels: Tensor, cu_seqlens: Optional[Tensor]) -> List[tuple]:
+    """(row index tensor into the flat token axis) for each completion."""
+    if cu_seqlens is None:
+        n, t = labels.shape
+        return [torch.arange(i * t, (i + 1) * t) for i in range(n)]
+    bounds = cu_seqlens.tolist()
+    return [torch.arange(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _groups(num_seqs: int, group_size: Optional[int], group_ids: Optional[Tensor]) -> List[List[int]]:
+    if group_ids is None:
+        return [list(range(g, g + group_size)) for g in range(0, num_seqs, group_size)]
+    ids = group_ids.tolist()
+    return [[i for i in range(num_seqs) if ids[i] == gid] for gid in sorted(set(ids))]
+
+
+def tpo_loss(
+    logits: Tensor,
+    labels: Tensor,
+    scores: Tensor,
+    *,
+    group_size: Optional[int] = None,
+    group_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    beta: float = 0.0,
+    eta: float = 1.0,
+    anchor: bool = True,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    return_aux: bool = False,
+):
+    """TPO loss by the book (DESIGN.md section 1). Same arguments as :func:`tpo_kernels.tpo_loss`."""
+    valid = labels != ignore_index
+    if mask is not None:
+        valid = valid & mask.bool()
+    lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    lp = torch.where(valid, lp, torch.zeros_like(lp)).reshape(-1)
+    valid_flat = valid.reshape(-1)
+    dtype = lp.dtype
+    slices = _sequence_slices(labels, cu_seqlens)
+    num_seqs = len(slices)
+
+    ell = torch.stack([lp[rows].sum() for rows in slices])
+    if old_logprobs is None:  # on-policy: p_old = p, held constant
+        ell_old = ell.detach()
+    elif old_logprobs.shape == labels.shape:  # per-token old log-probs, summed under the mask
+        old_flat = torch.where(valid, old_logprobs.to(dtype), torch.zeros((), dtype=dtype)).reshape(-1)
+        ell_old = torch.stack([old_flat[rows].sum() for rows in slices])
+    else:  # per-sequence [N]
+        ell_old = old_logprobs.to(dtype)
+
+    groups = _groups(num_seqs, group_size, group_ids)
+    group_losses, ps, qs, us = [], torch.zeros(num_seqs, dtype=dtype), torch.zeros(num_seqs, dtype=dtype), torch.zeros(num_seqs, dtype=dtype)
+    for members in groups:
+        idx = torch.tensor(members)
+        u = standardize(scores[idx].to(dtype))
+        log_p = torch.log_softmax(ell[idx], dim=0)  # Eq. 1
+        if anchor:  # q ∝ p_old * exp(u / eta)
+            q = torch.softmax(torch.log_softmax(ell_old[idx], dim=0) + u / eta, dim=0)
+        else:
+            q = torch.softmax(u / eta, dim=0)
+        q = q.detach()
+        group_losses.append(-(q * log_p).sum())  # Eq. 3
+        ps[idx], qs[idx], us[idx] = log_p.detach().exp(), q, u
+    group_loss = torch.stack(group_losses)
+
+    kl_tokens = None
+    if beta != 0.0:
+        r = ref_logprobs.to(dtype).reshape(-1)
+        diff = r - lp
+        k3 = torch.exp(diff) - diff - 1.0
+        kl_tokens = torch.where(valid_flat, k3, torch.zeros_like(k3))
+
+    if reduction == "mean":
+        loss = group_loss.mean()
+        if kl_tokens is not None:
+            loss = loss + beta * kl_tokens.sum() / valid_flat.sum()
+    elif reduction == "sum":
+        loss = group_loss.sum()
+        if kl_tokens is not None:
+            loss = loss + beta * kl_tokens.sum()
+    else:  # "none": per group, each with its own token-mean KL term
+        loss = group_loss
+        if kl_tokens is not None:
+            per_group = []
+            for members in groups:
+                rows = torch.cat([slices[i] for i in members])
+                per_group.append(kl_tokens[rows].sum() / valid_flat[rows].sum())
+            loss = loss + beta * torch.stack(per_group)
+
+    if not return_aux:
+        return loss
+    aux = {
+        "token_logprobs": lp.detach().view(labels.shape),
+        "seq_logprobs": ell.detach(),
+        "p": ps,
+        "q": qs,
+        "u": us,
+        "group_loss": group_loss.detach(),
+    }
+    return loss, aux
