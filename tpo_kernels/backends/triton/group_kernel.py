@@ -1,0 +1,185 @@
+"""Triton group op (layer 2): one program per group computes everything in tpo_kernels.targets.
+
+For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:group_offsets[g+1]]``)::
+
+    ell[i] = sum of token log-probs over rows [seq_start[i], seq_start[i] + seq_len[i])
+    u[i]   = (s[i] - mean(s)) / std(s)   population std; u = 0 for all when max(s) == min(s)
+    p      = softmax(ell)
+    q      = softmax(ell_old + u / eta)  (anchor; on-policy ell_old = ell), softmax(u / eta) if not
+    loss_g = -sum_i q[i] log p[i]
+    coef   = w * (p - q)                 w = 1/G for reduction "mean", else 1
+
+Members sit in the lanes of a ``BLOCK_K`` vector. The token sums walk a ``[BLOCK_K, BLOCK_T]``
+tile along the sequences in a fixed order and reduce it once at the end: deterministic, no
+atomics. Padded and packed layouts both carry ``seq_start``/``seq_len``, so one code path
+serves both. p and q come out of the same softmax routine, so a tied on-policy group (u = 0,
+q's input equal to p's bit for bit) gets ``coef == 0.0`` exactly.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...layout import BatchLayout
+from ...targets import GroupTargets, loss_weight
+from .. import compute_dtype
+from .row_kernels import device_guard, scalar_from_parts, split_scalar
+
+
+@triton.jit
+def _masked_softmax(x, valid):
+    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0)."""
+    x = tl.where(valid, x, float("-inf"))
+    shifted = x - tl.max(x, axis=0)
+    e = tl.exp(shifted)
+    total = tl.sum(e, axis=0)
+    return e / total, shifted - tl.log(total)
+
+
+@triton.jit
+def _group_targets_kernel(
+    token_logprobs_ptr,
+    seq_start_ptr,
+    seq_len_ptr,
+    group_offsets_ptr,
+    group_members_ptr,
+    scores_ptr,
+    old_ptr,
+    ell_ptr,
+    u_ptr,
+    p_ptr,
+    q_ptr,
+    group_loss_ptr,
+    coef_ptr,
+    eta_hi,
+    eta_mid,
+    eta_lo,
+    weight_hi,
+    weight_mid,
+    weight_lo,
+    HAS_OLD: tl.constexpr,
+    ANCHOR: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    first = tl.load(group_offsets_ptr + group)
+    size = tl.load(group_offsets_ptr + group + 1) - first
+    lane = tl.arange(0, BLOCK_K)
+    valid = lane < size
+    member = tl.load(group_members_ptr + first + lane, mask=valid, other=0)
+
+    # ell: per-member token sums over a [BLOCK_K, BLOCK_T] tile, fixed order.
+    start = tl.load(seq_start_ptr + member, mask=valid, other=0)
+    length = tl.load(seq_len_ptr + member, mask=valid, other=0)
+    longest = tl.max(length, axis=0)
+    steps = tl.arange(0, BLOCK_T)
+    partial = tl.zeros([BLOCK_K, BLOCK_T], dtype=ACC)
+    for offset in range(0, longest, BLOCK_T):
+        t = offset + steps
+        in_seq = valid[:, None] & (t[None, :] < length[:, None])
+        rows = start[:, None] + t[None, :]
+        partial += tl.load(token_logprobs_ptr + rows, mask=in_seq, other=0.0).to(ACC)
+    ell = tl.sum(partial, axis=1)
+
+    # u: standardized scores, population std; an all-tied group gets u = 0.
+    scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(ACC)
+    count = size.to(ACC)
+    mean = tl.sum(tl.where(valid, scores, 0.0), axis=0) / count
+    centered = tl.where(valid, scores - mean, 0.0)
+    std = tl.sqrt(tl.sum(centered * centered, axis=0) / count)
+    tied = tl.max(tl.where(valid, scores, float("-inf")), axis=0) == tl.min(
+        tl.where(valid, scores, float("inf")), axis=0
+    )
+    u = tl.where(valid, centered / tl.where(tied, 1.0, std), 0.0)
+    u = tl.where(tied, 0.0, u)
+
+    eta = scalar_from_parts(eta_hi, eta_mid, eta_lo, ACC)
+    weight = scalar_from_parts(weight_hi, weight_mid, weight_lo, ACC)
+    p, log_p = _masked_softmax(ell, valid)
+    if ANCHOR:
+        if HAS_OLD:
+            base = tl.load(old_ptr + member, mask=valid, other=0.0).to(ACC)
+        else:
+            base = ell  # on-policy: p_old = p
+        q, _ = _masked_softmax(base + u / eta, valid)
+    else:
+        q, _ = _masked_softmax(u / eta, valid)
+    group_loss = -tl.sum(q * tl.where(valid, log_p, 0.0), axis=0)  # invalid lanes: q = 0
+    coef = (p - q) * weight
+
+    out_ty = ell_ptr.dtype.element_ty
+    tl.store(ell_ptr + member, ell.to(out_ty), mask=valid)
+    tl.store(u_ptr + member, u.to(out_ty), mask=valid)
+    tl.store(p_ptr + member, p.to(out_ty), mask=valid)
+    tl.store(q_ptr + member, q.to(out_ty), mask=valid)
+    tl.store(coef_ptr + member, coef.to(out_ty), mask=valid)
+    tl.store(group_loss_ptr + group, group_loss.to(out_ty))
+
+
+def _tile_sizes(layout: BatchLayout, block_t: Optional[int]):
+    block_k = triton.next_power_of_2(max(int(layout.max_group_size), 1))
+    if block_t is None:
+        # Keep the [BLOCK_K, BLOCK_T] partial-sum tile at <= 2048 elements.
+        longest = triton.next_power_of_2(max(int(layout.max_seq_len), 1))
+        block_t = max(1, min(longest, 2048 // block_k))
+    return block_k, int(block_t)
+
+
+def group_targets(
+    token_logprobs: Tensor,
+    layout: BatchLayout,
+    scores: Tensor,
+    old_seq_logprobs: Optional[Tensor],
+    eta: float,
+    anchor: bool,
+    reduction: str,
+    block_t: Optional[int] = None,
+) -> GroupTargets:
+    """Same signature and result as :func:`tpo_kernels.targets.group_targets`.
+
+    ``block_t`` overrides the token tile width (tests use it to force several tiles)."""
+    device = token_logprobs.device
+    out_dtype = token_logprobs.dtype
+    acc = compute_dtype(out_dtype)
+    n, g = layout.num_seqs, layout.num_groups
+
+    def empty(size):
+        return torch.empty(size, dtype=out_dtype, device=device)
+
+    ell, u, p, q, coef, group_loss = empty(n), empty(n), empty(n), empty(n), empty(n), empty(g)
+    if g > 0:
+        token_logprobs = token_logprobs.contiguous()
+        scores = scores.contiguous()
+        has_old = old_seq_logprobs is not None
+        old = old_seq_logprobs.contiguous() if has_old else scores  # placeholder when unused
+        block_k, block_t = _tile_sizes(layout, block_t)
+        with device_guard(token_logprobs):
+            _group_targets_kernel[(g,)](
+                token_logprobs,
+                layout.seq_start.contiguous(),
+                layout.seq_len.contiguous(),
+                layout.group_offsets.contiguous(),
+                layout.group_members.contiguous(),
+                scores,
+                old,
+                ell,
+                u,
+                p,
+                q,
+                group_loss,
+                coef,
+                *split_scalar(eta),
+                *split_scalar(loss_weight(reduction, g)),
+                HAS_OLD=has_old,
+                ANCHOR=bool(anchor),
+                ACC=tl.float64 if acc == torch.float64 else tl.float32,
+                BLOCK_K=block_k,
+                BLOCK_T=block_t,
+                num_warps=4,
+            )
+    return GroupTargets(ell, u, p, q, group_loss, coef)
