@@ -1,0 +1,255 @@
+"""Timing and memory measurement of one (case, shape, dtype, variant, provider, mode).
+
+Timing. After warm-up (which includes torch.compile's compilation and lazy extension loading),
+each repetition runs the untimed setup (zeroing gradients; for ``backward`` also the forward) and
+then the timed region; the median is reported with min/max and the repetition count.
+CPU: ``time.perf_counter``. CUDA: a pair of CUDA events around the timed region on the current
+stream, a 256 MiB buffer written before each repetition to flush L2, one synchronize at the end.
+
+Memory (peak bytes over a baseline taken *before the inputs are allocated*, so the inputs and
+everything the computation allocates count):
+
+* CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated_before_inputs``, with the peak
+  statistics reset after warm-up.
+* CPU, ``rss-subprocess`` (default): each (case, shape, dtype, variant, provider) runs in a fresh
+  Python subprocess, its modes in the order forward, backward, full. The kernel's RSS high-water
+  mark (VmHWM, reset through /proc/self/clear_refs) is reset after the imports and again after
+  each mode's warm-up; the reported peak is the high-water mark over that mode's timed
+  repetitions minus the RSS measured after the imports, before the inputs existed. One-time costs
+  of warm-up (compilation) do not count; what stays resident (inputs, compiled code, memory the
+  allocator kept from an earlier mode) does, so the figure can only err upwards.
+* CPU, ``rss-inprocess`` (``--no-isolate``): the same high-water mark in the harness process
+  between measurements. Memory the allocator kept from an earlier measurement can inflate it
+  (never deflate it), so use it for quick looks only.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+from . import cases as C
+
+
+# --------------------------------------------------------------------------- RSS
+
+
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    kb = _status_kb("VmRSS")
+    if kb is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return kb * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    kb = _status_kb("VmHWM")
+    if kb is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return kb * 1024
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(64 << 20, dtype=torch.int32, device=device) if self.cuda else None
+
+    def run(self, runner, mode: str, reps: int):
+        times = []
+        events = []
+        for _ in range(reps):
+            runner.zero_grad()
+            state = runner.forward() if mode == "backward" else None
+            if self.cuda:
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                _timed(runner, mode, state)
+                end.record()
+                events.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                _timed(runner, mode, state)
+                times.append(time.perf_counter() - t0)
+            del state
+        if self.cuda:
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) / 1e3 for s, e in events]
+        runner.zero_grad()
+        return times
+
+
+def _timed(runner, mode, state):
+    if mode == "forward":
+        out = runner.forward()
+        del out
+    elif mode == "backward":
+        runner.backward(state)
+    else:
+        runner.backward(runner.forward())
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- one measurement
+
+
+def measure(spec: dict) -> list:
+    """Run the measurements described by ``spec`` (JSON-able) in this process: one result dict per
+    mode in ``spec["modes"]``, measured in that order on the same inputs.
+
+    spec keys: case, shape, dtype, variant, provider, modes, device, seed, warmup, min_reps,
+    max_reps, target_time, check.
+    """
+    ident = {k: spec[k] for k in ("case", "shape", "dtype", "variant", "provider")}
+    device = torch.device(spec["device"])
+    case = C.CASES[spec["case"]]
+    provider = case.provider(spec["provider"])
+    dtype = C.DTYPES[spec["dtype"]]
+    results = []
+    check = None
+    try:
+        if spec.get("prime", True) and provider.name != "compile":
+            _prime(case, provider, spec, device, dtype)
+        timer = _Timer(device)  # its L2-flush buffer exists before the baseline
+        gc.collect()
+        memory_note = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(device)
+        else:
+            can_reset = reset_peak_rss()
+            base = rss_bytes() if can_reset else peak_rss_bytes()
+            memory_note = None if can_reset else "VmHWM reset unavailable: peak since process start"
+        inputs = case.make_inputs(spec["shape"], dtype, device, spec["variant"], spec["seed"])
+        runner = provider.build(inputs, spec["shape"])
+        if spec.get("check") and hasattr(runner, "check"):
+            check = runner.check()
+            # the check may have overwritten in-place buffers: rebuild from fresh inputs
+            del runner
+            inputs = case.make_inputs(spec["shape"], dtype, device, spec["variant"], spec["seed"])
+            runner = provider.build(inputs, spec["shape"])
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+        tb = traceback.format_exc(limit=8)
+        return [dict(ident, mode=m, role=provider.role, status="error", error=err, traceback=tb) for m in spec["modes"]]
+    for mode in spec["modes"]:
+        result = dict(ident, mode=mode, role=provider.role)
+        if check is not None:
+            result["check"], check = check, None  # reported once, on the first mode
+        if memory_note:
+            result["memory_note"] = memory_note
+        try:
+            t0 = time.perf_counter()
+            warm = timer.run(runner, mode, max(1, spec["warmup"]))
+            warm_wall = time.perf_counter() - t0
+            est = min(warm) if warm else warm_wall
+            reps = int(max(spec["min_reps"], min(spec["max_reps"], spec["target_time"] / max(est, 1e-6))))
+            gc.collect()
+            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                reset_peak_rss()
+            times = timer.run(runner, mode, reps)
+            _sync(device)
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device) - base
+            else:
+                peak = peak_rss_bytes() - base
+            result.update(
+                status="ok",
+                reps=len(times),
+                warmup=len(warm),
+                time_s={
+                    "median": statistics.median(times),
+                    "min": min(times),
+                    "max": max(times),
+                    "mean": statistics.fmean(times),
+                },
+                peak_bytes=int(peak),
+                input_bytes=inputs.input_bytes,
+                kept_grad_bytes=inputs.kept_grad_bytes if mode != "forward" else 0,
+                tied_groups=inputs.tied_groups,
+                num_groups=inputs.num_groups,
+            )
+            result["extra_bytes"] = result["peak_bytes"] - result["input_bytes"] - result["kept_grad_bytes"]
+        except Exception as exc:  # recorded, the run goes on
+            result.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
+        results.append(result)
+    del runner, inputs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def _prime(case, provider, spec, device, dtype):
+    """Run the provider once on tiny inputs, so lazy imports and extension loads happen before the
+    memory baseline (they are not part of the measured computation)."""
+    tiny = {k: min(v, 8) if k in ("G", "T", "R", "M") else v for k, v in spec["shape"].items()}
+    tiny.update({k: min(spec["shape"][k], 256) for k in ("V",) if k in spec["shape"]})
+    tiny.update({k: min(spec["shape"][k], 32) for k in ("H",) if k in spec["shape"]})
+    try:
+        inputs = case.make_inputs(tiny, dtype, device, spec["variant"], spec["seed"])
+        runner = provider.build(inputs, tiny)
+        runner.zero_grad()
+        runner.backward(runner.forward())
+        runner.zero_grad()
+    except Exception:
+        pass  # the real run reports errors
+
+
+# --------------------------------------------------------------------------- subprocess worker
+
+
+def worker_main(argv=None) -> int:
+    """``python -m bench.worker SPEC.json OUT.json``: one measurement in a fresh process."""
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    torch.manual_seed(spec["seed"])
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    results = measure(spec)
+    for r in results:
+        r["threads"] = torch.get_num_threads()
+    with open(argv[1], "w") as f:
+        json.dump(results, f)
+    return 0
