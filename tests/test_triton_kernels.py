@@ -41,7 +41,8 @@ def _close(actual, expected, tol):
 
 def _logits(rows, vocab, dtype, seed=0, scale=3.0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+    values = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * scale
+    return values.to(dtype).to(DEVICE)
 
 
 def _labels(rows, vocab, skipped=(), seed=1):
@@ -289,7 +290,8 @@ def test_group_targets_group_ids_packed_variable_sizes(dtype):
     scores = torch.tensor([1.0, -1.0, 3.0, 0.5, 2.0, 4.0], dtype=dtype, device=DEVICE)
     old = (torch.randn(6, generator=gen, dtype=dtype) - 3).to(DEVICE)
     tol = 1e-12 if dtype == torch.float64 else 1e-6
-    for anchor, old_lp, reduction in ((True, None, "mean"), (True, old, "sum"), (False, None, "none")):
+    cases = ((True, None, "mean"), (True, old, "sum"), (False, None, "none"))
+    for anchor, old_lp, reduction in cases:
         got = _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, reduction, tol)
         _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, reduction, tol, block_t=1)
     assert got.u[5] == 0 and got.p[5] == 1  # singleton group
@@ -362,7 +364,7 @@ def _nvidia_compiler_present():
     return "nvidia" in backends and os.path.exists(os.path.join(bin_dir, "ptxas"))
 
 
-@pytest.mark.skipif(not _nvidia_compiler_present(), reason="Triton's NVIDIA compiler is not present")
+@pytest.mark.skipif(not _nvidia_compiler_present(), reason="Triton's NVIDIA compiler is absent")
 def test_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts some programs the compiler rejects: compile every kernel variant to
     a cubin (no GPU needed) with the interpreter switched off."""
@@ -371,6 +373,10 @@ def test_kernels_compile_for_sm80_and_sm90():
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
     )
     result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]

@@ -55,7 +55,11 @@ class TritonBackend(Backend):
 
         row_backward(logits, labels, lse, grad_logprob, grad_entropy, entropy, inv_temperature, out)
 
-    def group_targets(self, token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction):
+    def group_targets(
+        self, token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction
+    ):
         from .group_kernel import group_targets
 
-        return group_targets(token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction)
+        return group_targets(
+            token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction
+        )

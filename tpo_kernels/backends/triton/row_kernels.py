@@ -245,7 +245,10 @@ def row_backward(
         return
     if grad_entropy is not None and entropy is None:
         raise ValueError("row_backward: grad_entropy needs the forward entropy")
-    target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    # The kernel writes rows with unit column stride; anything else goes through a copy.
+    target = out
+    if out.stride(1) != 1:
+        target = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
