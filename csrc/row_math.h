@@ -1,0 +1,279 @@
+// Per-row arithmetic shared by the CPU (host compiler) and CUDA (nvcc) row ops.
+//
+// Everything here is a plain inline function usable on both sides: TPO_HD expands to
+// `__host__ __device__ __forceinline__` under nvcc and to `inline` for the host compiler, so the
+// CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use.
+//
+// Math (DESIGN.md section 1), for one row z[0..V) of logits and inverse temperature it:
+//   x_v   = z_v * it
+//   lse   = logsumexp_v x_v               = m + log(s),  m = max x,  s = sum exp(x - m)
+//   H     = -sum p log p                  = log(s) - t / s,  t = sum exp(x - m) * (x - m)
+//   grad_v = it * (g * (onehot_v - p_v) - ge * p_v * (log p_v + H)),  p_v = exp(x_v - lse)
+// Tracking t relative to the running max keeps every term bounded (x - m <= 0), so the entropy
+// does not suffer the cancellation of lse - sum p x.
+#pragma once
+
+#include <stdint.h>
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define TPO_HD __host__ __device__ __forceinline__
+#else
+#define TPO_HD inline
+#endif
+
+namespace tpo {
+
+// ---------------------------------------------------------------------------------------------
+// Bit casts
+// ---------------------------------------------------------------------------------------------
+
+TPO_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+TPO_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+// (cond ? a : b) on bit patterns through a mask: no branch for the compiler to create, so loops
+// using it stay vectorizable even when a or b came from floating-point work.
+TPO_HD uint32_t select_bits(bool cond, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(cond);
+  return (a & mask) | (b & ~mask);
+}
+
+TPO_HD float neg_inf_f() { return bits_float(0xff800000u); }
+TPO_HD float pos_inf_f() { return bits_float(0x7f800000u); }
+TPO_HD float quiet_nan_f() { return bits_float(0x7fc00000u); }
+
+template <class A>
+TPO_HD A neg_inf() {
+  return A(neg_inf_f());  // -inf converts exactly to double
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 / fp16 <-> float (storage is the raw 16-bit pattern). Host versions are pure bit
+// manipulation (no F16C / AVX512-BF16 needed, so portable builds stay portable); device versions
+// use the hardware conversions, which round the same way (IEEE round-to-nearest-even).
+// ---------------------------------------------------------------------------------------------
+
+TPO_HD float bf16_to_float(uint16_t h) {
+  // bf16 is the top half of a float32.
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
+
+TPO_HD uint16_t float_to_bf16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+  const uint32_t u = float_bits(f);
+  // Round to nearest even on the 16 dropped bits: add 0x7fff plus the lowest kept bit.
+  // A carry out of the mantissa correctly bumps the exponent (up to inf).
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;  // NaN: keep sign/payload, force quiet
+  return static_cast<uint16_t>(select_bits((u & 0x7fffffffu) > 0x7f800000u, quiet_nan, rounded));
+#endif
+}
+
+TPO_HD float half_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  // Move exponent+mantissa into float position, then multiply by 2^(127-15) to rebias the
+  // exponent. The multiply also normalizes half subnormals exactly. Inf/NaN (exponent 31)
+  // land at >= 2^16 after scaling and get the float inf/NaN exponent forced in.
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;
+  float f = bits_float(magnitude) * bits_float(0x77800000u);  // 0x77800000 = 2^112
+  uint32_t u = float_bits(f);
+  if (magnitude >= (0x7c00u << 13)) u |= 0x7f800000u;
+  return bits_float(u | sign);
+#endif
+}
+
+TPO_HD uint16_t float_to_half(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  // All cases are computed and the right one selected by masks (vectorizable, no branches).
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  // |f| < 2^-14: half subnormal (or zero). Adding 0.5f puts the value's 2^-24 units into the
+  // low mantissa bits of a float whose ulp is exactly 2^-24; the FPU does the RNE rounding.
+  const uint32_t subnormal = float_bits(bits_float(a) + 0.5f) - 0x3f000000u;
+  // Normal: rebias the exponent by -(127-15) and round the 13 dropped bits to nearest even.
+  const uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+  uint32_t h = select_bits(a < 0x38800000u, subnormal, normal);
+  h = select_bits(a >= 0x477ff000u, 0x7c00u, h);  // >= 65520 rounds to inf
+  h = select_bits(a > 0x7f800000u, 0x7e00u | ((a >> 13) & 0x3ffu), h);  // NaN, kept quiet
+  return static_cast<uint16_t>(sign | h);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// exp
+// ---------------------------------------------------------------------------------------------
+
+// exp(x) for float, branch-free so the host compiler can vectorize loops that call it.
+// n = round(x / ln2), r = x - n ln2 (Cody-Waite split: ln2_hi has 9 significant bits, so n*ln2_hi
+// is exact for |n| <= 128), exp(r) by its degree-7 Taylor polynomial (truncation error
+// |r|^8/8! < 6e-9 relative for |r| <= ln2/2), then scaled by 2^n built from the exponent bits.
+// Max error about 2 ulp (< 3e-7 relative) on [-86, 88.7] (tests/test_native.py checks it).
+// Results below exp(-86) (< 5e-38) flush to 0; NaN propagates; -inf -> 0; +inf -> inf.
+// Out-of-range x is not clamped before the polynomial; the garbage it produces there is replaced
+// by the masks at the end.
+TPO_HD float exp_f32(float x) {
+  const float lo = -86.0f;
+  const float hi = 88.72283f;
+  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float shifted = x * 1.44269504088896341f + round_magic;
+  const float n = shifted - round_magic;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440054690583e-4f;
+  float poly = 1.0f / 5040.0f;
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  // In range, the low bits of `shifted` hold n; 2^n is built as 2 * 2^(n-1), which keeps the
+  // biased exponent n + 126 in [1, 254] for n in [-124, 128].
+  const uint32_t n_bits = float_bits(shifted) - float_bits(round_magic);
+  const float scale = bits_float((n_bits + 126u) << 23);
+  const float y = (poly + poly) * scale;
+  // Underflow -> 0, overflow -> inf, as bit masks rather than ?: so that the compiler cannot
+  // turn them into branches (it would then refuse to vectorize). NaN compares false both ways
+  // and flows through.
+  const uint32_t y_bits = select_bits(x < lo, 0u, float_bits(y));
+  return bits_float(select_bits(x > hi, 0x7f800000u, y_bits));
+}
+
+// exp / log in the accumulation type: float -> the accurate-library-grade versions of each side,
+// double -> the libm / CUDA double versions.
+TPO_HD float acc_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  return exp_f32(x);
+#endif
+}
+TPO_HD double acc_exp(double x) { return exp(x); }
+TPO_HD float acc_log(float x) { return logf(x); }
+TPO_HD double acc_log(double x) { return log(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Online softmax state
+// ---------------------------------------------------------------------------------------------
+
+// Summary of a set of tempered logits x: m = max, s = sum exp(x - m), t = sum exp(x - m)(x - m).
+// The empty set is m = -inf, s = t = 0. Elements equal to -inf contribute nothing.
+template <class A>
+struct SoftmaxState {
+  A m;
+  A s;
+  A t;
+};
+
+template <class A>
+TPO_HD SoftmaxState<A> softmax_empty() {
+  SoftmaxState<A> st;
+  st.m = neg_inf<A>();
+  st.s = A(0);
+  st.t = A(0);
+  return st;
+}
+
+// Re-express a state relative to a new max m_new >= st.m:
+// sum e^(x-m_new) = c s,   sum e^(x-m_new)(x-m_new) = c (t + (m - m_new) s),  c = e^(m - m_new).
+template <class A>
+TPO_HD void softmax_rescale(SoftmaxState<A>& st, A m_new) {
+  if (st.m == m_new) return;
+  if (st.s == A(0)) {  // empty (m = -inf): nothing to rescale, and -inf - m_new would poison t
+    st.m = m_new;
+    return;
+  }
+  const A delta = st.m - m_new;
+  const A c = acc_exp(delta);
+  st.t = c * (st.t + delta * st.s);
+  st.s = c * st.s;
+  st.m = m_new;
+}
+
+// Combine two states (order-independent up to rounding).
+template <class A>
+TPO_HD SoftmaxState<A> softmax_merge(SoftmaxState<A> a, SoftmaxState<A> b) {
+  if (b.s == A(0)) return a;
+  if (a.s == A(0)) return b;
+  const A m = a.m > b.m ? a.m : b.m;
+  softmax_rescale(a, m);
+  softmax_rescale(b, m);
+  a.s += b.s;
+  a.t += b.t;
+  return a;
+}
+
+// Add one element x (x <= st.m is the fast path: one exp, no rescale).
+template <class A>
+TPO_HD void softmax_add(SoftmaxState<A>& st, A x) {
+  if (x > st.m) softmax_rescale(st, x);
+  if (!(x > neg_inf<A>())) return;  // -inf contributes exp(-inf) = 0 (NaN handled by callers)
+  const A d = x - st.m;
+  const A e = acc_exp(d);
+  st.s += e;
+  st.t += e * d;
+}
+
+template <class A>
+TPO_HD A softmax_lse(const SoftmaxState<A>& st) {
+  return st.m + acc_log(st.s);  // empty row: -inf + log 0 = -inf
+}
+
+template <class A>
+TPO_HD A softmax_entropy(const SoftmaxState<A>& st) {
+  return acc_log(st.s) - st.t / st.s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward element
+// ---------------------------------------------------------------------------------------------
+
+// d out / d z_v for one element: it * (g (onehot - p) - ge p (log p + H)), with log_p = x - lse
+// and p = exp(log_p) supplied by the caller (so it can use a vector exp). The p log p term is
+// taken as 0 where p == 0 (its limit), so -inf logits give 0 rather than 0 * -inf = NaN.
+template <class A>
+TPO_HD A grad_element(A log_p, A p, A g, A ge, A entropy, bool is_label, A inv_t) {
+  A grad = -g * p;
+  if (is_label) grad += g;
+  // Where p == 0 use -H for log p so the factor is exactly 0; selecting an operand rather than
+  // a result keeps the arithmetic unconditional and the loop branch-free (vectorizable).
+  const A safe_log_p = p > A(0) ? log_p : -entropy;
+  return (grad - ge * p * (safe_log_p + entropy)) * inv_t;
+}
+
+// The same without the one-hot term and with ge == 0, the common TPO case.
+template <class A>
+TPO_HD A grad_element_nolabel(A p, A g, A inv_t) {
+  return (-g * p) * inv_t;
+}
+
+}  // namespace tpo

@@ -1,0 +1,208 @@
+"""Build script for the native extensions (metadata lives in pyproject.toml).
+
+* ``tpo_kernels._C_cpu`` is always built: csrc/cpu/*.cpp + csrc/bindings_cpu.cpp, g++ -O3 with
+  OpenMP. The kernels are compiled for the baseline ISA and, on x86-64, additionally for AVX2 and
+  AVX-512 (chosen at run time), so the result is a portable wheel.
+* ``tpo_kernels._C_cuda`` is built when nvcc is found: csrc/cuda/*.cu compiled by nvcc, the
+  pybind11 bindings by the host compiler, linked with the host linker against the static CUDA
+  runtime (so importing it needs no libcudart on the library path, and no GPU).
+
+Build-time requirements: setuptools, pybind11 and the compilers. torch is never imported here.
+
+Environment variables:
+  TPO_CUDA_ARCHS     compute capabilities, e.g. "80;90" (default) or "80 90 100"; PTX for the
+                     highest is embedded too, so newer GPUs can JIT it.
+  TPO_REQUIRE_CUDA=1 a missing nvcc or a failed CUDA build fails the install (CI sets this).
+  TPO_SKIP_CUDA=1    do not build the CUDA extension.
+  TPO_NO_OPENMP=1    build the CPU extension without OpenMP (single-threaded row ops).
+  CUDA_HOME / CUDA_PATH, NVCC   where to find the CUDA toolkit / nvcc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import build_ext as pybind11_build_ext
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+CSRC = "csrc"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _log(message: str) -> None:
+    print(f"[tpo_kernels setup] {message}", flush=True)
+
+
+def _rel(paths):
+    return sorted(str(p.relative_to(ROOT)) for p in paths)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA toolkit discovery
+# --------------------------------------------------------------------------------------------
+
+
+def find_nvcc():
+    candidates = [os.environ.get("NVCC")]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
+    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    for cand in candidates:
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cuda_root(nvcc: str):
+    """The toolkit root. nvcc may be a wrapper script (e.g. /usr/local/bin/nvcc), so ask nvcc
+    itself (--dryrun prints TOP=<root>) before guessing from its path."""
+    try:
+        out = subprocess.run(
+            [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+            capture_output=True, text=True, timeout=60,
+        )
+        match = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.MULTILINE)
+        if match:
+            return os.path.realpath(match.group(1).strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def cuda_lib_dir(root: str):
+    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                os.path.join("targets", "sbsa-linux", "lib")):
+        path = os.path.join(root, sub)
+        if os.path.isfile(os.path.join(path, "libcudart_static.a")):
+            return path
+    raise RuntimeError(f"libcudart_static.a not found under the CUDA toolkit at {root}")
+
+
+def cuda_arch_flags():
+    raw = os.environ.get("TPO_CUDA_ARCHS", "80;90")
+    archs = [a.replace(".", "").strip() for a in re.split(r"[;, ]+", raw) if a.strip()]
+    if not archs or any(not re.fullmatch(r"\d+[af]?", a) for a in archs):
+        raise RuntimeError(f"TPO_CUDA_ARCHS={raw!r}: expected compute capabilities like '80;90'")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    # PTX of the newest plain arch (not an arch-specific 90a/100f), for JIT on newer GPUs.
+    plain = [a for a in archs if a.isdigit()]
+    if plain:
+        top = max(plain, key=int)
+        flags.append(f"-gencode=arch=compute_{top},code=compute_{top}")
+    return flags
+
+
+# --------------------------------------------------------------------------------------------
+# Extensions
+# --------------------------------------------------------------------------------------------
+
+use_openmp = sys.platform.startswith("linux") and not _flag("TPO_NO_OPENMP")
+openmp_flags = ["-fopenmp"] if use_openmp else []
+
+cpu_extension = Pybind11Extension(
+    "tpo_kernels._C_cpu",
+    sources=[f"{CSRC}/bindings_cpu.cpp"] + _rel((ROOT / CSRC / "cpu").glob("*.cpp")),
+    include_dirs=[CSRC],
+    depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.inl")),
+    extra_compile_args=["-O3"] + openmp_flags,
+    extra_link_args=openmp_flags,
+    cxx_std=17,
+)
+
+cuda_extension = Pybind11Extension(
+    "tpo_kernels._C_cuda",
+    sources=[f"{CSRC}/bindings_cuda.cpp"],
+    include_dirs=[CSRC],
+    depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.cuh")),
+    extra_compile_args=["-O3"],
+    cxx_std=17,
+)
+cuda_extension.cuda_sources = _rel((ROOT / CSRC / "cuda").glob("*.cu"))
+
+
+class BuildExt(pybind11_build_ext):
+    """build_ext that compiles ``ext.cuda_sources`` with nvcc and links the objects into the
+    extension. A CUDA failure skips that extension (with a message) unless TPO_REQUIRE_CUDA."""
+
+    def build_extensions(self):
+        for ext in list(self.extensions):
+            if getattr(ext, "cuda_sources", None) is None:
+                continue
+            reason = None
+            if _flag("TPO_SKIP_CUDA"):
+                reason = "TPO_SKIP_CUDA is set"
+            elif find_nvcc() is None:
+                reason = "nvcc not found (set CUDA_HOME or NVCC, or put nvcc on PATH)"
+            if reason is not None:
+                if _flag("TPO_REQUIRE_CUDA") and not _flag("TPO_SKIP_CUDA"):
+                    raise RuntimeError(f"TPO_REQUIRE_CUDA=1 but {reason}")
+                _log(f"skipping the CUDA extension {ext.name}: {reason}. "
+                     "The cpu, torch and triton backends are unaffected.")
+                self.extensions.remove(ext)
+        self._failed_cuda = []
+        super().build_extensions()
+        for ext in self._failed_cuda:  # so that later steps (inplace copy, outputs) skip it
+            self.extensions.remove(ext)
+
+    def build_extension(self, ext):
+        if getattr(ext, "cuda_sources", None) is None:
+            return super().build_extension(ext)
+        try:
+            self._build_cuda_extension(ext)
+        except Exception as exc:  # noqa: BLE001 - any failure: report, then skip or re-raise
+            if _flag("TPO_REQUIRE_CUDA"):
+                raise
+            _log(f"building the CUDA extension {ext.name} FAILED, skipping it: {exc}")
+            _log("set TPO_REQUIRE_CUDA=1 to make this an error.")
+            self._failed_cuda.append(ext)
+
+    def _build_cuda_extension(self, ext):
+        nvcc = find_nvcc()
+        root = cuda_root(nvcc)
+        lib_dir = cuda_lib_dir(root)
+        arch_flags = cuda_arch_flags()
+        _log(f"building {ext.name} with {nvcc} (toolkit {root}), {' '.join(arch_flags)}")
+        obj_dir = Path(self.build_temp) / "cuda_objects"
+        obj_dir.mkdir(parents=True, exist_ok=True)
+        objects = []
+        for source in ext.cuda_sources:
+            obj = obj_dir / (Path(source).stem + ".o")
+            deps = [source] + list(ext.depends)
+            if self.force or not obj.exists() or any(
+                os.path.getmtime(d) > obj.stat().st_mtime for d in deps if os.path.exists(d)
+            ):
+                cmd = [
+                    nvcc, "-c", source, "-o", str(obj), "-O3", "-std=c++17",
+                    "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+                    "--expt-relaxed-constexpr", "-lineinfo", f"-I{CSRC}",
+                ] + arch_flags
+                _log(" ".join(cmd))
+                subprocess.run(cmd, check=True)
+            objects.append(str(obj))
+        ext.extra_objects = list(ext.extra_objects or []) + objects
+        ext.library_dirs = list(ext.library_dirs or []) + [lib_dir]
+        # Static runtime: the .so needs only libcuda (the driver), loaded lazily at first use.
+        ext.libraries = list(ext.libraries or []) + ["cudart_static", "dl", "pthread", "rt"]
+        ext.include_dirs = list(ext.include_dirs or []) + [os.path.join(root, "include")]
+        super().build_extension(ext)
+
+
+setup(
+    ext_modules=[cpu_extension, cuda_extension],
+    cmdclass={"build_ext": BuildExt},
+    zip_safe=False,
+)
