@@ -163,3 +163,41 @@ def tpo_loss(
         "group_loss": group_loss.detach(),
     }
     return loss, aux
+
+
+def token_tpo_loss(
+    logits: Tensor,
+    candidates: Tensor,
+    scores: Tensor,
+    *,
+    old_logprobs: Optional[Tensor] = None,
+    eta: float = 1.0,
+    anchor: bool = True,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+):
+    """Token-level TPO by the book (DESIGN.md section 1, paper Sec. 3.4). Same arguments as
+    :func:`tpo_kernels.token_tpo_loss`.
+
+    Full-vocab log-probs, gathered at the K candidates of each state (a repeated id is gathered
+    twice: two members); then Eq. 1-3 per state with the candidate log-probs as the group logits.
+    """
+    log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    cand_logprobs = log_probs.gather(1, candidates)
+    dtype = cand_logprobs.dtype
+    state_losses = []
+    for r in range(cand_logprobs.shape[0]):
+        u = standardize(scores[r].to(dtype))
+        log_p = torch.log_softmax(cand_logprobs[r], dim=0)  # Eq. 1 over the K candidates
+        if anchor:  # q ∝ p_old * exp(u / eta); on-policy p_old = p, held constant
+            old = cand_logprobs[r].detach() if old_logprobs is None else old_logprobs[r].to(dtype)
+            q = torch.softmax(torch.log_softmax(old, dim=0) + u / eta, dim=0)
+        else:
+            q = torch.softmax(u / eta, dim=0)
+        state_losses.append(-(q.detach() * log_p).sum())  # Eq. 3
+    state_loss = torch.stack(state_losses)
+    if reduction == "mean":
+        return state_loss.mean()
+    if reduction == "sum":
+        return state_loss.sum()
+    return state_loss
