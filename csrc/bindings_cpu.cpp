@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cpu/row_ops.h"
+#include "row_math.h"
 
 namespace py = pybind11;
 
@@ -123,6 +124,32 @@ void candidate_backward(uintptr_t grad, uintptr_t candidates, int64_t rows, int6
                                inv_t, reinterpret_cast<void*>(out), dtype);
 }
 
+// Element-wise access to the shared row_math.h helpers, so tests can check the arithmetic the
+// CUDA kernels share (exp, bf16/fp16 conversions) exhaustively on the CPU.
+void math_elementwise(const std::string& op, uintptr_t in, uintptr_t out, int64_t count) {
+  check(count >= 0, "count must be >= 0");
+  if (count == 0) return;
+  check_ptr(in, "in");
+  check_ptr(out, "out");
+  if (op == "exp_f32") {
+    const float* x = as_ptr<float>(in);
+    float* y = reinterpret_cast<float*>(out);
+    for (int64_t i = 0; i < count; ++i) y[i] = tpo::exp_f32(x[i]);
+  } else if (op == "float_to_bf16" || op == "float_to_half") {
+    const float* x = as_ptr<float>(in);
+    uint16_t* y = reinterpret_cast<uint16_t*>(out);
+    const bool bf16 = op == "float_to_bf16";
+    for (int64_t i = 0; i < count; ++i) y[i] = bf16 ? tpo::float_to_bf16(x[i]) : tpo::float_to_half(x[i]);
+  } else if (op == "bf16_to_float" || op == "half_to_float") {
+    const uint16_t* x = as_ptr<uint16_t>(in);
+    float* y = reinterpret_cast<float*>(out);
+    const bool bf16 = op == "bf16_to_float";
+    for (int64_t i = 0; i < count; ++i) y[i] = bf16 ? tpo::bf16_to_float(x[i]) : tpo::half_to_float(x[i]);
+  } else {
+    throw std::invalid_argument("unknown op " + op);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_cpu, m) {
@@ -147,6 +174,10 @@ PYBIND11_MODULE(_C_cpu, m) {
   m.def("candidate_backward", &candidate_backward, py::arg("grad_cand"), py::arg("candidates"),
         py::arg("rows"), py::arg("num_candidates"), py::arg("vocab"), py::arg("inv_temperature"),
         py::arg("out"), py::arg("dtype"));
+  m.def("math_elementwise", &math_elementwise, py::arg("op"), py::arg("in"), py::arg("out"),
+        py::arg("count"),
+        "Apply a row_math.h helper element-wise (testing aid): exp_f32 (f32 -> f32), "
+        "float_to_bf16 / float_to_half (f32 -> 16-bit pattern), bf16_to_float / half_to_float.");
   m.def("max_threads", &tpo::cpu::max_threads, "OpenMP threads used by the row ops.");
   m.def("isa", &tpo::cpu::isa_name, "Instruction set of the row kernels in use.");
   m.def("set_isa", &tpo::cpu::set_isa, py::arg("name"),
