@@ -9,6 +9,10 @@ values, at 1e-5 for the loss (fp32 math) and 2e-2 for gradients rounded to bf16 
 """
 
 import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -420,6 +424,73 @@ def test_triton_linear_kernels_match_torch_ops(dtype):
             assert (a is None) == (b is None)
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tpo_kernels.backends.triton import candidate_kernels as ck
+
+    def build(fn, sig, constexprs, arch, num_warps):
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+    for arch in (80, 90):
+        for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
+            build(ck._candidate_gather_kernel,
+                  {"logits_ptr": "*" + dt, "candidates_ptr": "*i64", "scale_ptr": "*" + acc,
+                   "out_ptr": "*" + acc, "row_stride": "i64", "num_cand": "i32", "BLOCK_K": "constexpr"},
+                  {"BLOCK_K": 8}, arch, 1)
+            build(ck._candidate_scatter_kernel,
+                  {"grad_ptr": "*" + acc, "candidates_ptr": "*i64", "scale_ptr": "*" + acc,
+                   "out_ptr": "*" + dt, "out_row_stride": "i64", "vocab": "i32", "num_cand": "i32",
+                   "BLOCK_V": "constexpr"},
+                  {"BLOCK_V": 4096}, arch, 8)
+            build(ck._candidate_dot_kernel,
+                  {"hidden_ptr": "*" + dt, "weight_ptr": "*" + dt, "bias_ptr": "*" + dt,
+                   "candidates_ptr": "*i64", "scale_ptr": "*" + acc, "out_ptr": "*" + acc,
+                   "hidden_row_stride": "i64", "weight_row_stride": "i64", "num_cand": "i32",
+                   "hidden_size": "i32", "HAS_BIAS": "constexpr", "BLOCK_K": "constexpr",
+                   "BLOCK_H": "constexpr"},
+                  {"HAS_BIAS": True, "BLOCK_K": 8, "BLOCK_H": 512}, arch, 8)
+            build(ck._candidate_dot_hidden_grad_kernel,
+                  {"grad_ptr": "*" + acc, "weight_ptr": "*" + dt, "candidates_ptr": "*i64",
+                   "dhidden_ptr": "*" + dt, "weight_row_stride": "i64", "num_cand": "i32",
+                   "hidden_size": "i32", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr"},
+                  {"BLOCK_K": 8, "BLOCK_H": 512}, arch, 8)
+            for has_weight in (False, True):
+                build(ck._candidate_dot_weight_grad_kernel,
+                      {"grad_ptr": "*" + acc, "hidden_ptr": "*" + dt, "pair_order_ptr": "*i64",
+                       "run_offsets_ptr": "*i64", "run_tokens_ptr": "*i64", "dweight_ptr": "*" + dt,
+                       "dbias_ptr": "*" + dt, "hidden_row_stride": "i64", "num_cand": "i32",
+                       "hidden_size": "i32", "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr",
+                       "BLOCK_H": "constexpr"},
+                      {"HAS_WEIGHT": has_weight, "HAS_BIAS": True, "BLOCK_H": 1024}, arch, 4)
+    print("compiled")
+    """
+)
+
+
+def _nvidia_compiler_present():
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+    from triton.backends import backends
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return "nvidia" in backends and os.path.exists(ptxas)
+
+
+@pytest.mark.skipif(not _nvidia_compiler_present(), reason="Triton's NVIDIA compiler is absent")
+def test_candidate_kernels_compile_for_sm80_and_sm90():
+    """The interpreter accepts programs the compiler may reject: compile the kernels to cubins
+    (no GPU needed) with the interpreter off."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
 
 
 # ----------------------------------------------------------------------------- validation

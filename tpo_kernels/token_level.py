@@ -33,8 +33,9 @@ from ._validate import _check_integer, check_float_tensor, check_positive, check
 from .backends import Backend, compute_dtype, get_backend
 from .targets import dense_group_targets
 
-# Bound on the elements of the [states, K, H] temporaries of the PyTorch fused-linear ops.
-_CHUNK_ELEMENTS = 1 << 24
+# Elements of one [states, K, H] temporary of the PyTorch fused-linear ops: 8 MiB of fp32, small
+# enough to stay in cache and to be reused by the allocator from chunk to chunk.
+_CHUNK_ELEMENTS = 1 << 21
 
 
 class TokenObjective:
