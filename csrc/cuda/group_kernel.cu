@@ -88,11 +88,11 @@ __global__ void __launch_bounds__(kGroupBlock)
     const A c = scores[members[j]] - mean;
     local_sq += c * c;
   }
-  const A std = sqrt(block_reduce<kGroupBlock>(local_sq, SumOp<A>(), scratch) / n_members);
+  const A std_dev = sqrt(block_reduce<kGroupBlock>(local_sq, SumOp<A>(), scratch) / n_members);
   const bool tied = s_max == s_min;
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const int64_t n = members[j];
-    u[n] = tied ? A(0) : (scores[n] - mean) / std;
+    u[n] = tied ? A(0) : (scores[n] - mean) / std_dev;
     // The softmax input of q, staged in q[] (overwritten by q below).
     const A base = old_seq_logprobs != nullptr ? old_seq_logprobs[n] : ell[n];
     q[n] = anchor ? base + u[n] / eta : u[n] / eta;

@@ -17,7 +17,8 @@ namespace {
 // Row forward
 // ---------------------------------------------------------------------------------------------
 
-template <class T, int kBlock>
+// kEntropy: also accumulate t = sum e^(x-m)(x-m) (skipped when no entropy is requested).
+template <class T, int kBlock, bool kEntropy>
 __global__ void __launch_bounds__(kBlock)
     row_forward_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                        const int64_t* __restrict__ labels, typename ElemOps<T>::acc it,
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kBlock)
       const A d = z[k] - st.m;
       const A e = acc_exp(d);
       st.s += e;
-      st.t += e * (d > ninf ? d : A(0));  // e = 0 where d = -inf
+      if (kEntropy) st.t += e * (d > ninf ? d : A(0));  // e = 0 where d = -inf
     }
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(kBlock)
     const A nan = A(quiet_nan_f());
     lse[row] = nan_seen ? nan : softmax_lse(st);
     target[row] = to_acc(x[label]) * it;
-    if (entropy != nullptr) entropy[row] = nan_seen ? nan : softmax_entropy(st);
+    if (kEntropy) entropy[row] = nan_seen ? nan : softmax_entropy(st);
   }
 }
 
@@ -249,9 +250,15 @@ void launch_forward_rows(const T* logits, int64_t rows, int64_t vocab, int64_t r
                          typename ElemOps<T>::acc* entropy, cudaStream_t stream) {
   for (int64_t start = 0; start < rows; start += kMaxGridX) {
     const int64_t count = rows - start < kMaxGridX ? rows - start : kMaxGridX;
-    row_forward_kernel<T, kBlock><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
-        logits + start * row_stride, vocab, row_stride, labels + start, it, lse + start,
-        target + start, entropy != nullptr ? entropy + start : nullptr);
+    if (entropy != nullptr) {
+      row_forward_kernel<T, kBlock, true><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
+          logits + start * row_stride, vocab, row_stride, labels + start, it, lse + start,
+          target + start, entropy + start);
+    } else {
+      row_forward_kernel<T, kBlock, false><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
+          logits + start * row_stride, vocab, row_stride, labels + start, it, lse + start,
+          target + start, nullptr);
+    }
   }
 }
 
