@@ -300,6 +300,21 @@ def main(argv=None) -> int:
     device = _device(args.device)
     if args.list:
         return _list(device)
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # for in-process measurements; workers set their own
+    try:
+        return _main(args, argv, device)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _main(args, argv, device) -> int:
+    import torch
+
+    from . import cases as C
+    from . import harness as H
+    from . import report as R
     specs, skipped, targets, title = plan(args, device)
     run_name = (("-".join(_csv(args.preset))) if args.preset else ("quick" if args.quick else "default")) + f"-{device.type}"
     out_dir = os.path.abspath(args.out or os.path.join(REPO_ROOT, "bench", "out", run_name))

@@ -1,0 +1,150 @@
+"""The benchmark harness end to end on tiny shapes, and the CLI entry points (seconds on CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench import cases as C  # noqa: E402
+from bench import report as R  # noqa: E402
+from bench import run as bench_run  # noqa: E402
+
+FAST = ["--reps", "2", "--warmup", "1", "--device", "cpu", "--threads", "1"]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _load(out):
+    with open(out / "results.json") as f:
+        return json.load(f)
+
+
+def test_smoke_preset_every_case(tmp_path, capsys):
+    rc = bench_run.main(["--preset", "smoke", "--no-isolate", "--no-plots", "--out", str(tmp_path)] + FAST)
+    assert rc == 0
+    run = _load(tmp_path)
+    ok = [r for r in run["results"] if r["status"] == "ok"]
+    errors = [r for r in run["results"] if r["status"] != "ok"]
+    assert not errors, errors
+    # every case measured at least its eager reference; logits in all three modes
+    assert {r["case"] for r in ok} == set(C.CASES)
+    assert {r["mode"] for r in ok if r["case"] == "logits"} == {"forward", "backward", "full"}
+    for r in ok:
+        assert r["time_s"]["median"] > 0 and r["reps"] == 2
+        assert isinstance(r["peak_bytes"], int) and r["input_bytes"] > 0
+    # our providers that exist here are compared with the reference, and agree with it
+    ours = [r for r in ok if r["role"] == "ours" and r.get("check_vs_reference")]
+    assert ours, "no tpo_kernels provider ran"
+    assert all(r["check_vs_reference"]["ok"] for r in ours), [r["check_vs_reference"] for r in ours]
+    assert all("naive" in r["vs"] for r in ours)
+    md = (tmp_path / "results.md").read_text()
+    assert "| shape | provider | mode |" in md and "## logits" in md
+    assert "results.md" in capsys.readouterr().out
+
+
+def test_plots_and_throughput(tmp_path):
+    pytest.importorskip("matplotlib")
+    shapes = ["G=1,K=4,T=8,V=256", "G=1,K=4,T=8,V=1024", "G=2,K=4,T=8,V=1024"]
+    args = ["--case", "logits", "--providers", "naive,tpo:torch", "--mode", "full", "--variant", "dense", "--no-isolate", "--out", str(tmp_path)]
+    for s in shapes:
+        args += ["--shape", s]
+    assert bench_run.main(args + FAST) == 0
+    run = _load(tmp_path)
+    assert len(run["results"]) == 6 and all(r["status"] == "ok" for r in run["results"])
+    for r in run["results"]:
+        assert r["throughput"]["unit"] == "GB/s" and r["throughput"]["value"] > 0
+    pngs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
+    assert pngs == ["logits-fp32-dense-vs-tokens.png", "logits-fp32-dense-vs-vocab.png"]
+    for p in pngs:
+        with open(tmp_path / p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert run["plots"] == pngs or sorted(run["plots"]) == pngs
+
+
+def test_isolated_subprocess_measurement(tmp_path):
+    args = ["--case", "logprobs", "--shape", "M=64,V=256", "--providers", "naive", "--mode", "forward,full", "--isolate", "--no-plots", "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    run = _load(tmp_path)
+    assert run["meta"]["memory_method"] == "rss-subprocess"
+    assert [r["mode"] for r in run["results"]] == ["forward", "full"]
+    for r in run["results"]:
+        assert r["status"] == "ok", r
+        assert r["peak_bytes"] >= 0
+
+
+def test_missing_provider_is_skipped_with_reason(tmp_path, monkeypatch):
+    import tpo_kernels
+
+    monkeypatch.delattr(tpo_kernels, "selective_logprobs")
+    args = ["--case", "logprobs", "--shape", "M=32,V=128", "--providers", "tpo:torch,cce,naive", "--mode", "full", "--no-isolate", "--no-plots", "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    run = _load(tmp_path)
+    reasons = {s["provider"]: s["reason"] for s in run["skipped"]}
+    assert "does not exist yet" in reasons["tpo:torch"]
+    assert "cce" not in reasons  # cce is not a logprobs provider: the glob simply matches nothing
+    assert [r["provider"] for r in run["results"]] == ["naive"]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Skipped providers" in md and "does not exist yet" in md
+    # and a GPU-only baseline on CPU
+    reason = C.CASES["fused_linear"].provider("cce").available(torch.device("cpu"))
+    assert reason and "GPU only" in reason
+
+
+def test_target_evaluation():
+    row = {"case": "fused_linear", "variant": "dense", "mode": "full", "dtype": "fp32", "shape": {"G": 1}, "status": "ok"}
+    results = [
+        dict(row, provider="tpo:cpu", role="ours", time_s={"median": 1.0}, peak_bytes=100, extra_bytes=10),
+        dict(row, provider="torch_lce", role="baseline", time_s={"median": 2.0}, peak_bytes=50, extra_bytes=5),
+    ]
+    targets = [
+        C.Target("x", "time", "fused_linear", "dense", "full", "time", "ratio", "ours", "torch_lce", "<=", 1.0),
+        C.Target("x", "mem", "fused_linear", "dense", "full", "peak", "ratio", "ours", "torch_lce", "<=", 1.0),
+        C.Target("x", "speed", "fused_linear", "dense", "full", "time", "speedup", "ours", "torch_lce", ">=", 2.0),
+        C.Target("x", "missing", "fused_linear", "dense", "full", "time", "ratio", "ours", "naive", "<=", 1.0),
+    ]
+    ev = R.evaluate_targets(targets, results)
+    assert [e["status"] for e in ev] == ["PASS", "FAIL", "PASS", "baseline naive not measured"]
+    assert ev[0]["value"] == pytest.approx(0.5) and ev[1]["value"] == pytest.approx(2.0)
+    assert "PASS" in R.targets_text(ev)
+
+
+def test_presets_name_the_issue_settings():
+    p4 = C.PRESETS["issue4-cpu"].jobs[0]
+    assert p4.shapes == [{"G": 8, "K": 8, "T": 128, "H": 512, "V": 32768}] and p4.dtypes == ["fp32"]
+    assert set(p4.variants) == {"dense", "sparse90"} and {"naive", "torch_lce"} <= set(p4.providers)
+    assert C.PRESETS["issue5-gpu"].jobs[0].shapes == [{"G": 16, "K": 8, "T": 128, "V": 151936}]
+    assert C.PRESETS["issue6-cpu"].jobs[0].shapes == [{"R": 2048, "K": 8, "H": 512, "V": 32768}]
+    # 90%-tied variant: floor(0.9 G) groups tie, the rest do not
+    s, tied = C._scores(8, 8, "sparse90", C._gen(0), "cpu")
+    row_tied = (s.amax(1) == s.amin(1)).sum().item()
+    assert tied == 7 and row_tied == 7
+
+
+def test_cli_status_and_demo():
+    for cmd in (["status"], ["demo"]):
+        proc = subprocess.run([sys.executable, "-m", "tpo_kernels"] + cmd, capture_output=True, text=True, env=_env(), timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if cmd == ["status"]:
+            assert "torch" in proc.stdout and "available" in proc.stdout
+        else:
+            assert "-> OK" in proc.stdout and "loss" in proc.stdout
+
+
+def test_cli_bench_dispatch(capsys):
+    from tpo_kernels import cli
+
+    assert cli.main(["bench", "--list", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "case fused_linear" in out and "issue4-cpu" in out
