@@ -1,0 +1,368 @@
+"""Fused hidden x lm_head path (fused_linear_tpo_loss, fused_linear_logprobs) against reference.py
+on materialized logits ``hidden @ weight.T + bias`` with autograd: values, gradients of hidden,
+weight and bias, chunk-size invariance, zero-signal skipping (no backward matmul) and memory (no
+``[M, V]`` tensor)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpo_kernels import reference
+from tpo_kernels.fused_linear import fused_linear_logprobs, fused_linear_tpo_loss
+
+from _batches import DEVICE, backend_param, make_batch
+
+# Backends that run on DEVICE at full speed; Triton under the CPU interpreter only on one tiny case.
+if DEVICE.type == "cpu":
+    BACKENDS = [backend_param("torch"), backend_param("cpu")]
+    INTERPRETED = [backend_param("triton")]
+else:
+    BACKENDS = [backend_param(n) for n in ("torch", "triton", "cuda")]
+    INTERPRETED = []
+
+HIDDEN, VOCAB = 16, 37
+# fp32: the fused path computes the same fp32 logits chunk by chunk (only the matmul blocking and
+# the summation order differ from the float64 reference).
+FP32_TOL = dict(atol=5e-5, rtol=2e-4)
+# bf16: logits and every matmul product are rounded to 8 mantissa bits on both sides; the
+# reference sums dW inside one matmul, the fused path over chunks in fp32.
+BF16_TOL = dict(atol=3e-2, rtol=3e-2)
+
+
+def _head(token_shape, dtype=torch.float32, bias=True, hidden=HIDDEN, vocab=VOCAB):
+    h = torch.randn(*token_shape, hidden, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, dtype=torch.float64) * 0.5
+    b = torch.randn(vocab, dtype=torch.float64) if bias else None
+    return h.to(DEVICE, dtype), w.to(DEVICE, dtype), None if b is None else b.to(DEVICE, dtype)
+
+
+def _batch(**kwargs):
+    """(hidden, weight, bias, labels, scores, loss kwargs) of a random make_batch batch."""
+    bias = kwargs.pop("bias", True)
+    dtype = kwargs.pop("dtype", torch.float32)
+    _, labels, scores, loss_kwargs = make_batch(vocab=VOCAB, dtype=torch.float32, **kwargs)
+    h, w, b = _head(labels.shape, dtype, bias)
+    return h, w, b, labels, scores, loss_kwargs
+
+
+def _leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _loss_and_grads(loss_fn, h, w, b, reference_dtype=None):
+    """Loss and gradients of (hidden, weight, bias); ``reference_dtype`` evaluates the logits in
+    that dtype (the reference path), None calls the fused loss_fn(h, w, b)."""
+    h, w, b = _leaves(h, w, b)
+    if reference_dtype is None:
+        loss = loss_fn(h, w, b)
+    else:
+        hr, wr = h.to(reference_dtype), w.to(reference_dtype)
+        logits = hr @ wr.T + (0 if b is None else b.to(reference_dtype))
+        loss = loss_fn(logits)
+    # A non-uniform weighting so that reduction="none" checks every group's gradient.
+    weighting = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device).view(loss.shape)
+    inputs = [t for t in (h, w, b) if t is not None]
+    grads = torch.autograd.grad((loss * weighting).sum(), inputs)
+    return loss.detach(), grads
+
+
+def _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=torch.float64, **fused_kwargs):
+    loss, grads = _loss_and_grads(
+        lambda h_, w_, b_: fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend=backend, **kwargs, **fused_kwargs),
+        h, w, b,
+    )
+    ref_loss, ref_grads = _loss_and_grads(
+        lambda logits: reference.tpo_loss(logits, labels, scores.to(reference_dtype), **kwargs), h, w, b, reference_dtype
+    )
+    torch.testing.assert_close(loss, ref_loss.to(loss.dtype), **tol)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad.float(), ref_grad.float(), **tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("grouping", ["size", "ids"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fp32_matches_reference(backend, layout, grouping, bias, reduction):
+    h, w, b, labels, scores, kwargs = _batch(layout=layout, grouping=grouping, bias=bias, tie_groups=1)
+    kwargs.update(reduction=reduction)
+    _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("old", ["token", "seq"])
+@pytest.mark.parametrize("anchor", [True, False])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_old_logprobs_and_anchor_match_reference(backend, old, anchor, layout):
+    h, w, b, labels, scores, kwargs = _batch(layout=layout, grouping="ids", old=old)
+    kwargs.update(anchor=anchor)
+    _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_kl_penalty_temperature_and_eta_match_reference(backend, reduction, layout):
+    h, w, b, labels, scores, kwargs = _batch(layout=layout, old="token", with_ref=True)
+    kwargs.update(reduction=reduction, temperature=0.7, eta=0.5)
+    _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_bf16_matches_reference_on_the_same_rounded_logits(backend, layout):
+    h, w, b, labels, scores, kwargs = _batch(layout=layout, old="token", dtype=torch.bfloat16)
+    _check_tpo(backend, h, w, b, labels, scores, kwargs, BF16_TOL, reference_dtype=torch.bfloat16, chunk_size=4)
+
+
+@pytest.mark.parametrize("backend", INTERPRETED)
+def test_interpreted_triton_matches_reference(backend):
+    h, w, b, labels, scores, kwargs = _batch(num_groups=1, group_size=2, max_len=3, with_ref=True)
+    kwargs.update(temperature=0.8)
+    _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=4)
+
+
+def test_return_aux_matches_reference():
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="seq")
+    loss, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, return_aux=True, chunk_size=3, **kwargs)
+    ref_loss, ref_aux = reference.tpo_loss(h @ w.T + b, labels, scores, return_aux=True, **kwargs)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    for key in ("token_logprobs", "seq_logprobs", "p", "q", "u", "group_loss"):
+        torch.testing.assert_close(aux[key], ref_aux[key].to(aux[key].dtype), **FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck_float64(backend, bias):
+    # Old log-probs given: q is then a constant, so the loss value is what the gradient differentiates
+    # (on-policy, q depends on the held-constant ell and finite differences would move it).
+    _, labels, scores, kwargs = make_batch(num_groups=2, group_size=2, max_len=2, vocab=5, dtype=torch.float64,
+                                           old="token", with_ref=True)
+    h, w, b = _leaves(*_head(labels.shape, torch.float64, bias, hidden=2, vocab=5))
+    kwargs.update(reduction="none", temperature=0.8, eta=0.7)
+
+    def loss_fn(*params):
+        return fused_linear_tpo_loss(params[0], params[1], labels, scores, bias=params[2] if bias else None,
+                                     backend=backend, chunk_size=2, **kwargs)
+
+    assert torch.autograd.gradcheck(loss_fn, tuple(t for t in (h, w, b) if t is not None))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_gradcheck_float64(backend):
+    h, w, b = _leaves(*_head((2, 2), torch.float64, hidden=2, vocab=5))
+    labels = torch.randint(0, 5, (2, 2), device=DEVICE)
+    labels[0, 1] = -100
+
+    def fn(h_, w_, b_):
+        return fused_linear_logprobs(h_, w_, labels, bias=b_, temperature=1.3, return_entropy=True,
+                                     backend=backend, chunk_size=4)
+
+    assert torch.autograd.gradcheck(fn, (h, w, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + INTERPRETED)
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_and_entropy_match_reference(backend, temperature):
+    h, w, b = _head((3, 4))
+    labels = torch.randint(0, VOCAB, (3, 4), device=DEVICE)
+    labels[1, 2] = -100
+    results = []
+    for fused in (True, False):
+        hh, ww, bb = _leaves(h, w, b)
+        if fused:
+            lp, ent = fused_linear_logprobs(hh, ww, labels, bias=bb, temperature=temperature,
+                                            return_entropy=True, backend=backend, chunk_size=5)
+        else:
+            logits = hh.double() @ ww.double().T + bb.double()
+            lp, ent = reference.selective_logprobs(logits, labels, temperature=temperature, return_entropy=True)
+        # Both outputs feed the gradient, the entropy's with its own weights.
+        objective = (lp * torch.linspace(0.5, 1.5, 12, device=DEVICE).view(3, 4)).sum() - 0.3 * (ent * ent).sum()
+        results.append((lp.detach().float(), ent.detach().float(), *torch.autograd.grad(objective, (hh, ww, bb))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got.float(), want.float(), **FP32_TOL)
+    assert float(results[0][0][1, 2]) == 0.0 and float(results[0][1][1, 2]) == 0.0
+
+
+def test_logprobs_under_no_grad_match_the_differentiable_values():
+    h, w, b = _head((10,))
+    labels = torch.randint(0, VOCAB, (10,), device=DEVICE)
+    with torch.no_grad():
+        lp = fused_linear_logprobs(h, w, labels, bias=b, chunk_size=3)
+    assert lp.grad_fn is None and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, reference.selective_logprobs(h @ w.T + b, labels), **FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_size_invariance(backend):
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="token", with_ref=True)
+    num_tokens = labels.numel()
+    results = []
+    for chunk_size in (1, 2, 7, num_tokens, num_tokens + 5, None):
+        fn = lambda h_, w_, b_: fused_linear_tpo_loss(  # noqa: E731
+            h_, w_, labels, scores, bias=b_, backend=backend, chunk_size=chunk_size, temperature=0.9, **kwargs
+        )
+        results.append(_loss_and_grads(fn, h, w, b))
+    (loss0, grads0) = results[0]
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, loss0, atol=1e-5, rtol=1e-5)
+        for grad, grad0 in zip(grads, grads0):
+            torch.testing.assert_close(grad, grad0, atol=1e-5, rtol=1e-5)
+
+
+_MATMULS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
+    torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
+}
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records the operand shapes of every matrix multiply dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS:
+            operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+            self.shapes.append([tuple(a.shape) for a in operands[-2:]])
+        return func(*args, **kwargs)
+
+    def token_rows(self, hidden_size, vocab_size):
+        """Tokens each recorded product handles: the one operand dim that is neither H nor V."""
+        rows = []
+        for (a, inner), (_, c) in self.shapes:
+            (dim,) = [d for d in (a, inner, c) if d not in (hidden_size, vocab_size)]
+            rows.append(dim)
+        return rows
+
+
+def _tied_batch(tie_groups, **kwargs):
+    h, w, b, labels, scores, loss_kwargs = _batch(num_groups=3, group_size=2, max_len=5, tie_groups=tie_groups, **kwargs)
+    return _leaves(h, w, b), labels, scores, loss_kwargs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_all_tied_groups_run_no_backward_matmul_and_give_exact_zeros(backend, layout):
+    (h, w, b), labels, scores, kwargs = _tied_batch(3, layout=layout, grouping="ids")
+    loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4, **kwargs)
+    with MatmulRecorder() as recorder:
+        loss.backward()
+    assert recorder.shapes == []
+    for t in (h, w, b):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
+    (h, w, b), labels, scores, kwargs = _tied_batch(2, layout="packed")  # group 2 of 3 carries signal
+    chunk_size = 3  # below H and V, so each product's token dim is identifiable
+    loss, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=chunk_size,
+                                      return_aux=True, **kwargs)
+    with MatmulRecorder() as recorder:
+        loss.backward()
+    # Active tokens: the counted tokens of completions with a nonzero coefficient.
+    seq = torch.repeat_interleave(torch.arange(6, device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
+    active = (labels != -100) & (aux["coef"][seq] != 0)
+    assert 0 < int(active.sum()) < labels.numel()
+    rows = recorder.token_rows(HIDDEN, VOCAB)
+    # Per chunk: recompute the logits, dH = dz @ W, dW += dz.T @ h.
+    assert sum(rows) == 3 * int(active.sum()) and max(rows) <= chunk_size
+    assert torch.equal(h.grad[~active], torch.zeros_like(h.grad[~active]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_the_gradients_asked_for_are_computed(backend):
+    h, w, b, labels, scores, kwargs = _batch(layout="padded")
+    w.requires_grad_(True)
+    loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4, **kwargs)
+    with MatmulRecorder() as recorder:
+        (grad_w,) = torch.autograd.grad(loss, (w,))
+    # No dH product: per chunk only the recompute and dW.
+    chunks = len(recorder.shapes) // 2
+    assert len(recorder.shapes) == 2 * chunks and chunks > 0
+    ref = torch.autograd.grad(reference.tpo_loss(h @ w.T + b, labels, scores, **kwargs), (w,))[0]
+    torch.testing.assert_close(grad_w, ref, **FP32_TOL)
+
+
+class LargestOutput(TorchDispatchMode):
+    """Largest number of elements of any tensor an op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_never_materializes_tokens_times_vocab(backend):
+    n, t, hidden, vocab, chunk_size = 8, 16, 8, 500, 4
+    h, w, b = _leaves(*_head((n, t), hidden=hidden, vocab=vocab))
+    labels = torch.randint(0, vocab, (n, t), device=DEVICE)
+    scores = torch.randn(n, device=DEVICE)
+    with LargestOutput() as tracker:
+        loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, group_size=4, backend=backend, chunk_size=chunk_size)
+        loss.backward()
+        lp = fused_linear_logprobs(h, w, labels, bias=b, return_entropy=True, backend=backend, chunk_size=chunk_size)[1]
+        lp.sum().backward()
+    # The largest tensors are one chunk of logits and the weight gradient, far below M * V.
+    assert tracker.largest <= max(chunk_size * vocab, vocab * hidden) < (n * t * vocab) // 10
+
+
+def test_weight_dtype_accumulation_and_bf16_gradients_stay_close():
+    h, w, b, labels, scores, kwargs = _batch(dtype=torch.bfloat16, old="token")
+    results = []
+    for accum in (torch.float32, torch.bfloat16):
+        fn = lambda h_, w_, b_: fused_linear_tpo_loss(  # noqa: E731
+            h_, w_, labels, scores, bias=b_, chunk_size=3, grad_accum_dtype=accum, **kwargs
+        )
+        results.append(_loss_and_grads(fn, h, w, b))
+    for grad32, grad16 in zip(results[0][1], results[1][1]):
+        assert grad32.dtype == grad16.dtype == torch.bfloat16
+        torch.testing.assert_close(grad16.float(), grad32.float(), **BF16_TOL)
+
+
+def test_bad_inputs_name_the_argument():
+    h, w, b, labels, scores, kwargs = _batch()
+
+    def call(**overrides):
+        args = dict(hidden=h, weight=w, labels=labels, scores=scores, bias=b, **kwargs)
+        args.update(overrides)
+        return fused_linear_tpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"), args.pop("scores"), **args)
+
+    with pytest.raises(ValueError, match="weight must have shape"):
+        call(weight=w[:, :-1])
+    with pytest.raises(TypeError, match="weight must have the dtype of hidden"):
+        call(weight=w.double())
+    with pytest.raises(ValueError, match="bias must have shape"):
+        call(bias=b[:-1])
+    with pytest.raises(TypeError, match="bias must have the dtype"):
+        call(bias=b.double())
+    with pytest.raises(ValueError, match="hidden must be 2-D or 3-D"):
+        call(hidden=h[0, 0])
+    with pytest.raises(ValueError, match="labels must have shape"):
+        call(labels=labels[:, :-1])
+    with pytest.raises(ValueError, match=r"labels must hold ids in \[0, 37\)"):
+        call(labels=torch.full_like(labels, VOCAB))
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        call(chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size must be an int"):
+        call(chunk_size=2.0)
+    with pytest.raises(TypeError, match="grad_accum_dtype"):
+        call(grad_accum_dtype=torch.int32)
+    with pytest.raises(ValueError, match="temperature"):
+        call(temperature=0.0)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        fused_linear_logprobs(h, w, labels[:, :-1])
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        fused_linear_logprobs(h, w, labels.float())

@@ -1,0 +1,439 @@
+"""Fused hidden x lm_head path: TPO loss and per-token log-probs from the last hidden states and
+the lm_head weight, without ever materializing the ``[tokens, vocab]`` logits.
+
+Logits ``z = h @ W.T (+ b)`` exist only one chunk of tokens at a time. The forward keeps, per
+token, the tempered logsumexp and target logit (and entropy on request); the group stage is
+:class:`~tpo_kernels.autograd.TPOObjective`, shared with the logits path. Every path's backward is
+a per-token scalar ``g`` times ``(onehot - softmax) / tau`` (plus an entropy term), so the
+backward recomputes the logits of the tokens with a nonzero ``g`` only, chunk by chunk, turns
+them in place into ``dz`` with the backend's row backward, and applies the chain rule of the
+linear layer::
+
+    dH[rows] = dz @ W          dW += dz.T @ h[rows]          db += dz.sum(0)
+
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._validate import (
+    FLOAT_DTYPES,
+    _check_integer,
+    check_float_tensor,
+    check_labels,
+    check_positive,
+    check_reduction,
+    prepare_batch,
+)
+from .autograd import TPOObjective
+from .backends import Backend, compute_dtype, get_backend
+
+# Memory budget of one chunk of logits. On the GPU a large chunk keeps the matmuls efficient; on
+# the CPU a small one keeps the row ops' temporaries in cache and the peak low (the matmuls stay
+# efficient down to a few dozen rows).
+_CHUNK_BYTES = {"cuda": 512 << 20}
+_CHUNK_BYTES_DEFAULT = 16 << 20
+_CHUNK_ALIGN = 16  # rows; keeps matmul tiles full
+
+
+def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
+    """Tokens per logits chunk: as many as fit the device's budget in fp32 (the row ops compute
+    in fp32 whatever the input dtype), rounded down to a multiple of 16, at most ``num_rows``."""
+    budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT)
+    rows = budget // (4 * max(vocab_size, 1))
+    if rows > _CHUNK_ALIGN:
+        rows -= rows % _CHUNK_ALIGN
+    return max(1, min(rows, num_rows))
+
+
+class LinearRows:
+    """One linear head applied to a flat token matrix, chunk by chunk.
+
+    ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None, all of
+    one dtype; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count.
+    """
+
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        labels: Tensor,
+        backend: Backend,
+        inv_temperature: float,
+        chunk_size: int,
+    ) -> None:
+        self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
+        self.backend, self.inv_temperature, self.chunk_size = backend, inv_temperature, chunk_size
+
+    def _chunks(self, selected: Tensor) -> Iterator[Union[slice, Tensor]]:
+        """Row indices of the ``selected`` ([M] bool) rows, in ascending order, ``chunk_size`` at a
+        time: slices when every row is selected (no gather), index tensors otherwise."""
+        num_rows = selected.numel()
+        rows = torch.nonzero(selected).squeeze(1)
+        if rows.numel() == num_rows:
+            for start in range(0, num_rows, self.chunk_size):
+                yield slice(start, min(start + self.chunk_size, num_rows))
+        elif rows.numel() > 0:
+            yield from rows.split(self.chunk_size)
+
+    def _logits(self, h_rows: Tensor, buffer: Tensor) -> Tensor:
+        """``h_rows @ W.T (+ b)`` written into the head of the reusable chunk buffer."""
+        out = buffer[: h_rows.shape[0]]
+        if self.bias is None:
+            return torch.mm(h_rows, self.weight.t(), out=out)
+        return torch.addmm(self.bias, h_rows, self.weight.t(), out=out)
+
+    def _buffer(self, num_rows: int) -> Tensor:
+        rows = min(self.chunk_size, max(num_rows, 1))
+        return self.hidden.new_empty(rows, self.weight.shape[0])
+
+    def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Per-row ``(lse, target, entropy | None)`` of the tempered logits, in the compute dtype;
+        0 on rows that do not count (their logits are never computed)."""
+        num_rows = self.hidden.shape[0]
+        acc = compute_dtype(self.hidden.dtype)
+        lse = self.hidden.new_zeros(num_rows, dtype=acc)
+        target = torch.zeros_like(lse)
+        entropy = torch.zeros_like(lse) if with_entropy else None
+        counted = self.labels >= 0
+        buffer = self._buffer(int(counted.sum()))
+        for rows in self._chunks(counted):
+            logits = self._logits(self.hidden[rows], buffer)
+            chunk_lse, chunk_target, chunk_entropy = self.backend.row_forward(
+                logits, self.labels[rows], self.inv_temperature, with_entropy
+            )
+            lse[rows], target[rows] = chunk_lse, chunk_target
+            if with_entropy:
+                entropy[rows] = chunk_entropy
+        return lse, target, entropy
+
+    def backward(
+        self,
+        lse: Tensor,
+        grad_logprob: Tensor,
+        grad_entropy: Optional[Tensor],
+        entropy: Optional[Tensor],
+        needs_grad: Tuple[bool, bool, bool],
+        grad_accum_dtype: torch.dtype,
+    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
+        per-row gradients of the log-probs and entropies (both 0 on rows that do not count).
+
+        Rows where both are exactly 0 are skipped: no recompute, no matmul. ``dW`` and ``db`` are
+        accumulated over chunks in ``grad_accum_dtype``.
+        """
+        need_hidden, need_weight, need_bias = needs_grad
+        hidden, weight = self.hidden, self.weight
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=grad_accum_dtype) if need_weight else None
+        grad_bias = weight.new_zeros(weight.shape[0], dtype=grad_accum_dtype) if need_bias else None
+        active = grad_logprob != 0
+        if grad_entropy is not None:
+            active = active | (grad_entropy != 0)
+        buffer = None
+        for rows in self._chunks(active):
+            if buffer is None:
+                buffer = self._buffer(int(active.sum()))
+            h_rows = hidden[rows]
+            # dz, written in place over the recomputed logits: the chunk buffer is ours.
+            dlogits = self._logits(h_rows, buffer)
+            self.backend.row_backward(
+                dlogits,
+                self.labels[rows],
+                lse[rows],
+                grad_logprob[rows],
+                None if grad_entropy is None else grad_entropy[rows],
+                None if entropy is None else entropy[rows],
+                self.inv_temperature,
+                dlogits,
+            )
+            if need_hidden:
+                grad_hidden[rows] = dlogits @ weight
+            if need_weight:
+                if grad_weight.dtype == dlogits.dtype:
+                    grad_weight.addmm_(dlogits.t(), h_rows)
+                else:  # product in the input dtype, sum over chunks in the accumulation dtype
+                    grad_weight += dlogits.t() @ h_rows
+            if need_bias:
+                grad_bias += dlogits.sum(dim=0, dtype=grad_accum_dtype)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(weight.dtype),
+        )
+
+
+class FusedLinearTPOFunction(torch.autograd.Function):
+    """Fused-linear TPO: chunked row forward -> group op -> (backward) chunked recompute and
+    row backward of the tokens with a nonzero coefficient only."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        objective: TPOObjective,
+        backend: Backend,
+        inv_temperature: float,
+        chunk_size: int,
+        grad_accum_dtype: torch.dtype,
+    ):
+        head = LinearRows(hidden, weight, bias, objective.batch.labels, backend, inv_temperature, chunk_size)
+        lse, target, _ = head.forward(with_entropy=False)
+        loss = objective.forward(target - lse, backend)  # both 0 on rows that do not count
+        ctx.save_for_backward(hidden, weight, bias, lse)
+        ctx.objective, ctx.backend = objective, backend
+        ctx.inv_temperature, ctx.chunk_size, ctx.grad_accum_dtype = inv_temperature, chunk_size, grad_accum_dtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: Tensor):
+        hidden, weight, bias, lse = ctx.saved_tensors
+        needs_grad = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        objective = ctx.objective
+        head = LinearRows(
+            hidden, weight, bias, objective.batch.labels, ctx.backend, ctx.inv_temperature, ctx.chunk_size
+        )
+        grads = head.backward(lse, objective.token_grad(grad_loss), None, None, needs_grad, ctx.grad_accum_dtype)
+        return (*grads, None, None, None, None, None)
+
+
+class FusedLinearLogprobsFunction(torch.autograd.Function):
+    """Per-token log-probs (and entropies) of ``h @ W.T (+ b)``; the backward is the chunked
+    recompute with the generic row backward."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        labels: Tensor,
+        backend: Backend,
+        inv_temperature: float,
+        with_entropy: bool,
+        chunk_size: int,
+        grad_accum_dtype: torch.dtype,
+    ):
+        head = LinearRows(hidden, weight, bias, labels, backend, inv_temperature, chunk_size)
+        lse, target, entropy = head.forward(with_entropy)
+        token_logprobs = target - lse
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.backend, ctx.inv_temperature, ctx.chunk_size = backend, inv_temperature, chunk_size
+        ctx.grad_accum_dtype = grad_accum_dtype
+        if with_entropy:
+            return token_logprobs, entropy
+        return token_logprobs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprob: Tensor, grad_entropy: Optional[Tensor] = None):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        needs_grad = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        skipped = labels < 0  # rows that do not count have no gradient
+        grad_logprob = torch.where(skipped, 0.0, grad_logprob.to(lse.dtype))
+        if grad_entropy is not None:
+            grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))
+        head = LinearRows(hidden, weight, bias, labels, ctx.backend, ctx.inv_temperature, ctx.chunk_size)
+        grads = head.backward(lse, grad_logprob, grad_entropy, entropy, needs_grad, ctx.grad_accum_dtype)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    """hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]``: one dtype, one device."""
+    check_float_tensor("hidden", hidden, (2, 3))
+    check_float_tensor("weight", weight, (2,))
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, H] with V > 0)")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must have shape [V, H] with H={hidden.shape[-1]} (the last dim of hidden), "
+            f"got {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is None:
+        return
+    check_float_tensor("bias", bias, (1,))
+    if bias.shape[0] != weight.shape[0]:
+        raise ValueError(f"bias must have shape [V]=({weight.shape[0]},), got {tuple(bias.shape)}")
+    if bias.dtype != hidden.dtype:
+        raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+    if bias.device != hidden.device:
+        raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
+
+
+def _check_chunk_size(chunk_size, num_rows: int, vocab_size: int, device: torch.device) -> int:
+    if chunk_size is None:
+        return default_chunk_size(num_rows, vocab_size, device)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (tokens per logits chunk), got {chunk_size}")
+    return chunk_size
+
+
+def _check_grad_accum_dtype(grad_accum_dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of dW and db, never narrower than the weight's own dtype."""
+    if grad_accum_dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"grad_accum_dtype must be torch.float32, float64 or the weight dtype, got {grad_accum_dtype!r}"
+        )
+    return torch.promote_types(grad_accum_dtype, weight_dtype)
+
+
+def _flat_hidden(hidden: Tensor) -> Tensor:
+    return hidden.reshape(-1, hidden.shape[-1]).contiguous()
+
+
+def fused_linear_tpo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    scores: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    group_size: Optional[int] = None,
+    group_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    beta: float = 0.0,
+    eta: float = 1.0,
+    anchor: bool = True,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    backend: str = "auto",
+    return_aux: bool = False,
+    chunk_size: Optional[int] = None,
+    grad_accum_dtype: torch.dtype = torch.float32,
+) -> Union[Tensor, Tuple[Tensor, dict]]:
+    """Sequence-level TPO loss on ``logits = hidden @ weight.T (+ bias)``, computed chunk by chunk
+    so that at most ``chunk_size`` tokens' logits exist at once.
+
+    Same semantics and keywords as :func:`tpo_kernels.tpo_loss` (see there for ``labels``,
+    ``scores``, groups, ``mask``, old / reference log-probs, ``beta``, ``eta``, ``anchor``,
+    ``temperature``, ``reduction``, ``backend`` and ``return_aux``). Gradients flow to
+    ``hidden``, ``weight`` and ``bias``.
+
+    Args:
+        hidden: ``[N, T, H]`` padded or ``[M, H]`` packed (with ``cu_seqlens``) last hidden states;
+            ``hidden[n, t]`` predicts ``labels[n, t]`` (already shifted).
+        weight: ``[V, H]`` lm_head weight, dtype and device of ``hidden``.
+        bias: optional ``[V]`` lm_head bias.
+        chunk_size: tokens per logits chunk; default from a memory budget (512 MiB of fp32 logits
+            on CUDA, 16 MiB on CPU).
+        grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over chunks (float32 by
+            default; pass the weight dtype to save memory); never narrower than the weight's.
+
+    The backward recomputes the logits of the tokens whose loss gradient is nonzero; tokens of
+    groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
+    supported.
+    """
+    _check_head(hidden, weight, bias)
+    eta = check_positive("eta", eta)
+    temperature = check_positive("temperature", temperature)
+    reduction = check_reduction(reduction)
+    anchor = _check_flag("anchor", anchor)
+    return_aux = _check_flag("return_aux", return_aux)
+    chosen = get_backend(backend, hidden.device)
+    vocab_size = weight.shape[0]
+    batch = prepare_batch(
+        hidden.shape[:-1],
+        vocab_size,
+        hidden.device,
+        compute_dtype(hidden.dtype),
+        labels,
+        scores,
+        group_size=group_size,
+        group_ids=group_ids,
+        cu_seqlens=cu_seqlens,
+        mask=mask,
+        ignore_index=ignore_index,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        beta=beta,
+        input_name="hidden",
+    )
+    flat = _flat_hidden(hidden)
+    chunk_size = _check_chunk_size(chunk_size, flat.shape[0], vocab_size, hidden.device)
+    accum = _check_grad_accum_dtype(grad_accum_dtype, weight.dtype)
+    objective = TPOObjective(batch, eta=eta, anchor=anchor, reduction=reduction, beta=float(beta))
+    loss = FusedLinearTPOFunction.apply(flat, weight, bias, objective, chosen, 1.0 / temperature, chunk_size, accum)
+    if return_aux:
+        return loss, objective.aux()
+    return loss
+
+
+def fused_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+    grad_accum_dtype: torch.dtype = torch.float32,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Per-token ``log softmax((hidden @ weight.T + bias) / temperature)[labels]`` without
+    materializing the logits; differentiable with respect to hidden, weight and bias.
+
+    ``hidden`` is ``[N, T, H]`` or ``[M, H]`` and ``labels`` its leading shape. Returns float32 log-probs of the
+    labels' shape (float64 for float64 inputs), 0 where ``labels == ignore_index``; with
+    ``return_entropy`` also the per-token entropy of the tempered distribution (0 at ignored
+    positions), whose gradient flows too. Under ``torch.no_grad()`` this is the memory-light
+    way to get old / reference log-probs from a model's hidden states. ``chunk_size`` and
+    ``grad_accum_dtype`` as in :func:`fused_linear_tpo_loss`.
+    """
+    _check_head(hidden, weight, bias)
+    temperature = check_positive("temperature", temperature)
+    return_entropy = _check_flag("return_entropy", return_entropy)
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.device != hidden.device:
+        raise ValueError(f"labels is on {labels.device} but hidden is on {hidden.device}")
+    _check_integer("labels", labels)
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels must have shape {tuple(hidden.shape[:-1])} (the leading dims of hidden), got {tuple(labels.shape)}"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    chosen = get_backend(backend, hidden.device)
+    vocab_size = weight.shape[0]
+    flat_labels = labels.reshape(-1)
+    counted = flat_labels != ignore_index
+    check_labels("labels", flat_labels, counted, vocab_size)
+    flat_labels = torch.where(counted, flat_labels.to(torch.int64), -1).contiguous()
+    flat = _flat_hidden(hidden)
+    chunk_size = _check_chunk_size(chunk_size, flat.shape[0], vocab_size, hidden.device)
+    accum = _check_grad_accum_dtype(grad_accum_dtype, weight.dtype)
+    out = FusedLinearLogprobsFunction.apply(
+        flat, weight, bias, flat_labels, chosen, 1.0 / temperature, return_entropy, chunk_size, accum
+    )
+    if return_entropy:
+        token_logprobs, entropy = out
+        return token_logprobs.view(labels.shape), entropy.view(labels.shape)
+    return out.view(labels.shape)
