@@ -9,7 +9,8 @@ Logits path (the candidate-op contract of :mod:`tpo_kernels.backends`)::
 The backward accumulates each chunk of a row in registers: starting from 0 it adds, k by k in
 ascending order, ``grad[r, k] * inv_t`` to the lane whose column is ``y[r, k]``, then stores the
 chunk once (cast to the output dtype). Duplicated candidates therefore sum in ascending k order,
-bit for bit like the PyTorch default, and no program reads what another wrote.
+bit for bit like the PyTorch default (on CPU the Triton interpreter's cast to bf16/fp16 may round
+the last bit differently), and no program reads what another wrote.
 
 Fused-linear path (``h`` [R, H], ``W`` [V, H], optional bias ``b`` [V]; ``g`` is the gradient of
 the loss w.r.t. the untempered candidate logit ``z[r, k] = h[r] . W[y[r, k]] + b[y[r, k]]``)::
@@ -184,7 +185,7 @@ def _candidate_dot_weight_grad_kernel(
 
 
 def _scale(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.tensor([value], dtype=dtype, device=device)
+    return torch.full((1,), value, dtype=dtype, device=device)  # a fill, no host-to-device copy
 
 
 def _block_v(vocab: int) -> int:
