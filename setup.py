@@ -123,15 +123,17 @@ cpu_extension = Pybind11Extension(
     cxx_std=17,
 )
 
+cuda_sources = _rel((ROOT / CSRC / "cuda").glob("*.cu"))
 cuda_extension = Pybind11Extension(
     "tpo_kernels._C_cuda",
     sources=[f"{CSRC}/bindings_cuda.cpp"],
     include_dirs=[CSRC],
-    depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.cuh")),
+    # The .cu files are listed here too so that they are shipped in the sdist.
+    depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.cuh")) + cuda_sources,
     extra_compile_args=["-O3"],
     cxx_std=17,
 )
-cuda_extension.cuda_sources = _rel((ROOT / CSRC / "cuda").glob("*.cu"))
+cuda_extension.cuda_sources = cuda_sources
 
 
 class BuildExt(pybind11_build_ext):
@@ -178,7 +180,7 @@ class BuildExt(pybind11_build_ext):
         _log(f"building {ext.name} with {nvcc} (toolkit {root}), {' '.join(arch_flags)}")
         obj_dir = Path(self.build_temp) / "cuda_objects"
         obj_dir.mkdir(parents=True, exist_ok=True)
-        objects = []
+        objects, jobs = [], []
         for source in ext.cuda_sources:
             obj = obj_dir / (Path(source).stem + ".o")
             deps = [source] + list(ext.depends)
@@ -191,8 +193,11 @@ class BuildExt(pybind11_build_ext):
                     "--expt-relaxed-constexpr", "-lineinfo", f"-I{CSRC}",
                 ] + arch_flags
                 _log(" ".join(cmd))
-                subprocess.run(cmd, check=True)
+                jobs.append((cmd, subprocess.Popen(cmd)))  # the .cu files compile concurrently
             objects.append(str(obj))
+        failed = [cmd for cmd, proc in jobs if proc.wait() != 0]
+        if failed:
+            raise RuntimeError("nvcc failed: " + "; ".join(" ".join(cmd) for cmd in failed))
         ext.extra_objects = list(ext.extra_objects or []) + objects
         ext.library_dirs = list(ext.library_dirs or []) + [lib_dir]
         # Static runtime: the .so needs only libcuda (the driver), loaded lazily at first use.
