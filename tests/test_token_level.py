@@ -168,7 +168,9 @@ def test_return_aux(logits_backend):
     logits = torch.randn(5, 13, generator=gen)
     cands = torch.randint(0, 13, (5, 4), generator=gen)
     scores = torch.randn(5, 4, generator=gen)
-    loss, aux = token_tpo_loss(logits, cands, scores, temperature=0.5, backend=logits_backend, return_aux=True)
+    loss, aux = token_tpo_loss(
+        logits, cands, scores, temperature=0.5, backend=logits_backend, return_aux=True
+    )
     assert set(aux) == {"candidate_logits", "p", "q", "u", "coef", "state_loss"}
     torch.testing.assert_close(aux["candidate_logits"], logits.gather(1, cands) / 0.5)
     torch.testing.assert_close(aux["p"].sum(1), torch.ones(5))
@@ -185,7 +187,8 @@ def test_logits_gradcheck(logits_backend):
     old = torch.randn(3, 3, generator=gen, dtype=torch.float64)
     # On-policy q is built from the logits themselves (held constant), so gradcheck needs q fixed:
     # given old log-probs, or anchor=False.
-    for kwargs in ({"old_logprobs": old, "temperature": 0.6, "eta": 0.7}, {"anchor": False, "reduction": "none"}):
+    cases = ({"old_logprobs": old, "temperature": 0.6, "eta": 0.7}, {"anchor": False, "reduction": "none"})
+    for kwargs in cases:
         assert torch.autograd.gradcheck(
             lambda x: token_tpo_loss(x, cands, scores, backend=logits_backend, **kwargs),
             (logits,),
@@ -334,7 +337,8 @@ def test_fused_linear_never_allocates_states_by_vocab(backend):
     largest = max(nbytes for _, nbytes in recorder.outputs)
     assert largest < num_states * vocab * 4
     assert largest == vocab * hidden_size * 4  # the dense fp32 weight gradient, nothing bigger
-    assert all(len(shape) < 2 or vocab not in shape for shape, _ in recorder.outputs if shape != (vocab, hidden_size))
+    others = [shape for shape, _ in recorder.outputs if shape != (vocab, hidden_size)]
+    assert all(len(shape) < 2 or vocab not in shape for shape in others)
 
 
 def test_torch_weight_gradient_sums_pairs_in_order():
@@ -354,7 +358,8 @@ def test_torch_weight_gradient_sums_pairs_in_order():
             expected_b[cands[r, k]] += grad[r, k]
     torch.testing.assert_close(dweight, expected_w, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dbias, expected_b, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dhidden, torch.einsum("rk,rkh->rh", grad, weight[cands]), rtol=1e-12, atol=1e-12)
+    expected_h = torch.einsum("rk,rkh->rh", grad, weight[cands])
+    torch.testing.assert_close(dhidden, expected_h, rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -409,7 +414,9 @@ def test_triton_linear_kernels_match_torch_ops(dtype):
     gen = torch.Generator().manual_seed(13)
     # H > one BLOCK_H tile and K > BLOCK_K lanes are not needed for coverage of the loops'
     # masks; H = 40 exercises a partial tile.
-    hidden, weight, bias, cands, _ = _linear_inputs(dtype, True, gen, num_states=5, num_cand=3, hidden_size=40)
+    hidden, weight, bias, cands, _ = _linear_inputs(
+        dtype, True, gen, num_states=5, num_cand=3, hidden_size=40
+    )
     hidden, weight, bias, cands = (t.to(DEVICE) for t in (hidden, weight, bias, cands))
     got = candidate_kernels.candidate_linear_forward(hidden, weight, bias, cands, 0.8)
     expected = token_level.torch_candidate_linear_forward(hidden, weight, bias, cands, 0.8)
@@ -488,61 +495,66 @@ def test_candidate_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts programs the compiler may reject: compile the kernels to cubins
     (no GPU needed) with the interpreter off."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
 
 
 # ----------------------------------------------------------------------------- validation
 
 
-def _valid_logits_args():
-    return (torch.randn(3, 10), torch.randint(0, 10, (3, 4)), torch.randn(3, 4)), {}
+_LOGITS = torch.randn(3, 10)
+_CANDS = torch.randint(0, 10, (3, 4))
+_SCORES = torch.randn(3, 4)
+_NAN_SCORES = _SCORES.index_fill(1, torch.tensor([1]), float("nan"))
 
 
 @pytest.mark.parametrize(
-    "mutate, exc, match",
+    "change, exc, match",
     [
-        (lambda a, k: ((a[0].long(), *a[1:]), k), TypeError, "logits must be float16"),
-        (lambda a, k: ((a[0][0], *a[1:]), k), ValueError, "logits must be 2-D"),
-        (lambda a, k: ((a[0], a[1].float(), a[2]), k), TypeError, "candidates must be an integer"),
-        (lambda a, k: ((a[0], [[0]], a[2]), k), TypeError, "candidates must be a torch.Tensor"),
-        (lambda a, k: ((a[0], a[1][:2], a[2]), k), ValueError, r"candidates must have shape \[R, K\]"),
-        (lambda a, k: ((a[0], a[1][:, :0], a[2][:, :0]), k), ValueError, "K >= 1"),
-        (lambda a, k: ((a[0], a[1] + 10, a[2]), k), ValueError, r"token ids in \[0, 10\)"),
-        (lambda a, k: ((a[0], a[1] - 11, a[2]), k), ValueError, r"token ids in \[0, 10\)"),
-        (lambda a, k: ((a[0], a[1], a[2][:, :3]), k), ValueError, "scores must have the shape"),
-        (lambda a, k: ((a[0], a[1], a[2] > 0), k), TypeError, "scores must be a real tensor"),
-        (lambda a, k: ((a[0], a[1], a[2].index_fill(1, torch.tensor([1]), float("nan"))), k), ValueError, "scores must be finite"),
-        (lambda a, k: (a, {"old_logprobs": torch.randn(3, 5)}), ValueError, "old_logprobs must have the shape"),
-        (lambda a, k: (a, {"old_logprobs": torch.zeros(3, 4, dtype=torch.long)}), TypeError, "old_logprobs must be a float"),
-        (lambda a, k: (a, {"old_logprobs": torch.full((3, 4), float("-inf"))}), ValueError, "old_logprobs must be finite"),
-        (lambda a, k: (a, {"eta": 0.0}), ValueError, "eta must be a finite number > 0"),
-        (lambda a, k: (a, {"temperature": -1.0}), ValueError, "temperature must be a finite number > 0"),
-        (lambda a, k: (a, {"temperature": "hot"}), TypeError, "temperature must be a number"),
-        (lambda a, k: (a, {"reduction": "max"}), ValueError, "reduction must be one of"),
-        (lambda a, k: (a, {"anchor": 1}), TypeError, "anchor must be a bool"),
-        (lambda a, k: (a, {"backend": "tpu"}), ValueError, "backend must be 'auto' or one of"),
-        (lambda a, k: ((a[0][:0], a[1][:0], a[2][:0]), k), ValueError, r"holds no state \(R == 0\)"),
+        ({"logits": _LOGITS.long()}, TypeError, "logits must be float16"),
+        ({"logits": _LOGITS[0]}, ValueError, "logits must be 2-D"),
+        ({"candidates": _CANDS.float()}, TypeError, "candidates must be an integer"),
+        ({"candidates": [[0]]}, TypeError, "candidates must be a torch.Tensor"),
+        ({"candidates": _CANDS[:2]}, ValueError, r"candidates must have shape \[R, K\]"),
+        ({"candidates": _CANDS[:, :0], "scores": _SCORES[:, :0]}, ValueError, "K >= 1"),
+        ({"candidates": _CANDS + 10}, ValueError, r"token ids in \[0, 10\)"),
+        ({"candidates": _CANDS - 11}, ValueError, r"token ids in \[0, 10\)"),
+        ({"scores": _SCORES[:, :3]}, ValueError, "scores must have the shape"),
+        ({"scores": _SCORES > 0}, TypeError, "scores must be a real tensor"),
+        ({"scores": _NAN_SCORES}, ValueError, "scores must be finite"),
+        ({"old_logprobs": torch.randn(3, 5)}, ValueError, "old_logprobs must have the shape"),
+        ({"old_logprobs": torch.zeros(3, 4, dtype=torch.long)}, TypeError, "old_logprobs must be a float"),
+        ({"old_logprobs": torch.full((3, 4), float("-inf"))}, ValueError, "old_logprobs must be finite"),
+        ({"eta": 0.0}, ValueError, "eta must be a finite number > 0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be a finite number > 0"),
+        ({"temperature": "hot"}, TypeError, "temperature must be a number"),
+        ({"reduction": "max"}, ValueError, "reduction must be one of"),
+        ({"anchor": 1}, TypeError, "anchor must be a bool"),
+        ({"backend": "tpu"}, ValueError, "backend must be 'auto' or one of"),
+        ({"logits": _LOGITS[:0], "candidates": _CANDS[:0], "scores": _SCORES[:0]}, ValueError, r"R == 0"),
     ],
 )
-def test_token_tpo_loss_validation(mutate, exc, match):
-    args, kwargs = mutate(*_valid_logits_args())
+def test_token_tpo_loss_validation(change, exc, match):
+    args = {"logits": _LOGITS, "candidates": _CANDS, "scores": _SCORES, **change}
     with pytest.raises(exc, match=match):
-        token_tpo_loss(*args, **kwargs)
+        token_tpo_loss(args.pop("logits"), args.pop("candidates"), args.pop("scores"), **args)
 
 
 @pytest.mark.parametrize(
     "change, exc, match",
     [
         ({"weight": torch.randn(10, 5)}, ValueError, r"weight must have shape \[V, H\] with H=6"),
-        ({"weight": torch.randn(10, 6, dtype=torch.float64)}, TypeError, "weight must have the dtype of hidden"),
+        ({"weight": torch.randn(10, 6).double()}, TypeError, "weight must have the dtype of hidden"),
         ({"bias": torch.randn(9)}, ValueError, r"bias must have shape \[V\]=\(10,\)"),
         ({"bias": torch.randn(10, dtype=torch.float64)}, TypeError, "bias must have the dtype of hidden"),
         ({"hidden": torch.randn(3, 6, 1)}, ValueError, "hidden must be 2-D"),
         ({"candidates": torch.randint(0, 10, (4, 2))}, ValueError, r"R=3 \(the rows of hidden\)"),
         ({"candidates": torch.tensor([[0, 10], [1, 2], [3, 4]])}, ValueError, r"token ids in \[0, 10\)"),
-        ({"scores": torch.tensor([[0.0, float("inf")], [1.0, 2.0], [3.0, 4.0]])}, ValueError, "scores must be finite"),
+        ({"scores": torch.tensor([[0, float("inf")], [1, 2], [3, 4]])}, ValueError, "scores must be finite"),
     ],
 )
 def test_fused_linear_validation(change, exc, match):
@@ -560,8 +572,11 @@ def test_fused_linear_validation(change, exc, match):
         )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_mismatch_is_rejected():
-    logits = torch.randn(3, 10, device="cuda")
-    with pytest.raises(ValueError, match="candidates is on cpu but logits is on cuda"):
-        token_tpo_loss(logits, torch.randint(0, 10, (3, 2)), torch.randn(3, 2, device="cuda"))
+    # The "meta" device stands in for a second device: the checks run before any computation.
+    with pytest.raises(ValueError, match="candidates is on meta but logits is on cpu"):
+        token_tpo_loss(_LOGITS, _CANDS.to("meta"), _SCORES)
+    with pytest.raises(ValueError, match="scores is on meta but logits is on cpu"):
+        token_tpo_loss(_LOGITS, _CANDS, _SCORES.to("meta"))
+    with pytest.raises(ValueError, match="weight is on meta but hidden is on cpu"):
+        fused_linear_token_tpo_loss(torch.randn(3, 6), torch.randn(10, 6, device="meta"), _CANDS, _SCORES)

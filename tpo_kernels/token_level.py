@@ -42,7 +42,9 @@ class TokenObjective:
     """The group stage of token-level TPO: ``[R, K]`` tempered candidate logits -> loss, and the
     incoming loss gradient -> dLoss/d(candidate logits)."""
 
-    def __init__(self, scores: Tensor, old_logprobs: Optional[Tensor], *, eta: float, anchor: bool, reduction: str):
+    def __init__(
+        self, scores: Tensor, old_logprobs: Optional[Tensor], *, eta: float, anchor: bool, reduction: str
+    ):
         self.scores, self.old_logprobs = scores, old_logprobs
         self.eta, self.anchor, self.reduction = eta, anchor, reduction
         self.results: Optional[dict] = None
@@ -76,7 +78,14 @@ class TokenTPOLogitsFunction(torch.autograd.Function):
     """Logits path: candidate gather -> group math -> (backward) candidate scatter."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, candidates: Tensor, objective: TokenObjective, backend: Backend, inv_temperature: float):
+    def forward(
+        ctx,
+        logits: Tensor,
+        candidates: Tensor,
+        objective: TokenObjective,
+        backend: Backend,
+        inv_temperature: float,
+    ):
         cand_logits = backend.candidate_forward(logits, candidates, inv_temperature)
         loss = objective.forward(cand_logits)
         ctx.save_for_backward(candidates)
@@ -168,7 +177,9 @@ def torch_candidate_linear_backward(
         pair_grad = grad.reshape(-1)[order]
         if with_weight:
             states = torch.div(order, candidates.shape[1], rounding_mode="floor")
-            rows = F.embedding_bag(states, hidden.to(acc), offsets[:-1], mode="sum", per_sample_weights=pair_grad)
+            rows = F.embedding_bag(
+                states, hidden.to(acc), offsets[:-1], mode="sum", per_sample_weights=pair_grad
+            )
             dweight = torch.zeros_like(weight)
             dweight[tokens] = rows.to(weight.dtype)
         if with_bias:
@@ -262,7 +273,8 @@ def _prepare_candidates(
     shape = tuple(candidates.shape)
     out_of_range = (candidates < 0) | (candidates >= vocab)
     if bool(out_of_range.any()):
-        raise ValueError(f"candidates must hold token ids in [0, {vocab}); found {candidates[out_of_range][0].item()}")
+        bad = candidates[out_of_range][0].item()
+        raise ValueError(f"candidates must hold token ids in [0, {vocab}); found {bad}")
 
     if not isinstance(scores, Tensor):
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
@@ -345,7 +357,8 @@ def token_tpo_loss(
     return_aux = _check_bool("return_aux", return_aux)
     chosen = get_backend(backend, logits.device)
     candidates, scores, old_logprobs = _prepare_candidates(
-        num_states, vocab, logits.device, compute_dtype(logits.dtype), candidates, scores, old_logprobs, "logits"
+        num_states, vocab, logits.device, compute_dtype(logits.dtype), candidates, scores, old_logprobs,
+        "logits",
     )
     objective = TokenObjective(scores, old_logprobs, eta=eta, anchor=anchor, reduction=reduction)
     loss = TokenTPOLogitsFunction.apply(logits.contiguous(), candidates, objective, chosen, 1.0 / temperature)
@@ -390,7 +403,9 @@ def fused_linear_token_tpo_loss(
     num_states, hidden_size = hidden.shape
     vocab = weight.shape[0]
     if weight.shape[1] != hidden_size:
-        raise ValueError(f"weight must have shape [V, H] with H={hidden_size} (as hidden), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must have shape [V, H] with H={hidden_size} (as hidden), got {tuple(weight.shape)}"
+        )
     if vocab == 0:
         raise ValueError("weight must have a non-empty vocabulary dimension (V >= 1)")
     if weight.dtype != hidden.dtype:
@@ -410,7 +425,8 @@ def fused_linear_token_tpo_loss(
     return_aux = _check_bool("return_aux", return_aux)
     chosen = get_backend(backend, hidden.device)
     candidates, scores, old_logprobs = _prepare_candidates(
-        num_states, vocab, hidden.device, compute_dtype(hidden.dtype), candidates, scores, old_logprobs, "hidden"
+        num_states, vocab, hidden.device, compute_dtype(hidden.dtype), candidates, scores, old_logprobs,
+        "hidden",
     )
     objective = TokenObjective(scores, old_logprobs, eta=eta, anchor=anchor, reduction=reduction)
     loss = FusedLinearTokenTPOFunction.apply(
