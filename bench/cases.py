@@ -562,6 +562,12 @@ def _seq(g, k, t, v, h=None):
     return d
 
 
+def _main(shape: dict, variants=("dense",), with_=()) -> dict:
+    """Mark a grid entry as a case's main shape: extra score variants, and the costly providers
+    (LIMITED_PROVIDERS) that run only there, on its dense variant."""
+    return dict(shape, _variants=list(variants), _with=list(with_))
+
+
 GPU_VOCABS = (32000, 128256, 151936, 262144)
 
 CASES: Dict[str, Case] = {}
@@ -570,6 +576,10 @@ CASES: Dict[str, Case] = {}
 def _register(case: Case):
     CASES[case.name] = case
 
+
+_SPARSE = ("dense", "sparse90")
+_CPU_COSTLY = ("compile", "tpo:torch", "tpo_logits:torch", "torch_lce")  # compile runs on CPU for the logits case only
+_GPU_COSTLY = ("compile",)
 
 _register(
     Case(
@@ -581,14 +591,17 @@ _register(
         _logits_providers(),
         _bandwidth,
         grids={
-            # vocab sweep at M = 2048 and a token sweep at V = 32768; fp32
-            "cpu": [_seq(2, 8, 128, v) for v in (8192, 16384, 32768)] + [_seq(g, 8, 128, 32768) for g in (1, 4)],
-            "quick-cpu": [_seq(1, 8, 64, v) for v in (4096, 16384)],
-            # vocab sweep at M = 16384 (K=8, T=128) and token sweep 4096..32768 at V = 151936; K=16 once
-            "cuda": [_seq(16, 8, 128, v) for v in GPU_VOCABS]
+            # M = G*K*T. CPU: vocab sweep at M = 2048, token sweep at V = 32768
+            "cpu": [_main(_seq(16, 8, 16, 32768), _SPARSE, _CPU_COSTLY)]
+            + [_seq(16, 8, 16, v) for v in (8192, 16384)]
+            + [_seq(g, 8, 16, 32768) for g in (8, 32)],
+            "quick-cpu": [_main(_seq(10, 8, 8, 16384), _SPARSE), _seq(10, 8, 8, 4096), _seq(20, 8, 8, 16384)],
+            # GPU: vocab sweep at M = 16384 (K=8, T=128), token sweep 4096..32768 at V = 151936, K=16 once
+            "cuda": [_main(_seq(16, 8, 128, 151936), _SPARSE, _GPU_COSTLY)]
+            + [_seq(16, 8, 128, v) for v in GPU_VOCABS if v != 151936]
             + [_seq(g, 8, 128, 151936) for g in (4, 8, 32)]
             + [_seq(8, 16, 128, 151936)],
-            "quick-cuda": [_seq(4, 8, 128, v) for v in (32000, 151936)],
+            "quick-cuda": [_main(_seq(4, 8, 128, 151936), _SPARSE), _seq(4, 8, 128, 32000)],
         },
     )
 )
@@ -603,12 +616,14 @@ _register(
         _linear_providers(),
         _flops,
         grids={
-            "cpu": [_seq(2, 8, 128, v, 512) for v in (8192, 32768)] + [_seq(1, 8, 128, 32768, 512)],
-            "quick-cpu": [_seq(1, 8, 64, v, 256) for v in (4096, 16384)],
-            "cuda": [_seq(16, 8, 128, v, 4096) for v in GPU_VOCABS]
+            "cpu": [_main(_seq(8, 8, 16, 32768, 256), _SPARSE, ("tpo:torch", "torch_lce"))]
+            + [_seq(8, 8, 16, 8192, 256), _seq(16, 8, 16, 32768, 256)],
+            "quick-cpu": [_main(_seq(10, 8, 8, 16384, 256), _SPARSE), _seq(10, 8, 8, 4096, 256)],
+            "cuda": [_main(_seq(16, 8, 128, 151936, 4096), _SPARSE, _GPU_COSTLY)]
+            + [_seq(16, 8, 128, v, 4096) for v in GPU_VOCABS if v != 151936]
             + [_seq(g, 8, 128, 151936, 4096) for g in (4, 8, 32)]
             + [_seq(16, 8, 128, 151936, 2048), _seq(8, 16, 128, 151936, 4096)],
-            "quick-cuda": [_seq(4, 8, 128, v, 2048) for v in (32000, 151936)],
+            "quick-cuda": [_main(_seq(4, 8, 128, 151936, 2048), _SPARSE), _seq(4, 8, 128, 32000, 2048)],
         },
     )
 )
@@ -623,12 +638,14 @@ _register(
         _token_providers(),
         None,
         grids={
-            "cpu": [{"R": 1024, "K": 8, "H": 512, "V": v} for v in (8192, 32768)] + [{"R": 512, "K": 8, "H": 512, "V": 32768}],
-            "quick-cpu": [{"R": 256, "K": 8, "H": 256, "V": v} for v in (4096, 16384)],
-            "cuda": [{"R": 8192, "K": 8, "H": 4096, "V": v} for v in GPU_VOCABS]
+            "cpu": [_main({"R": 1024, "K": 8, "H": 256, "V": 32768}, with_=("tpo:torch", "tpo_logits:torch"))]
+            + [{"R": 1024, "K": 8, "H": 256, "V": 8192}, {"R": 2048, "K": 8, "H": 256, "V": 32768}],
+            "quick-cpu": [_main({"R": 256, "K": 8, "H": 256, "V": 16384}), {"R": 256, "K": 8, "H": 256, "V": 4096}],
+            "cuda": [_main({"R": 8192, "K": 8, "H": 4096, "V": 151936}, with_=_GPU_COSTLY)]
+            + [{"R": 8192, "K": 8, "H": 4096, "V": v} for v in GPU_VOCABS if v != 151936]
             + [{"R": r, "K": 8, "H": 4096, "V": 151936} for r in (4096, 16384)]
             + [{"R": 8192, "K": 16, "H": 4096, "V": 151936}, {"R": 8192, "K": 8, "H": 2048, "V": 151936}],
-            "quick-cuda": [{"R": 2048, "K": 8, "H": 2048, "V": v} for v in (32000, 151936)],
+            "quick-cuda": [_main({"R": 2048, "K": 8, "H": 2048, "V": 151936}), {"R": 2048, "K": 8, "H": 2048, "V": 32000}],
         },
     )
 )
@@ -643,10 +660,10 @@ _register(
         _token_logits_providers(),
         None,
         grids={
-            "cpu": [{"R": 2048, "K": 8, "V": v} for v in (8192, 32768)],
-            "quick-cpu": [{"R": 512, "K": 8, "V": 16384}],
-            "cuda": [{"R": 16384, "K": 8, "V": v} for v in (32000, 151936)] + [{"R": 16384, "K": 16, "V": 151936}],
-            "quick-cuda": [{"R": 4096, "K": 8, "V": 151936}],
+            "cpu": [_main({"R": 2048, "K": 8, "V": 32768}), {"R": 2048, "K": 8, "V": 8192}],
+            "quick-cpu": [_main({"R": 512, "K": 8, "V": 16384})],
+            "cuda": [_main({"R": 16384, "K": 8, "V": 151936}, with_=_GPU_COSTLY), {"R": 16384, "K": 8, "V": 32000}, {"R": 16384, "K": 16, "V": 151936}],
+            "quick-cuda": [_main({"R": 4096, "K": 8, "V": 151936})],
         },
     )
 )
@@ -661,10 +678,12 @@ _register(
         _logprobs_providers(),
         _bandwidth,
         grids={
-            "cpu": [{"M": 2048, "V": v} for v in (8192, 32768)] + [{"M": 8192, "V": 32768}],
-            "quick-cpu": [{"M": 512, "V": 16384}],
-            "cuda": [{"M": 16384, "V": v} for v in GPU_VOCABS] + [{"M": m, "V": 151936} for m in (4096, 32768)],
-            "quick-cuda": [{"M": 4096, "V": 151936}],
+            "cpu": [_main({"M": 2048, "V": 32768}, with_=("tpo:torch",)), {"M": 2048, "V": 8192}, {"M": 8192, "V": 32768}],
+            "quick-cpu": [_main({"M": 512, "V": 16384})],
+            "cuda": [_main({"M": 16384, "V": 151936}, with_=_GPU_COSTLY)]
+            + [{"M": 16384, "V": v} for v in GPU_VOCABS if v != 151936]
+            + [{"M": m, "V": 151936} for m in (4096, 32768)],
+            "quick-cuda": [_main({"M": 4096, "V": 151936})],
         },
     )
 )
@@ -676,11 +695,18 @@ DEFAULT_PROVIDERS = {
     "cuda": ["tpo:cuda", "tpo:triton", "tpo_logits:cuda", "tpo_logits:triton", "naive", "compile", "torch_lce", "cce", "liger", "matmul4"],
 }
 QUICK_PROVIDERS = {
-    "cpu": ["tpo:cpu", "tpo:torch", "naive", "torch_lce"],
+    "cpu": ["tpo:cpu", "tpo:torch", "naive"],
     "cuda": ["tpo:cuda", "tpo:triton", "naive", "torch_lce", "matmul4"],
 }
-# variants run by default per case (sparse90 only where zero-signal skipping changes the work)
-DEFAULT_VARIANTS = {"logits": ("dense", "sparse90"), "fused_linear": ("dense", "sparse90")}
+# costly providers that the default grids run only at a case's main shape (dense variant)
+# (torch_lce: F.linear_cross_entropy's chunked path took 15-40 s per fwd+bwd at M=1024-2048, H=256,
+# V=32768 fp32 on the 2-core machine under load, 15x its options=None reference path)
+LIMITED_PROVIDERS = {"cpu": set(_CPU_COSTLY), "cuda": set(_GPU_COSTLY)}
+# modes of the default grids (any subset can be asked for with --mode)
+DEFAULT_MODES = {
+    "cpu": {"logits": MODES},
+    "cuda": {"logits": MODES, "fused_linear": MODES, "logprobs": MODES},
+}
 
 
 def select_providers(case: Case, patterns: Optional[Sequence[str]], device_type: str, quick: bool) -> List[Provider]:

@@ -59,9 +59,7 @@ log "env: $(grep -E '^(torch|device:)' "$OUT/env.txt" | tr '\n' ' ')"
 # 1. build the extensions in place (CUDA targets: only this GPU's arch, to keep nvcc short)
 if [ -f setup.py ]; then
   ARCH="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")' 2>/dev/null || echo 90)"
-  export TPO_KERNELS_CUDA_ARCHS="${TPO_KERNELS_CUDA_ARCHS:-$ARCH}"
-  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH:0:1}.${ARCH:1}}"
-  export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+  export TPO_CUDA_ARCHS="${TPO_CUDA_ARCHS:-$ARCH}"
   log "building extensions (setup.py build_ext --inplace, arch sm_$ARCH)"
   if timeout 240 "$PY" setup.py build_ext --inplace -j "$(nproc)" >> "$OUT/build.log" 2>&1 \
      || timeout 240 "$PY" setup.py build_ext --inplace >> "$OUT/build.log" 2>&1; then

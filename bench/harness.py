@@ -61,8 +61,29 @@ def rss_bytes() -> int:
     return kb * 1024
 
 
+def _malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so RSS reflects live allocations."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        try:
+            _LIBC.malloc_trim(0)
+        except AttributeError:
+            pass
+
+
+_LIBC = None
+
+
 def reset_peak_rss() -> bool:
     """Reset the kernel's RSS high-water mark to the current RSS (Linux >= 4.0)."""
+    _malloc_trim()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -159,12 +180,18 @@ def measure(spec: dict) -> list:
             memory_note = None if can_reset else "VmHWM reset unavailable: peak since process start"
         inputs = case.make_inputs(spec["shape"], dtype, device, spec["variant"], spec["seed"])
         runner = provider.build(inputs, spec["shape"])
+        check_s = None
         if spec.get("check") and hasattr(runner, "check"):
+            t0 = time.perf_counter()
             check = runner.check()
-            # the check may have overwritten in-place buffers: rebuild from fresh inputs
-            del runner
-            inputs = case.make_inputs(spec["shape"], dtype, device, spec["variant"], spec["seed"])
-            runner = provider.build(inputs, spec["shape"])
+            _sync(device)
+            check_s = time.perf_counter() - t0
+            if spec["modes"][0] != "full":
+                # the check may have overwritten in-place buffers: rebuild from fresh inputs
+                del runner
+                inputs = case.make_inputs(spec["shape"], dtype, device, spec["variant"], spec["seed"])
+                runner = provider.build(inputs, spec["shape"])
+                check_s = None
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
         tb = traceback.format_exc(limit=8)
@@ -176,10 +203,12 @@ def measure(spec: dict) -> list:
         if memory_note:
             result["memory_note"] = memory_note
         try:
+            # a check run (one forward+backward) doubles as the first warm-up run of "full"
+            credit = 1 if (check_s is not None and mode == "full" and mode == spec["modes"][0]) else 0
             t0 = time.perf_counter()
-            warm = timer.run(runner, mode, max(1, spec["warmup"]))
+            warm = timer.run(runner, mode, max(1, spec["warmup"]) - credit)
             warm_wall = time.perf_counter() - t0
-            est = min(warm) if warm else warm_wall
+            est = min(warm) if warm else (check_s if credit else warm_wall)
             reps = int(max(spec["min_reps"], min(spec["max_reps"], spec["target_time"] / max(est, 1e-6))))
             gc.collect()
             _sync(device)
@@ -196,7 +225,7 @@ def measure(spec: dict) -> list:
             result.update(
                 status="ok",
                 reps=len(times),
-                warmup=len(warm),
+                warmup=len(warm) + credit,
                 time_s={
                     "median": statistics.median(times),
                     "min": min(times),

@@ -84,14 +84,14 @@ def _match(name, patterns):
 
 
 def plan(args, device):
-    """-> (specs, skipped, targets, title, timing defaults)."""
+    """-> (specs, skipped, targets, title)."""
     from . import cases as C
 
     specs, skipped, targets = [], [], []
     providers_arg, exclude = _csv(args.providers), _csv(args.exclude) or []
     dtypes_arg, variants_arg, modes_arg = _csv(args.dtype), _csv(args.variant), _csv(args.mode)
     shapes_arg = [C.parse_shape(s) for s in (args.shape or [])]
-    jobs = []  # (device, Job)
+    jobs = []  # (device, Job, uses the built-in grid)
     presets = _csv(args.preset)
     if presets:
         for name in presets:
@@ -99,33 +99,37 @@ def plan(args, device):
                 raise SystemExit(f"unknown preset {name!r}; presets: {', '.join(C.PRESETS)}")
             pre = C.PRESETS[name]
             pdev = device if pre.device == "any" else _preset_device(pre.device)
+            targets += pre.targets
             if pdev is None:
                 for job in pre.jobs:
                     skipped.append({"case": job.case, "provider": "*", "reason": f"preset {name} needs a CUDA device; none here"})
-                targets += pre.targets
                 continue
-            for job in pre.jobs:
-                jobs.append((pdev, job))
-            targets += pre.targets
+            jobs += [(pdev, job, False) for job in pre.jobs]
         title = "preset " + ", ".join(presets)
     else:
         names = _csv(args.case) or list(C.CASES)
         for n in names:
             if n not in C.CASES:
                 raise SystemExit(f"unknown case {n!r}; cases: {', '.join(C.CASES)}")
-        grid_key = ("quick-" if args.quick else "") + ("cuda" if device.type == "cuda" else "cpu")
+        dkind = "cuda" if device.type == "cuda" else "cpu"
+        grid_key = ("quick-" if args.quick else "") + dkind
         for n in names:
             case = C.CASES[n]
-            shapes = [s for s in shapes_arg if set(s) >= set(case.params) or ("M" in s and set(case.params) == {"M", "V"})] if shapes_arg else case.grids[grid_key]
-            if shapes_arg and not shapes:
-                raise SystemExit(f"--shape for case {n!r} needs the keys {case.params}")
-            provs = [p.name for p in C.select_providers(case, None, device.type, args.quick)]
-            modes = ["full"] if args.quick else list(C.MODES)
-            jobs.append((device, C.Job(n, shapes, ["fp32" if device.type == "cpu" else "bf16"], list(C.DEFAULT_VARIANTS.get(n, ("dense",))), provs, modes)))
+            if shapes_arg:
+                shapes = [s for s in shapes_arg if set(case.params) <= set(s)]
+                if not shapes:
+                    raise SystemExit(f"--shape for case {n!r} needs the keys {','.join(case.params)}")
+            else:
+                shapes = case.grids[grid_key]
+            provs = [p.name for p in C.select_providers(case, None, dkind, args.quick)]
+            modes = ["full"] if args.quick else list(C.DEFAULT_MODES[dkind].get(n, ("full",)))
+            dtype = "fp32" if dkind == "cpu" else "bf16"
+            jobs.append((device, C.Job(n, shapes, [dtype], ["dense"], provs, modes), not shapes_arg))
         title = ("quick" if args.quick else "default grid") + f" on {device.type}"
 
-    for dev, job in jobs:
+    for job_index, (dev, job, builtin_grid) in enumerate(jobs):
         case = C.CASES[job.case]
+        limited = C.LIMITED_PROVIDERS["cuda" if dev.type == "cuda" else "cpu"] if (builtin_grid and not providers_arg) else set()
         names = [p.name for p in case.providers if _match(p.name, providers_arg or job.providers)]
         names = [n for n in names if not _match(n, exclude)]
         for pname in names:
@@ -135,12 +139,14 @@ def plan(args, device):
                 if not any(s["case"] == job.case and s["provider"] == pname for s in skipped):
                     skipped.append({"case": job.case, "provider": pname, "reason": reason})
                 continue
-            for shape in ([s for s in shapes_arg] if (presets and shapes_arg) else job.shapes):
-                variants = variants_arg or shape.get("_variants") or job.variants
-                shape = {k: v for k, v in shape.items() if not k.startswith("_")}
+            shapes = shapes_arg if (presets and shapes_arg) else job.shapes
+            for shape_index, raw in enumerate(shapes):
+                variants = variants_arg or raw.get("_variants") or job.variants
+                shape = {k: v for k, v in raw.items() if not k.startswith("_")}
                 for dtype in dtypes_arg or job.dtypes:
-                    for variant in variants:
-                        modes = [m for m in C.MODES if m in (modes_arg or job.modes)]
+                    for variant_index, variant in enumerate(variants):
+                        if pname in limited and (pname not in raw.get("_with", ()) or variant != "dense"):
+                            continue
                         specs.append(
                             {
                                 "case": job.case,
@@ -148,20 +154,22 @@ def plan(args, device):
                                 "dtype": dtype,
                                 "variant": variant,
                                 "provider": pname,
-                                "modes": modes,
+                                "modes": [m for m in C.MODES if m in (modes_arg or job.modes)],
                                 "device": str(dev),
                                 "seed": args.seed,
                                 "check": prov.role != "floor",
+                                # presets run job by job; the built-in grids run every case's main shape first
+                                "_order": ((job_index, shape_index) if presets else (shape_index, job_index))
+                                + (dtype, variant_index, _ROLE_ORDER.get(prov.role, 9)),
                             }
                         )
-    # order: by case, shape, dtype, variant, then reference first (its check is what others compare to)
-    order = {"reference": 0, "ours": 1, "floor": 2, "baseline": 3}
-    key_index = {}
+    specs.sort(key=lambda s: s["_order"])
     for s in specs:
-        key_index.setdefault((s["case"], json.dumps(s["shape"], sort_keys=True), s["dtype"], s["variant"]), len(key_index))
-    specs.sort(key=lambda s: (key_index[(s["case"], json.dumps(s["shape"], sort_keys=True), s["dtype"], s["variant"])],
-                              order.get(C.CASES[s["case"]].provider(s["provider"]).role, 9)))
+        del s["_order"]
     return specs, skipped, targets, title
+
+
+_ROLE_ORDER = {"reference": 0, "ours": 1, "floor": 2, "baseline": 3}
 
 
 def _preset_device(kind):
@@ -320,6 +328,9 @@ def _main(args, argv, device) -> int:
     out_dir = os.path.abspath(args.out or os.path.join(REPO_ROOT, "bench", "out", run_name))
     os.makedirs(out_dir, exist_ok=True)
     isolate = args.isolate
+    if args.budget is None and not args.preset and not args.quick and not args.shape and device.type == "cpu":
+        args.budget = 540.0  # the default CPU run promises to finish in under 10 minutes
+        print("default CPU grid: new measurements stop after 540 s (--budget to change)", flush=True)
     devices = {s["device"] for s in specs}
     use_cuda = any(d.startswith("cuda") for d in devices)
     if isolate is None:
