@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpo_kernels import reference
+from tpo_kernels import fused_linear, reference
 from tpo_kernels.fused_linear import fused_linear_logprobs, fused_linear_tpo_loss
 
 from _batches import DEVICE, backend_param, make_batch
@@ -68,15 +68,62 @@ def _loss_and_grads(loss_fn, h, w, b, reference_dtype=None):
 
 def _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=torch.float64, **fused_kwargs):
     loss, grads = _loss_and_grads(
-        lambda h_, w_, b_: fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend=backend, **kwargs, **fused_kwargs),
+        lambda h_, w_, b_: fused_linear_tpo_loss(
+            h_, w_, labels, scores, bias=b_, backend=backend, **kwargs, **fused_kwargs
+        ),
         h, w, b,
     )
     ref_loss, ref_grads = _loss_and_grads(
-        lambda logits: reference.tpo_loss(logits, labels, scores.to(reference_dtype), **kwargs), h, w, b, reference_dtype
+        lambda logits: reference.tpo_loss(logits, labels, scores.to(reference_dtype), **kwargs),
+        h, w, b, reference_dtype,
     )
     torch.testing.assert_close(loss, ref_loss.to(loss.dtype), **tol)
     for grad, ref_grad in zip(grads, ref_grads):
         torch.testing.assert_close(grad.float(), ref_grad.float(), **tol)
+
+
+_MATMULS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
+    torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
+}
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records the operand shapes of every matrix multiply dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS:
+            operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+            self.shapes.append([tuple(a.shape) for a in operands[-2:]])
+        return func(*args, **kwargs)
+
+    def token_rows(self, hidden_size, vocab_size):
+        """Tokens each recorded product handles: the one operand dim that is neither H nor V."""
+        rows = []
+        for (a, inner), (_, c) in self.shapes:
+            (dim,) = [d for d in (a, inner, c) if d not in (hidden_size, vocab_size)]
+            rows.append(dim)
+        return rows
+
+
+class LargestOutput(TorchDispatchMode):
+    """Largest number of elements of any tensor an op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,6 +161,20 @@ def test_kl_penalty_temperature_and_eta_match_reference(backend, reduction, layo
 def test_bf16_matches_reference_on_the_same_rounded_logits(backend, layout):
     h, w, b, labels, scores, kwargs = _batch(layout=layout, old="token", dtype=torch.bfloat16)
     _check_tpo(backend, h, w, b, labels, scores, kwargs, BF16_TOL, reference_dtype=torch.bfloat16, chunk_size=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, accum", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum, monkeypatch):
+    # A wider accumulator than the weight dtype is kept per vocabulary block; a budget of 10
+    # vocabulary rows splits V=37 into 4 blocks.
+    monkeypatch.setattr(fused_linear, "_ACCUM_BYTES", 10 * HIDDEN * (torch.finfo(accum).bits // 8))
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="token", with_ref=True, dtype=dtype)
+    tol, reference_dtype = (FP32_TOL, torch.float64) if dtype == torch.float32 else (BF16_TOL, torch.bfloat16)
+    with MatmulRecorder() as recorder:
+        _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=reference_dtype, chunk_size=3,
+                   grad_accum_dtype=accum)
+    assert any(operands[1] == (HIDDEN, 10) for operands in recorder.shapes)  # a block's recompute ran
 
 
 @pytest.mark.parametrize("backend", INTERPRETED)
@@ -164,7 +225,11 @@ def test_logprobs_gradcheck_float64(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS + INTERPRETED)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_logprobs_and_entropy_match_reference(backend, temperature):
+@pytest.mark.parametrize("vocab_blocks", [False, True])
+def test_logprobs_and_entropy_match_reference(backend, temperature, vocab_blocks, monkeypatch):
+    accum = torch.float64 if vocab_blocks else torch.float32
+    if vocab_blocks:  # the entropy term of dz, block by block: 8 vocabulary rows of fp64 per block
+        monkeypatch.setattr(fused_linear, "_ACCUM_BYTES", 8 * HIDDEN * 8)
     h, w, b = _head((3, 4))
     labels = torch.randint(0, VOCAB, (3, 4), device=DEVICE)
     labels[1, 2] = -100
@@ -172,8 +237,8 @@ def test_logprobs_and_entropy_match_reference(backend, temperature):
     for fused in (True, False):
         hh, ww, bb = _leaves(h, w, b)
         if fused:
-            lp, ent = fused_linear_logprobs(hh, ww, labels, bias=bb, temperature=temperature,
-                                            return_entropy=True, backend=backend, chunk_size=5)
+            lp, ent = fused_linear_logprobs(hh, ww, labels, bias=bb, temperature=temperature, return_entropy=True,
+                                            backend=backend, chunk_size=5, grad_accum_dtype=accum)
         else:
             logits = hh.double() @ ww.double().T + bb.double()
             lp, ent = reference.selective_logprobs(logits, labels, temperature=temperature, return_entropy=True)
@@ -211,37 +276,10 @@ def test_chunk_size_invariance(backend):
             torch.testing.assert_close(grad, grad0, atol=1e-5, rtol=1e-5)
 
 
-_MATMULS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
-    torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
-}
-
-
-class MatmulRecorder(TorchDispatchMode):
-    """Records the operand shapes of every matrix multiply dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _MATMULS:
-            operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
-            self.shapes.append([tuple(a.shape) for a in operands[-2:]])
-        return func(*args, **kwargs)
-
-    def token_rows(self, hidden_size, vocab_size):
-        """Tokens each recorded product handles: the one operand dim that is neither H nor V."""
-        rows = []
-        for (a, inner), (_, c) in self.shapes:
-            (dim,) = [d for d in (a, inner, c) if d not in (hidden_size, vocab_size)]
-            rows.append(dim)
-        return rows
-
-
 def _tied_batch(tie_groups, **kwargs):
-    h, w, b, labels, scores, loss_kwargs = _batch(num_groups=3, group_size=2, max_len=5, tie_groups=tie_groups, **kwargs)
+    h, w, b, labels, scores, loss_kwargs = _batch(
+        num_groups=3, group_size=2, max_len=5, tie_groups=tie_groups, **kwargs
+    )
     return _leaves(h, w, b), labels, scores, loss_kwargs
 
 
@@ -282,26 +320,11 @@ def test_only_the_gradients_asked_for_are_computed(backend):
     loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4, **kwargs)
     with MatmulRecorder() as recorder:
         (grad_w,) = torch.autograd.grad(loss, (w,))
-    # No dH product: per chunk only the recompute and dW.
-    chunks = len(recorder.shapes) // 2
-    assert len(recorder.shapes) == 2 * chunks and chunks > 0
+    # No dH product: per chunk of 4 active tokens only the recompute and dW.
+    active = int((labels != -100).sum())
+    assert len(recorder.shapes) == 2 * -(-active // 4)
     ref = torch.autograd.grad(reference.tpo_loss(h @ w.T + b, labels, scores, **kwargs), (w,))[0]
     torch.testing.assert_close(grad_w, ref, **FP32_TOL)
-
-
-class LargestOutput(TorchDispatchMode):
-    """Largest number of elements of any tensor an op produces while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -338,7 +361,8 @@ def test_bad_inputs_name_the_argument():
     def call(**overrides):
         args = dict(hidden=h, weight=w, labels=labels, scores=scores, bias=b, **kwargs)
         args.update(overrides)
-        return fused_linear_tpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"), args.pop("scores"), **args)
+        hidden, weight = args.pop("hidden"), args.pop("weight")
+        return fused_linear_tpo_loss(hidden, weight, args.pop("labels"), args.pop("scores"), **args)
 
     with pytest.raises(ValueError, match="weight must have shape"):
         call(weight=w[:, :-1])

@@ -11,12 +11,15 @@ linear layer::
 
     dH[rows] = dz @ W          dW += dz.T @ h[rows]          db += dz.sum(0)
 
-Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all.
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. When ``dW``
+is accumulated in a dtype wider than the weight's (fp32 for a bf16 head), the backward also cuts
+the vocabulary into blocks so that this accumulator stays small; the forward's logsumexp covers the
+whole vocabulary, so each block's softmax is exact.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,6 +43,9 @@ from .backends import Backend, compute_dtype, get_backend
 _CHUNK_BYTES = {"cuda": 512 << 20}
 _CHUNK_BYTES_DEFAULT = 16 << 20
 _CHUNK_ALIGN = 16  # rows; keeps matmul tiles full
+# Largest weight-gradient accumulator kept in a dtype wider than the weight's (e.g. fp32 for a
+# bf16 lm_head); larger heads accumulate one vocabulary block at a time.
+_ACCUM_BYTES = 256 << 20
 
 
 def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -53,10 +59,11 @@ def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> 
 
 
 class LinearRows:
-    """One linear head applied to a flat token matrix, chunk by chunk.
+    """One linear head applied to a flat token matrix, one tile of logits at a time.
 
     ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None, all of
-    one dtype; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count.
+    one dtype; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A tile
+    never holds more than ``chunk_size * V`` logits.
     """
 
     def __init__(
@@ -72,40 +79,40 @@ class LinearRows:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature, self.chunk_size = backend, inv_temperature, chunk_size
 
-    def _chunks(self, selected: Tensor) -> Iterator[Union[slice, Tensor]]:
-        """Row indices of the ``selected`` ([M] bool) rows, in ascending order, ``chunk_size`` at a
+    @staticmethod
+    def _row_chunks(selected: Tensor, chunk_size: int) -> List[Union[slice, Tensor]]:
+        """Row indices of the ``selected`` ([M] bool) rows in ascending order, ``chunk_size`` at a
         time: slices when every row is selected (no gather), index tensors otherwise."""
         num_rows = selected.numel()
         rows = torch.nonzero(selected).squeeze(1)
         if rows.numel() == num_rows:
-            for start in range(0, num_rows, self.chunk_size):
-                yield slice(start, min(start + self.chunk_size, num_rows))
-        elif rows.numel() > 0:
-            yield from rows.split(self.chunk_size)
+            return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
+        return list(rows.split(chunk_size)) if rows.numel() > 0 else []
 
-    def _logits(self, h_rows: Tensor, buffer: Tensor) -> Tensor:
-        """``h_rows @ W.T (+ b)`` written into the head of the reusable chunk buffer."""
-        out = buffer[: h_rows.shape[0]]
+    def _logits(self, h_rows: Tensor, vocab: slice, buffer: Tensor) -> Tensor:
+        """``h_rows @ W[vocab].T (+ b[vocab])`` written into a contiguous view of the buffer."""
+        weight = self.weight[vocab]
+        out = buffer[: h_rows.shape[0] * weight.shape[0]].view(h_rows.shape[0], weight.shape[0])
         if self.bias is None:
-            return torch.mm(h_rows, self.weight.t(), out=out)
-        return torch.addmm(self.bias, h_rows, self.weight.t(), out=out)
+            return torch.mm(h_rows, weight.t(), out=out)
+        return torch.addmm(self.bias[vocab], h_rows, weight.t(), out=out)
 
-    def _buffer(self, num_rows: int) -> Tensor:
-        rows = min(self.chunk_size, max(num_rows, 1))
-        return self.hidden.new_empty(rows, self.weight.shape[0])
+    def _buffer(self, rows: int, vocab: int) -> Tensor:
+        return self.hidden.new_empty(max(rows, 1) * vocab)
 
     def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """Per-row ``(lse, target, entropy | None)`` of the tempered logits, in the compute dtype;
         0 on rows that do not count (their logits are never computed)."""
-        num_rows = self.hidden.shape[0]
+        num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         acc = compute_dtype(self.hidden.dtype)
         lse = self.hidden.new_zeros(num_rows, dtype=acc)
         target = torch.zeros_like(lse)
         entropy = torch.zeros_like(lse) if with_entropy else None
         counted = self.labels >= 0
-        buffer = self._buffer(int(counted.sum()))
-        for rows in self._chunks(counted):
-            logits = self._logits(self.hidden[rows], buffer)
+        chunks = self._row_chunks(counted, self.chunk_size)
+        buffer = self._buffer(min(self.chunk_size, int(counted.sum())), vocab_size)
+        for rows in chunks:
+            logits = self._logits(self.hidden[rows], slice(None), buffer)
             chunk_lse, chunk_target, chunk_entropy = self.backend.row_forward(
                 logits, self.labels[rows], self.inv_temperature, with_entropy
             )
@@ -126,48 +133,81 @@ class LinearRows:
         """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
         per-row gradients of the log-probs and entropies (both 0 on rows that do not count).
 
-        Rows where both are exactly 0 are skipped: no recompute, no matmul. ``dW`` and ``db`` are
-        accumulated over chunks in ``grad_accum_dtype``.
+        Rows where both are exactly 0 are skipped: no recompute, no matmul. Tiles are vocabulary
+        blocks (outer) times token chunks (inner). ``dW`` and ``db`` are summed over token chunks
+        in ``grad_accum_dtype``; when that is wider than the weight dtype, the vocabulary is cut in
+        blocks whose accumulator fits ``_ACCUM_BYTES``, and ``dH`` is then summed over blocks in
+        that dtype too.
         """
         need_hidden, need_weight, need_bias = needs_grad
         hidden, weight = self.hidden, self.weight
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = weight.new_zeros(weight.shape, dtype=grad_accum_dtype) if need_weight else None
-        grad_bias = weight.new_zeros(weight.shape[0], dtype=grad_accum_dtype) if need_bias else None
+        vocab_size, hidden_size = weight.shape
+        if grad_accum_dtype == weight.dtype:
+            vocab_block = vocab_size  # the output itself is the accumulator
+        else:
+            itemsize = torch.finfo(grad_accum_dtype).bits // 8
+            vocab_block = max(1, min(vocab_size, _ACCUM_BYTES // (itemsize * max(hidden_size, 1))))
+        # Same logits budget as the forward: narrower tiles take more tokens.
+        token_block = max(1, self.chunk_size * vocab_size // vocab_block)
+        # dH sums over vocabulary blocks in the accumulation dtype; with one block it is written once.
+        if vocab_block == vocab_size:
+            hidden_accum = hidden.dtype
+        else:
+            hidden_accum = torch.promote_types(grad_accum_dtype, hidden.dtype)
+
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
         active = grad_logprob != 0
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
-        buffer = None
-        for rows in self._chunks(active):
-            if buffer is None:
-                buffer = self._buffer(int(active.sum()))
-            h_rows = hidden[rows]
-            # dz, written in place over the recomputed logits: the chunk buffer is ours.
-            dlogits = self._logits(h_rows, buffer)
-            self.backend.row_backward(
-                dlogits,
-                self.labels[rows],
-                lse[rows],
-                grad_logprob[rows],
-                None if grad_entropy is None else grad_entropy[rows],
-                None if entropy is None else entropy[rows],
-                self.inv_temperature,
-                dlogits,
-            )
-            if need_hidden:
-                grad_hidden[rows] = dlogits @ weight
-            if need_weight:
-                if grad_weight.dtype == dlogits.dtype:
-                    grad_weight.addmm_(dlogits.t(), h_rows)
-                else:  # product in the input dtype, sum over chunks in the accumulation dtype
-                    grad_weight += dlogits.t() @ h_rows
-            if need_bias:
-                grad_bias += dlogits.sum(dim=0, dtype=grad_accum_dtype)
+        chunks = self._row_chunks(active, token_block)
+        if chunks:  # else every row has zero signal: zero gradients, no matmul
+            buffer = self._buffer(min(token_block, int(active.sum())), vocab_block)
+            block_accum = None
+            if need_weight and grad_accum_dtype != weight.dtype:
+                block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
+            for start in range(0, vocab_size, vocab_block):
+                vocab = slice(start, min(start + vocab_block, vocab_size))
+                if need_weight:
+                    dw = grad_weight[vocab] if block_accum is None else block_accum[: vocab.stop - start].zero_()
+                for rows in chunks:
+                    h_rows = hidden[rows]
+                    dlogits = self._block_grad(h_rows, rows, vocab, buffer, lse, grad_logprob, grad_entropy, entropy)
+                    if need_hidden:
+                        grad_hidden[rows] += dlogits @ weight[vocab]
+                    if need_weight:
+                        if dw.dtype == dlogits.dtype:
+                            dw.addmm_(dlogits.t(), h_rows)
+                        else:  # product in the input dtype, sum over chunks in the accumulation dtype
+                            dw += dlogits.t() @ h_rows
+                    if need_bias:
+                        grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
+                if block_accum is not None:
+                    grad_weight[vocab] = dw
         return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            grad_weight,
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
+
+    def _block_grad(self, h_rows, rows, vocab: slice, buffer, lse, grad_logprob, grad_entropy, entropy) -> Tensor:
+        """dz for one tile (token rows x vocabulary block), written in place over the recomputed
+        logits in the buffer. ``lse`` covers the whole vocabulary, so a block's softmax is exact."""
+        dlogits = self._logits(h_rows, vocab, buffer)
+        labels = self.labels[rows] - vocab.start  # label ids local to the block, -1 outside it
+        labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
+        self.backend.row_backward(
+            dlogits,
+            labels,
+            lse[rows],
+            grad_logprob[rows],
+            None if grad_entropy is None else grad_entropy[rows],
+            None if entropy is None else entropy[rows],
+            self.inv_temperature,
+            dlogits,
+        )
+        return dlogits
 
 
 class FusedLinearTPOFunction(torch.autograd.Function):
@@ -344,6 +384,8 @@ def fused_linear_tpo_loss(
             on CUDA, 16 MiB on CPU).
         grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over chunks (float32 by
             default; pass the weight dtype to save memory); never narrower than the weight's.
+            When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
+            block of at most 256 MiB at a time and ``dH`` is summed over the blocks in that dtype.
 
     The backward recomputes the logits of the tokens whose loss gradient is nonzero; tokens of
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
