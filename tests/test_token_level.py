@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tpo_kernels.backends.candidates as candidate_ops
 import tpo_kernels.token_level as token_level
 from tpo_kernels import reference
 from tpo_kernels.backends import Backend, backend_status, triton_interpreter_enabled
@@ -346,8 +347,8 @@ def test_torch_weight_gradient_sums_pairs_in_order():
     gen = torch.Generator().manual_seed(11)
     hidden, weight, _, cands, _ = _linear_inputs(torch.float64, False, gen, num_states=7, vocab=6)
     grad = torch.randn(cands.shape, generator=gen, dtype=torch.float64)
-    runs = token_level.pair_runs(cands)
-    dhidden, dweight, dbias = token_level.torch_candidate_linear_backward(
+    runs = candidate_ops.pair_runs(cands)
+    dhidden, dweight, dbias = candidate_ops.candidate_linear_backward(
         grad, hidden, weight, cands, runs, True, True, True
     )
     expected_w = torch.zeros_like(weight)
@@ -419,14 +420,14 @@ def test_triton_linear_kernels_match_torch_ops(dtype):
     )
     hidden, weight, bias, cands = (t.to(DEVICE) for t in (hidden, weight, bias, cands))
     got = candidate_kernels.candidate_linear_forward(hidden, weight, bias, cands, 0.8)
-    expected = token_level.torch_candidate_linear_forward(hidden, weight, bias, cands, 0.8)
+    expected = candidate_ops.candidate_linear_forward(hidden, weight, bias, cands, 0.8)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     grad = torch.randn(cands.shape, generator=gen, dtype=dtype).to(DEVICE)
-    runs = token_level.pair_runs(cands)
+    runs = candidate_ops.pair_runs(cands)
     for flags in ((True, True, True), (False, False, True), (True, False, False)):
         got = candidate_kernels.candidate_linear_backward(grad, hidden, weight, cands, runs, *flags)
-        expected = token_level.torch_candidate_linear_backward(grad, hidden, weight, cands, runs, *flags)
+        expected = candidate_ops.candidate_linear_backward(grad, hidden, weight, cands, runs, *flags)
         for a, b in zip(got, expected):
             assert (a is None) == (b is None)
             if a is not None:

@@ -2,11 +2,15 @@
 
 Public API::
 
-    tpo_loss(logits, labels, scores, *, group_size=..., ...)   sequence-level TPO on logits
-    selective_logprobs(logits, labels, ...)                     per-token log-probs (+ entropy)
-    TPOLoss                                                     nn.Module form
-    backend_status()                                            which backends run here
-    reference                                                   plain-PyTorch ground truth
+    tpo_loss(logits, labels, scores, ...)                        sequence-level TPO on logits
+    fused_linear_tpo_loss(hidden, weight, labels, scores, ...)   same on hidden @ weight.T, chunked
+    token_tpo_loss(logits, candidates, scores, ...)              token-level TPO, K candidates per state
+    fused_linear_token_tpo_loss(hidden, weight, candidates, ...) same from hidden states, O(R*K*H)
+    selective_logprobs(logits, labels, ...)                      per-token log-probs (+ entropy)
+    fused_linear_logprobs(hidden, weight, labels, ...)           same without materialized logits
+    TPOLoss, FusedLinearTPOLoss, TokenTPOLoss, FusedLinearTokenTPOLoss   nn.Module forms
+    backend_status()                                             which backends run here
+    reference                                                    plain-PyTorch ground truth
 """
 
 __version__ = "0.1.0"
@@ -14,13 +18,22 @@ __version__ = "0.1.0"
 from . import reference
 from .backends import backend_status
 from .functional import selective_logprobs, tpo_loss
-from .modules import TPOLoss
+from .fused_linear import fused_linear_logprobs, fused_linear_tpo_loss
+from .modules import FusedLinearTokenTPOLoss, FusedLinearTPOLoss, TokenTPOLoss, TPOLoss
+from .token_level import fused_linear_token_tpo_loss, token_tpo_loss
 
 __all__ = [
     "__version__",
     "backend_status",
     "reference",
-    "selective_logprobs",
     "tpo_loss",
+    "fused_linear_tpo_loss",
+    "token_tpo_loss",
+    "fused_linear_token_tpo_loss",
+    "selective_logprobs",
+    "fused_linear_logprobs",
     "TPOLoss",
+    "FusedLinearTPOLoss",
+    "TokenTPOLoss",
+    "FusedLinearTokenTPOLoss",
 ]

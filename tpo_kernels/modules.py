@@ -8,9 +8,39 @@ from typing import Optional
 from torch import Tensor, nn
 
 from . import functional as F
+from .fused_linear import fused_linear_tpo_loss
+from .token_level import fused_linear_token_tpo_loss, token_tpo_loss
 
 
-class TPOLoss(nn.Module):
+class _TPOSettings(nn.Module):
+    """Holds the loss hyper-parameters shared by every TPO module."""
+
+    def __init__(self, *, eta: float = 1.0, anchor: bool = True, temperature: float = 1.0,
+                 reduction: str = "mean", backend: str = "auto") -> None:
+        super().__init__()
+        self.eta, self.anchor, self.temperature = eta, anchor, temperature
+        self.reduction, self.backend = reduction, backend
+
+    def settings(self) -> dict:
+        return dict(eta=self.eta, anchor=self.anchor, temperature=self.temperature,
+                    reduction=self.reduction, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
+
+
+class _SequenceTPOSettings(_TPOSettings):
+    """Adds the sequence-level settings: the k3 KL weight and ignore_index."""
+
+    def __init__(self, *, beta: float = 0.0, ignore_index: int = -100, **settings) -> None:
+        super().__init__(**settings)
+        self.beta, self.ignore_index = beta, ignore_index
+
+    def settings(self) -> dict:
+        return dict(super().settings(), beta=self.beta, ignore_index=self.ignore_index)
+
+
+class TPOLoss(_SequenceTPOSettings):
     """Module form of :func:`tpo_kernels.tpo_loss`.
 
     Example::
@@ -19,21 +49,8 @@ class TPOLoss(nn.Module):
         loss = loss_fn(logits, labels, scores, group_size=8)
     """
 
-    def __init__(
-        self,
-        *,
-        eta: float = 1.0,
-        anchor: bool = True,
-        temperature: float = 1.0,
-        beta: float = 0.0,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        backend: str = "auto",
-        inplace_backward: bool = True,
-    ) -> None:
-        super().__init__()
-        self.eta, self.anchor, self.temperature, self.beta = eta, anchor, temperature, beta
-        self.ignore_index, self.reduction, self.backend = ignore_index, reduction, backend
+    def __init__(self, *, inplace_backward: bool = True, **settings) -> None:
+        super().__init__(**settings)
         self.inplace_backward = inplace_backward
 
     def forward(
@@ -51,16 +68,81 @@ class TPOLoss(nn.Module):
         return_aux: bool = False,
     ):
         return F.tpo_loss(
-            logits, labels, scores,
-            group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
-            ignore_index=self.ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            beta=self.beta, eta=self.eta, anchor=self.anchor, temperature=self.temperature,
-            reduction=self.reduction, backend=self.backend, inplace_backward=self.inplace_backward,
-            return_aux=return_aux,
+            logits, labels, scores, group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens,
+            mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, return_aux=return_aux,
+            inplace_backward=self.inplace_backward, **self.settings(),
         )
 
-    def extra_repr(self) -> str:
-        return (
-            f"eta={self.eta}, anchor={self.anchor}, temperature={self.temperature}, beta={self.beta}, "
-            f"reduction={self.reduction!r}, backend={self.backend!r}"
+
+class FusedLinearTPOLoss(_SequenceTPOSettings):
+    """Module form of :func:`tpo_kernels.fused_linear_tpo_loss`: TPO on ``hidden @ weight.T``
+    without materializing the logits.
+
+    Example::
+
+        loss_fn = FusedLinearTPOLoss(temperature=0.7)
+        loss = loss_fn(hidden, lm_head.weight, labels, scores, group_size=8)
+    """
+
+    def __init__(self, *, chunk_size: Optional[int] = None, **settings) -> None:
+        super().__init__(**settings)
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        scores: Tensor,
+        *,
+        bias: Optional[Tensor] = None,
+        group_size: Optional[int] = None,
+        group_ids: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        old_logprobs: Optional[Tensor] = None,
+        ref_logprobs: Optional[Tensor] = None,
+        return_aux: bool = False,
+    ):
+        return fused_linear_tpo_loss(
+            hidden, weight, labels, scores, bias=bias, group_size=group_size, group_ids=group_ids,
+            cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            return_aux=return_aux, chunk_size=self.chunk_size, **self.settings(),
+        )
+
+
+class TokenTPOLoss(_TPOSettings):
+    """Module form of :func:`tpo_kernels.token_tpo_loss` (K scored candidate tokens per state)."""
+
+    def forward(
+        self,
+        logits: Tensor,
+        candidates: Tensor,
+        scores: Tensor,
+        *,
+        old_logprobs: Optional[Tensor] = None,
+        return_aux: bool = False,
+    ):
+        return token_tpo_loss(
+            logits, candidates, scores, old_logprobs=old_logprobs, return_aux=return_aux, **self.settings()
+        )
+
+
+class FusedLinearTokenTPOLoss(_TPOSettings):
+    """Module form of :func:`tpo_kernels.fused_linear_token_tpo_loss`: O(R*K*H), no ``[R, V]``."""
+
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        candidates: Tensor,
+        scores: Tensor,
+        *,
+        bias: Optional[Tensor] = None,
+        old_logprobs: Optional[Tensor] = None,
+        return_aux: bool = False,
+    ):
+        return fused_linear_token_tpo_loss(
+            hidden, weight, candidates, scores, bias=bias, old_logprobs=old_logprobs,
+            return_aux=return_aux, **self.settings(),
         )

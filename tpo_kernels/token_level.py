@@ -26,16 +26,13 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ._validate import _check_integer, check_float_tensor, check_positive, check_reduction
 from .backends import Backend, compute_dtype, get_backend
+from .backends.candidates import pair_runs
 from .targets import dense_group_targets
 
-# Elements of one [states, K, H] temporary of the PyTorch fused-linear ops: 8 MiB of fp32, small
-# enough to stay in cache and to be reused by the allocator from chunk to chunk.
-_CHUNK_ELEMENTS = 1 << 21
 
 
 class TokenObjective:
@@ -102,103 +99,6 @@ class TokenTPOLogitsFunction(torch.autograd.Function):
         return out, None, None, None, None
 
 
-def _state_chunks(num_states: int, per_state: int):
-    step = max(1, _CHUNK_ELEMENTS // max(per_state, 1))
-    for start in range(0, num_states, step):
-        yield slice(start, min(start + step, num_states))
-
-
-def _gather_rows(weight: Tensor, ids: Tensor, acc: torch.dtype) -> Tensor:
-    """``weight[ids]`` for ``ids`` [n, K] as an ``[n, K, H]`` tensor in ``acc``."""
-    return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[1]).to(acc)
-
-
-def pair_runs(candidates: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """The (r, k) pairs, numbered ``r * K + k``, stably sorted by token id: ``(order, tokens,
-    offsets)``; the pairs of the distinct id ``tokens[i]`` are ``order[offsets[i]:offsets[i+1]]``,
-    in ascending (r, k) order."""
-    flat = candidates.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens, lengths = torch.unique_consecutive(flat[order], return_counts=True)
-    offsets = torch.zeros(tokens.numel() + 1, dtype=torch.int64, device=flat.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return order, tokens, offsets
-
-
-def torch_candidate_linear_forward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], candidates: Tensor, inv_temperature: float
-) -> Tensor:
-    """``(h[r] . W[y[r, k]] + b[y[r, k]]) * inv_t`` in the compute dtype, chunked over states."""
-    acc = compute_dtype(hidden.dtype)
-    num_states, num_cand = candidates.shape
-    out = torch.empty(num_states, num_cand, dtype=acc, device=hidden.device)
-    for rows in _state_chunks(num_states, num_cand * hidden.shape[1]):
-        ids = candidates[rows]
-        dots = torch.bmm(_gather_rows(weight, ids, acc), hidden[rows].to(acc).unsqueeze(2)).squeeze(2)
-        if bias is not None:
-            dots = dots + bias[ids].to(acc)
-        out[rows] = dots * inv_temperature
-    return out
-
-
-def torch_candidate_linear_backward(
-    grad: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    candidates: Tensor,
-    runs: Optional[Tuple[Tensor, Tensor, Tensor]],
-    with_hidden: bool,
-    with_weight: bool,
-    with_bias: bool,
-) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """``(dH, dW, db)`` for ``grad[r, k]`` = dLoss/d(untempered candidate logit), as in
-    :mod:`tpo_kernels.backends.triton.candidate_kernels`; ``runs`` is :func:`pair_runs` (needed
-    for dW / db). Sums run in the compute dtype ``grad.dtype``; results take the input dtypes.
-
-    All three are weighted bag sums, so they use ``embedding_bag(mode="sum")``, whose forward sums
-    each bag sequentially in index order on CPU and CUDA (deterministic, no atomics):
-    dH bags the K candidate rows of W per state; dW bags, per distinct token, the rows of h of its
-    (r, k) pairs in ascending order, weighted by grad; db bags the grads themselves.
-    """
-    acc = grad.dtype
-    vocab, hidden_size = weight.shape
-    dhidden = dweight = dbias = None
-    if with_hidden:
-        if weight.dtype == acc:
-            dhidden = F.embedding_bag(candidates, weight, per_sample_weights=grad, mode="sum")
-        else:  # low-precision weight: gather the candidate rows chunk by chunk and sum in acc
-            dhidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-            for rows in _state_chunks(candidates.shape[0], candidates.shape[1] * hidden_size):
-                w = _gather_rows(weight, candidates[rows], acc)
-                dhidden[rows] = torch.bmm(grad[rows].unsqueeze(1), w).squeeze(1)
-        dhidden = dhidden.to(hidden.dtype)
-    if with_weight or with_bias:
-        order, tokens, offsets = runs
-        pair_grad = grad.reshape(-1)[order]
-        if with_weight:
-            states = torch.div(order, candidates.shape[1], rounding_mode="floor")
-            rows = F.embedding_bag(
-                states, hidden.to(acc), offsets[:-1], mode="sum", per_sample_weights=pair_grad
-            )
-            dweight = torch.zeros_like(weight)
-            dweight[tokens] = rows.to(weight.dtype)
-        if with_bias:
-            sums = F.embedding_bag(order, grad.reshape(-1, 1), offsets[:-1], mode="sum").squeeze(1)
-            dbias = torch.zeros(vocab, dtype=weight.dtype, device=weight.device)
-            dbias[tokens] = sums.to(weight.dtype)
-    return dhidden, dweight, dbias
-
-
-def _linear_ops(backend: Backend):
-    """(forward, backward) candidate dot-product ops: Triton kernels for the Triton backend,
-    PyTorch (gather + bmm, deterministic row scatter) for every other one."""
-    if backend.name == "triton":
-        from .backends.triton import candidate_kernels
-
-        return candidate_kernels.candidate_linear_forward, candidate_kernels.candidate_linear_backward
-    return torch_candidate_linear_forward, torch_candidate_linear_backward
-
-
 class FusedLinearTokenTPOFunction(torch.autograd.Function):
     """Fused-linear path: candidate dot products -> group math -> (backward) dH, dW rows, db."""
 
@@ -213,11 +113,11 @@ class FusedLinearTokenTPOFunction(torch.autograd.Function):
         backend: Backend,
         inv_temperature: float,
     ):
-        forward_op, ctx.backward_op = _linear_ops(backend)
-        loss = objective.forward(forward_op(hidden, weight, bias, candidates, inv_temperature))
+        cand_logits = backend.candidate_linear_forward(hidden, weight, bias, candidates, inv_temperature)
+        loss = objective.forward(cand_logits)
         ctx.save_for_backward(hidden, weight, candidates)
         ctx.has_bias = bias is not None
-        ctx.objective, ctx.inv_temperature = objective, inv_temperature
+        ctx.objective, ctx.backend, ctx.inv_temperature = objective, backend, inv_temperature
         return loss
 
     @staticmethod
@@ -228,7 +128,7 @@ class FusedLinearTokenTPOFunction(torch.autograd.Function):
         # c = z / tau, so dLoss/dz = dLoss/dc / tau.
         grad = ctx.objective.grad(grad_loss) * ctx.inv_temperature
         runs = pair_runs(candidates) if with_weight or with_bias else None
-        dhidden, dweight, dbias = ctx.backward_op(
+        dhidden, dweight, dbias = ctx.backend.candidate_linear_backward(
             grad, hidden, weight, candidates, runs, ctx.needs_input_grad[0], with_weight, with_bias
         )
         return dhidden, dweight, dbias, None, None, None, None

@@ -29,7 +29,15 @@ Candidate-op contract (token-level TPO; ``R`` states, ``K`` candidates each):
   logits' dtype) becomes zero except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``;
   duplicated candidates accumulate in ascending k order (deterministic).
 
-The base class implements the candidate ops in PyTorch; backends may override them.
+* ``candidate_linear_forward(hidden, weight, bias, candidates, inv_temperature) -> cand_logits``:
+  ``(hidden[r] . weight[y[r, k]] + bias[y[r, k]]) * inv_t`` without forming ``[R, V]``.
+* ``candidate_linear_backward(grad, hidden, weight, candidates, runs, with_hidden, with_weight,
+  with_bias) -> (dhidden, dweight, dbias)`` for ``grad`` = dLoss/d(untempered candidate logit);
+  ``runs`` = :func:`tpo_kernels.backends.candidates.pair_runs` (the (r, k) pairs sorted by token
+  id), so weight rows are summed in a fixed order.
+
+The base class implements the candidate ops in PyTorch (:mod:`.candidates`); backends may
+override them.
 
 Inputs reaching a backend are already validated: 2-D contiguous logits, int64 labels in
 ``[0, V)`` or negative, same device.
@@ -78,17 +86,30 @@ class Backend:
         raise NotImplementedError
 
     def candidate_forward(self, logits: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
-        return logits.gather(1, candidates).to(compute_dtype(logits.dtype)) * inv_temperature
+        from .candidates import candidate_forward
+
+        return candidate_forward(logits, candidates, inv_temperature)
 
     def candidate_backward(
         self, grad_cand: Tensor, candidates: Tensor, inv_temperature: float, out: Tensor
     ) -> None:
-        out.zero_()
-        acc = out.new_zeros(out.shape, dtype=grad_cand.dtype) if out.dtype != grad_cand.dtype else out
-        for k in range(candidates.shape[1]):  # one column at a time: no index collisions, fixed order
-            acc.scatter_add_(1, candidates[:, k : k + 1], grad_cand[:, k : k + 1] * inv_temperature)
-        if acc is not out:
-            out.copy_(acc)
+        from .candidates import candidate_backward
+
+        candidate_backward(grad_cand, candidates, inv_temperature, out)
+
+    def candidate_linear_forward(self, hidden, weight, bias, candidates, inv_temperature) -> Tensor:
+        from .candidates import candidate_linear_forward
+
+        return candidate_linear_forward(hidden, weight, bias, candidates, inv_temperature)
+
+    def candidate_linear_backward(
+        self, grad, hidden, weight, candidates, runs, with_hidden, with_weight, with_bias
+    ):
+        from .candidates import candidate_linear_backward
+
+        return candidate_linear_backward(
+            grad, hidden, weight, candidates, runs, with_hidden, with_weight, with_bias
+        )
 
     def group_targets(self, token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction):
         from ..targets import group_targets

@@ -55,6 +55,32 @@ class TritonBackend(Backend):
 
         row_backward(logits, labels, lse, grad_logprob, grad_entropy, entropy, inv_temperature, out)
 
+    def candidate_forward(self, logits: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
+        from .candidate_kernels import candidate_forward
+
+        return candidate_forward(logits, candidates, inv_temperature)
+
+    def candidate_backward(
+        self, grad_cand: Tensor, candidates: Tensor, inv_temperature: float, out: Tensor
+    ) -> None:
+        from .candidate_kernels import candidate_backward
+
+        candidate_backward(grad_cand, candidates, inv_temperature, out)
+
+    def candidate_linear_forward(self, hidden, weight, bias, candidates, inv_temperature) -> Tensor:
+        from .candidate_kernels import candidate_linear_forward
+
+        return candidate_linear_forward(hidden, weight, bias, candidates, inv_temperature)
+
+    def candidate_linear_backward(
+        self, grad, hidden, weight, candidates, runs, with_hidden, with_weight, with_bias
+    ):
+        from .candidate_kernels import candidate_linear_backward
+
+        return candidate_linear_backward(
+            grad, hidden, weight, candidates, runs, with_hidden, with_weight, with_bias
+        )
+
     def group_targets(
         self, token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction
     ):
