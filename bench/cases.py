@@ -273,13 +273,38 @@ def _tk():
     return tpo_kernels
 
 
+OUR_FUNCTIONS = ("tpo_loss", "selective_logprobs", "fused_linear_tpo_loss", "token_tpo_loss", "fused_linear_token_tpo_loss")
+_SUBMODULES = ("functional", "fused_linear", "token_level")
+
+
+def our_function(name: str):
+    """``(function, where)``: the public ``tpo_kernels.<name>``, else the module that defines it
+    while it is not yet re-exported at the top level, else ``(None, "missing")``."""
+    import importlib
+
+    tk = _tk()
+    fn = getattr(tk, name, None)
+    if fn is not None:
+        return fn, f"tpo_kernels.{name}"
+    for sub in _SUBMODULES:
+        try:
+            mod = importlib.import_module(f"tpo_kernels.{sub}")
+        except Exception:
+            continue
+        fn = getattr(mod, name, None)
+        if callable(fn):
+            return fn, f"tpo_kernels.{sub}.{name} (not re-exported by tpo_kernels yet)"
+    return None, "missing"
+
+
 def _our_available(fn_name: str, backend: str):
     def check(device: torch.device) -> Optional[str]:
         try:
-            tk = _tk()
+            fn, _ = our_function(fn_name)
         except Exception as exc:
             return f"tpo_kernels not importable: {type(exc).__name__}: {exc}"
-        if not hasattr(tk, fn_name):
+        tk = _tk()
+        if fn is None:
             return f"tpo_kernels.{fn_name} does not exist yet"
         status = tk.backend_status().get(backend, "unknown backend")
         if backend == "triton" and device.type == "cpu":
@@ -348,9 +373,9 @@ def _our_providers(fn_name: str, make: Callable[[str], Callable[[Inputs, dict], 
 def _logits_providers():
     def ours(b):
         def build(inp, shape):
-            tk, k, probe = _tk(), shape["K"], inp.probe
+            fn, k, probe = our_function("tpo_loss")[0], shape["K"], inp.probe
             return LossRunner(
-                lambda: tk.tpo_loss(probe(inp["logits"]), inp["labels"], inp["scores"], group_size=k, backend=b),
+                lambda: fn(probe(inp["logits"]), inp["labels"], inp["scores"], group_size=k, backend=b),
                 inp,
             )
 
@@ -373,9 +398,9 @@ def _logits_providers():
 def _linear_providers():
     def ours(b):
         def build(inp, shape):
-            tk, k = _tk(), shape["K"]
+            fn, k = our_function("fused_linear_tpo_loss")[0], shape["K"]
             return LossRunner(
-                lambda: tk.fused_linear_tpo_loss(
+                lambda: fn(
                     inp["hidden"], inp["weight"], inp["labels"], inp["scores"], group_size=k, backend=b
                 ),
                 inp,
@@ -412,9 +437,9 @@ def _linear_providers():
 def _token_providers():
     def ours_fused(b):
         def build(inp, shape):
-            tk = _tk()
+            fn = our_function("fused_linear_token_tpo_loss")[0]
             return LossRunner(
-                lambda: tk.fused_linear_token_tpo_loss(inp["hidden"], inp["weight"], inp["candidates"], inp["scores"], backend=b),
+                lambda: fn(inp["hidden"], inp["weight"], inp["candidates"], inp["scores"], backend=b),
                 inp,
             )
 
@@ -422,9 +447,9 @@ def _token_providers():
 
     def ours_logits(b):
         def build(inp, shape):
-            tk = _tk()
+            fn = our_function("token_tpo_loss")[0]
             return LossRunner(
-                lambda: tk.token_tpo_loss(inp["hidden"] @ inp["weight"].t(), inp["candidates"], inp["scores"], backend=b),
+                lambda: fn(inp["hidden"] @ inp["weight"].t(), inp["candidates"], inp["scores"], backend=b),
                 inp,
             )
 
@@ -450,8 +475,8 @@ def _token_providers():
 def _token_logits_providers():
     def ours(b):
         def build(inp, shape):
-            tk, probe = _tk(), inp.probe
-            return LossRunner(lambda: tk.token_tpo_loss(probe(inp["logits"]), inp["candidates"], inp["scores"], backend=b), inp)
+            fn, probe = our_function("token_tpo_loss")[0], inp.probe
+            return LossRunner(lambda: fn(probe(inp["logits"]), inp["candidates"], inp["scores"], backend=b), inp)
 
         return build
 
@@ -480,9 +505,9 @@ def _naive_lp_loss(logits, labels, w):
 def _logprobs_providers():
     def ours(b):
         def build(inp, shape):
-            tk, probe = _tk(), inp.probe
+            fn, probe = our_function("selective_logprobs")[0], inp.probe
             return LossRunner(
-                lambda: _weighted_sum(tk.selective_logprobs(probe(inp["logits"]), inp["labels"], backend=b), inp["weights"]),
+                lambda: _weighted_sum(fn(probe(inp["logits"]), inp["labels"], backend=b), inp["weights"]),
                 inp,
             )
 

@@ -173,6 +173,10 @@ def markdown(run: dict) -> str:
     out.append(f"- machine: {meta['machine']}")
     out.append(f"- software: {meta['software']}")
     out.append(f"- command: `{meta['command']}`")
+    if meta.get("backend_status"):
+        out.append("- backends: " + ", ".join(f"{k}: {v}" for k, v in meta["backend_status"].items()))
+    if meta.get("tpo_functions"):
+        out.append("- tpo_kernels functions: " + ", ".join(f"{k}: {v}" for k, v in meta["tpo_functions"].items()))
     out.append(f"- timing: {meta['timing']}")
     if meta.get("load_average_start") is not None:
         out.append(
@@ -249,6 +253,7 @@ def plots(run: dict, out_dir: str) -> List[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401
     except Exception as exc:
         print(f"plots skipped: matplotlib not importable ({exc}); pip install matplotlib", flush=True)
         return []
@@ -282,9 +287,13 @@ def plots(run: dict, out_dir: str) -> List[str]:
                 ax_t.plot(x, [r["time_s"]["median"] * 1e3 for r in prs], style, label=name)
                 ax_m.plot(x, [r["peak_bytes"] / MiB for r in prs], style, label=name)
             xlabel = "vocabulary size V" if axis == "vocab" else f"tokens ({'M' if case.token_key == 'M' else 'R'})"
+            ticks = sorted({r["shape"][param] if axis == "vocab" else case.tokens(r["shape"]) for r in best})
             for ax, ylabel in ((ax_t, f"median time, {mode} (ms)"), (ax_m, "peak memory (MiB)")):
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
+                ax.set_xticks(ticks)
+                ax.set_xticklabels([str(t) for t in ticks], rotation=30 if len(ticks) > 4 else 0)
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
                 ax.set_xlabel(xlabel)
                 ax.set_ylabel(ylabel)
                 ax.grid(True, which="both", alpha=0.3)

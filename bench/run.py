@@ -252,7 +252,14 @@ def describe_machine(device) -> dict:
         + (f" at {commit}" if commit else "")
         + f", torch threads {torch.get_num_threads()}"
     )
-    return {"machine": machine, "device_name": device_name, "software": software, "backend_status": status}
+    functions = {}
+    try:
+        from .cases import OUR_FUNCTIONS, our_function
+
+        functions = {name: our_function(name)[1] for name in OUR_FUNCTIONS}
+    except Exception as exc:
+        functions = {"error": str(exc)}
+    return {"machine": machine, "device_name": device_name, "software": software, "backend_status": status, "tpo_functions": functions}
 
 
 # --------------------------------------------------------------------------- running
@@ -290,8 +297,10 @@ def _summary(r):
 
     if r.get("status") != "ok":
         return f"ERROR {r.get('error', '')[:300]}"
-    t = r["time_s"]["median"] * 1e3
-    s = f"{t:.3g} ms (min {r['time_s']['min'] * 1e3:.3g}, {r['reps']} reps), peak {r['peak_bytes'] / MiB:.0f} MiB"
+    def ms(x):
+        return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+    s = f"{ms(r['time_s']['median'])} (min {ms(r['time_s']['min'])}, {r['reps']} reps), peak {r['peak_bytes'] / MiB:.0f} MiB"
     if r.get("check"):
         s += f", loss {r['check']['loss']:.6g}"
     return s
@@ -422,6 +431,10 @@ def _list(device) -> int:
     from . import cases as C
 
     print(f"device: {device}")
+    from .cases import OUR_FUNCTIONS, our_function
+
+    for name in OUR_FUNCTIONS:
+        print(f"  {name}: {our_function(name)[1]}")
     for case in C.CASES.values():
         print(f"\ncase {case.name}: {case.title}")
         for p in case.providers:
