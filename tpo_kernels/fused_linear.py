@@ -38,8 +38,8 @@ from .autograd import TPOObjective
 from .backends import Backend, compute_dtype, get_backend
 
 # Memory budget of one chunk of logits. On the GPU a large chunk keeps the matmuls efficient; on
-# the CPU a small one keeps the row ops' temporaries in cache and the peak low (the matmuls stay
-# efficient down to a few dozen rows).
+# the CPU the matmuls are already efficient at about a hundred rows, and a small chunk keeps the
+# peak low (the torch fallback's row ops make several fp32 temporaries of a chunk).
 _CHUNK_BYTES = {"cuda": 512 << 20}
 _CHUNK_BYTES_DEFAULT = 16 << 20
 _CHUNK_ALIGN = 16  # rows; keeps matmul tiles full
