@@ -116,7 +116,7 @@ def evaluate_targets(targets: List["C.Target"], results: List[dict]) -> List[dic
             else:
                 raw = metric(n, t.metric)
                 value = None if raw is None else raw / t.scale
-                formula = f"{t.metric}({n['provider']})" + (f" / {t.scale:g}" if t.scale != 1.0 else "")
+                formula = f"{t.metric}({n['provider']})" + (f" in {t.unit}" if t.unit else "")
             if value is None:
                 status = "not measured"
             else:

@@ -62,6 +62,7 @@ def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list", action="store_true", help="list cases, providers with availability, and presets; run nothing")
+    p.add_argument("--report", metavar="DIR", help="only rebuild results.md, targets and plots from DIR/results.json")
     return p
 
 
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
     from . import harness as H
     from . import report as R
 
+    if args.report:
+        return _rereport(args)
     device = _device(args.device)
     if args.list:
         return _list(device)
@@ -348,6 +351,7 @@ def _main(args, argv, device) -> int:
     meta = describe_machine(torch.device("cuda") if use_cuda else device)
     meta.update(
         title=title,
+        presets=_csv(args.preset) or [],
         command="tpo-kernels bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         started=_dt.datetime.now().isoformat(timespec="seconds"),
         timing=(
@@ -401,12 +405,19 @@ def _main(args, argv, device) -> int:
             print(f"    [{time.perf_counter() - t0:.1f} s]", flush=True)
         run["results"].extend(rs)
         R.write_json(run, json_path)
-    R.derive(run["results"])
-    run["targets"] = R.evaluate_targets(targets, run["results"])
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     meta["load_average_end"] = _loadavg()
-    if not args.no_plots:
+    return _finish(run, targets, out_dir, args.no_plots)
+
+
+def _finish(run, targets, out_dir, no_plots) -> int:
+    from . import report as R
+
+    R.derive(run["results"])
+    run["targets"] = R.evaluate_targets(targets, run["results"])
+    if not no_plots:
         run["plots"] = [os.path.basename(p) for p in R.plots(run, out_dir)]
+    json_path, md_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")
     R.write_json(run, json_path)
     md = R.markdown(run)
     with open(md_path, "w") as f:
@@ -416,8 +427,24 @@ def _main(args, argv, device) -> int:
     if run["targets"]:
         print("Targets:")
         print(R.targets_text(run["targets"]))
-    print(f"\nwrote {json_path}, {md_path}" + (f" and {len(run['plots'])} plots" if run["plots"] else "") + f" in {meta['elapsed_s']} s")
+    print(f"\nwrote {json_path}, {md_path}" + (f" and {len(run['plots'])} plots" if run["plots"] else "") + f" in {run['meta'].get('elapsed_s')} s")
     return 0
+
+
+def _rereport(args) -> int:
+    from . import cases as C
+
+    out_dir = os.path.abspath(args.report)
+    with open(os.path.join(out_dir, "results.json")) as f:
+        run = json.load(f)
+    presets = run["meta"].get("presets")
+    if presets is None and run["meta"].get("title", "").startswith("preset "):
+        presets = [p.strip() for p in run["meta"]["title"][len("preset "):].split(",")]
+    targets = [t for name in presets or [] for t in C.PRESETS[name].targets]
+    for r in run["results"]:  # derived fields are recomputed
+        for key in ("vs", "check_vs_reference", "throughput", "tokens_per_s"):
+            r.pop(key, None)
+    return _finish(run, targets, out_dir, args.no_plots)
 
 
 def _loadavg():
