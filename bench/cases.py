@@ -49,8 +49,8 @@ class GradProbe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.probe.active:
-            ctx.probe.norms.append(float(grad.double().norm()))
+        if ctx.probe.active:  # accumulates in fp32 (at least) without a full-size upcast copy
+            ctx.probe.norms.append(float(grad.norm()))
         return None, None
 
 
@@ -81,9 +81,10 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _scores(num_groups: int, k: int, variant: str, gen: torch.Generator, device) -> Tuple[Tensor, int]:
+def _scores(num_groups: int, k: int, variant: str, gens: "_Gens", device) -> Tuple[Tensor, int]:
     """``[G, K]`` scores. dense: Gaussian (no ties). sparse90: floor(0.9 G) groups tied (all 0 or all
     1, binary rewards), the others binary with at least one success and one failure."""
+    gen = gens.cpu
     if variant == "dense":
         return torch.randn(num_groups, k, generator=gen).to(device), 0
     if variant != "sparse90":
@@ -100,17 +101,26 @@ def _scores(num_groups: int, k: int, variant: str, gen: torch.Generator, device)
 
 
 def _randn(shape, dtype, device, gen, scale=1.0) -> Tensor:
-    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    """Generated where it lives, in its dtype (a 16k x 152k bf16 tensor would take seconds and
+    10 GB of host memory to make on the CPU and copy)."""
+    x = torch.randn(*shape, generator=gen.dev, device=device, dtype=dtype)
+    return x.mul_(scale) if scale != 1.0 else x
 
 
 def _randint(high, shape, device, gen) -> Tensor:
-    return torch.randint(0, high, shape, generator=gen).to(device)
+    return torch.randint(0, high, shape, generator=gen.dev, device=device)
 
 
-def _gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+class _Gens:
+    """A generator on the inputs' device for the big tensors and a CPU one for the small ones,
+    both seeded, so every provider of a comparison gets identical inputs."""
+
+    def __init__(self, seed: int, device):
+        device = torch.device(device)
+        self.dev = torch.Generator(device=device)
+        self.dev.manual_seed(seed)
+        self.cpu = torch.Generator()
+        self.cpu.manual_seed(seed + 1)
 
 
 def _seq_tokens(shape: dict) -> int:
@@ -118,7 +128,7 @@ def _seq_tokens(shape: dict) -> int:
 
 
 def make_logits_inputs(shape, dtype, device, variant, seed):
-    g = _gen(seed)
+    g = _Gens(seed, device)
     n, t, v = shape["G"] * shape["K"], shape["T"], shape["V"]
     logits = _randn((n, t, v), dtype, device, g, 2.0).requires_grad_(True)
     labels = _randint(v, (n, t), device, g)
@@ -130,7 +140,7 @@ def make_logits_inputs(shape, dtype, device, variant, seed):
 
 
 def make_linear_inputs(shape, dtype, device, variant, seed):
-    g = _gen(seed)
+    g = _Gens(seed, device)
     n, t, h, v = shape["G"] * shape["K"], shape["T"], shape["H"], shape["V"]
     hidden = _randn((n, t, h), dtype, device, g).requires_grad_(True)
     weight = _randn((v, h), dtype, device, g, 1.0 / math.sqrt(h)).requires_grad_(True)
@@ -151,7 +161,7 @@ def _candidates(r, k, v, device, gen):
 
 
 def make_token_inputs(shape, dtype, device, variant, seed):
-    g = _gen(seed)
+    g = _Gens(seed, device)
     r, k, h, v = shape["R"], shape["K"], shape["H"], shape["V"]
     hidden = _randn((r, h), dtype, device, g).requires_grad_(True)
     weight = _randn((v, h), dtype, device, g, 1.0 / math.sqrt(h)).requires_grad_(True)
@@ -168,7 +178,7 @@ def make_token_inputs(shape, dtype, device, variant, seed):
 
 
 def make_token_logits_inputs(shape, dtype, device, variant, seed):
-    g = _gen(seed)
+    g = _Gens(seed, device)
     r, k, v = shape["R"], shape["K"], shape["V"]
     logits = _randn((r, v), dtype, device, g, 2.0).requires_grad_(True)
     cand = _candidates(r, k, v, device, g)
@@ -180,11 +190,11 @@ def make_token_logits_inputs(shape, dtype, device, variant, seed):
 
 
 def make_logprobs_inputs(shape, dtype, device, variant, seed):
-    g = _gen(seed)
+    g = _Gens(seed, device)
     m, v = shape["M"], shape["V"]
     logits = _randn((m, v), dtype, device, g, 2.0).requires_grad_(True)
     labels = _randint(v, (m,), device, g)
-    weights = (torch.randn(m, generator=g) / m).to(device)  # upstream gradient of the log-probs
+    weights = (torch.randn(m, generator=g.cpu) / m).to(device)  # upstream gradient of the log-probs
     inp = Inputs({"logits": logits, "labels": labels, "weights": weights}, probe=Probe())
     inp.input_bytes = _nbytes(logits) + _nbytes(labels) + _nbytes(weights)
     return inp
@@ -224,7 +234,7 @@ class LossRunner:
             if probe.norms:
                 norms["logits"] = probe.norms[-1]
         for name, t in self.inputs.leaves.items():
-            norms[name] = float(t.grad.double().norm()) if t.grad is not None else 0.0
+            norms[name] = float(t.grad.norm()) if t.grad is not None else 0.0
         self.zero_grad()
         return {"loss": value, "grad_norms": norms}
 

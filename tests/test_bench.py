@@ -130,7 +130,7 @@ def test_presets_name_the_issue_settings():
     assert C.PRESETS["issue5-gpu"].jobs[0].shapes == [{"G": 16, "K": 8, "T": 128, "V": 151936}]
     assert C.PRESETS["issue6-cpu"].jobs[0].shapes == [{"R": 2048, "K": 8, "H": 512, "V": 32768}]
     # 90%-tied variant: floor(0.9 G) groups tie, the rest do not
-    s, tied = C._scores(8, 8, "sparse90", C._gen(0), "cpu")
+    s, tied = C._scores(8, 8, "sparse90", C._Gens(0, "cpu"), "cpu")
     row_tied = (s.amax(1) == s.amin(1)).sum().item()
     assert tied == 7 and row_tied == 7
 
