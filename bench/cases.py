@@ -613,8 +613,8 @@ def _register(case: Case):
 
 
 _SPARSE = ("dense", "sparse90")
-_CPU_COSTLY = ("compile", "tpo:torch", "tpo_logits:torch", "torch_lce")  # compile runs on CPU for the logits case only
-_GPU_COSTLY = ("compile",)
+_CPU_COSTLY = ("compile", "tpo:torch", "tpo_logits:torch", "torch_lce", "matmul4")  # compile: logits case only
+_GPU_COSTLY = ("compile", "tpo:torch", "tpo_logits:torch")
 
 _register(
     Case(
@@ -651,7 +651,7 @@ _register(
         _linear_providers(),
         _flops,
         grids={
-            "cpu": [_main(_seq(8, 8, 16, 32768, 256), _SPARSE, ("tpo:torch", "torch_lce"))]
+            "cpu": [_main(_seq(8, 8, 16, 32768, 256), _SPARSE, ("tpo:torch", "torch_lce", "matmul4"))]
             + [_seq(8, 8, 16, 8192, 256), _seq(16, 8, 16, 32768, 256)],
             "quick-cpu": [_main(_seq(10, 8, 8, 16384, 256), _SPARSE), _seq(10, 8, 8, 4096, 256)],
             "cuda": [_main(_seq(16, 8, 128, 151936, 4096), _SPARSE, _GPU_COSTLY)]
@@ -673,7 +673,7 @@ _register(
         _token_providers(),
         None,
         grids={
-            "cpu": [_main({"R": 1024, "K": 8, "H": 256, "V": 32768}, with_=("tpo:torch", "tpo_logits:torch"))]
+            "cpu": [_main({"R": 1024, "K": 8, "H": 256, "V": 32768}, with_=("tpo:torch",))]
             + [{"R": 1024, "K": 8, "H": 256, "V": 8192}, {"R": 2048, "K": 8, "H": 256, "V": 32768}],
             "quick-cpu": [_main({"R": 256, "K": 8, "H": 256, "V": 16384}), {"R": 256, "K": 8, "H": 256, "V": 4096}],
             "cuda": [_main({"R": 8192, "K": 8, "H": 4096, "V": 151936}, with_=_GPU_COSTLY)]
@@ -724,14 +724,14 @@ _register(
 )
 
 
-# which providers run by default (others only when named with --providers)
-DEFAULT_PROVIDERS = {
-    "cpu": ["tpo:cpu", "tpo:torch", "tpo_logits:cpu", "naive", "compile", "torch_lce"],
-    "cuda": ["tpo:cuda", "tpo:triton", "tpo_logits:cuda", "tpo_logits:triton", "naive", "compile", "torch_lce", "cce", "liger", "matmul4"],
-}
+# which providers the default grids consider (those that cannot run here are listed as skipped,
+# with the reason); --providers replaces this list
+_ALL = ["tpo:cuda", "tpo:triton", "tpo:cpu", "tpo:torch", "tpo_logits:cuda", "tpo_logits:triton", "tpo_logits:cpu",
+        "tpo_logits:torch", "naive", "compile", "torch_lce", "cce", "liger", "matmul4"]
+DEFAULT_PROVIDERS = {"cpu": _ALL, "cuda": _ALL}
 QUICK_PROVIDERS = {
-    "cpu": ["tpo:cpu", "tpo:torch", "naive"],
-    "cuda": ["tpo:cuda", "tpo:triton", "naive", "torch_lce", "matmul4"],
+    "cpu": ["tpo:cuda", "tpo:triton", "tpo:cpu", "naive"],
+    "cuda": ["tpo:cuda", "tpo:triton", "naive", "matmul4"],
 }
 # costly providers that the default grids run only at a case's main shape (dense variant)
 # (torch_lce: F.linear_cross_entropy's chunked path took 15-40 s per fwd+bwd at M=1024-2048, H=256,

@@ -187,7 +187,7 @@ def _timing_defaults(args, device_type):
         if args.reduced or args.quick:
             d = dict(warmup=2, min_reps=5, max_reps=25, target_time=0.1)
     else:
-        d = dict(warmup=1, min_reps=3, max_reps=15, target_time=1.0)
+        d = dict(warmup=1, min_reps=3, max_reps=15, target_time=0.5)
         if args.reduced or args.quick:
             d = dict(warmup=1, min_reps=3, max_reps=10, target_time=0.3)
     if args.warmup is not None:
