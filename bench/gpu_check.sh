@@ -11,6 +11,9 @@
 # and writes at most 8 files under OUT_DIR: summary.txt env.txt build.log tests.log bench.log
 # status.txt results.json results.md. Budgeted to finish in under 8 minutes on an H200.
 #
+# Environment: PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 450),
+# GPU_CHECK_SKIP_BUILD=1 (reuse a build already in place), GPU_CHECK_TESTS (test paths, default tests).
+#
 # Wheels for packages the machine lacks (e.g. liger-kernel, cut-cross-entropy) can be put in
 # .whl/ at the repository root: they are installed into /tmp/site first (no network needed).
 set -u
@@ -58,7 +61,9 @@ EOF
 log "env: $(grep -E '^(torch|device:)' "$OUT/env.txt" | tr '\n' ' ')"
 
 # 1. build the extensions in place (CUDA targets: only this GPU's arch, to keep nvcc short)
-if [ -f setup.py ]; then
+if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then
+  log "build skipped (GPU_CHECK_SKIP_BUILD=1)"
+elif [ -f setup.py ]; then
   ARCH="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")' 2>/dev/null || echo 90)"
   export TPO_CUDA_ARCHS="${TPO_CUDA_ARCHS:-$ARCH}"
   log "building extensions (setup.py build_ext --inplace, arch sm_$ARCH)"
@@ -79,6 +84,7 @@ log "status: $(tr '\n' ' ' < "$OUT/status.txt" | cut -c1-400)"
 
 # 3. GPU tests: the ones marked gpu, then the rest of the suite, which runs the Triton and CUDA
 #    kernels on the GPU when one is present (the harness's own CPU test is left out)
+TESTS="${GPU_CHECK_TESTS:-tests}"
 REMAIN=$(( TOTAL_BUDGET - $(elapsed) ))
 TEST_BUDGET=$(( REMAIN - 200 < 150 ? REMAIN - 200 : 150 ))
 if [ "$TEST_BUDGET" -gt 30 ]; then
@@ -86,12 +92,12 @@ if [ "$TEST_BUDGET" -gt 30 ]; then
   "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
   log "GPU tests: pytest -m gpu, then the suite ${XDIST:+($XDIST) }(limit ${TEST_BUDGET}s in all)"
   T0=$(date +%s)
-  timeout "$TEST_BUDGET" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+  timeout "$TEST_BUDGET" "$PY" -m pytest -q -m gpu -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
   log "pytest -m gpu rc=$?: $(tail -1 "$OUT/tests.log")"
   LEFT=$(( TEST_BUDGET - ($(date +%s) - T0) ))
   if [ "$LEFT" -gt 20 ]; then
     echo "===== full suite on the GPU (not gpu-marked; tests/test_bench.py excluded) =====" >> "$OUT/tests.log"
-    timeout "$LEFT" "$PY" -m pytest -q -p no:cacheprovider $XDIST -m "not gpu" --ignore=tests/test_bench.py tests >> "$OUT/tests.log" 2>&1
+    timeout "$LEFT" "$PY" -m pytest -q -p no:cacheprovider $XDIST -m "not gpu" --ignore=tests/test_bench.py $TESTS >> "$OUT/tests.log" 2>&1
     rc=$?
     log "suite rc=$rc$([ $rc = 124 ] && echo ' (time limit)'): $(tail -1 "$OUT/tests.log")"
   fi
