@@ -102,13 +102,9 @@ class MatmulRecorder(TorchDispatchMode):
             self.shapes.append([tuple(a.shape) for a in operands[-2:]])
         return func(*args, **kwargs)
 
-    def token_rows(self, hidden_size, vocab_size):
-        """Tokens each recorded product handles: the one operand dim that is neither H nor V."""
-        rows = []
-        for (a, inner), (_, c) in self.shapes:
-            (dim,) = [d for d in (a, inner, c) if d not in (hidden_size, vocab_size)]
-            rows.append(dim)
-        return rows
+    def multiply_adds(self):
+        """m * k * n of each recorded [m, k] @ [k, n] product."""
+        return [m * k * n for (m, k), (_, n) in self.shapes]
 
 
 class LargestOutput(TorchDispatchMode):
@@ -168,12 +164,13 @@ def test_bf16_matches_reference_on_the_same_rounded_logits(backend, layout):
 def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum, monkeypatch):
     # A wider accumulator than the weight dtype is kept per vocabulary block; a budget of 10
     # vocabulary rows splits V=37 into 4 blocks.
+    # (A chunk larger than the batch, so that only this cap cuts the vocabulary.)
     monkeypatch.setattr(fused_linear, "_ACCUM_BYTES", 10 * HIDDEN * (torch.finfo(accum).bits // 8))
     h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="token", with_ref=True, dtype=dtype)
     tol, reference_dtype = (FP32_TOL, torch.float64) if dtype == torch.float32 else (BF16_TOL, torch.bfloat16)
     with MatmulRecorder() as recorder:
-        _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=reference_dtype, chunk_size=3,
-                   grad_accum_dtype=accum)
+        _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=reference_dtype,
+                   chunk_size=labels.numel(), grad_accum_dtype=accum)
     assert any(operands[1] == (HIDDEN, 10) for operands in recorder.shapes)  # a block's recompute ran
 
 
@@ -298,7 +295,7 @@ def test_all_tied_groups_run_no_backward_matmul_and_give_exact_zeros(backend, la
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
     (h, w, b), labels, scores, kwargs = _tied_batch(2, layout="packed")  # group 2 of 3 carries signal
-    chunk_size = 3  # below H and V, so each product's token dim is identifiable
+    chunk_size = 3
     loss, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=chunk_size,
                                       return_aux=True, **kwargs)
     with MatmulRecorder() as recorder:
@@ -306,10 +303,14 @@ def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
     # Active tokens: the counted tokens of completions with a nonzero coefficient.
     seq = torch.repeat_interleave(torch.arange(6, device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
     active = (labels != -100) & (aux["coef"][seq] != 0)
-    assert 0 < int(active.sum()) < labels.numel()
-    rows = recorder.token_rows(HIDDEN, VOCAB)
-    # Per chunk: recompute the logits, dH = dz @ W, dW += dz.T @ h.
-    assert sum(rows) == 3 * int(active.sum()) and max(rows) <= chunk_size
+    num_active = int(active.sum())
+    assert 0 < num_active < labels.numel()
+    # Per tile (tokens x vocabulary block): recompute the logits, dH = dz @ W, dW += dz.T @ h, each
+    # tokens * block * H multiply-adds over at most chunk_size * V logits; in all, three products of
+    # the active tokens' [active, V] logits with H and nothing for the others.
+    work = recorder.multiply_adds()
+    assert sum(work) == 3 * num_active * VOCAB * HIDDEN
+    assert max(work) <= chunk_size * VOCAB * HIDDEN
     assert torch.equal(h.grad[~active], torch.zeros_like(h.grad[~active]))
 
 
@@ -320,9 +321,8 @@ def test_only_the_gradients_asked_for_are_computed(backend):
     loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4, **kwargs)
     with MatmulRecorder() as recorder:
         (grad_w,) = torch.autograd.grad(loss, (w,))
-    # No dH product: per chunk of 4 active tokens only the recompute and dW.
-    active = int((labels != -100).sum())
-    assert len(recorder.shapes) == 2 * -(-active // 4)
+    # No dH product: only the recompute and dW, over every counted token's logits.
+    assert sum(recorder.multiply_adds()) == 2 * int((labels != -100).sum()) * VOCAB * HIDDEN
     ref = torch.autograd.grad(reference.tpo_loss(h @ w.T + b, labels, scores, **kwargs), (w,))[0]
     torch.testing.assert_close(grad_w, ref, **FP32_TOL)
 

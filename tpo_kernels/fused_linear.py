@@ -11,10 +11,11 @@ linear layer::
 
     dH[rows] = dz @ W          dW += dz.T @ h[rows]          db += dz.sum(0)
 
-Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. When ``dW``
-is accumulated in a dtype wider than the weight's (fp32 for a bf16 head), the backward also cuts
-the vocabulary into blocks so that this accumulator stays small; the forward's logsumexp covers the
-whole vocabulary, so each block's softmax is exact.
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The backward
+works on tiles of tokens x vocabulary block, within the same logits budget as a forward chunk:
+spanning many tokens keeps the ``dW`` matmul compute-bound, and a ``dW`` accumulator wider than the
+weight dtype (fp32 for a bf16 head) stays small. The forward's logsumexp covers the whole
+vocabulary, so each block's softmax is exact.
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ from .backends import Backend, compute_dtype, get_backend
 # the CPU the matmuls are already efficient at about a hundred rows, and a small chunk keeps the
 # peak low (the torch fallback's row ops make several fp32 temporaries of a chunk).
 _CHUNK_BYTES = {"cuda": 512 << 20}
-_CHUNK_BYTES_DEFAULT = 16 << 20
+_CHUNK_BYTES_DEFAULT = 8 << 20
 _CHUNK_ALIGN = 16  # rows; keeps matmul tiles full
+# Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
+# dimension) stay aligned for vector loads and tensor-core matmuls.
+_VOCAB_ALIGN = 128
 # Largest weight-gradient accumulator kept in a dtype wider than the weight's (e.g. fp32 for a
 # bf16 lm_head); larger heads accumulate one vocabulary block at a time.
 _ACCUM_BYTES = 256 << 20
+# Active tokens a backward tile should span (see LinearRows._backward_tile): about the flops per
+# byte of accumulator traffic at which the weight-gradient matmul stops being memory-bound.
+_DW_TOKENS = {"cuda": 4096}
+_DW_TOKENS_DEFAULT = 1024
 
 
 def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -56,6 +64,15 @@ def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> 
     if rows > _CHUNK_ALIGN:
         rows -= rows % _CHUNK_ALIGN
     return max(1, min(rows, num_rows))
+
+
+def _add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor) -> None:
+    """``out[rows] += a @ b``: in place without a temporary when ``rows`` is a slice and the dtypes
+    match; otherwise the product is formed in the inputs' dtype and summed in ``out``'s."""
+    if isinstance(rows, slice) and out.dtype == a.dtype:
+        out[rows].addmm_(a, b)
+    else:
+        out[rows] += a @ b
 
 
 class LinearRows:
@@ -133,23 +150,19 @@ class LinearRows:
         """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
         per-row gradients of the log-probs and entropies (both 0 on rows that do not count).
 
-        Rows where both are exactly 0 are skipped: no recompute, no matmul. Tiles are vocabulary
-        blocks (outer) times token chunks (inner). ``dW`` and ``db`` are summed over token chunks
-        in ``grad_accum_dtype``; when that is wider than the weight dtype, the vocabulary is cut in
-        blocks whose accumulator fits ``_ACCUM_BYTES``, and ``dH`` is then summed over blocks in
-        that dtype too.
+        Rows where both are exactly 0 are skipped: no recompute, no matmul. Tiles (see
+        :meth:`_backward_tile`) are vocabulary blocks (outer loop) times token chunks (inner);
+        ``dW`` and ``db`` are summed over token chunks in ``grad_accum_dtype``, ``dH`` over
+        vocabulary blocks (in that dtype too when there is more than one block).
         """
         need_hidden, need_weight, need_bias = needs_grad
         hidden, weight = self.hidden, self.weight
         vocab_size, hidden_size = weight.shape
-        if grad_accum_dtype == weight.dtype:
-            vocab_block = vocab_size  # the output itself is the accumulator
-        else:
-            itemsize = torch.finfo(grad_accum_dtype).bits // 8
-            vocab_block = max(1, min(vocab_size, _ACCUM_BYTES // (itemsize * max(hidden_size, 1))))
-        # Same logits budget as the forward: narrower tiles take more tokens.
-        token_block = max(1, self.chunk_size * vocab_size // vocab_block)
-        # dH sums over vocabulary blocks in the accumulation dtype; with one block it is written once.
+        active = grad_logprob != 0
+        if grad_entropy is not None:
+            active = active | (grad_entropy != 0)
+        num_active = int(active.sum())
+        token_block, vocab_block = self._backward_tile(num_active, grad_accum_dtype)
         if vocab_block == vocab_size:
             hidden_accum = hidden.dtype
         else:
@@ -158,12 +171,9 @@ class LinearRows:
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
-        active = grad_logprob != 0
-        if grad_entropy is not None:
-            active = active | (grad_entropy != 0)
         chunks = self._row_chunks(active, token_block)
         if chunks:  # else every row has zero signal: zero gradients, no matmul
-            buffer = self._buffer(min(token_block, int(active.sum())), vocab_block)
+            buffer = self._buffer(min(token_block, num_active), vocab_block)
             block_accum = None
             if need_weight and grad_accum_dtype != weight.dtype:
                 block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
@@ -175,12 +185,9 @@ class LinearRows:
                     h_rows = hidden[rows]
                     dlogits = self._block_grad(h_rows, rows, vocab, buffer, lse, grad_logprob, grad_entropy, entropy)
                     if need_hidden:
-                        grad_hidden[rows] += dlogits @ weight[vocab]
+                        _add_product(grad_hidden, rows, dlogits, weight[vocab])
                     if need_weight:
-                        if dw.dtype == dlogits.dtype:
-                            dw.addmm_(dlogits.t(), h_rows)
-                        else:  # product in the input dtype, sum over chunks in the accumulation dtype
-                            dw += dlogits.t() @ h_rows
+                        _add_product(dw, slice(None), dlogits.t(), h_rows)
                     if need_bias:
                         grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
                 if block_accum is not None:
@@ -190,6 +197,26 @@ class LinearRows:
             grad_weight,
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
+
+    def _backward_tile(self, num_active: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
+        """(tokens, vocabulary entries) of one backward tile. A tile holds at most
+        ``chunk_size * V`` logits, like a forward chunk, and is cut along the vocabulary so that it
+        spans at least ``_DW_TOKENS`` active tokens: each tile's ``dW[block] += dz.T @ h`` reads
+        and writes the ``[block, H]`` accumulator (8 bytes per entry against ``2 * tokens``
+        flops), so tiles of few tokens would leave that matmul memory-bound. A ``dW``
+        accumulator wider than the weight dtype is also capped at ``_ACCUM_BYTES``."""
+        vocab_size, hidden_size = self.weight.shape
+        logits_budget = self.chunk_size * vocab_size
+        vocab_block = vocab_size
+        if grad_accum_dtype != self.weight.dtype:
+            itemsize = torch.finfo(grad_accum_dtype).bits // 8
+            vocab_block = _ACCUM_BYTES // (itemsize * max(hidden_size, 1))
+        min_tokens = _DW_TOKENS.get(self.hidden.device.type, _DW_TOKENS_DEFAULT)
+        tokens = max(self.chunk_size, min(min_tokens, num_active))
+        vocab_block = max(1, min(vocab_block, logits_budget // tokens))
+        if _VOCAB_ALIGN < vocab_block < vocab_size:
+            vocab_block -= vocab_block % _VOCAB_ALIGN
+        return max(1, logits_budget // vocab_block), vocab_block
 
     def _block_grad(self, h_rows, rows, vocab: slice, buffer, lse, grad_logprob, grad_entropy, entropy) -> Tensor:
         """dz for one tile (token rows x vocabulary block), written in place over the recomputed
@@ -381,11 +408,11 @@ def fused_linear_tpo_loss(
         weight: ``[V, H]`` lm_head weight, dtype and device of ``hidden``.
         bias: optional ``[V]`` lm_head bias.
         chunk_size: tokens per logits chunk; default from a memory budget (512 MiB of fp32 logits
-            on CUDA, 16 MiB on CPU).
+            on CUDA, 8 MiB on CPU).
         grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over chunks (float32 by
             default; pass the weight dtype to save memory); never narrower than the weight's.
             When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
-            block of at most 256 MiB at a time and ``dH`` is summed over the blocks in that dtype.
+            block of at most 256 MiB at a time.
 
     The backward recomputes the logits of the tokens whose loss gradient is nonzero; tokens of
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
