@@ -16,9 +16,17 @@ from . import Backend, compute_dtype
 _CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per temporary
 
 
-def _row_chunks(rows: Tensor, vocab: int):
+def _row_chunks(selected: Tensor, vocab: int):
+    """Row selections of at most ``_CHUNK_ELEMENTS // vocab`` rows covering the ``selected`` rows:
+    slices when every row is selected (no gather), index tensors otherwise."""
     step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
-    return rows.split(step)
+    if bool(selected.all()):
+        return [slice(start, start + step) for start in range(0, selected.numel(), step)]
+    return torch.nonzero(selected).squeeze(1).split(step)
+
+
+def _read_rows(logits: Tensor, chunk) -> Tensor:
+    return logits[chunk] if isinstance(chunk, slice) else logits.index_select(0, chunk)
 
 
 class TorchBackend(Backend):
@@ -35,9 +43,8 @@ class TorchBackend(Backend):
         lse = logits.new_zeros(m, dtype=acc)
         target = logits.new_zeros(m, dtype=acc)
         entropy = logits.new_zeros(m, dtype=acc) if with_entropy else None
-        rows = torch.nonzero(labels >= 0).squeeze(1)  # skipped rows are never read
-        for chunk in _row_chunks(rows, v):
-            z = logits.index_select(0, chunk).to(acc) * inv_temperature
+        for chunk in _row_chunks(labels >= 0, v):  # skipped rows are never read
+            z = _read_rows(logits, chunk).to(acc) * inv_temperature
             chunk_lse = torch.logsumexp(z, dim=1)
             lse[chunk] = chunk_lse
             target[chunk] = z.gather(1, labels[chunk].unsqueeze(1)).squeeze(1)
@@ -64,18 +71,15 @@ class TorchBackend(Backend):
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
         out[~active] = 0  # zero-signal rows: written, never read
-        rows = torch.nonzero(active).squeeze(1)
-        for chunk in _row_chunks(rows, v):
-            z = logits.index_select(0, chunk).to(acc) * inv_temperature
+        for chunk in _row_chunks(active, v):
+            z = _read_rows(logits, chunk).to(acc) * inv_temperature
             log_probs = z - lse[chunk].unsqueeze(1)
             probs = torch.exp(log_probs)
             g = grad_logprob[chunk].unsqueeze(1)
             grad = -g * probs
-            label = labels[chunk]
-            has_label = label >= 0
-            grad[has_label] = grad[has_label].scatter_add(
-                1, label[has_label].unsqueeze(1), g[has_label]
-            )
+            label = labels[chunk].unsqueeze(1)
+            # g * onehot(label); rows without a label (label < 0) add 0 at column 0.
+            grad.scatter_add_(1, label.clamp(min=0), torch.where(label >= 0, g, 0.0))
             if grad_entropy is not None:
                 ge = grad_entropy[chunk].unsqueeze(1)
                 grad = grad - ge * probs * (log_probs + entropy[chunk].unsqueeze(1))
