@@ -51,6 +51,17 @@ def check_positive(name: str, value) -> float:
     return float(value)
 
 
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_same_device(name: str, x: Tensor, device: torch.device, reference: str) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
+
+
 def check_reduction(reduction) -> str:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

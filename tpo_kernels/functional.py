@@ -7,15 +7,16 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._validate import check_float_tensor, check_labels, check_positive, check_reduction, prepare_batch
+from ._validate import (
+    check_flag,
+    check_float_tensor,
+    check_labels,
+    check_positive,
+    check_reduction,
+    prepare_batch,
+)
 from .autograd import SelectiveLogprobsFunction, TPOLogitsFunction, TPOObjective
 from .backends import compute_dtype, get_backend
-
-
-def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
 
 
 def _rows(logits: Tensor) -> Tuple[Tensor, bool]:
@@ -85,9 +86,9 @@ def tpo_loss(
     eta = check_positive("eta", eta)
     temperature = check_positive("temperature", temperature)
     reduction = check_reduction(reduction)
-    anchor = _check_flag("anchor", anchor)
-    inplace_backward = _check_flag("inplace_backward", inplace_backward)
-    return_aux = _check_flag("return_aux", return_aux)
+    anchor = check_flag("anchor", anchor)
+    inplace_backward = check_flag("inplace_backward", inplace_backward)
+    return_aux = check_flag("return_aux", return_aux)
     chosen = get_backend(backend, logits.device)
 
     batch = prepare_batch(
@@ -137,7 +138,7 @@ def selective_logprobs(
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension")
     temperature = check_positive("temperature", temperature)
-    return_entropy = _check_flag("return_entropy", return_entropy)
+    return_entropy = check_flag("return_entropy", return_entropy)
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.device != logits.device:

@@ -28,7 +28,14 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._validate import _check_integer, check_float_tensor, check_positive, check_reduction
+from ._validate import (
+    _check_integer,
+    check_flag,
+    check_float_tensor,
+    check_positive,
+    check_reduction,
+    check_same_device,
+)
 from .backends import Backend, compute_dtype, get_backend
 from .backends.candidates import pair_runs
 from .targets import dense_group_targets
@@ -137,17 +144,6 @@ class FusedLinearTokenTPOFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_same_device(name: str, x: Tensor, device: torch.device, reference: str) -> None:
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
-
-
 def _prepare_candidates(
     num_states: int,
     vocab: int,
@@ -164,7 +160,7 @@ def _prepare_candidates(
     if not isinstance(candidates, Tensor):
         raise TypeError(f"candidates must be a torch.Tensor, got {type(candidates).__name__}")
     _check_integer("candidates", candidates)
-    _check_same_device("candidates", candidates, device, reference)
+    check_same_device("candidates", candidates, device, reference)
     if candidates.dim() != 2 or candidates.shape[0] != num_states or candidates.shape[1] == 0:
         raise ValueError(
             f"candidates must have shape [R, K] with R={num_states} (the rows of {reference}) and "
@@ -180,7 +176,7 @@ def _prepare_candidates(
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
     if scores.dtype == torch.bool or scores.dtype.is_complex:
         raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
-    _check_same_device("scores", scores, device, reference)
+    check_same_device("scores", scores, device, reference)
     if tuple(scores.shape) != shape:
         raise ValueError(f"scores must have the shape of candidates {shape}, got {tuple(scores.shape)}")
     scores = scores.to(acc)
@@ -192,7 +188,7 @@ def _prepare_candidates(
             raise TypeError(f"old_logprobs must be a torch.Tensor, got {type(old_logprobs).__name__}")
         if not old_logprobs.dtype.is_floating_point:
             raise TypeError(f"old_logprobs must be a float tensor, got {old_logprobs.dtype}")
-        _check_same_device("old_logprobs", old_logprobs, device, reference)
+        check_same_device("old_logprobs", old_logprobs, device, reference)
         if tuple(old_logprobs.shape) != shape:
             raise ValueError(
                 f"old_logprobs must have the shape of candidates {shape}, got {tuple(old_logprobs.shape)}"
@@ -253,8 +249,8 @@ def token_tpo_loss(
     eta = check_positive("eta", eta)
     temperature = check_positive("temperature", temperature)
     reduction = check_reduction(reduction)
-    anchor = _check_bool("anchor", anchor)
-    return_aux = _check_bool("return_aux", return_aux)
+    anchor = check_flag("anchor", anchor)
+    return_aux = check_flag("return_aux", return_aux)
     chosen = get_backend(backend, logits.device)
     candidates, scores, old_logprobs = _prepare_candidates(
         num_states, vocab, logits.device, compute_dtype(logits.dtype), candidates, scores, old_logprobs,
@@ -310,19 +306,19 @@ def fused_linear_token_tpo_loss(
         raise ValueError("weight must have a non-empty vocabulary dimension (V >= 1)")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
-    _check_same_device("weight", weight, hidden.device, "hidden")
+    check_same_device("weight", weight, hidden.device, "hidden")
     if bias is not None:
         check_float_tensor("bias", bias, (1,))
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"bias must have shape [V]=({vocab},), got {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype:
             raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
-        _check_same_device("bias", bias, hidden.device, "hidden")
+        check_same_device("bias", bias, hidden.device, "hidden")
     eta = check_positive("eta", eta)
     temperature = check_positive("temperature", temperature)
     reduction = check_reduction(reduction)
-    anchor = _check_bool("anchor", anchor)
-    return_aux = _check_bool("return_aux", return_aux)
+    anchor = check_flag("anchor", anchor)
+    return_aux = check_flag("return_aux", return_aux)
     chosen = get_backend(backend, hidden.device)
     candidates, scores, old_logprobs = _prepare_candidates(
         num_states, vocab, hidden.device, compute_dtype(hidden.dtype), candidates, scores, old_logprobs,
