@@ -42,7 +42,7 @@ from .backends import Backend, compute_dtype, get_backend
 # the CPU the matmuls are already efficient at about a hundred rows, and a small chunk keeps the
 # peak low (the torch fallback's row ops make several fp32 temporaries of a chunk).
 _CHUNK_BYTES = {"cuda": 512 << 20}
-_CHUNK_BYTES_DEFAULT = 8 << 20
+_CHUNK_BYTES_DEFAULT = 6 << 20
 _CHUNK_ALIGN = 16  # rows; keeps matmul tiles full
 # Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
 # dimension) stay aligned for vector loads and tensor-core matmuls.
@@ -53,7 +53,7 @@ _ACCUM_BYTES = 256 << 20
 # Active tokens a backward tile should span (see LinearRows._backward_tile): about the flops per
 # byte of accumulator traffic at which the weight-gradient matmul stops being memory-bound.
 _DW_TOKENS = {"cuda": 4096}
-_DW_TOKENS_DEFAULT = 1024
+_DW_TOKENS_DEFAULT = 512
 
 
 def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -71,8 +71,12 @@ def _add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor) 
     match; otherwise the product is formed in the inputs' dtype and summed in ``out``'s."""
     if isinstance(rows, slice) and out.dtype == a.dtype:
         out[rows].addmm_(a, b)
-    else:
-        out[rows] += a @ b
+        return
+    product = (a @ b).to(out.dtype)
+    if isinstance(rows, slice):
+        out[rows] += product
+    else:  # distinct rows: every entry gets exactly one addition, so the result is deterministic
+        out.index_add_(0, rows, product)
 
 
 class LinearRows:
@@ -168,12 +172,13 @@ class LinearRows:
         else:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden.dtype)
 
+        chunks = self._row_chunks(active, token_block)
+        # The tile buffer first: the same size as the forward's chunk, it can take its freed memory.
+        buffer = self._buffer(min(token_block, num_active), vocab_block) if chunks else None
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
-        chunks = self._row_chunks(active, token_block)
         if chunks:  # else every row has zero signal: zero gradients, no matmul
-            buffer = self._buffer(min(token_block, num_active), vocab_block)
             block_accum = None
             if need_weight and grad_accum_dtype != weight.dtype:
                 block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
@@ -408,7 +413,7 @@ def fused_linear_tpo_loss(
         weight: ``[V, H]`` lm_head weight, dtype and device of ``hidden``.
         bias: optional ``[V]`` lm_head bias.
         chunk_size: tokens per logits chunk; default from a memory budget (512 MiB of fp32 logits
-            on CUDA, 8 MiB on CPU).
+            on CUDA, 6 MiB on CPU).
         grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over chunks (float32 by
             default; pass the weight dtype to save memory); never narrower than the weight's.
             When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
