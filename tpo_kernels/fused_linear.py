@@ -29,10 +29,12 @@ from torch.autograd.function import once_differentiable
 from ._validate import (
     FLOAT_DTYPES,
     _check_integer,
+    check_flag,
     check_float_tensor,
     check_labels,
     check_positive,
     check_reduction,
+    check_same_device,
     prepare_batch,
 )
 from .autograd import TPOObjective
@@ -320,12 +322,6 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
     """hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]``: one dtype, one device."""
     check_float_tensor("hidden", hidden, (2, 3))
@@ -339,8 +335,7 @@ def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
         )
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    check_same_device("weight", weight, hidden.device, "hidden")
     if bias is None:
         return
     check_float_tensor("bias", bias, (1,))
@@ -348,8 +343,7 @@ def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
         raise ValueError(f"bias must have shape [V]=({weight.shape[0]},), got {tuple(bias.shape)}")
     if bias.dtype != hidden.dtype:
         raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
-    if bias.device != hidden.device:
-        raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
+    check_same_device("bias", bias, hidden.device, "hidden")
 
 
 def _check_chunk_size(chunk_size, num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -427,8 +421,8 @@ def fused_linear_tpo_loss(
     eta = check_positive("eta", eta)
     temperature = check_positive("temperature", temperature)
     reduction = check_reduction(reduction)
-    anchor = _check_flag("anchor", anchor)
-    return_aux = _check_flag("return_aux", return_aux)
+    anchor = check_flag("anchor", anchor)
+    return_aux = check_flag("return_aux", return_aux)
     chosen = get_backend(backend, hidden.device)
     vocab_size = weight.shape[0]
     batch = prepare_batch(
@@ -483,11 +477,10 @@ def fused_linear_logprobs(
     """
     _check_head(hidden, weight, bias)
     temperature = check_positive("temperature", temperature)
-    return_entropy = _check_flag("return_entropy", return_entropy)
+    return_entropy = check_flag("return_entropy", return_entropy)
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.device != hidden.device:
-        raise ValueError(f"labels is on {labels.device} but hidden is on {hidden.device}")
+    check_same_device("labels", labels, hidden.device, "hidden")
     _check_integer("labels", labels)
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
