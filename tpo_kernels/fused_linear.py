@@ -52,10 +52,10 @@ _VOCAB_ALIGN = 128
 # Largest weight-gradient accumulator kept in a dtype wider than the weight's (e.g. fp32 for a
 # bf16 lm_head); larger heads accumulate one vocabulary block at a time.
 _ACCUM_BYTES = 256 << 20
-# Active tokens a backward tile should span (see LinearRows._backward_tile): about the flops per
-# byte of accumulator traffic at which the weight-gradient matmul stops being memory-bound.
-_DW_TOKENS = {"cuda": 4096}
-_DW_TOKENS_DEFAULT = 512
+# Rows a tile should span (see LinearRows._tile): enough for full-speed matmuls and for the
+# weight-gradient matmul not to be bound by re-reading its accumulator.
+_TILE_TOKENS = {"cuda": 4096}
+_TILE_TOKENS_DEFAULT = 512
 
 
 def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -125,23 +125,43 @@ class LinearRows:
 
     def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """Per-row ``(lse, target, entropy | None)`` of the tempered logits, in the compute dtype;
-        0 on rows that do not count (their logits are never computed)."""
+        0 on rows that do not count (their logits are never computed).
+
+        Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' partial
+        results merge exactly: ``lse = logaddexp`` over blocks, the target logit comes from the
+        block holding the label, and the entropy from ``S = sum_v p_v z_v`` (``H = lse - S``),
+        where block ``b`` contributes ``exp(lse_b - lse) * (lse_b - H_b)``."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         acc = compute_dtype(self.hidden.dtype)
         lse = self.hidden.new_zeros(num_rows, dtype=acc)
         target = torch.zeros_like(lse)
         entropy = torch.zeros_like(lse) if with_entropy else None
         counted = self.labels >= 0
-        chunks = self._row_chunks(counted, self.chunk_size)
-        buffer = self._buffer(min(self.chunk_size, int(counted.sum())), vocab_size)
-        for rows in chunks:
-            logits = self._logits(self.hidden[rows], slice(None), buffer)
-            chunk_lse, chunk_target, chunk_entropy = self.backend.row_forward(
-                logits, self.labels[rows], self.inv_temperature, with_entropy
-            )
-            lse[rows], target[rows] = chunk_lse, chunk_target
+        num_counted = int(counted.sum())
+        token_block, vocab_block = self._tile(num_counted, self.weight.dtype)
+        buffer = self._buffer(min(token_block, num_counted), vocab_block)
+        for rows in self._row_chunks(counted, token_block):
+            h_rows, labels = self.hidden[rows], self.labels[rows]
+            for start in range(0, vocab_size, vocab_block):
+                logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
+                local = labels - start
+                inside = (local >= 0) & (local < logits.shape[1])
+                # Every row is read: a label outside the block stands in as 0, its target unused.
+                block_lse, block_target, block_entropy = self.backend.row_forward(
+                    logits, torch.where(inside, local, 0), self.inv_temperature, with_entropy
+                )
+                block_target = torch.where(inside, block_target, 0.0)
+                block_sum = block_lse - block_entropy if with_entropy else None  # S_b
+                if start == 0:
+                    row_lse, row_target, row_sum = block_lse, block_target, block_sum
+                    continue
+                merged = torch.logaddexp(row_lse, block_lse)
+                if with_entropy:
+                    row_sum = row_sum * torch.exp(row_lse - merged) + block_sum * torch.exp(block_lse - merged)
+                row_lse, row_target = merged, row_target + block_target
+            lse[rows], target[rows] = row_lse, row_target
             if with_entropy:
-                entropy[rows] = chunk_entropy
+                entropy[rows] = row_lse - row_sum
         return lse, target, entropy
 
     def backward(
@@ -157,7 +177,7 @@ class LinearRows:
         per-row gradients of the log-probs and entropies (both 0 on rows that do not count).
 
         Rows where both are exactly 0 are skipped: no recompute, no matmul. Tiles (see
-        :meth:`_backward_tile`) are vocabulary blocks (outer loop) times token chunks (inner);
+        :meth:`_tile`) are vocabulary blocks (outer loop) times token chunks (inner);
         ``dW`` and ``db`` are summed over token chunks in ``grad_accum_dtype``, ``dH`` over
         vocabulary blocks (in that dtype too when there is more than one block).
         """
@@ -168,7 +188,7 @@ class LinearRows:
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
         num_active = int(active.sum())
-        token_block, vocab_block = self._backward_tile(num_active, grad_accum_dtype)
+        token_block, vocab_block = self._tile(num_active, grad_accum_dtype)
         if vocab_block == vocab_size:
             hidden_accum = hidden.dtype
         else:
@@ -205,21 +225,21 @@ class LinearRows:
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
 
-    def _backward_tile(self, num_active: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
-        """(tokens, vocabulary entries) of one backward tile. A tile holds at most
-        ``chunk_size * V`` logits, like a forward chunk, and is cut along the vocabulary so that it
-        spans at least ``_DW_TOKENS`` active tokens: each tile's ``dW[block] += dz.T @ h`` reads
-        and writes the ``[block, H]`` accumulator (8 bytes per entry against ``2 * tokens``
-        flops), so tiles of few tokens would leave that matmul memory-bound. A ``dW``
-        accumulator wider than the weight dtype is also capped at ``_ACCUM_BYTES``."""
+    def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
+        """(tokens, vocabulary entries) of one tile of logits over ``num_rows`` rows. A tile holds
+        at most ``chunk_size * V`` logits and is cut along the vocabulary so that it spans at
+        least ``_TILE_TOKENS`` rows: matmuls of few rows run far below the machine's peak, and
+        in the backward each tile's ``dW[block] += dz.T @ h`` reads and writes the ``[block, H]``
+        accumulator (8 bytes per entry against ``2 * tokens`` flops). A ``dW`` accumulator wider
+        than the weight dtype is also capped at ``_ACCUM_BYTES``."""
         vocab_size, hidden_size = self.weight.shape
         logits_budget = self.chunk_size * vocab_size
         vocab_block = vocab_size
         if grad_accum_dtype != self.weight.dtype:
             itemsize = torch.finfo(grad_accum_dtype).bits // 8
             vocab_block = _ACCUM_BYTES // (itemsize * max(hidden_size, 1))
-        min_tokens = _DW_TOKENS.get(self.hidden.device.type, _DW_TOKENS_DEFAULT)
-        tokens = max(self.chunk_size, min(min_tokens, num_active))
+        min_tokens = _TILE_TOKENS.get(self.hidden.device.type, _TILE_TOKENS_DEFAULT)
+        tokens = max(self.chunk_size, min(min_tokens, num_rows))
         vocab_block = max(1, min(vocab_block, logits_budget // tokens))
         if _VOCAB_ALIGN < vocab_block < vocab_size:
             vocab_block -= vocab_block % _VOCAB_ALIGN
