@@ -338,7 +338,7 @@ def test_never_materializes_tokens_times_vocab(backend):
         loss.backward()
         lp = fused_linear_logprobs(h, w, labels, bias=b, return_entropy=True, backend=backend, chunk_size=chunk_size)[1]
         lp.sum().backward()
-    # The largest tensors are one chunk of logits and the weight gradient, far below M * V.
+    # The largest tensors are one tile of logits and the weight gradient, far below M * V.
     assert tracker.largest <= max(chunk_size * vocab, vocab * hidden) < (n * t * vocab) // 10
 
 

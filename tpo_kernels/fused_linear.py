@@ -1,21 +1,22 @@
 """Fused hidden x lm_head path: TPO loss and per-token log-probs from the last hidden states and
 the lm_head weight, without ever materializing the ``[tokens, vocab]`` logits.
 
-Logits ``z = h @ W.T (+ b)`` exist only one chunk of tokens at a time. The forward keeps, per
-token, the tempered logsumexp and target logit (and entropy on request); the group stage is
-:class:`~tpo_kernels.autograd.TPOObjective`, shared with the logits path. Every path's backward is
-a per-token scalar ``g`` times ``(onehot - softmax) / tau`` (plus an entropy term), so the
-backward recomputes the logits of the tokens with a nonzero ``g`` only, chunk by chunk, turns
-them in place into ``dz`` with the backend's row backward, and applies the chain rule of the
+Logits ``z = h @ W.T (+ b)`` exist one tile at a time: a block of tokens times a block of the
+vocabulary, at most ``chunk_size * V`` entries. The forward keeps, per token, the tempered
+logsumexp and target logit (and entropy on request), merged exactly across vocabulary blocks; the
+group stage is :class:`~tpo_kernels.autograd.TPOObjective`, shared with the logits path. Every
+path's backward is a per-token scalar ``g`` times ``(onehot - softmax) / tau`` (plus an entropy
+term), so the backward recomputes the logits of the tokens with a nonzero ``g`` only, tile by
+tile, turns them in place into ``dz`` with the backend's row backward (the forward's logsumexp
+covers the whole vocabulary, so a block's softmax is exact), and applies the chain rule of the
 linear layer::
 
-    dH[rows] = dz @ W          dW += dz.T @ h[rows]          db += dz.sum(0)
+    dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
 
-Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The backward
-works on tiles of tokens x vocabulary block, within the same logits budget as a forward chunk:
-spanning many tokens keeps the ``dW`` matmul compute-bound, and a ``dW`` accumulator wider than the
-weight dtype (fp32 for a bf16 head) stays small. The forward's logsumexp covers the whole
-vocabulary, so each block's softmax is exact.
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. Tiles span
+many tokens so that the matmuls run at full speed and the ``dW`` accumulation stays compute-bound;
+a ``dW`` accumulator wider than the weight dtype (fp32 for a bf16 head) is kept per vocabulary
+block, so it stays small.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from ._validate import (
 from .autograd import TPOObjective
 from .backends import Backend, compute_dtype, get_backend
 
-# Memory budget of one chunk of logits. On the GPU a large chunk keeps the matmuls efficient; on
-# the CPU the matmuls are already efficient at about a hundred rows, and a small chunk keeps the
-# peak low (the torch fallback's row ops make several fp32 temporaries of a chunk).
+# Memory budget of one tile of logits, in fp32 bytes (the default chunk_size is this budget in
+# rows of V). Tiles take their shape from LinearRows._tile, so the budget only bounds memory: a
+# small one on the CPU keeps the peak below that of chunked cross-entropy implementations (the
+# torch fallback's row ops also make a few fp32 temporaries of a tile).
 _CHUNK_BYTES = {"cuda": 512 << 20}
 _CHUNK_BYTES_DEFAULT = 6 << 20
-_CHUNK_ALIGN = 16  # rows; keeps matmul tiles full
+_CHUNK_ALIGN = 16  # rows
 # Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
 # dimension) stay aligned for vector loads and tensor-core matmuls.
 _VOCAB_ALIGN = 128
@@ -59,8 +61,9 @@ _TILE_TOKENS_DEFAULT = 512
 
 
 def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
-    """Tokens per logits chunk: as many as fit the device's budget in fp32 (the row ops compute
-    in fp32 whatever the input dtype), rounded down to a multiple of 16, at most ``num_rows``."""
+    """``chunk_size`` (tile budget in rows of V) when none is given: as many rows as fit the
+    device's budget in fp32 (the row ops compute in fp32 whatever the input dtype), rounded down to
+    a multiple of 16, at most ``num_rows``."""
     budget = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT)
     rows = budget // (4 * max(vocab_size, 1))
     if rows > _CHUNK_ALIGN:
@@ -195,7 +198,7 @@ class LinearRows:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden.dtype)
 
         chunks = self._row_chunks(active, token_block)
-        # The tile buffer first: the same size as the forward's chunk, it can take its freed memory.
+        # The tile buffer first: the size of the forward's, it can take that freed memory.
         buffer = self._buffer(min(token_block, num_active), vocab_block) if chunks else None
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
@@ -265,8 +268,8 @@ class LinearRows:
 
 
 class FusedLinearTPOFunction(torch.autograd.Function):
-    """Fused-linear TPO: chunked row forward -> group op -> (backward) chunked recompute and
-    row backward of the tokens with a nonzero coefficient only."""
+    """Fused-linear TPO: tiled row forward -> group op -> (backward) tiled recompute and row
+    backward of the tokens with a nonzero coefficient only."""
 
     @staticmethod
     def forward(
@@ -302,7 +305,7 @@ class FusedLinearTPOFunction(torch.autograd.Function):
 
 
 class FusedLinearLogprobsFunction(torch.autograd.Function):
-    """Per-token log-probs (and entropies) of ``h @ W.T (+ b)``; the backward is the chunked
+    """Per-token log-probs (and entropies) of ``h @ W.T (+ b)``; the backward is the tiled
     recompute with the generic row backward."""
 
     @staticmethod
@@ -413,8 +416,8 @@ def fused_linear_tpo_loss(
     chunk_size: Optional[int] = None,
     grad_accum_dtype: torch.dtype = torch.float32,
 ) -> Union[Tensor, Tuple[Tensor, dict]]:
-    """Sequence-level TPO loss on ``logits = hidden @ weight.T (+ bias)``, computed chunk by chunk
-    so that at most ``chunk_size`` tokens' logits exist at once.
+    """Sequence-level TPO loss on ``logits = hidden @ weight.T (+ bias)``, computed tile by tile
+    so that at most ``chunk_size * V`` logits exist at once.
 
     Same semantics and keywords as :func:`tpo_kernels.tpo_loss` (see there for ``labels``,
     ``scores``, groups, ``mask``, old / reference log-probs, ``beta``, ``eta``, ``anchor``,
@@ -426,9 +429,10 @@ def fused_linear_tpo_loss(
             ``hidden[n, t]`` predicts ``labels[n, t]`` (already shifted).
         weight: ``[V, H]`` lm_head weight, dtype and device of ``hidden``.
         bias: optional ``[V]`` lm_head bias.
-        chunk_size: tokens per logits chunk; default from a memory budget (512 MiB of fp32 logits
-            on CUDA, 6 MiB on CPU).
-        grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over chunks (float32 by
+        chunk_size: at most ``chunk_size * V`` logits exist at once (one tile: a block of tokens
+            times a block of the vocabulary); default from a memory budget (512 MiB of fp32
+            logits on CUDA, 6 MiB on CPU).
+        grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over tiles (float32 by
             default; pass the weight dtype to save memory); never narrower than the weight's.
             When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
             block of at most 256 MiB at a time.
