@@ -10,7 +10,7 @@ description. Group ``g`` of ``group_ids`` is the g-th smallest distinct id.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -99,3 +99,27 @@ def build_layout(
         group_size=contiguous_k,
         padded_len=padded_shape[1] if padded_shape is not None else None,
     )
+
+
+def candidate_layout(num_states: int, num_candidates: int, device: torch.device) -> BatchLayout:
+    """Token-level TPO as a sequence-level batch: each of the ``R * K`` candidates is a
+    "completion" of one token, and each state's K candidates form a group."""
+    return build_layout(
+        num_states * num_candidates,
+        device,
+        padded_shape=(num_states * num_candidates, 1),
+        group_size=num_candidates,
+    )
+
+
+def pair_runs(candidates: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The (r, k) candidate pairs, numbered ``r * K + k``, stably sorted by token id:
+    ``(order, tokens, offsets)``. The pairs of the distinct id ``tokens[i]`` are
+    ``order[offsets[i]:offsets[i+1]]`` in ascending (r, k) order, so that per-token sums over
+    them (weight and bias gradients) run in a fixed order."""
+    flat = candidates.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens, lengths = torch.unique_consecutive(flat[order], return_counts=True)
+    offsets = torch.zeros(tokens.numel() + 1, dtype=torch.int64, device=flat.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return order, tokens, offsets

@@ -1,147 +1,46 @@
-"""Backends: the vocab-sized row ops (layer 1) and, optionally, a fused group op (layer 2).
+"""Backends (layer 1): one small module each behind :class:`~.interface.Backend`.
 
-Every backend implements the same small interface, :class:`Backend`. The orchestration in
-``tpo_kernels.autograd`` (layer 3) is written once against it.
+========  =============================================  =========================================
+name      module                                         runs on
+========  =============================================  =========================================
+torch     :mod:`.pytorch` (chunked PyTorch)              any device
+triton    :mod:`.triton` (Triton kernels)                CUDA; CPU under ``TRITON_INTERPRET=1``
+cpu       :mod:`.cpu` (C++ extension ``_C_cpu``)         CPU
+cuda      :mod:`.cuda` (CUDA extension ``_C_cuda``)      CUDA
+========  =============================================  =========================================
 
-Row-op contract (shared by every backend; ``M`` rows of a ``[M, V]`` logits matrix):
-
-* ``row_forward(logits, labels, inv_temperature, with_entropy) -> (lse, target, entropy | None)``
-
-  ``lse[r] = logsumexp_v(logits[r, v] * inv_temperature)`` and
-  ``target[r] = logits[r, labels[r]] * inv_temperature``; the token log-prob is
-  ``target - lse``. ``entropy[r] = -sum_v p log p`` of the tempered softmax. Outputs are in the
-  compute dtype (float64 for float64 logits, float32 otherwise). Rows with ``labels[r] < 0`` are
-  skipped: their outputs are 0 and the row is never read.
-
-* ``row_backward(logits, labels, lse, grad_logprob, grad_entropy, entropy, inv_temperature, out)``
-
-  Writes ``out[r, v] = inv_t * (g[r] * (onehot(labels[r])[v] - p[v])
-  - ge[r] * p[v] * (log p[v] + entropy[r]))`` with ``p = exp(logits * inv_t - lse)``,
-  ``g = grad_logprob``, ``ge = grad_entropy`` (``None`` means zero). ``out`` has the logits' dtype
-  and shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and ``ge == 0``
-  are written as zeros without reading the logits. ``labels[r] < 0`` contributes no one-hot term.
-
-Candidate-op contract (token-level TPO; ``R`` states, ``K`` candidates each):
-
-* ``candidate_forward(logits, candidates, inv_temperature) -> cand_logits``:
-  ``cand_logits[r, k] = logits[r, candidates[r, k]] * inv_t`` in the compute dtype, ``[R, K]``.
-* ``candidate_backward(grad_cand, candidates, inv_temperature, out)``: ``out`` (``[R, V]``, the
-  logits' dtype) becomes zero except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``;
-  duplicated candidates accumulate in ascending k order (deterministic).
-
-* ``candidate_linear_forward(hidden, weight, bias, candidates, inv_temperature) -> cand_logits``:
-  ``(hidden[r] . weight[y[r, k]] + bias[y[r, k]]) * inv_t`` without forming ``[R, V]``.
-* ``candidate_linear_backward(grad, hidden, weight, candidates, runs, with_hidden, with_weight,
-  with_bias) -> (dhidden, dweight, dbias)`` for ``grad`` = dLoss/d(untempered candidate logit);
-  ``runs`` = :func:`tpo_kernels.backends.candidates.pair_runs` (the (r, k) pairs sorted by token
-  id), so weight rows are summed in a fixed order.
-
-The base class implements the candidate ops in PyTorch (:mod:`.candidates`); backends may
-override them.
-
-Inputs reaching a backend are already validated: 2-D contiguous logits, int64 labels in
-``[0, V)`` or negative, same device.
+Backend modules are imported on first use, so ``import tpo_kernels`` never imports Triton or
+loads an extension. ``backend="auto"`` prefers cuda > triton > torch on CUDA tensors and
+cpu > torch on CPU tensors. A :class:`Backend` instance may be passed wherever a name is
+accepted (e.g. a backend of your own, or one wrapped for testing).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Optional, Tuple
+from typing import Dict, Optional, Union
 
 import torch
-from torch import Tensor
+
+from .interface import Backend
 
 BACKEND_NAMES = ("torch", "triton", "cpu", "cuda")
+_MODULES = {"torch": ("pytorch", "TorchBackend"), "triton": ("triton", "TritonBackend"),
+            "cpu": ("cpu", "CpuBackend"), "cuda": ("cuda", "CudaBackend")}
+_AUTO_ORDER = {"cuda": ("cuda", "triton", "torch")}
+_AUTO_ORDER_DEFAULT = ("cpu", "torch")
 
-
-class Backend:
-    """Interface every backend implements. Subclasses override the row ops; the group op
-    defaults to the portable PyTorch one in :mod:`tpo_kernels.targets`."""
-
-    name: str = "?"
-
-    def unavailable_reason(self) -> Optional[str]:
-        """``None`` when usable in this process, else a one-line reason."""
-        return None
-
-    def supports_device(self, device: torch.device) -> bool:
-        raise NotImplementedError
-
-    def row_forward(
-        self, logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool
-    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        raise NotImplementedError
-
-    def row_backward(
-        self,
-        logits: Tensor,
-        labels: Tensor,
-        lse: Tensor,
-        grad_logprob: Tensor,
-        grad_entropy: Optional[Tensor],
-        entropy: Optional[Tensor],
-        inv_temperature: float,
-        out: Tensor,
-    ) -> None:
-        raise NotImplementedError
-
-    def candidate_forward(self, logits: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
-        from .candidates import candidate_forward
-
-        return candidate_forward(logits, candidates, inv_temperature)
-
-    def candidate_backward(
-        self, grad_cand: Tensor, candidates: Tensor, inv_temperature: float, out: Tensor
-    ) -> None:
-        from .candidates import candidate_backward
-
-        candidate_backward(grad_cand, candidates, inv_temperature, out)
-
-    def candidate_linear_forward(self, hidden, weight, bias, candidates, inv_temperature) -> Tensor:
-        from .candidates import candidate_linear_forward
-
-        return candidate_linear_forward(hidden, weight, bias, candidates, inv_temperature)
-
-    def candidate_linear_backward(
-        self, grad, hidden, weight, candidates, runs, with_hidden, with_weight, with_bias
-    ):
-        from .candidates import candidate_linear_backward
-
-        return candidate_linear_backward(
-            grad, hidden, weight, candidates, runs, with_hidden, with_weight, with_bias
-        )
-
-    def group_targets(self, token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction):
-        from ..targets import group_targets
-
-        return group_targets(token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction)
-
-    def __repr__(self) -> str:
-        return f"<tpo_kernels backend {self.name!r}>"
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 stays float64 (for gradcheck), everything else uses float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-_instances: dict = {}
+# Every backend a call may dispatch to, by key: the built-in ones by name, user instances under a
+# key of their own. The custom ops of tpo_kernels.ops take this key (a string) as an argument.
+_REGISTRY: Dict[str, Backend] = {}
 
 
 def _load(name: str) -> Backend:
-    if name not in _instances:
-        if name == "torch":
-            from .pytorch import TorchBackend as cls
-        elif name == "triton":
-            from .triton import TritonBackend as cls
-        elif name == "cpu":
-            from .cpu import CpuBackend as cls
-        elif name == "cuda":
-            from .cuda import CudaBackend as cls
-        else:  # pragma: no cover - guarded by callers
-            raise ValueError(name)
-        _instances[name] = cls()
-    return _instances[name]
+    if name not in _REGISTRY:
+        module, cls = _MODULES[name]
+        _REGISTRY[name] = getattr(importlib.import_module(f".{module}", __name__), cls)()
+    return _REGISTRY[name]
 
 
 def _reason(name: str) -> Optional[str]:
@@ -156,29 +55,50 @@ def backend_status() -> dict:
     return {name: (_reason(name) or "available") for name in BACKEND_NAMES}
 
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """Resolve ``name`` (a backend name or ``"auto"``) to a usable backend for ``device``.
-
-    ``auto`` prefers cuda > triton on CUDA tensors and cpu > torch on CPU tensors.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a string, got {type(name).__name__}")
-    if name == "auto":
-        order = ("cuda", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
-        for candidate in order:
-            if _reason(candidate) is None and _load(candidate).supports_device(device):
-                return _load(candidate)
-        return _load("torch")
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be 'auto' or one of {BACKEND_NAMES}, got {name!r}")
-    reason = _reason(name)
-    if reason is not None:
-        raise RuntimeError(f"backend {name!r} is not usable here: {reason}")
-    backend = _load(name)
-    if not backend.supports_device(device):
-        raise ValueError(f"backend {name!r} does not run on {device.type} tensors")
-    return backend
-
-
 def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def get_backend(backend: Union[str, Backend], device: torch.device) -> Backend:
+    """Resolve ``backend`` (a name, ``"auto"`` or a :class:`Backend`) to a usable backend for
+    ``device``; raises naming ``backend`` when it cannot run there."""
+    if isinstance(backend, Backend):
+        reason = backend.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"backend {backend.name!r} is not usable here: {reason}")
+        if not backend.supports_device(device):
+            raise ValueError(f"backend {backend.name!r} does not run on {device.type} tensors")
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or a tpo_kernels Backend, got {type(backend).__name__}")
+    if backend == "auto":
+        for name in _AUTO_ORDER.get(device.type, _AUTO_ORDER_DEFAULT):
+            if _reason(name) is None and _load(name).supports_device(device):
+                return _load(name)
+        return _load("torch")
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be 'auto', one of {BACKEND_NAMES} or a Backend, got {backend!r}")
+    reason = _reason(backend)
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
+    chosen = _load(backend)
+    if not chosen.supports_device(device):
+        raise ValueError(f"backend {backend!r} does not run on {device.type} tensors")
+    return chosen
+
+
+def backend_key(backend: Backend) -> str:
+    """The string under which the custom ops find ``backend`` (registering it if needed)."""
+    if _REGISTRY.get(backend.name) is backend:
+        return backend.name
+    key = f"{backend.name}@{id(backend):x}"
+    _REGISTRY[key] = backend
+    return key
+
+
+def backend_by_key(key: str) -> Backend:
+    return _REGISTRY[key] if key in _REGISTRY else _load(key)
+
+
+__all__ = ["BACKEND_NAMES", "Backend", "backend_by_key", "backend_key", "backend_status",
+           "get_backend", "triton_interpreter_enabled"]

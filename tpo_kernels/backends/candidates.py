@@ -1,5 +1,5 @@
 """PyTorch candidate ops for token-level TPO: the defaults of every backend (see the candidate-op
-contract in :mod:`tpo_kernels.backends`). Backends with their own kernels override them.
+contract in :mod:`tpo_kernels.backends.interface`). Backends with their own kernels override them.
 
 Nothing here forms an ``[R, V]`` tensor except the dense logits gradient the logits path must
 return; every sum runs in a fixed order (no float atomics).
@@ -13,19 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import compute_dtype
+from .._dtypes import compute_dtype
 
 # Elements of one [states, K, H] temporary of the PyTorch fused-linear ops: 8 MiB of fp32, small
 # enough to stay in cache and to be reused by the allocator from chunk to chunk.
 _CHUNK_ELEMENTS = 1 << 21
 
 
-def candidate_forward(logits: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
+def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
     """``logits[r, candidates[r, k]] * inv_t`` in the compute dtype."""
     return logits.gather(1, candidates).to(compute_dtype(logits.dtype)) * inv_temperature
 
 
-def candidate_backward(grad_cand: Tensor, candidates: Tensor, inv_temperature: float, out: Tensor) -> None:
+def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor) -> None:
     """``out`` = 0 except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``."""
     out.zero_()
     acc = out.new_zeros(out.shape, dtype=grad_cand.dtype) if out.dtype != grad_cand.dtype else out
@@ -46,20 +46,8 @@ def _gather_rows(weight: Tensor, ids: Tensor, acc: torch.dtype) -> Tensor:
     return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[1]).to(acc)
 
 
-def pair_runs(candidates: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """The (r, k) pairs, numbered ``r * K + k``, stably sorted by token id: ``(order, tokens,
-    offsets)``; the pairs of the distinct id ``tokens[i]`` are ``order[offsets[i]:offsets[i+1]]``,
-    in ascending (r, k) order."""
-    flat = candidates.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens, lengths = torch.unique_consecutive(flat[order], return_counts=True)
-    offsets = torch.zeros(tokens.numel() + 1, dtype=torch.int64, device=flat.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return order, tokens, offsets
-
-
 def candidate_linear_forward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], candidates: Tensor, inv_temperature: float
+    hidden: Tensor, weight: Tensor, candidates: Tensor, *, bias: Optional[Tensor] = None, inv_temperature: float
 ) -> Tensor:
     """``(h[r] . W[y[r, k]] + b[y[r, k]]) * inv_t`` in the compute dtype, chunked over states."""
     acc = compute_dtype(hidden.dtype)
@@ -79,13 +67,14 @@ def candidate_linear_backward(
     hidden: Tensor,
     weight: Tensor,
     candidates: Tensor,
+    *,
     runs: Optional[Tuple[Tensor, Tensor, Tensor]],
     with_hidden: bool,
     with_weight: bool,
     with_bias: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(dH, dW, db)`` for ``grad[r, k]`` = dLoss/d(untempered candidate logit), as in
-    the Triton kernels; ``runs`` is :func:`pair_runs` (needed
+    the Triton kernels; ``runs`` is :func:`tpo_kernels.layout.pair_runs` (needed
     for dW / db). Sums run in the compute dtype ``grad.dtype``; results take the input dtypes.
 
     All three are weighted bag sums, so they use ``embedding_bag(mode="sum")``, whose forward sums

@@ -11,7 +11,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import Backend, compute_dtype
+from .._dtypes import compute_dtype
+from .interface import Backend
 
 _CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per temporary
 
@@ -36,7 +37,7 @@ class TorchBackend(Backend):
         return True
 
     def row_forward(
-        self, logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool
+        self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         m, v = logits.shape
         acc = compute_dtype(logits.dtype)
@@ -60,8 +61,9 @@ class TorchBackend(Backend):
         labels: Tensor,
         lse: Tensor,
         grad_logprob: Tensor,
-        grad_entropy: Optional[Tensor],
-        entropy: Optional[Tensor],
+        *,
+        grad_entropy: Optional[Tensor] = None,
+        entropy: Optional[Tensor] = None,
         inv_temperature: float,
         out: Tensor,
     ) -> None:

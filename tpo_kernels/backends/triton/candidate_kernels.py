@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import compute_dtype, triton_interpreter_enabled
+from ..._dtypes import compute_dtype
+from .. import triton_interpreter_enabled
 from .row_kernels import device_guard
 
 
@@ -206,7 +207,7 @@ def _num_warps(tile: int) -> int:
     return 8 if tile >= 4096 else 4 if tile >= 1024 else 2 if tile >= 256 else 1
 
 
-def candidate_forward(logits: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
+def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
     """``cand[r, k] = logits[r, candidates[r, k]] * inv_t`` in the compute dtype, ``[R, K]``."""
     rows, num_cand = candidates.shape
     acc = compute_dtype(logits.dtype)
@@ -231,7 +232,7 @@ def candidate_forward(logits: Tensor, candidates: Tensor, inv_temperature: float
     return out
 
 
-def candidate_backward(grad_cand: Tensor, candidates: Tensor, inv_temperature: float, out: Tensor) -> None:
+def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor) -> None:
     """``out`` (``[R, V]``) becomes zero except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``
     (ascending k), accumulated in ``grad_cand``'s dtype and cast to ``out``'s once per element."""
     rows, vocab = out.shape
@@ -258,7 +259,7 @@ def candidate_backward(grad_cand: Tensor, candidates: Tensor, inv_temperature: f
 
 
 def candidate_linear_forward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], candidates: Tensor, inv_temperature: float
+    hidden: Tensor, weight: Tensor, candidates: Tensor, *, bias: Optional[Tensor] = None, inv_temperature: float
 ) -> Tensor:
     """``cand[r, k] = (hidden[r] . weight[y] + bias[y]) * inv_t`` with ``y = candidates[r, k]``, in
     the compute dtype; never forms the ``[R, V]`` logits."""
@@ -295,6 +296,7 @@ def candidate_linear_backward(
     hidden: Tensor,
     weight: Tensor,
     candidates: Tensor,
+    *,
     runs: Optional[Tuple[Tensor, Tensor, Tensor]],
     with_hidden: bool,
     with_weight: bool,

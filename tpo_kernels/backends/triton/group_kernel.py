@@ -1,4 +1,4 @@
-"""Triton group op (layer 2): one program per group computes everything in tpo_kernels.targets.
+"""Triton group op (layer 2): one program per group computes what tpo_kernels.group_op does.
 
 For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:group_offsets[g+1]]``)::
 
@@ -7,13 +7,12 @@ For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:grou
     p      = softmax(ell)
     q      = softmax(ell_old + u / eta)  (anchor; on-policy ell_old = ell), softmax(u / eta) if not
     loss_g = -sum_i q[i] log p[i]
-    coef   = w * (p - q)                 w = 1/G for reduction "mean", else 1
 
 Members sit in the lanes of a ``BLOCK_K`` vector. The token sums walk a ``[BLOCK_K, BLOCK_T]``
 tile along the sequences in a fixed order and reduce it once at the end: deterministic, no
 atomics. Padded and packed layouts both carry ``seq_start``/``seq_len``, so one code path
 serves both. p and q come out of the same softmax routine, so a tied on-policy group (u = 0,
-q's input equal to p's bit for bit) gets ``coef == 0.0`` exactly.
+q's input equal to p's bit for bit) gets ``p == q`` exactly.
 """
 
 from typing import Optional
@@ -23,9 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..._dtypes import compute_dtype
+from ...group_op import GroupResult
 from ...layout import BatchLayout
-from ...targets import GroupTargets, loss_weight
-from .. import compute_dtype
 from .row_kernels import device_guard, scalar_from_parts, split_scalar
 
 
@@ -53,13 +52,9 @@ def _group_targets_kernel(
     p_ptr,
     q_ptr,
     group_loss_ptr,
-    coef_ptr,
     eta_hi,
     eta_mid,
     eta_lo,
-    weight_hi,
-    weight_mid,
-    weight_lo,
     HAS_OLD: tl.constexpr,
     ANCHOR: tl.constexpr,
     ACC: tl.constexpr,
@@ -99,7 +94,6 @@ def _group_targets_kernel(
     u = tl.where(tied, 0.0, u)
 
     eta = scalar_from_parts(eta_hi, eta_mid, eta_lo, ACC)
-    weight = scalar_from_parts(weight_hi, weight_mid, weight_lo, ACC)
     p, log_p = _masked_softmax(ell, valid)
     if ANCHOR:
         if HAS_OLD:
@@ -110,14 +104,12 @@ def _group_targets_kernel(
     else:
         q, _ = _masked_softmax(u / eta, valid)
     group_loss = -tl.sum(q * tl.where(valid, log_p, 0.0), axis=0)  # invalid lanes: q = 0
-    coef = (p - q) * weight
 
     out_ty = ell_ptr.dtype.element_ty
     tl.store(ell_ptr + member, ell.to(out_ty), mask=valid)
     tl.store(u_ptr + member, u.to(out_ty), mask=valid)
     tl.store(p_ptr + member, p.to(out_ty), mask=valid)
     tl.store(q_ptr + member, q.to(out_ty), mask=valid)
-    tl.store(coef_ptr + member, coef.to(out_ty), mask=valid)
     tl.store(group_loss_ptr + group, group_loss.to(out_ty))
 
 
@@ -134,13 +126,13 @@ def group_targets(
     token_logprobs: Tensor,
     layout: BatchLayout,
     scores: Tensor,
-    old_seq_logprobs: Optional[Tensor],
+    *,
+    old_seq_logprobs: Optional[Tensor] = None,
     eta: float,
     anchor: bool,
-    reduction: str,
     block_t: Optional[int] = None,
-) -> GroupTargets:
-    """Same signature and result as :func:`tpo_kernels.targets.group_targets`.
+) -> GroupResult:
+    """Same contract as :func:`tpo_kernels.group_op.group_targets`.
 
     ``block_t`` overrides the token tile width (tests use it to force several tiles)."""
     device = token_logprobs.device
@@ -151,7 +143,7 @@ def group_targets(
     def empty(size):
         return torch.empty(size, dtype=out_dtype, device=device)
 
-    ell, u, p, q, coef, group_loss = empty(n), empty(n), empty(n), empty(n), empty(n), empty(g)
+    ell, u, p, q, group_loss = empty(n), empty(n), empty(n), empty(n), empty(g)
     if g > 0:
         token_logprobs = token_logprobs.contiguous()
         scores = scores.contiguous()
@@ -172,9 +164,7 @@ def group_targets(
                 p,
                 q,
                 group_loss,
-                coef,
                 *split_scalar(eta),
-                *split_scalar(loss_weight(reduction, g)),
                 HAS_OLD=has_old,
                 ANCHOR=bool(anchor),
                 ACC=tl.float64 if acc == torch.float64 else tl.float32,
@@ -182,4 +172,4 @@ def group_targets(
                 BLOCK_T=block_t,
                 num_warps=4,
             )
-    return GroupTargets(ell, u, p, q, group_loss, coef)
+    return GroupResult(ell, u, p, q, group_loss)

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import compute_dtype, triton_interpreter_enabled
+from ..._dtypes import compute_dtype
+from .. import triton_interpreter_enabled
 
 
 def split_scalar(value: float) -> Tuple[float, float, float]:
@@ -194,6 +195,7 @@ def device_guard(tensor: Tensor):
 def row_forward(
     logits: Tensor,
     labels: Tensor,
+    *,
     inv_temperature: float,
     with_entropy: bool,
     block_v: Optional[int] = None,
@@ -233,8 +235,9 @@ def row_backward(
     labels: Tensor,
     lse: Tensor,
     grad_logprob: Tensor,
-    grad_entropy: Optional[Tensor],
-    entropy: Optional[Tensor],
+    *,
+    grad_entropy: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
     inv_temperature: float,
     out: Tensor,
     block_v: Optional[int] = None,

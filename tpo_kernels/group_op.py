@@ -1,0 +1,151 @@
+"""The group op (layer 2): from per-token log-probs to the TPO loss of each group.
+
+Math, per group of K members (completions, or the K candidate tokens of one state)::
+
+    ell[i] = sum_t m[i,t] * lp[i,t]           sequence log-prob (one term for a candidate)
+    u[i]   = (s[i] - mean(s)) / std(s)         population std; u = 0 when all scores tie
+    p      = softmax(ell)                      policy within the group            (Eq. 1)
+    q      = softmax(ell_old + u / eta)        anchored target (ell_old = ell on-policy);
+                                               softmax(u / eta) without the anchor
+    L      = -sum_i q[i] log p[i]              q held constant                    (Eq. 3)
+    dL / d ell[i] = p[i] - q[i]
+
+Ties are detected as ``max(s) == min(s)`` rather than ``std == 0``: the float mean of equal
+values can differ from them in the last bit, which would turn a tie into u = +-1 noise. p and q
+go through the same softmax, so a tied on-policy group gets ``q == p`` bit for bit and
+``p - q == 0`` exactly: its tokens carry no gradient and the backward can skip them.
+
+This module holds the portable PyTorch group op (every backend's default; the Triton and CUDA
+backends fuse it into one kernel with the same contract) and :class:`GroupObjective`, the group
+stage every loss runs: group op, reduction over groups and the optional k3 KL term. Everything
+is deterministic: segmented sums go through dense padded tensors (each slot written once) and
+fixed-order reductions, never atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .layout import BatchLayout
+
+
+@dataclass
+class GroupResult:
+    """What the group op returns; every tensor is in the compute dtype of the token log-probs."""
+
+    seq_logprobs: Tensor  # [N] ell
+    u: Tensor  # [N] standardized scores
+    p: Tensor  # [N] policy distribution within each group
+    q: Tensor  # [N] target distribution within each group
+    group_loss: Tensor  # [G] -sum q log p
+
+
+def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
+    """Deterministic per-completion sum of a flat ``[M]`` tensor (rows that do not count must
+    hold 0). Differentiable."""
+    if layout.padded_len is not None:
+        return token_values.view(layout.num_seqs, layout.padded_len).sum(dim=1)
+    # Packed: scatter into a dense [N + 1, max_len] tensor (row N collects rows outside every
+    # completion) and sum each row in order.
+    seq = torch.where(layout.token_seq >= 0, layout.token_seq, layout.num_seqs)
+    pos = torch.arange(layout.num_tokens, device=token_values.device) - torch.where(
+        layout.token_seq >= 0, layout.seq_start[layout.token_seq.clamp(min=0)], 0
+    )
+    pos = torch.where(layout.token_seq >= 0, pos, 0)
+    width = max(layout.max_seq_len, 1)
+    dense = token_values.new_zeros(layout.num_seqs + 1, width)
+    dense = dense.index_put((seq, pos.clamp(max=width - 1)), token_values)
+    return dense[: layout.num_seqs].sum(dim=1)
+
+
+def _dense_slots(layout: BatchLayout):
+    """(group, slot) of each entry of ``group_members`` in a dense ``[G, max_group_size]`` layout."""
+    rows = layout.seq_group[layout.group_members]
+    cols = torch.arange(layout.num_seqs, device=rows.device) - layout.group_offsets[rows]
+    return rows, cols
+
+
+def group_sum(seq_values: Tensor, layout: BatchLayout) -> Tensor:
+    """Deterministic per-group sum of a per-completion ``[N]`` tensor. Differentiable."""
+    if layout.group_size is not None:
+        return seq_values.view(layout.num_groups, layout.group_size).sum(dim=1)
+    rows, cols = _dense_slots(layout)
+    dense = seq_values.new_zeros(layout.num_groups, layout.max_group_size)
+    dense = dense.index_put((rows, cols), seq_values[layout.group_members])
+    return dense.sum(dim=1)
+
+
+def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], valid: Optional[Tensor],
+                     eta: float, anchor: bool):
+    """The group math on a dense ``[G, K]`` layout (``valid`` marks real members; None = all).
+    Returns ``(u, p, q, group_loss)``."""
+    neg_inf = float("-inf")
+    if valid is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    count = valid.sum(dim=1, keepdim=True).to(scores.dtype)
+    mean = torch.where(valid, scores, 0.0).sum(dim=1, keepdim=True) / count
+    centered = torch.where(valid, scores - mean, 0.0)
+    std = torch.sqrt((centered * centered).sum(dim=1, keepdim=True) / count)
+    s_max = torch.where(valid, scores, neg_inf).amax(dim=1, keepdim=True)
+    s_min = torch.where(valid, scores, float("inf")).amin(dim=1, keepdim=True)
+    tied = s_max == s_min
+    u = torch.where(tied | ~valid, 0.0, centered / torch.where(tied, 1.0, std))
+
+    policy = torch.where(valid, ell, neg_inf)
+    log_p = torch.log_softmax(policy, dim=1)
+    p = torch.softmax(policy, dim=1)
+    base = (ell if old_ell is None else old_ell) if anchor else torch.zeros_like(ell)
+    q = torch.softmax(torch.where(valid, base + u / eta, neg_inf), dim=1)
+    group_loss = -torch.where(valid, q * log_p, 0.0).sum(dim=1)
+    return u, p, q, group_loss
+
+
+def group_targets(
+    token_logprobs: Tensor,
+    layout: BatchLayout,
+    scores: Tensor,
+    *,
+    old_seq_logprobs: Optional[Tensor] = None,
+    eta: float,
+    anchor: bool,
+) -> GroupResult:
+    """The portable group op: flat ``[M]`` token log-probs (0 on rows that do not count) ->
+    :class:`GroupResult`. Not differentiable by itself: the autograd rule lives with the
+    ``tpo_kernels::group_targets`` op (:mod:`tpo_kernels.ops.group`)."""
+    ell = segment_sum(token_logprobs, layout)
+    scores = scores.to(ell.dtype)
+    old = None if old_seq_logprobs is None else old_seq_logprobs.to(ell.dtype)
+    g, kmax = layout.num_groups, layout.max_group_size
+
+    if layout.group_size is not None:  # contiguous groups of K: plain views
+        def to_dense(x):
+            return x.view(g, kmax)
+
+        def from_dense(x):
+            return x.reshape(-1)
+
+        valid = None
+    else:
+        members = layout.group_members
+        rows, cols = _dense_slots(layout)
+        valid = torch.zeros(g, kmax, dtype=torch.bool, device=ell.device)
+        valid[rows, cols] = True
+
+        def to_dense(x):
+            dense = x.new_zeros(g, kmax)
+            dense[rows, cols] = x[members]
+            return dense
+
+        def from_dense(x):
+            out = x.new_empty(layout.num_seqs)
+            out[members] = x[rows, cols]
+            return out
+
+    u, p, q, group_loss = dense_group_math(
+        to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor
+    )
+    return GroupResult(ell, from_dense(u), from_dense(p), from_dense(q), group_loss)
