@@ -3,13 +3,14 @@ on materialized logits ``hidden @ weight.T + bias`` with autograd: values, gradi
 weight and bias, chunk-size invariance, zero-signal skipping (no backward matmul) and memory (no
 ``[M, V]`` tensor)."""
 
+import dataclasses
+
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpo_kernels import fused_linear, reference
-from tpo_kernels.fused_linear import fused_linear_logprobs, fused_linear_tpo_loss
+from tpo_kernels import TilePolicy, fused_linear_logprobs, fused_linear_tpo_loss, reference
 
+from _dispatch import OpRecorder, OutputSizes
 from _batches import DEVICE, backend_param, make_batch
 
 # Backends that run on DEVICE at full speed; Triton under the CPU interpreter only on one tiny case.
@@ -66,6 +67,11 @@ def _loss_and_grads(loss_fn, h, w, b, reference_dtype=None):
     return loss.detach(), grads
 
 
+def _policy(**budgets) -> TilePolicy:
+    """The device's tile policy with some budgets replaced."""
+    return dataclasses.replace(TilePolicy.for_device(DEVICE), **budgets)
+
+
 def _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=torch.float64, **fused_kwargs):
     loss, grads = _loss_and_grads(
         lambda h_, w_, b_: fused_linear_tpo_loss(
@@ -88,38 +94,21 @@ _MATMULS = {
 }
 
 
-class MatmulRecorder(TorchDispatchMode):
+class MatmulRecorder(OpRecorder):
     """Records the operand shapes of every matrix multiply dispatched while active."""
 
     def __init__(self):
         super().__init__()
         self.shapes = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def record(self, func, args, kwargs, out):
         if func in _MATMULS:
             operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
             self.shapes.append([tuple(a.shape) for a in operands[-2:]])
-        return func(*args, **kwargs)
 
     def multiply_adds(self):
         """m * k * n of each recorded [m, k] @ [k, n] product."""
         return [m * k * n for (m, k), (_, n) in self.shapes]
-
-
-class LargestOutput(TorchDispatchMode):
-    """Largest number of elements of any tensor an op produces while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -161,16 +150,16 @@ def test_bf16_matches_reference_on_the_same_rounded_logits(backend, layout):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, accum", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
-def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum, monkeypatch):
+def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum):
     # A wider accumulator than the weight dtype is kept per vocabulary block; a budget of 10
     # vocabulary rows splits V=37 into 4 blocks.
     # (A chunk larger than the batch, so that only this cap cuts the vocabulary.)
-    monkeypatch.setattr(fused_linear, "_ACCUM_BYTES", 10 * HIDDEN * (torch.finfo(accum).bits // 8))
+    policy = _policy(accum_bytes=10 * HIDDEN * (torch.finfo(accum).bits // 8))
     h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="token", with_ref=True, dtype=dtype)
     tol, reference_dtype = (FP32_TOL, torch.float64) if dtype == torch.float32 else (BF16_TOL, torch.bfloat16)
     with MatmulRecorder() as recorder:
         _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=reference_dtype,
-                   chunk_size=labels.numel(), grad_accum_dtype=accum)
+                   chunk_size=labels.numel(), grad_accum_dtype=accum, tile_policy=policy)
     assert any(operands[1] == (HIDDEN, 10) for operands in recorder.shapes)  # a block's recompute ran
 
 
@@ -223,10 +212,10 @@ def test_logprobs_gradcheck_float64(backend):
 @pytest.mark.parametrize("backend", BACKENDS + INTERPRETED)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("vocab_blocks", [False, True])
-def test_logprobs_and_entropy_match_reference(backend, temperature, vocab_blocks, monkeypatch):
+def test_logprobs_and_entropy_match_reference(backend, temperature, vocab_blocks):
     accum = torch.float64 if vocab_blocks else torch.float32
-    if vocab_blocks:  # the entropy term of dz, block by block: 8 vocabulary rows of fp64 per block
-        monkeypatch.setattr(fused_linear, "_ACCUM_BYTES", 8 * HIDDEN * 8)
+    # With vocab_blocks, the entropy term of dz runs block by block: 8 vocabulary rows of fp64.
+    policy = _policy(accum_bytes=8 * HIDDEN * 8) if vocab_blocks else None
     h, w, b = _head((3, 4))
     labels = torch.randint(0, VOCAB, (3, 4), device=DEVICE)
     labels[1, 2] = -100
@@ -235,7 +224,8 @@ def test_logprobs_and_entropy_match_reference(backend, temperature, vocab_blocks
         hh, ww, bb = _leaves(h, w, b)
         if fused:
             lp, ent = fused_linear_logprobs(hh, ww, labels, bias=bb, temperature=temperature, return_entropy=True,
-                                            backend=backend, chunk_size=5, grad_accum_dtype=accum)
+                                            backend=backend, chunk_size=5, grad_accum_dtype=accum,
+                                            tile_policy=policy)
         else:
             logits = hh.double() @ ww.double().T + bb.double()
             lp, ent = reference.selective_logprobs(logits, labels, temperature=temperature, return_entropy=True)
@@ -333,7 +323,7 @@ def test_never_materializes_tokens_times_vocab(backend):
     h, w, b = _leaves(*_head((n, t), hidden=hidden, vocab=vocab))
     labels = torch.randint(0, vocab, (n, t), device=DEVICE)
     scores = torch.randn(n, device=DEVICE)
-    with LargestOutput() as tracker:
+    with OutputSizes() as tracker:
         loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, group_size=4, backend=backend, chunk_size=chunk_size)
         loss.backward()
         lp = fused_linear_logprobs(h, w, labels, bias=b, return_entropy=True, backend=backend, chunk_size=chunk_size)[1]

@@ -16,13 +16,13 @@ import textwrap
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpo_kernels.backends.candidates as candidate_ops
-import tpo_kernels.token_level as token_level
-from tpo_kernels import reference
+from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
 from tpo_kernels.backends import Backend, backend_status, triton_interpreter_enabled
-from tpo_kernels.token_level import fused_linear_token_tpo_loss, token_tpo_loss
+from tpo_kernels.layout import pair_runs
+
+from _dispatch import OutputSizes
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and (
     torch.cuda.is_available() or triton_interpreter_enabled()
@@ -75,26 +75,21 @@ def _triton_candidate_backend():
 
     class TritonCandidates(Backend):
         name = "triton-candidates"
+        candidate_forward = staticmethod(candidate_kernels.candidate_forward)
+        candidate_backward = staticmethod(candidate_kernels.candidate_backward)
 
         def supports_device(self, device):
             return True
-
-        def candidate_forward(self, logits, candidates, inv_temperature):
-            return candidate_kernels.candidate_forward(logits, candidates, inv_temperature)
-
-        def candidate_backward(self, grad_cand, candidates, inv_temperature, out):
-            candidate_kernels.candidate_backward(grad_cand, candidates, inv_temperature, out)
 
     return TritonCandidates()
 
 
 @pytest.fixture(params=LOGITS_BACKENDS + (["triton-kernels"] if HAS_TRITON else []))
-def logits_backend(request, monkeypatch):
-    """Backend name for token_tpo_loss; "triton-kernels" routes it to the Triton launchers."""
+def logits_backend(request):
+    """Backend for token_tpo_loss; "triton-kernels" is a Backend instance whose candidate ops
+    are the Triton launchers."""
     if request.param == "triton-kernels":
-        chosen = _triton_candidate_backend()
-        monkeypatch.setattr(token_level, "get_backend", lambda name, device: chosen)
-        return "auto"
+        return _triton_candidate_backend()
     return request.param
 
 
@@ -305,21 +300,6 @@ def test_fused_linear_tied_states_and_determinism(backend):
     assert all(bool((g == 0).all()) for g in torch.autograd.grad(loss, params))
 
 
-class _OutputSizes(TorchDispatchMode):
-    """Records ``(shape, bytes)`` of every tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.outputs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.outputs.append((tuple(t.shape), t.numel() * t.element_size()))
-        return out
-
-
 @pytest.mark.parametrize("backend", LINEAR_BACKENDS)
 def test_fused_linear_never_allocates_states_by_vocab(backend):
     # H << R, so the dense [V, H] weight gradient (the one vocab-sized output) is far below R*V.
@@ -330,7 +310,7 @@ def test_fused_linear_never_allocates_states_by_vocab(backend):
         torch.float32, True, gen, num_states, num_cand, hidden_size, vocab
     )
     params = [t.to(DEVICE).requires_grad_() for t in (hidden, weight, bias)]
-    with _OutputSizes() as recorder:
+    with OutputSizes() as recorder:
         loss = fused_linear_token_tpo_loss(
             params[0], params[1], cands.to(DEVICE), scores.to(DEVICE), bias=params[2], backend=backend
         )
@@ -347,9 +327,9 @@ def test_torch_weight_gradient_sums_pairs_in_order():
     gen = torch.Generator().manual_seed(11)
     hidden, weight, _, cands, _ = _linear_inputs(torch.float64, False, gen, num_states=7, vocab=6)
     grad = torch.randn(cands.shape, generator=gen, dtype=torch.float64)
-    runs = candidate_ops.pair_runs(cands)
+    runs = pair_runs(cands)
     dhidden, dweight, dbias = candidate_ops.candidate_linear_backward(
-        grad, hidden, weight, cands, runs, True, True, True
+        grad, hidden, weight, cands, runs=runs, with_hidden=True, with_weight=True, with_bias=True
     )
     expected_w = torch.zeros_like(weight)
     expected_b = torch.zeros(weight.shape[0], dtype=torch.float64)
@@ -380,13 +360,13 @@ def test_triton_candidate_kernels_match_default_ops(dtype):
     cands[1] = 1499
     cands = cands.to(DEVICE)
     for inv_t in (1.0, 1 / 0.7):
-        got = candidate_kernels.candidate_forward(logits, cands, inv_t)
-        assert torch.equal(got, default.candidate_forward(logits, cands, inv_t))
+        got = candidate_kernels.candidate_forward(logits, cands, inv_temperature=inv_t)
+        assert torch.equal(got, default.candidate_forward(logits, cands, inv_temperature=inv_t))
         grad = torch.randn(num_states, num_cand, generator=gen, dtype=got.dtype).to(DEVICE)
         out = torch.full_like(logits, float("nan"))
         expected = torch.empty_like(logits)
-        candidate_kernels.candidate_backward(grad, cands, inv_t, out)
-        default.candidate_backward(grad, cands, inv_t, expected)
+        candidate_kernels.candidate_backward(grad, cands, inv_temperature=inv_t, out=out)
+        default.candidate_backward(grad, cands, inv_temperature=inv_t, out=expected)
         if dtype in (torch.float32, torch.float64) or DEVICE.type == "cuda":
             assert torch.equal(out, expected)
         else:  # the interpreter's float -> bf16/fp16 cast may round differently: one output ulp
@@ -402,7 +382,7 @@ def test_triton_candidate_backward_into_strided_out():
     cands = torch.tensor([[1, 1, 4], [0, 2, 3]], device=DEVICE)
     grad = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], device=DEVICE)
     out = torch.full((5, 2), float("nan"), device=DEVICE).T  # [2, 5], column stride 2
-    candidate_kernels.candidate_backward(grad, cands, 0.5, out)
+    candidate_kernels.candidate_backward(grad, cands, inv_temperature=0.5, out=out)
     expected = torch.tensor([[0.0, 1.5, 0.0, 0.0, 1.5], [2.0, 0.0, 2.5, 3.0, 0.0]], device=DEVICE)
     assert torch.equal(out, expected)
 
@@ -419,15 +399,16 @@ def test_triton_linear_kernels_match_torch_ops(dtype):
         dtype, True, gen, num_states=5, num_cand=3, hidden_size=40
     )
     hidden, weight, bias, cands = (t.to(DEVICE) for t in (hidden, weight, bias, cands))
-    got = candidate_kernels.candidate_linear_forward(hidden, weight, bias, cands, 0.8)
-    expected = candidate_ops.candidate_linear_forward(hidden, weight, bias, cands, 0.8)
+    got = candidate_kernels.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=0.8)
+    expected = candidate_ops.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=0.8)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     grad = torch.randn(cands.shape, generator=gen, dtype=dtype).to(DEVICE)
-    runs = candidate_ops.pair_runs(cands)
-    for flags in ((True, True, True), (False, False, True), (True, False, False)):
-        got = candidate_kernels.candidate_linear_backward(grad, hidden, weight, cands, runs, *flags)
-        expected = candidate_ops.candidate_linear_backward(grad, hidden, weight, cands, runs, *flags)
+    runs = pair_runs(cands)
+    for with_hidden, with_weight, with_bias in ((True, True, True), (False, False, True), (True, False, False)):
+        flags = dict(runs=runs, with_hidden=with_hidden, with_weight=with_weight, with_bias=with_bias)
+        got = candidate_kernels.candidate_linear_backward(grad, hidden, weight, cands, **flags)
+        expected = candidate_ops.candidate_linear_backward(grad, hidden, weight, cands, **flags)
         for a, b in zip(got, expected):
             assert (a is None) == (b is None)
             if a is not None:

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from tpo_kernels.backends import get_backend, triton_interpreter_enabled  # noqa: E402
 from tpo_kernels.backends.pytorch import TorchBackend  # noqa: E402
 from tpo_kernels.layout import build_layout  # noqa: E402
-from tpo_kernels.targets import group_targets as torch_group_targets  # noqa: E402
+from tpo_kernels.group_op import group_targets as torch_group_targets  # noqa: E402
 
 if not (torch.cuda.is_available() or triton_interpreter_enabled()):
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
@@ -75,8 +75,11 @@ def test_row_forward_matches_torch(dtype, vocab, block_v):
     logits = _logits(rows, vocab, dtype)
     labels = _labels(rows, vocab, skipped=(2,))
     for inv_t, entropy in ((1.0, True), (1.0 / 0.7, True), (1.0 / 0.7, False)):
-        lse, target, ent = row_kernels.row_forward(logits, labels, inv_t, entropy, block_v=block_v)
-        ref_lse, ref_target, ref_ent = REF.row_forward(logits, labels, inv_t, entropy)
+        lse, target, ent = row_kernels.row_forward(logits, labels,
+            inv_temperature=inv_t, with_entropy=entropy,
+                                                   block_v=block_v)
+        ref_lse, ref_target, ref_ent = REF.row_forward(logits, labels,
+            inv_temperature=inv_t, with_entropy=entropy)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         assert lse.dtype == target.dtype == acc
         tol = FWD_TOL[dtype]
@@ -96,8 +99,9 @@ def test_row_forward_skipped_rows_are_not_read():
     poisoned = logits.clone()
     poisoned[0] = float("nan")
     poisoned[3] = float("nan")
-    lse, target, ent = row_kernels.row_forward(poisoned, labels, 1.0, True, block_v=8)
-    ref_lse, ref_target, ref_ent = REF.row_forward(logits, labels, 1.0, True)
+    lse, target, ent = row_kernels.row_forward(poisoned, labels,
+        inv_temperature=1.0, with_entropy=True, block_v=8)
+    ref_lse, ref_target, ref_ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
     for out, ref in ((lse, ref_lse), (target, ref_target), (ent, ref_ent)):
         assert torch.equal(out[[0, 3]], torch.zeros(2, device=DEVICE))
         _close(out, ref, 1e-5)
@@ -111,7 +115,8 @@ def test_row_forward_handles_minus_inf_logits():
     logits[0, :16] = float("-inf")
     logits[1, ::3] = float("-inf")
     labels = torch.tensor([20, 1], device=DEVICE)
-    lse, target, ent = row_kernels.row_forward(logits, labels, 1.3, True, block_v=8)
+    lse, target, ent = row_kernels.row_forward(logits, labels,
+        inv_temperature=1.3, with_entropy=True, block_v=8)
     z = logits.double() * 1.3
     ref_lse = torch.logsumexp(z, dim=1)
     p = torch.softmax(z, dim=1)
@@ -125,8 +130,8 @@ def test_row_forward_handles_minus_inf_logits():
 def test_row_forward_deterministic():
     logits = _logits(4, 50, torch.bfloat16)
     labels = _labels(4, 50)
-    first = row_kernels.row_forward(logits, labels, 1.0, True, block_v=16)
-    second = row_kernels.row_forward(logits, labels, 1.0, True, block_v=16)
+    first = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True, block_v=16)
+    second = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True, block_v=16)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -151,22 +156,25 @@ def test_row_backward_matches_torch(dtype, with_entropy):
     # row 2: label skipped but its g is nonzero (no one-hot term); row 4: zero-signal row
     labels = _labels(rows, vocab, skipped=(2,))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    lse, _, ent = REF.row_forward(logits, labels, inv_t, True)
+    lse, _, ent = REF.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True)
     lse[2] = torch.logsumexp(logits[2].to(acc) * inv_t, dim=0)  # a real lse for the skipped row
     g, ge = _grads(rows, acc, zero_rows=(4,))
     if not with_entropy:
         ge, ent = None, None
     expected = torch.empty_like(logits)
-    REF.row_backward(logits, labels, lse, g, ge, ent, inv_t, expected)
+    REF.row_backward(logits, labels, lse, g,
+        grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=expected)
 
     out = torch.empty_like(logits)
-    row_kernels.row_backward(logits, labels, lse, g, ge, ent, inv_t, out, block_v=16)
+    row_kernels.row_backward(logits, labels, lse, g,
+        grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=out, block_v=16)
     _close(out.to(acc), expected.to(acc), GRAD_TOL[dtype])
     assert torch.equal(out[4], torch.zeros_like(out[4]))
 
     # In place: the logits buffer becomes its own gradient.
     inplace = logits.clone()
-    row_kernels.row_backward(inplace, labels, lse, g, ge, ent, inv_t, inplace, block_v=16)
+    row_kernels.row_backward(inplace, labels, lse, g,
+        grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=inplace, block_v=16)
     assert torch.equal(inplace, out)
 
 
@@ -174,21 +182,23 @@ def test_row_backward_zero_rows_are_not_read():
     rows, vocab = 5, 21
     logits = _logits(rows, vocab, torch.float32)
     labels = _labels(rows, vocab)
-    lse, _, ent = REF.row_forward(logits, labels, 1.0, True)
+    lse, _, ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
     g, ge = _grads(rows, torch.float32, zero_rows=(1, 3))
     ge[0] = 0.0  # row 0: only the log-prob gradient
     g[2] = 0.0  # row 2: only the entropy gradient (still active)
     poisoned = logits.clone()
     poisoned[[1, 3]] = float("nan")
     expected = torch.empty_like(logits)
-    REF.row_backward(logits, labels, lse, g, ge, ent, 1.0, expected)
+    REF.row_backward(logits, labels, lse, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=expected)
     out = torch.full_like(logits, 7.0)
-    row_kernels.row_backward(poisoned, labels, lse, g, ge, ent, 1.0, out, block_v=8)
+    row_kernels.row_backward(poisoned, labels, lse, g,
+        grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=out, block_v=8)
     assert torch.equal(out[[1, 3]], torch.zeros(2, vocab, device=DEVICE))
     _close(out, expected, 1e-5)
     # Without an entropy gradient, g == 0 alone marks a row as zero-signal.
     out = torch.full_like(logits, 7.0)
-    row_kernels.row_backward(poisoned, labels, lse, g, None, None, 1.0, out, block_v=8)
+    row_kernels.row_backward(poisoned, labels, lse, g,
+        grad_entropy=None, entropy=None, inv_temperature=1.0, out=out, block_v=8)
     assert torch.equal(out[[1, 2, 3]], torch.zeros(3, vocab, device=DEVICE))
     assert torch.isfinite(out).all()
 
@@ -197,11 +207,12 @@ def test_row_backward_deterministic_and_backend_method():
     logits = _logits(4, 40, torch.bfloat16)
     labels = _labels(4, 40)
     backend = TritonBackend()
-    lse, _, ent = backend.row_forward(logits, labels, 1.0, True)
+    lse, _, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
     g, ge = _grads(4, torch.float32)
     first, second = torch.empty_like(logits), torch.empty_like(logits)
-    backend.row_backward(logits, labels, lse, g, ge, ent, 1.0, first)
-    backend.row_backward(logits, labels, lse, g, ge, ent, 1.0, second)
+    backend.row_backward(logits, labels, lse, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=first)
+    backend.row_backward(logits, labels, lse, g,
+        grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=second)
     assert torch.equal(first, second)
 
 
@@ -217,21 +228,22 @@ def test_gradient_of_logprob_matches_autograd_float64():
     objective = (g * log_p.gather(1, labels[:, None]).squeeze(1)).sum() + (ge * entropy).sum()
     (expected,) = torch.autograd.grad(objective, logits)
     with torch.no_grad():
-        lse, _, ent = row_kernels.row_forward(logits, labels, inv_t, True, block_v=4)
+        lse, _, ent = row_kernels.row_forward(logits, labels,
+            inv_temperature=inv_t, with_entropy=True, block_v=4)
         out = torch.empty_like(logits)
-        row_kernels.row_backward(logits, labels, lse, g, ge, ent, inv_t, out, block_v=4)
+        row_kernels.row_backward(logits, labels, lse, g,
+            grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=out, block_v=4)
     _close(out, expected, 1e-12)
 
 
 # --------------------------------------------------------------------------- group op
 
 
-def _check_group(layout, token_logprobs, scores, old, eta, anchor, reduction, tol, block_t=None):
-    got = group_kernel.group_targets(
-        token_logprobs, layout, scores, old, eta, anchor, reduction, block_t=block_t
-    )
-    ref = torch_group_targets(token_logprobs, layout, scores, old, eta, anchor, reduction)
-    for name in ("seq_logprobs", "u", "p", "q", "group_loss", "coef"):
+def _check_group(layout, token_logprobs, scores, old, eta, anchor, tol, block_t=None):
+    settings = dict(old_seq_logprobs=old, eta=eta, anchor=anchor)
+    got = group_kernel.group_targets(token_logprobs, layout, scores, block_t=block_t, **settings)
+    ref = torch_group_targets(token_logprobs, layout, scores, **settings)
+    for name in ("seq_logprobs", "u", "p", "q", "group_loss"):
         assert getattr(got, name).dtype == getattr(ref, name).dtype, name
         _close(getattr(got, name), getattr(ref, name), tol)
     return got
@@ -250,12 +262,11 @@ def test_group_targets_padded_contiguous(dtype):
     backend = TritonBackend()
     for anchor in (True, False):
         for old_lp in (None, old):
-            for reduction in ("mean", "sum", "none"):
-                _check_group(layout, token_lp, scores, old_lp, 0.7, anchor, reduction, tol)
+            _check_group(layout, token_lp, scores, old_lp, 0.7, anchor, tol)
     # The backend method is the kernel, with a multi-tile token loop forced here.
-    got = _check_group(layout, token_lp, scores, None, 1.0, True, "mean", tol, block_t=2)
-    via_backend = backend.group_targets(token_lp, layout, scores, None, 1.0, True, "mean")
-    _close(via_backend.coef, got.coef, tol)
+    got = _check_group(layout, token_lp, scores, None, 1.0, True, tol, block_t=2)
+    via_backend = backend.group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
+    _close(via_backend.p, got.p, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -268,12 +279,10 @@ def test_tied_group_on_policy_is_exactly_zero(dtype):
     # std-based tie test would produce u = +-1 noise; group 1 does not tie.
     v = 0.45938294312745087
     scores = torch.tensor([v, v, v, 0.0, 1.0, 0.5], dtype=dtype, device=DEVICE)
-    for reduction in ("mean", "sum"):
-        got = group_kernel.group_targets(token_lp, layout, scores, None, 0.5, True, reduction)
-        assert torch.equal(got.u[:3], torch.zeros(3, dtype=dtype, device=DEVICE))
-        assert torch.equal(got.coef[:3], torch.zeros(3, dtype=dtype, device=DEVICE))
-        assert torch.equal(got.p[:3], got.q[:3])
-        assert (got.coef[3:] != 0).all()
+    got = group_kernel.group_targets(token_lp, layout, scores, eta=0.5, anchor=True)
+    assert torch.equal(got.u[:3], torch.zeros(3, dtype=dtype, device=DEVICE))
+    assert torch.equal(got.p[:3] - got.q[:3], torch.zeros(3, dtype=dtype, device=DEVICE))
+    assert (got.p[3:] - got.q[3:] != 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -290,10 +299,9 @@ def test_group_targets_group_ids_packed_variable_sizes(dtype):
     scores = torch.tensor([1.0, -1.0, 3.0, 0.5, 2.0, 4.0], dtype=dtype, device=DEVICE)
     old = (torch.randn(6, generator=gen, dtype=dtype) - 3).to(DEVICE)
     tol = 1e-12 if dtype == torch.float64 else 1e-6
-    cases = ((True, None, "mean"), (True, old, "sum"), (False, None, "none"))
-    for anchor, old_lp, reduction in cases:
-        got = _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, reduction, tol)
-        _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, reduction, tol, block_t=1)
+    for anchor, old_lp in ((True, None), (True, old), (False, None)):
+        got = _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, tol)
+        _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, tol, block_t=1)
     assert got.u[5] == 0 and got.p[5] == 1  # singleton group
 
 
@@ -302,9 +310,9 @@ def test_group_targets_deterministic():
     layout = build_layout(n * t, DEVICE, padded_shape=(n, t), group_size=4)
     token_lp = -torch.rand(n * t, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     scores = torch.arange(n, dtype=torch.float32, device=DEVICE) % 3
-    first = group_kernel.group_targets(token_lp, layout, scores, None, 1.0, True, "mean")
-    second = group_kernel.group_targets(token_lp, layout, scores, None, 1.0, True, "mean")
-    for name in ("seq_logprobs", "u", "p", "q", "group_loss", "coef"):
+    first = group_kernel.group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
+    second = group_kernel.group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
+    for name in ("seq_logprobs", "u", "p", "q", "group_loss"):
         assert torch.equal(getattr(first, name), getattr(second, name))
 
 
@@ -341,10 +349,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                       {"HAS_ENTROPY_GRAD": flag, "ACC": ACC, "BLOCK_V": 4096}, arch)
                 names = ["token_logprobs_ptr", "seq_start_ptr", "seq_len_ptr", "group_offsets_ptr",
                          "group_members_ptr", "scores_ptr", "old_ptr", "ell_ptr", "u_ptr",
-                         "p_ptr", "q_ptr", "group_loss_ptr", "coef_ptr"]
+                         "p_ptr", "q_ptr", "group_loss_ptr"]
                 sig = {n: "*i64" if n in names[1:5] else "*" + acc for n in names}
-                sig.update({n: "fp32" for n in ("eta_hi", "eta_mid", "eta_lo", "weight_hi",
-                                                 "weight_mid", "weight_lo")})
+                sig.update({n: "fp32" for n in ("eta_hi", "eta_mid", "eta_lo")})
                 sig.update({n: "constexpr" for n in ("HAS_OLD", "ANCHOR", "ACC", "BLOCK_K",
                                                      "BLOCK_T")})
                 build(gk._group_targets_kernel, sig, {"HAS_OLD": flag, "ANCHOR": not flag,

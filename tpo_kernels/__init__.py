@@ -16,14 +16,22 @@ Public API::
 __version__ = "0.1.0"
 
 from . import reference
-from .backends import backend_status
-from .functional import selective_logprobs, tpo_loss
-from .fused_linear import fused_linear_logprobs, fused_linear_tpo_loss
+from .backends import Backend, backend_status
+from .functional import (
+    fused_linear_logprobs,
+    fused_linear_token_tpo_loss,
+    fused_linear_tpo_loss,
+    selective_logprobs,
+    token_tpo_loss,
+    tpo_loss,
+)
 from .modules import FusedLinearTokenTPOLoss, FusedLinearTPOLoss, TokenTPOLoss, TPOLoss
-from .token_level import fused_linear_token_tpo_loss, token_tpo_loss
+from .ops import TilePolicy
 
 __all__ = [
     "__version__",
+    "Backend",
+    "TilePolicy",
     "backend_status",
     "reference",
     "tpo_loss",

@@ -1,4 +1,22 @@
-"""Public functional API, in the style of ``torch.nn.functional``."""
+"""The public functional API, in the style of ``torch.nn.functional``.
+
+Every function is the same short pipeline: check the inputs (:mod:`tpo_kernels._validate`),
+resolve the backend, run the row op (:mod:`tpo_kernels.ops`) and, for the losses, the group
+stage (:class:`tpo_kernels.ops.group.GroupObjective`).
+
+Shared keywords of the losses:
+    eta: target temperature (> 0): ``q ∝ p_old · exp(u / eta)``.
+    anchor: use ``p_old`` in q (False: ``q = softmax(u / eta)``).
+    temperature: sampling temperature dividing the logits (> 0).
+    reduction: ``"mean"`` over groups (states for token-level TPO), ``"sum"``, or ``"none"``
+        (per group: in order of first completion for ``group_size``, of sorted id for ``group_ids``).
+    backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"cpu"``, ``"torch"`` or a
+        :class:`tpo_kernels.backends.Backend` instance.
+    return_aux: also return a dict of detached intermediate results.
+    validate: check values too (label ranges, finite scores, non-empty completions, ...), which
+        reads results back from the device. ``validate=False`` skips those reads for compiled
+        and CUDA-graph use; shapes, dtypes and devices are always checked.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +25,55 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._validate import (
-    check_flag,
-    check_float_tensor,
-    check_labels,
-    check_positive,
-    check_reduction,
-    prepare_batch,
-)
-from .autograd import SelectiveLogprobsFunction, TPOLogitsFunction, TPOObjective
-from .backends import compute_dtype, get_backend
+from . import _validate as check
+from ._dtypes import compute_dtype
+from .backends import Backend, backend_key, get_backend
+from .layout import candidate_layout
+from .ops import TilePolicy, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
+from .ops.group import GroupObjective
+
+BackendArg = Union[str, Backend]
+LossOutput = Union[Tensor, Tuple[Tensor, dict]]
 
 
-def _rows(logits: Tensor) -> Tuple[Tensor, bool]:
-    """``[..., V]`` logits as a contiguous ``[M, V]`` matrix; True when that needed a copy."""
-    matrix = logits.reshape(-1, logits.shape[-1])
+def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str) -> LossOutput:
+    """The group stage of sequence-level TPO on flat token log-probs, and its aux."""
+    objective = GroupObjective(
+        batch.layout, batch.scores, old_seq_logprobs=batch.old_seq_logprobs, eta=settings.eta,
+        anchor=settings.anchor, reduction=settings.reduction, backend=key, beta=batch.beta,
+        ref_logprobs=batch.ref_logprobs, valid=batch.valid,
+    )
+    loss = objective.forward(token_lp)
+    if not settings.return_aux:
+        return loss
+    aux = objective.aux()
+    aux["token_logprobs"] = aux["token_logprobs"].view(batch.token_shape)
+    return loss, aux
+
+
+def _candidate_loss(cand_logits: Tensor, scores: Tensor, old_logprobs: Optional[Tensor],
+                    settings: check.LossSettings, key: str) -> LossOutput:
+    """The group stage of token-level TPO: each state's K candidates form a group."""
+    num_states, num_cand = cand_logits.shape
+    objective = GroupObjective(
+        candidate_layout(num_states, num_cand, cand_logits.device), scores.reshape(-1),
+        old_seq_logprobs=None if old_logprobs is None else old_logprobs.reshape(-1), eta=settings.eta,
+        anchor=settings.anchor, reduction=settings.reduction, backend=key,
+    )
+    loss = objective.forward(cand_logits.reshape(-1))
+    if not settings.return_aux:
+        return loss
+    aux = objective.aux()
+    state_loss = aux.pop("group_loss")
+    aux = {name: aux[name].view(num_states, num_cand) for name in ("seq_logprobs", "p", "q", "u", "coef")}
+    aux["candidate_logits"] = aux.pop("seq_logprobs")
+    aux["state_loss"] = state_loss
+    return loss, aux
+
+
+def _rows(x: Tensor) -> Tuple[Tensor, bool]:
+    """``[..., D]`` as a contiguous ``[M, D]`` matrix; True when that needed a copy."""
+    matrix = x.reshape(-1, x.shape[-1])
     if matrix.is_contiguous():
         return matrix, False
     return matrix.contiguous(), True
@@ -44,10 +96,11 @@ def tpo_loss(
     anchor: bool = True,
     temperature: float = 1.0,
     reduction: str = "mean",
-    backend: str = "auto",
+    backend: BackendArg = "auto",
     inplace_backward: bool = True,
     return_aux: bool = False,
-) -> Union[Tensor, Tuple[Tensor, dict]]:
+    validate: bool = True,
+) -> LossOutput:
     """Sequence-level Target Policy Optimization loss on vocabulary logits.
 
     For each group of completions of one prompt, TPO fits the policy's group distribution
@@ -68,53 +121,32 @@ def tpo_loss(
             ``[N]``; None = on-policy (p_old = p, held constant).
         ref_logprobs, beta: per-token reference log-probs and the weight of the k3 KL penalty
             (token mean over counted tokens; per group for ``reduction="none"``).
-        eta: target temperature (> 0). anchor: use p_old in q (False: ``q = softmax(u/eta)``).
-        temperature: sampling temperature dividing the logits (> 0).
-        reduction: ``"mean"`` over groups, ``"sum"``, or ``"none"`` (``[G]``, groups in order of
-            first completion for group_size, of sorted id for group_ids).
-        backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"cpu"`` or ``"torch"``.
         inplace_backward: write the logits gradient into the logits buffer (saves a ``[M, V]``
             tensor). The logits' autograd version counter is bumped, so any other graph node that
             saved the same logits raises PyTorch's in-place error instead of reading overwritten
-            values. Leaf tensors (e.g. created with ``requires_grad=True``) are never overwritten.
+            values. Leaf tensors (e.g. created with ``requires_grad=True``) are never overwritten,
+            nor are buffers under ``torch.compile``.
+        eta, anchor, temperature, reduction, backend, validate: see the module docstring.
         return_aux: also return a dict of detached ``token_logprobs``, ``seq_logprobs``, ``p``,
-            ``q``, ``u``, ``coef`` (dL/d ell) and ``group_loss``.
+            ``q``, ``u``, ``coef`` (dL/d ell of the group term) and ``group_loss``.
     """
-    check_float_tensor("logits", logits, (2, 3))
-    if logits.shape[-1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension")
-    eta = check_positive("eta", eta)
-    temperature = check_positive("temperature", temperature)
-    reduction = check_reduction(reduction)
-    anchor = check_flag("anchor", anchor)
-    inplace_backward = check_flag("inplace_backward", inplace_backward)
-    return_aux = check_flag("return_aux", return_aux)
+    check.check_logits(logits)
+    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
+                                    return_aux=return_aux, validate=validate)
+    inplace_backward = check.check_flag("inplace_backward", inplace_backward)
     chosen = get_backend(backend, logits.device)
-
-    batch = prepare_batch(
-        logits.shape[:-1],
-        logits.shape[-1],
-        logits.device,
-        compute_dtype(logits.dtype),
-        labels,
-        scores,
-        group_size=group_size,
-        group_ids=group_ids,
-        cu_seqlens=cu_seqlens,
-        mask=mask,
-        ignore_index=ignore_index,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        beta=beta,
+    batch = check.prepare_batch(
+        logits.shape[:-1], logits.shape[-1], logits.device, compute_dtype(logits.dtype), labels, scores,
+        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, validate=validate,
     )
     matrix, copied = _rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
-    inplace = copied or (inplace_backward and logits.grad_fn is not None)
-    objective = TPOObjective(batch, eta=eta, anchor=anchor, reduction=reduction, beta=float(beta))
-    loss = TPOLogitsFunction.apply(matrix, objective, chosen, 1.0 / temperature, inplace)
-    if return_aux:
-        return loss, objective.aux()
-    return loss
+    inplace = (copied or (inplace_backward and logits.grad_fn is not None)) and not torch.compiler.is_compiling()
+    key = backend_key(chosen)
+    token_lp, _ = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,
+                                 with_entropy=False, inplace_backward=inplace, backend=key)
+    return _sequence_loss(token_lp, batch, settings, key)
 
 
 def selective_logprobs(
@@ -124,7 +156,8 @@ def selective_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     ignore_index: int = -100,
-    backend: str = "auto",
+    backend: BackendArg = "auto",
+    validate: bool = True,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token ``log softmax(logits / temperature)[labels]`` without materializing full-vocab
     log-probs; differentiable (its backward is the fused row backward).
@@ -134,27 +167,221 @@ def selective_logprobs(
     distribution (0 at ignored positions), which is differentiable too. Under ``torch.no_grad()``
     this is the cheap way to get old / reference log-probs.
     """
-    check_float_tensor("logits", logits, (2, 3))
-    if logits.shape[-1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension")
-    temperature = check_positive("temperature", temperature)
-    return_entropy = check_flag("return_entropy", return_entropy)
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.device != logits.device:
-        raise ValueError(f"labels is on {labels.device} but the logits are on {logits.device}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels must have shape {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+    check.check_logits(logits)
+    inv_temperature = 1.0 / check.check_positive("temperature", temperature)
+    return_entropy = check.check_flag("return_entropy", return_entropy)
+    validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, logits.device)
-    flat = labels.reshape(-1)
-    counted = flat != ignore_index
-    check_labels("labels", flat, counted, logits.shape[-1])
-    flat = torch.where(counted, flat.to(torch.int64), -1).contiguous()
+    flat = check.prepare_labels(labels, logits.shape[:-1], logits.shape[-1], logits.device, "logits",
+                                ignore_index, validate)
     matrix, _ = _rows(logits)
-    out = SelectiveLogprobsFunction.apply(matrix, flat, chosen, 1.0 / temperature, return_entropy)
+    token_lp, entropy = token_logprobs(matrix, flat, inv_temperature=inv_temperature, with_entropy=return_entropy,
+                                       inplace_backward=False, backend=backend_key(chosen))
     if return_entropy:
-        token_logprobs, entropy = out
-        return token_logprobs.view(labels.shape), entropy.view(labels.shape)
-    return out.view(labels.shape)
+        return token_lp.view(labels.shape), entropy.view(labels.shape)
+    return token_lp.view(labels.shape)
+
+
+def _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy):
+    check.check_head(hidden, weight, bias)
+    chunk_size = check.check_chunk_size(chunk_size)
+    accum = check.check_grad_accum_dtype(grad_accum_dtype, weight.dtype)
+    if tile_policy is not None and not isinstance(tile_policy, TilePolicy):
+        raise TypeError(f"tile_policy must be a TilePolicy or None, got {type(tile_policy).__name__}")
+    policy = tile_policy or TilePolicy.for_device(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    if chunk_size is None:
+        chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])
+    return flat, dict(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum)
+
+
+def fused_linear_tpo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    scores: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    group_size: Optional[int] = None,
+    group_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    beta: float = 0.0,
+    eta: float = 1.0,
+    anchor: bool = True,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    backend: BackendArg = "auto",
+    return_aux: bool = False,
+    chunk_size: Optional[int] = None,
+    grad_accum_dtype: torch.dtype = torch.float32,
+    tile_policy: Optional[TilePolicy] = None,
+    validate: bool = True,
+) -> LossOutput:
+    """Sequence-level TPO loss on ``logits = hidden @ weight.T (+ bias)``, computed tile by tile
+    so that the ``[tokens, vocab]`` logits never exist.
+
+    Same semantics and keywords as :func:`tpo_loss`. Gradients flow to ``hidden``, ``weight``
+    and ``bias``.
+
+    Args:
+        hidden: ``[N, T, H]`` padded or ``[M, H]`` packed (with ``cu_seqlens``) last hidden states;
+            ``hidden[n, t]`` predicts ``labels[n, t]`` (already shifted).
+        weight: ``[V, H]`` lm_head weight, dtype and device of ``hidden``.
+        bias: optional ``[V]`` lm_head bias.
+        chunk_size: a budget of ``chunk_size * V`` logits per tile (a block of tokens times a
+            block of the vocabulary); default from the tile policy (512 MiB of fp32 logits on
+            CUDA, 6 MiB on CPU).
+        grad_accum_dtype: dtype in which ``dW`` and ``db`` are summed over tiles (float32 by
+            default; pass the weight dtype to save memory); never narrower than the weight's.
+            When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
+            block of at most 256 MiB at a time.
+        tile_policy: how tiles are sized (:class:`tpo_kernels.ops.TilePolicy`); default per device.
+
+    The backward recomputes the logits of the tokens whose loss gradient is nonzero; tokens of
+    groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
+    supported.
+    """
+    flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
+    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
+                                    return_aux=return_aux, validate=validate)
+    chosen = get_backend(backend, hidden.device)
+    batch = check.prepare_batch(
+        hidden.shape[:-1], weight.shape[0], hidden.device, compute_dtype(hidden.dtype), labels, scores,
+        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, input_name="hidden", validate=validate,
+    )
+    key = backend_key(chosen)
+    token_lp, _ = linear_logprobs(flat, weight, bias, batch.labels, inv_temperature=settings.inv_temperature,
+                                  with_entropy=False, backend=key, **tiles)
+    return _sequence_loss(token_lp, batch, settings, key)
+
+
+def fused_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: Optional[int] = None,
+    backend: BackendArg = "auto",
+    grad_accum_dtype: torch.dtype = torch.float32,
+    tile_policy: Optional[TilePolicy] = None,
+    validate: bool = True,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Per-token ``log softmax((hidden @ weight.T + bias) / temperature)[labels]`` without
+    materializing the logits; differentiable with respect to hidden, weight and bias.
+
+    ``hidden`` is ``[N, T, H]`` or ``[M, H]`` and ``labels`` its leading shape. Returns float32
+    log-probs of the labels' shape (float64 for float64 inputs), 0 where ``labels ==
+    ignore_index``; with ``return_entropy`` also the per-token entropy of the tempered
+    distribution (0 at ignored positions), whose gradient flows too. Under ``torch.no_grad()``
+    this is the memory-light way to get old / reference log-probs from a model's hidden states.
+    ``chunk_size``, ``grad_accum_dtype`` and ``tile_policy`` as in :func:`fused_linear_tpo_loss`.
+    """
+    flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
+    inv_temperature = 1.0 / check.check_positive("temperature", temperature)
+    return_entropy = check.check_flag("return_entropy", return_entropy)
+    validate = check.check_flag("validate", validate)
+    chosen = get_backend(backend, hidden.device)
+    flat_labels = check.prepare_labels(labels, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden",
+                                       ignore_index, validate)
+    token_lp, entropy = linear_logprobs(flat, weight, bias, flat_labels, inv_temperature=inv_temperature,
+                                        with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
+    if return_entropy:
+        return token_lp.view(labels.shape), entropy.view(labels.shape)
+    return token_lp.view(labels.shape)
+
+
+def token_tpo_loss(
+    logits: Tensor,
+    candidates: Tensor,
+    scores: Tensor,
+    *,
+    old_logprobs: Optional[Tensor] = None,
+    eta: float = 1.0,
+    anchor: bool = True,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    backend: BackendArg = "auto",
+    return_aux: bool = False,
+    validate: bool = True,
+) -> LossOutput:
+    """Token-level TPO (paper Sec. 3.4): at each state, fit the policy's distribution over K
+    scored candidate next tokens to the TPO target by cross-entropy.
+
+    With tempered candidate logits ``c[r, k] = z[r, y[r, k]] / tau``, ``p[r] = softmax_k c[r]``
+    (the vocabulary logsumexp cancels), so only the K candidate logits of each row are read and
+    the gradient ``w (p - q) / tau`` is nonzero only at those entries.
+
+    Args:
+        logits: ``[R, V]`` vocabulary logits of R states (flatten ``[B, T, V]`` with your mask
+            first); bf16/fp16/fp32/fp64. Math runs in fp32 (fp64 for fp64 logits).
+        candidates: ``[R, K]`` integer token ids in ``[0, V)``. A repeated id is a separate group
+            member with the same logit; its gradients add up (in ascending k order).
+        scores: ``[R, K]`` finite scores of the candidates; standardized within each state
+            (population std; a state whose K scores tie gets u = 0, hence zero on-policy gradient).
+        old_logprobs: ``[R, K]`` candidate log-probs under the rollout policy (anchored target
+            ``q ∝ p_old exp(u/eta)``). Only differences within a state matter, so full-vocab
+            log-probs and raw logits of the rollout policy both work; they are used as given,
+            not divided by ``temperature``. None: on-policy, ``p_old = p`` held constant.
+        return_aux: also return a dict of detached ``[R, K]`` ``candidate_logits`` (tempered),
+            ``p``, ``q``, ``u``, ``coef`` (dLoss/d candidate logit, ``w (p - q)``) and ``[R]``
+            ``state_loss``.
+        eta, anchor, temperature, reduction, backend, validate: see the module docstring.
+    """
+    check.check_logits(logits, (2,))
+    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
+                                    return_aux=return_aux, validate=validate)
+    chosen = get_backend(backend, logits.device)
+    candidates, scores, old_logprobs = check.prepare_candidates(
+        logits.shape[0], logits.shape[1], logits.device, compute_dtype(logits.dtype), candidates, scores,
+        old_logprobs, "logits", validate,
+    )
+    key = backend_key(chosen)
+    matrix, _ = _rows(logits)
+    cand = candidate_logits(matrix, candidates, inv_temperature=settings.inv_temperature, backend=key)
+    return _candidate_loss(cand, scores, old_logprobs, settings, key)
+
+
+def fused_linear_token_tpo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    candidates: Tensor,
+    scores: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    old_logprobs: Optional[Tensor] = None,
+    eta: float = 1.0,
+    anchor: bool = True,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    backend: BackendArg = "auto",
+    return_aux: bool = False,
+    validate: bool = True,
+) -> LossOutput:
+    """:func:`token_tpo_loss` on the logits ``hidden [R, H] @ weight.T (+ bias)`` without forming
+    them: each candidate logit is the dot product ``hidden[r] . weight[y] (+ bias[y])``, so forward
+    and backward cost O(R*K*H) and no ``[R, V]`` tensor exists. The weight gradient is a dense
+    ``[V, H]`` tensor, zero except the candidate rows, which are summed deterministically in the
+    compute dtype and cast to the weight's dtype; the bias gradient likewise.
+    Everything else as in :func:`token_tpo_loss`.
+    """
+    check.check_head(hidden, weight, bias, hidden_ndims=(2,))
+    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
+                                    return_aux=return_aux, validate=validate)
+    chosen = get_backend(backend, hidden.device)
+    candidates, scores, old_logprobs = check.prepare_candidates(
+        hidden.shape[0], weight.shape[0], hidden.device, compute_dtype(hidden.dtype), candidates, scores,
+        old_logprobs, "hidden", validate,
+    )
+    key = backend_key(chosen)
+    cand = linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature=settings.inv_temperature,
+                                   backend=key)
+    return _candidate_loss(cand, scores, old_logprobs, settings, key)

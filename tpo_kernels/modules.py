@@ -7,9 +7,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from . import functional as F
-from .fused_linear import fused_linear_tpo_loss
-from .token_level import fused_linear_token_tpo_loss, token_tpo_loss
+from .functional import fused_linear_token_tpo_loss, fused_linear_tpo_loss, token_tpo_loss, tpo_loss
 
 
 class _TPOSettings(nn.Module):
@@ -67,7 +65,7 @@ class TPOLoss(_SequenceTPOSettings):
         ref_logprobs: Optional[Tensor] = None,
         return_aux: bool = False,
     ):
-        return F.tpo_loss(
+        return tpo_loss(
             logits, labels, scores, group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens,
             mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, return_aux=return_aux,
             inplace_backward=self.inplace_backward, **self.settings(),

@@ -77,7 +77,7 @@ def get_backend(backend: Union[str, Backend], device: torch.device) -> Backend:
                 return _load(name)
         return _load("torch")
     if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be 'auto', one of {BACKEND_NAMES} or a Backend, got {backend!r}")
+        raise ValueError(f"backend must be 'auto' or one of {BACKEND_NAMES} (or a Backend instance), got {backend!r}")
     reason = _reason(backend)
     if reason is not None:
         raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")

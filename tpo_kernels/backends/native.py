@@ -17,7 +17,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import Backend, compute_dtype
+from .._dtypes import compute_dtype
+from .interface import Backend
 
 # Element type codes understood by the extensions (csrc/cpu/row_ops.h).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -111,7 +112,7 @@ class NativeBackend(Backend):
             raise ValueError(f"out must be on {like.device}, got {out.device}")
 
     def row_forward(
-        self, logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool
+        self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         launch = self._launch_args(logits, "logits")
         code = dtype_code(logits.dtype)
@@ -134,8 +135,9 @@ class NativeBackend(Backend):
         labels: Tensor,
         lse: Tensor,
         grad_logprob: Tensor,
-        grad_entropy: Optional[Tensor],
-        entropy: Optional[Tensor],
+        *,
+        grad_entropy: Optional[Tensor] = None,
+        entropy: Optional[Tensor] = None,
         inv_temperature: float,
         out: Tensor,
     ) -> None:
@@ -172,7 +174,7 @@ class NativeBackend(Backend):
         if not direct:
             out.copy_(target)
 
-    def candidate_forward(self, logits: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
+    def candidate_forward(self, logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
         launch = self._launch_args(logits, "logits")
         code = dtype_code(logits.dtype)
         x = as_rows(logits)
@@ -187,7 +189,7 @@ class NativeBackend(Backend):
         return out
 
     def candidate_backward(
-        self, grad_cand: Tensor, candidates: Tensor, inv_temperature: float, out: Tensor
+        self, grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor
     ) -> None:
         launch = self._launch_args(out, "out")
         code = dtype_code(out.dtype, "out")

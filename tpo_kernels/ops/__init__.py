@@ -1,0 +1,25 @@
+"""Orchestration (layer 3): the kernels as ``torch.library`` custom ops with fake (meta)
+implementations and autograd rules, so that eager calls and ``torch.compile`` see the same ops.
+
+=================================  ===============================================  ==========
+op                                 computes                                         module
+=================================  ===============================================  ==========
+``tpo_kernels::logprobs``          token log-probs (+ entropy) of logits            logprobs
+``tpo_kernels::linear_logprobs``   the same of ``hidden @ W.T``, tile by tile        linear
+``tpo_kernels::group_targets``     the group op: ell, u, p, q, per-group loss        group
+``tpo_kernels::candidate_logits``  K candidate logits per state (token-level)       candidates
+``tpo_kernels::linear_candidate_logits``  the same as K dot products per state      candidates
+=================================  ===============================================  ==========
+
+Every loss is a composition: a row op (one of the log-prob or candidate ops) feeds the group op,
+whose backward gives each token ``(p - q) * dLoss/d group_loss``; autograd chains the two
+backwards. The backend travels as a string key (:func:`tpo_kernels.backends.backend_key`).
+"""
+
+from .candidates import candidate_logits, linear_candidate_logits
+from .group import group_targets
+from .linear import TiledLinearHead, TilePolicy, linear_logprobs
+from .logprobs import token_logprobs
+
+__all__ = ["TilePolicy", "TiledLinearHead", "candidate_logits", "group_targets", "linear_candidate_logits",
+           "linear_logprobs", "token_logprobs"]

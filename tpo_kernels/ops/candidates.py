@@ -1,0 +1,123 @@
+"""Custom ops of token-level TPO: the tempered logits of K candidate tokens per state.
+
+``tpo_kernels::candidate_logits`` gathers ``c[r, k] = z[r, y[r, k]] / tau`` from ``[R, V]``
+logits; its backward scatters ``dc / tau`` back into a dense ``[R, V]`` gradient (the only
+vocabulary-sized work). ``tpo_kernels::linear_candidate_logits`` computes the same from hidden
+states as K dot products per state, ``(h[r] . W[y] + b[y]) / tau``, so that nothing of size
+``[R, V]`` exists; its backward gives ``dH``, ``dW`` (rows of the candidate ids) and ``db``,
+with weight rows summed in a fixed order (:func:`tpo_kernels.layout.pair_runs`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._dtypes import compute_dtype
+from ..backends import backend_by_key
+from ..layout import pair_runs
+
+
+@torch.library.custom_op("tpo_kernels::candidate_logits", mutates_args=())
+def _candidate_logits(logits: Tensor, candidates: Tensor, inv_temperature: float, backend: str) -> Tensor:
+    return backend_by_key(backend).candidate_forward(logits, candidates, inv_temperature=inv_temperature)
+
+
+@_candidate_logits.register_fake
+def _(logits, candidates, inv_temperature, backend):
+    return logits.new_empty(candidates.shape, dtype=compute_dtype(logits.dtype))
+
+
+@torch.library.custom_op("tpo_kernels::candidate_logits_backward", mutates_args=())
+def _candidate_logits_backward(grad: Tensor, candidates: Tensor, vocab_size: int, dtype: torch.dtype,
+                               inv_temperature: float, backend: str) -> Tensor:
+    out = grad.new_empty(candidates.shape[0], vocab_size, dtype=dtype)
+    backend_by_key(backend).candidate_backward(grad, candidates, inv_temperature=inv_temperature, out=out)
+    return out
+
+
+@_candidate_logits_backward.register_fake
+def _(grad, candidates, vocab_size, dtype, inv_temperature, backend):
+    return grad.new_empty(candidates.shape[0], vocab_size, dtype=dtype)
+
+
+def _setup_gather(ctx, inputs, output):
+    logits, candidates, inv_temperature, backend = inputs
+    ctx.save_for_backward(candidates)
+    ctx.vocab_size, ctx.dtype = logits.shape[1], logits.dtype  # the logits themselves are not kept
+    ctx.inv_temperature, ctx.backend = inv_temperature, backend
+
+
+def _backward_gather(ctx, grad):
+    (candidates,) = ctx.saved_tensors
+    grad_logits = _candidate_logits_backward(grad.contiguous(), candidates, ctx.vocab_size, ctx.dtype,
+                                             ctx.inv_temperature, ctx.backend)
+    return grad_logits, None, None, None
+
+
+_candidate_logits.register_autograd(_backward_gather, setup_context=_setup_gather)
+
+
+@torch.library.custom_op("tpo_kernels::linear_candidate_logits", mutates_args=())
+def _linear_candidate_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], candidates: Tensor,
+                             inv_temperature: float, backend: str) -> Tensor:
+    return backend_by_key(backend).candidate_linear_forward(
+        hidden, weight, candidates, bias=bias, inv_temperature=inv_temperature
+    )
+
+
+@_linear_candidate_logits.register_fake
+def _(hidden, weight, bias, candidates, inv_temperature, backend):
+    return hidden.new_empty(candidates.shape, dtype=compute_dtype(hidden.dtype))
+
+
+@torch.library.custom_op("tpo_kernels::linear_candidate_logits_backward", mutates_args=())
+def _linear_candidate_logits_backward(grad: Tensor, hidden: Tensor, weight: Tensor, candidates: Tensor,
+                                      needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+                                      backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    runs = pair_runs(candidates) if needs_weight or needs_bias else None
+    grads = backend_by_key(backend).candidate_linear_backward(
+        grad, hidden, weight, candidates, runs=runs, with_hidden=needs_hidden, with_weight=needs_weight,
+        with_bias=needs_bias,
+    )
+    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
+
+
+@_linear_candidate_logits_backward.register_fake
+def _(grad, hidden, weight, candidates, needs_hidden, needs_weight, needs_bias, backend):
+    return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
+            weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
+
+
+def _setup_dot(ctx, inputs, output):
+    hidden, weight, bias, candidates, inv_temperature, backend = inputs
+    ctx.save_for_backward(hidden, weight, candidates)
+    ctx.has_bias, ctx.inv_temperature, ctx.backend = bias is not None, inv_temperature, backend
+
+
+def _backward_dot(ctx, grad):
+    hidden, weight, candidates = ctx.saved_tensors
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+    # c = z / tau, so dLoss/dz = dLoss/dc / tau.
+    grads = _linear_candidate_logits_backward((grad * ctx.inv_temperature).contiguous(), hidden, weight,
+                                              candidates, *needs, ctx.backend)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return (*grads, None, None, None)
+
+
+_linear_candidate_logits.register_autograd(_backward_dot, setup_context=_setup_dot)
+
+
+def candidate_logits(logits: Tensor, candidates: Tensor, *, inv_temperature: float, backend: str) -> Tensor:
+    """``[R, K]`` tempered candidate logits (compute dtype), differentiable in ``logits``."""
+    return _candidate_logits(logits, candidates, inv_temperature, backend)
+
+
+def linear_candidate_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], candidates: Tensor, *,
+                            inv_temperature: float, backend: str) -> Tensor:
+    """``[R, K]`` tempered candidate logits of ``hidden @ weight.T (+ bias)``, differentiable in
+    hidden, weight and bias."""
+    return _linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature, backend)

@@ -1,0 +1,328 @@
+"""``tpo_kernels::linear_logprobs``: per-token log-probs (and entropies) of
+``z = hidden @ weight.T (+ bias)`` without ever materializing the ``[tokens, vocab]`` logits.
+
+Logits exist one tile at a time (a block of tokens times a block of the vocabulary, at most
+``chunk_size * V`` entries). The forward keeps, per token, the tempered logsumexp and target
+logit (and entropy on request), merged exactly across vocabulary blocks. The backward receives a
+per-token gradient ``g`` (and ``ge`` for entropies), recomputes the logits of the tokens with a
+nonzero one only, tile by tile, turns them in place into ``dz`` with the backend's row backward
+(the forward's logsumexp covers the whole vocabulary, so a block's softmax is exact) and applies
+the chain rule of the linear layer::
+
+    dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
+
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. Tiles span
+many tokens so that the matmuls run at full speed and the ``dW`` accumulation stays
+compute-bound; a ``dW`` accumulator wider than the weight dtype (fp32 for a bf16 head) is kept
+per vocabulary block, so it stays small. :class:`TilePolicy` holds these budgets per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .._dtypes import compute_dtype
+from ..backends import Backend, backend_by_key
+
+_ROW_ALIGN = 16  # tile rows (the default chunk_size is a multiple of this)
+# Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
+# dimension) stay aligned for vector loads and tensor-core matmuls.
+_VOCAB_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class TilePolicy:
+    """How the fused-linear path sizes its tiles of logits.
+
+    ``logits_bytes``: the memory of one tile in fp32 when no ``chunk_size`` is given (the row
+    ops compute in fp32 whatever the input dtype). ``min_tile_tokens``: rows a tile should span,
+    cutting the vocabulary into blocks if needed: matmuls of few rows run far below the
+    machine's peak, and each backward tile's ``dW[block] += dz.T @ h`` reads and writes the
+    ``[block, H]`` accumulator (8 bytes per entry against ``2 * tokens`` flops).
+    ``accum_bytes``: the largest ``dW`` accumulator kept in a dtype wider than the weight's.
+    """
+
+    logits_bytes: int
+    min_tile_tokens: int
+    accum_bytes: int = 256 << 20
+
+    @staticmethod
+    def for_device(device: torch.device) -> "TilePolicy":
+        if torch.device(device).type == "cuda":
+            return TilePolicy(logits_bytes=512 << 20, min_tile_tokens=4096)
+        # A small budget on the CPU keeps the peak below that of chunked cross-entropy
+        # implementations (the torch backend's row ops make a few fp32 temporaries of a tile).
+        return TilePolicy(logits_bytes=6 << 20, min_tile_tokens=512)
+
+    def chunk_size(self, num_rows: int, vocab_size: int) -> int:
+        """The default ``chunk_size``: rows of V fitting ``logits_bytes`` in fp32, a multiple of
+        16, at most ``num_rows``."""
+        rows = self.logits_bytes // (4 * max(vocab_size, 1))
+        if rows > _ROW_ALIGN:
+            rows -= rows % _ROW_ALIGN
+        return max(1, min(rows, num_rows))
+
+
+def _add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor) -> None:
+    """``out[rows] += a @ b``: in place without a temporary when ``rows`` is a slice and the dtypes
+    match; otherwise the product is formed in the inputs' dtype and summed in ``out``'s."""
+    if isinstance(rows, slice) and out.dtype == a.dtype:
+        out[rows].addmm_(a, b)
+        return
+    product = (a @ b).to(out.dtype)
+    if isinstance(rows, slice):
+        out[rows] += product
+    else:  # distinct rows: every entry gets exactly one addition, so the result is deterministic
+        out.index_add_(0, rows, product)
+
+
+class TiledLinearHead:
+    """A linear head over a flat token matrix, evaluated one tile of logits at a time.
+
+    ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None, one
+    dtype; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A tile
+    never holds more than ``chunk_size * V`` logits.
+    """
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                 backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy) -> None:
+        self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
+        self.backend, self.inv_temperature = backend, inv_temperature
+        self.chunk_size, self.policy = chunk_size, policy
+
+    @staticmethod
+    def _row_chunks(selected: Tensor, chunk_size: int) -> List[Union[slice, Tensor]]:
+        """Row indices of the ``selected`` ([M] bool) rows in ascending order, ``chunk_size`` at a
+        time: slices when every row is selected (no gather), index tensors otherwise."""
+        num_rows = selected.numel()
+        rows = torch.nonzero(selected).squeeze(1)
+        if rows.numel() == num_rows:
+            return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
+        return list(rows.split(chunk_size)) if rows.numel() > 0 else []
+
+    def _logits(self, h_rows: Tensor, vocab: slice, buffer: Tensor) -> Tensor:
+        """``h_rows @ W[vocab].T (+ b[vocab])`` written into a contiguous view of the buffer."""
+        weight = self.weight[vocab]
+        out = buffer[: h_rows.shape[0] * weight.shape[0]].view(h_rows.shape[0], weight.shape[0])
+        if self.bias is None:
+            return torch.mm(h_rows, weight.t(), out=out)
+        return torch.addmm(self.bias[vocab], h_rows, weight.t(), out=out)
+
+    def _buffer(self, rows: int, vocab: int) -> Tensor:
+        return self.hidden.new_empty(max(rows, 1) * vocab)
+
+    def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
+        """(tokens, vocabulary entries) of one tile over ``num_rows`` rows: at most
+        ``chunk_size * V`` logits, cut along the vocabulary so that a tile spans at least the
+        policy's ``min_tile_tokens`` rows, and so that a ``dW`` accumulator wider than the
+        weight dtype stays within ``accum_bytes``."""
+        vocab_size, hidden_size = self.weight.shape
+        logits_budget = self.chunk_size * vocab_size
+        vocab_block = vocab_size
+        if grad_accum_dtype != self.weight.dtype:
+            itemsize = torch.finfo(grad_accum_dtype).bits // 8
+            vocab_block = self.policy.accum_bytes // (itemsize * max(hidden_size, 1))
+        tokens = max(self.chunk_size, min(self.policy.min_tile_tokens, num_rows))
+        vocab_block = max(1, min(vocab_block, logits_budget // tokens))
+        if _VOCAB_ALIGN < vocab_block < vocab_size:
+            vocab_block -= vocab_block % _VOCAB_ALIGN
+        return max(1, logits_budget // vocab_block), vocab_block
+
+    def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Per-row ``(lse, target, entropy | None)`` of the tempered logits, in the compute dtype;
+        0 on rows that do not count (their logits are never computed).
+
+        Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' partial
+        results merge exactly: ``lse = logaddexp`` over blocks, the target logit comes from the
+        block holding the label, and the entropy from ``S = sum_v p_v z_v`` (``H = lse - S``),
+        where block ``b`` contributes ``exp(lse_b - lse) * (lse_b - H_b)``."""
+        num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
+        lse = self.hidden.new_zeros(num_rows, dtype=compute_dtype(self.hidden.dtype))
+        target = torch.zeros_like(lse)
+        entropy = torch.zeros_like(lse) if with_entropy else None
+        counted = self.labels >= 0
+        num_counted = int(counted.sum())
+        token_block, vocab_block = self._tile(num_counted, self.weight.dtype)
+        buffer = self._buffer(min(token_block, num_counted), vocab_block)
+        for rows in self._row_chunks(counted, token_block):
+            h_rows, labels = self.hidden[rows], self.labels[rows]
+            for start in range(0, vocab_size, vocab_block):
+                logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
+                local = labels - start
+                inside = (local >= 0) & (local < logits.shape[1])
+                # Every row is read: a label outside the block stands in as 0, its target unused.
+                block_lse, block_target, block_entropy = self.backend.row_forward(
+                    logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
+                    with_entropy=with_entropy,
+                )
+                block_target = torch.where(inside, block_target, 0.0)
+                block_sum = block_lse - block_entropy if with_entropy else None  # S_b
+                if start == 0:
+                    row_lse, row_target, row_sum = block_lse, block_target, block_sum
+                    continue
+                merged = torch.logaddexp(row_lse, block_lse)
+                if with_entropy:
+                    row_sum = row_sum * torch.exp(row_lse - merged) + block_sum * torch.exp(block_lse - merged)
+                row_lse, row_target = merged, row_target + block_target
+            lse[rows], target[rows] = row_lse, row_target
+            if with_entropy:
+                entropy[rows] = row_lse - row_sum
+        return lse, target, entropy
+
+    def backward(self, lse: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
+                 entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool],
+                 grad_accum_dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
+        per-row gradients of the log-probs and entropies (both 0 on rows that do not count).
+
+        Rows where both are exactly 0 are skipped: no recompute, no matmul. Tiles are vocabulary
+        blocks (outer loop) times token chunks (inner); ``dW`` and ``db`` are summed over token
+        chunks in ``grad_accum_dtype``, ``dH`` over vocabulary blocks (in that dtype too when
+        there is more than one block)."""
+        need_hidden, need_weight, need_bias = needs_grad
+        hidden, weight = self.hidden, self.weight
+        vocab_size, hidden_size = weight.shape
+        active = grad_logprob != 0
+        if grad_entropy is not None:
+            active = active | (grad_entropy != 0)
+        num_active = int(active.sum())  # the one read-back: sizes the tiles of active rows
+        token_block, vocab_block = self._tile(num_active, grad_accum_dtype)
+        hidden_accum = hidden.dtype
+        if vocab_block != vocab_size:
+            hidden_accum = torch.promote_types(grad_accum_dtype, hidden.dtype)
+
+        chunks = self._row_chunks(active, token_block)
+        # The tile buffer first: the size of the forward's, it can take that freed memory.
+        buffer = self._buffer(min(token_block, num_active), vocab_block) if chunks else None
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
+        if chunks:  # else every row has zero signal: zero gradients, no matmul
+            block_accum = None
+            if need_weight and grad_accum_dtype != weight.dtype:
+                block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
+            for start in range(0, vocab_size, vocab_block):
+                vocab = slice(start, min(start + vocab_block, vocab_size))
+                if need_weight:
+                    dw = grad_weight[vocab] if block_accum is None else block_accum[: vocab.stop - start].zero_()
+                for rows in chunks:
+                    h_rows = hidden[rows]
+                    dlogits = self._block_grad(h_rows, rows, vocab, buffer, lse, grad_logprob, grad_entropy, entropy)
+                    if need_hidden:
+                        _add_product(grad_hidden, rows, dlogits, weight[vocab])
+                    if need_weight:
+                        _add_product(dw, slice(None), dlogits.t(), h_rows)
+                    if need_bias:
+                        grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
+                if block_accum is not None:
+                    grad_weight[vocab] = dw
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            grad_weight,
+            None if grad_bias is None else grad_bias.to(weight.dtype),
+        )
+
+    def _block_grad(self, h_rows, rows, vocab: slice, buffer, lse, grad_logprob, grad_entropy, entropy) -> Tensor:
+        """dz for one tile (token rows x vocabulary block), written in place over the recomputed
+        logits in the buffer."""
+        dlogits = self._logits(h_rows, vocab, buffer)
+        labels = self.labels[rows] - vocab.start  # label ids local to the block, -1 outside it
+        labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
+        self.backend.row_backward(
+            dlogits, labels, lse[rows], grad_logprob[rows],
+            grad_entropy=None if grad_entropy is None else grad_entropy[rows],
+            entropy=None if entropy is None else entropy[rows],
+            inv_temperature=self.inv_temperature, out=dlogits,
+        )
+        return dlogits
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+def _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend):
+    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes)
+    return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend), inv_temperature, chunk_size, policy)
+
+
+@torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=())
+def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                     inv_temperature: float, with_entropy: bool, chunk_size: int, min_tile_tokens: int,
+                     accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    head = _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend)
+    lse, target, entropy = head.forward(with_entropy)
+    if entropy is None:
+        entropy = lse.new_empty(0)
+    return target - lse, entropy, lse
+
+
+@_linear_logprobs.register_fake
+def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens,
+      accum_bytes, grad_accum_dtype, backend):
+    rows, acc = hidden.shape[0], compute_dtype(hidden.dtype)
+    return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
+            hidden.new_empty(rows, dtype=acc))
+
+
+@torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=())
+def _linear_logprobs_backward(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, lse: Tensor,
+    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
+    inv_temperature: float, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
+    grad_accum_dtype: torch.dtype, needs_hidden: bool, needs_weight: bool, needs_bias: bool, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    head = _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend)
+    grads = head.backward(lse, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
+                          grad_accum_dtype)
+    # A custom op returns tensors only: an empty one stands for "not requested".
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+@_linear_logprobs_backward.register_fake
+def _(hidden, weight, bias, labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature,
+      chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, needs_hidden, needs_weight, needs_bias, backend):
+    return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
+            weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens,
+     accum_bytes, grad_accum_dtype, backend) = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype)
+    ctx.with_entropy, ctx.has_bias, ctx.backend = with_entropy, bias is not None, backend
+
+
+def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
+    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+    skipped = labels < 0  # rows that do not count have no gradient
+    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(lse.dtype))
+    if ctx.with_entropy and grad_entropy is not None:
+        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))
+    else:
+        grad_entropy = entropy = None
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+    grads = _linear_logprobs_backward(hidden, weight, bias, labels, lse, grad_logprobs, grad_entropy,
+                                      entropy, *ctx.settings, *needs, ctx.backend)
+    grads = [grad if need else None for grad, need in zip(grads, needs)]
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+_linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
+                    inv_temperature: float, with_entropy: bool, chunk_size: int, policy: TilePolicy,
+                    grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(logprobs [M], entropy [M] | None)`` of ``hidden [M, H] @ weight.T (+ bias)`` for int64
+    ``labels`` (negative: skipped), in the compute dtype; differentiable in hidden, weight, bias."""
+    logprobs, entropy, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy,
+                                            chunk_size, policy.min_tile_tokens, policy.accum_bytes,
+                                            grad_accum_dtype, backend)
+    return logprobs, (entropy if with_entropy else None)

@@ -1,0 +1,107 @@
+"""``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix,
+as a custom op whose backward is the backend's fused row backward.
+
+Forward (row op of the backend): ``lp[r] = z[r, y_r] / tau - logsumexp(z[r] / tau)`` and, on
+request, the entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative
+(those rows are never read). Backward, with ``p = softmax(z / tau)``::
+
+    dz[r, v] = (g[r] * (onehot(y_r)[v] - p[v]) - ge[r] * p[v] * (log p[v] + H[r])) / tau
+
+for the incoming gradients ``g`` (of lp) and ``ge`` (of H). With ``inplace_backward`` the
+gradient is written over the logits buffer, which saves a ``[M, V]`` tensor; the op marks the
+buffer as modified, so a second consumer of the same logits fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._dtypes import compute_dtype
+from ..backends import backend_by_key
+
+
+@torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
+def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool,
+              inplace_backward: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    lse, target, entropy = backend_by_key(backend).row_forward(
+        logits, labels, inv_temperature=inv_temperature, with_entropy=with_entropy
+    )
+    if entropy is None:
+        entropy = lse.new_empty(0)
+    return target - lse, entropy, lse
+
+
+@_logprobs.register_fake
+def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend):
+    rows, acc = logits.shape[0], compute_dtype(logits.dtype)
+    return (logits.new_empty(rows, dtype=acc), logits.new_empty(rows if with_entropy else 0, dtype=acc),
+            logits.new_empty(rows, dtype=acc))
+
+
+@torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
+def _logprobs_backward(logits: Tensor, labels: Tensor, lse: Tensor, grad_logprobs: Tensor,
+                       grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
+                       inv_temperature: float, backend: str) -> Tensor:
+    out = torch.empty_like(logits)
+    backend_by_key(backend).row_backward(
+        logits, labels, lse, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
+        inv_temperature=inv_temperature, out=out,
+    )
+    return out
+
+
+@_logprobs_backward.register_fake
+def _(logits, labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("tpo_kernels::logprobs_backward_", mutates_args=("logits",))
+def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, lse: Tensor, grad_logprobs: Tensor,
+                               grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
+                               inv_temperature: float, backend: str) -> None:
+    backend_by_key(backend).row_backward(
+        logits, labels, lse, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
+        inv_temperature=inv_temperature, out=logits,
+    )
+
+
+@_logprobs_backward_inplace.register_fake
+def _(logits, labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, inv_temperature, with_entropy, inplace_backward, backend = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
+    ctx.inplace_backward, ctx.backend = inplace_backward, backend
+
+
+def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    skipped = labels < 0  # rows that were never read have no gradient
+    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(lse.dtype))
+    if ctx.with_entropy and grad_entropy is not None:
+        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))
+    else:
+        grad_entropy = entropy = None
+    args = (labels, lse, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
+    if ctx.inplace_backward:
+        _logprobs_backward_inplace(logits, *args)
+        return logits, None, None, None, None, None
+    return _logprobs_backward(logits, *args), None, None, None, None, None
+
+
+_logprobs.register_autograd(_backward, setup_context=_setup_context)
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool,
+                   inplace_backward: bool, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` logits (unit column stride) for int64
+    ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
+    logprobs, entropy, _ = _logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend)
+    return logprobs, (entropy if with_entropy else None)
