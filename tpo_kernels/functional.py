@@ -142,7 +142,8 @@ def tpo_loss(
     )
     matrix, copied = _rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
-    inplace = (copied or (inplace_backward and logits.grad_fn is not None)) and not torch.compiler.is_compiling()
+    # Under torch.compile the graph owns the buffers: the backward is out of place.
+    inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and logits.grad_fn is not None))
     key = backend_key(chosen)
     token_lp, _ = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,
                                  with_entropy=False, inplace_backward=inplace, backend=key)

@@ -1,0 +1,101 @@
+"""torch.compile(fullgraph=True) traces a training step through every public path without graph
+breaks (the kernels are custom ops with fake implementations), and gives the eager results."""
+
+import pytest
+import torch
+
+import tpo_kernels
+
+from _batches import backend_param
+
+N, T, H, V, K = 4, 6, 16, 50, 2
+COMPILE_BACKENDS = [backend_param("torch"), backend_param("cpu")]
+
+
+def _model_and_batch():
+    gen = torch.Generator().manual_seed(0)
+    embedding, lm_head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(V, H, generator=gen))
+        lm_head.weight.copy_(torch.randn(V, H, generator=gen) / H**0.5)
+    tokens = torch.randint(0, V, (N, T), generator=gen)
+    labels = torch.randint(0, V, (N, T), generator=gen)
+    labels[:, 4:] = -100
+    scores = torch.randn(N, generator=gen)
+    candidates = torch.randint(0, V, (N * T, 3), generator=gen)
+    return embedding, lm_head, tokens, labels, scores, candidates
+
+
+def _step(backend, embedding, lm_head, tokens, labels, scores, candidates):
+    """One loss through each path, summed; validate=False: no read-back to the host."""
+    hidden = embedding(tokens)
+    logits = lm_head(hidden)
+    common = dict(group_size=K, backend=backend, validate=False)
+    loss = tpo_kernels.tpo_loss(logits, labels, scores, **common)
+    loss = loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores, **common)
+    loss = loss + 0.01 * tpo_kernels.selective_logprobs(logits, labels, backend=backend, validate=False).sum()
+    cand_scores = torch.arange(3.0).expand(N * T, 3)
+    flat_hidden = hidden.reshape(-1, H)
+    loss = loss + tpo_kernels.fused_linear_token_tpo_loss(flat_hidden, lm_head.weight, candidates, cand_scores,
+                                                          backend=backend, validate=False)
+    loss = loss + tpo_kernels.token_tpo_loss(logits.reshape(-1, V), candidates, cand_scores, backend=backend,
+                                             validate=False)
+    return loss
+
+
+def _loss_and_grads(fn, embedding, lm_head):
+    loss = fn()
+    return loss.detach(), torch.autograd.grad(loss, [embedding.weight, lm_head.weight])
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_fullgraph_compile_matches_eager(backend):
+    embedding, lm_head, *batch = _model_and_batch()
+    eager = _loss_and_grads(lambda: _step(backend, embedding, lm_head, *batch), embedding, lm_head)
+    torch._dynamo.reset()
+    compiled_step = torch.compile(lambda: _step(backend, embedding, lm_head, *batch), fullgraph=True,
+                                  backend="aot_eager")
+    compiled = _loss_and_grads(compiled_step, embedding, lm_head)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
+    for got, want in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_inductor_compile_matches_eager():
+    """The default compiler (inductor) on the cpu backend's custom ops."""
+    backend = "cpu" if tpo_kernels.backend_status()["cpu"] == "available" else "torch"
+    embedding, lm_head, *batch = _model_and_batch()
+    eager = _loss_and_grads(lambda: _step(backend, embedding, lm_head, *batch), embedding, lm_head)
+    torch._dynamo.reset()
+    compiled_step = torch.compile(lambda: _step(backend, embedding, lm_head, *batch), fullgraph=True)
+    compiled = _loss_and_grads(compiled_step, embedding, lm_head)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
+    for got, want in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["logprobs", "linear_logprobs", "group_targets", "candidate_logits",
+                                "linear_candidate_logits"])
+def test_custom_ops_pass_opcheck(op):
+    """torch.library.opcheck: schema, fake implementation and autograd registration agree."""
+    embedding, lm_head, tokens, labels, scores, candidates = _model_and_batch()
+    hidden = embedding(tokens).detach().reshape(-1, H).requires_grad_()
+    weight = lm_head.weight.detach().clone().requires_grad_()
+    flat_labels = labels.reshape(-1)
+    flat_labels = torch.where(flat_labels >= 0, flat_labels, -1)
+    logits = (hidden @ weight.T).detach().requires_grad_()
+    if op == "logprobs":
+        args = (logits, flat_labels, 1.0, True, False, "torch")
+    elif op == "linear_logprobs":
+        args = (hidden, weight, None, flat_labels, 1.0, True, 8, 4, 1 << 20, torch.float32, "torch")
+    elif op == "group_targets":
+        from tpo_kernels.layout import build_layout
+
+        layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
+        token_lp = (-torch.rand(N * T)).requires_grad_()
+        args = (token_lp, *layout.op_args(), scores, None, 1.0, True, "torch")
+    elif op == "candidate_logits":
+        args = (logits, candidates, 1.0, "torch")
+    else:
+        args = (hidden, weight, None, candidates, 1.0, "torch")
+    torch.library.opcheck(getattr(torch.ops.tpo_kernels, op).default, args)
