@@ -269,7 +269,7 @@ def _prime(case, provider, spec, device, dtype):
 
 
 def worker_main(argv=None) -> int:
-    """``python -m bench.worker SPEC.json OUT.json``: one measurement in a fresh process."""
+    """``python -m tpo_kernels.bench.worker SPEC.json OUT.json``: one measurement in a fresh process."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         spec = json.load(f)
