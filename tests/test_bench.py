@@ -55,7 +55,7 @@ def test_smoke_preset_every_case(tmp_path, capsys):
     pkg = run["meta"]["package"]
     assert pkg["version"] == tpo_kernels.__version__ and pkg["commit"]
     assert pkg["location"] == os.path.dirname(os.path.abspath(tpo_kernels.__file__))
-    assert f"tpo_kernels {tpo_kernels.__version__} at commit {pkg['commit']}" in run["meta"]["software"]
+    assert f"tpo_kernels {tpo_kernels.__version__} at commit {pkg['commit'][:12]}" in run["meta"]["software"]
     md = (tmp_path / "results.md").read_text()
     assert "| shape | provider | mode |" in md and "## logits" in md
     assert "results.md" in capsys.readouterr().out

@@ -69,7 +69,7 @@ def describe_machine(device) -> dict:
     except Exception:
         triton_v = "not installed"
     pkg = package_info()
-    commit = pkg["commit"] + (" (built with uncommitted changes)" if pkg["dirty"] else "")
+    commit = pkg["commit"][:12] + (" (built with uncommitted changes)" if pkg["dirty"] else "")
     software = (
         f"Python {platform.python_version()}, torch {torch.__version__}, triton {triton_v}, "
         f"tpo_kernels {pkg['version']} at commit {commit}, torch threads {torch.get_num_threads()}"
