@@ -89,6 +89,15 @@ def test_isolated_subprocess_measurement(tmp_path):
     for r in run["results"]:
         assert r["status"] == "ok", r
         assert r["peak_bytes"] >= 0
+    # --report rebuilds the tables from results.json without measuring; presets it does not know
+    # (e.g. renamed since) are named and their targets left out
+    run["meta"]["presets"] = ["no-such-preset"]
+    (tmp_path / "results.md").unlink()
+    with open(tmp_path / "results.json", "w") as f:
+        json.dump(run, f)
+    assert bench_run.main(["--report", str(tmp_path), "--no-plots"]) == 0
+    assert "| M=64 V=256 | naive | full |" in (tmp_path / "results.md").read_text()
+    assert _load(tmp_path)["targets"] == []
 
 
 def test_unavailable_provider_is_skipped_with_reason(tmp_path, monkeypatch):

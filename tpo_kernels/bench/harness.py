@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import resource
 import statistics
 import sys

@@ -174,7 +174,7 @@ def _ours(fn_name: str, make: Callable[[Callable, str], Callable], prefix="tpo",
     ]
 
 
-def _naive(describe: str, fn: Callable, call: Callable) -> List[Provider]:
+def _naive(describe: str, fn: Callable, call: Callable, compiled_describe="torch.compile of the eager reference") -> List[Provider]:
     """``naive`` (eager ``fn``) and ``compile`` (``torch.compile(fn)``), both run by
     ``call(fn, inputs, shape)`` -> loss."""
 
@@ -187,7 +187,7 @@ def _naive(describe: str, fn: Callable, call: Callable) -> List[Provider]:
 
     return [
         Provider("naive", "reference", describe, _always, eager),
-        Provider("compile", "baseline", "torch.compile of the eager reference", _compile_available, compiled),
+        Provider("compile", "baseline", compiled_describe, _compile_available, compiled),
     ]
 
 
@@ -249,8 +249,8 @@ def token_providers() -> List[Provider]:
         "full-vocab reference: hidden @ W.T, fp32 log_softmax, gather K, group math, autograd",
         B.naive_token_tpo_linear,
         lambda fn, inp, shape: fn(inp["hidden"], inp["weight"], inp["candidates"], inp["scores"]),
+        "torch.compile of the full-vocab reference",
     )
-    naive[1].describe = "torch.compile of the full-vocab reference"
     return (
         _ours("fused_linear_token_tpo_loss", fused)
         + _ours("token_tpo_loss", on_logits, prefix="tpo_logits", what=" on materialized hidden @ W.T")
@@ -266,8 +266,8 @@ def token_logits_providers() -> List[Provider]:
         "full-vocab reference: fp32 log_softmax, gather K, group math, autograd",
         B.naive_token_tpo_logits,
         lambda fn, inp, shape: fn(inp.probe(inp["logits"]), inp["candidates"], inp["scores"]),
+        "torch.compile of the full-vocab reference",
     )
-    naive[1].describe = "torch.compile of the full-vocab reference"
     return _ours("token_tpo_loss", ours) + naive
 
 
@@ -286,6 +286,6 @@ def logprobs_providers() -> List[Provider]:
         "eager PyTorch: fp32 log_softmax + gather + autograd",
         naive_logprobs_loss,
         lambda fn, inp, shape: fn(inp.probe(inp["logits"]), inp["labels"], inp["weights"]),
+        "torch.compile of the eager log_softmax + gather",
     )
-    naive[1].describe = "torch.compile of the eager log_softmax + gather"
     return _ours("selective_logprobs", ours) + naive

@@ -7,7 +7,7 @@ import json
 import math
 import os
 from collections import OrderedDict, defaultdict
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List
 
 from . import cases as C
 
