@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a machine with a CUDA GPU and no network (bench/README.md, "GPU check").
+# One-shot GPU check for a machine with a CUDA GPU and no network (bench/README.md, "Checking an
+# offline GPU machine").
 #
 #   bash bench/gpu_check.sh OUT_DIR
 #
@@ -7,9 +8,13 @@
 # 2. prints `tpo-kernels status` and runs the demo on the GPU,
 # 3. runs the GPU tests (pytest -m gpu, then the rest of the suite on the GPU; TRITON_INTERPRET
 #    unset),
-# 4. runs the issue 4/5/6 GPU presets with reduced repetitions,
+# 4. runs the GPU presets (logits-speedup-gpu, fused-linear-gpu, token-level-speedup-gpu) with
+#    reduced repetitions through `python -m tpo_kernels.bench` (= `tpo-kernels bench`),
 # and writes at most 8 files under OUT_DIR: summary.txt env.txt build.log tests.log bench.log
 # status.txt results.json results.md. Budgeted to finish in under 8 minutes on an H200.
+# The package used is this checkout's (built in place, first on PYTHONPATH); the results name its
+# commit when tpo_kernels/_build_info.py (written by any setup.py build, git-ignored) was carried
+# along, else 'unknown'.
 #
 # Environment: PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 450),
 # GPU_CHECK_SKIP_BUILD=1 (reuse a build already in place), GPU_CHECK_TESTS (test paths, default tests).
@@ -78,8 +83,9 @@ else
   log "no setup.py: nothing to build" | tee -a "$OUT/build.log"
 fi
 
-# 2. status and demo
-{ "$PY" -m tpo_kernels status; echo; timeout 60 "$PY" -m tpo_kernels demo; } > "$OUT/status.txt" 2>&1
+# 2. status and demo (and which tpo_kernels that is: location, version, commit)
+{ "$PY" -c 'from tpo_kernels.bench.machine import package_info; print("tpo_kernels:", package_info())'
+  "$PY" -m tpo_kernels status; echo; timeout 60 "$PY" -m tpo_kernels demo; } > "$OUT/status.txt" 2>&1
 log "status: $(tr '\n' ' ' < "$OUT/status.txt" | cut -c1-400)"
 
 # 3. GPU tests: the ones marked gpu, then the rest of the suite, which runs the Triton and CUDA
@@ -105,11 +111,11 @@ else
   log "GPU tests skipped: no time left"
 fi
 
-# 4. reduced benchmark table: the issue presets
+# 4. reduced benchmark table: the GPU presets
 BENCH_BUDGET=$(( TOTAL_BUDGET - $(elapsed) - 30 ))
 if [ "$BENCH_BUDGET" -gt 30 ]; then
-  log "benchmarks: presets issue5-gpu, issue4-gpu, issue6-gpu, reduced (budget ${BENCH_BUDGET}s)"
-  timeout $(( BENCH_BUDGET + 25 )) "$PY" -m bench --preset issue5-gpu,issue4-gpu,issue6-gpu --reduced --no-plots \
+  log "benchmarks: presets logits-speedup-gpu, fused-linear-gpu, token-level-speedup-gpu, reduced (budget ${BENCH_BUDGET}s)"
+  timeout $(( BENCH_BUDGET + 25 )) "$PY" -m tpo_kernels.bench --preset logits-speedup-gpu,fused-linear-gpu,token-level-speedup-gpu --reduced --no-plots \
     --budget $(( BENCH_BUDGET - 60 > 20 ? BENCH_BUDGET - 60 : 20 )) --out "$OUT" > "$OUT/bench.log" 2>&1
   log "benchmarks rc=$?"
   sed -n '/^Targets:/,/^$/p' "$OUT/bench.log" >> "$OUT/summary.txt"

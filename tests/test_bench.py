@@ -2,26 +2,28 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import tpo_kernels
+from tpo_kernels.bench import cases as C
+from tpo_kernels.bench import inputs as I
+from tpo_kernels.bench import presets as PR
+from tpo_kernels.bench import report as R
+from tpo_kernels.bench import run as bench_run
 
-from bench import cases as C  # noqa: E402
-from bench import report as R  # noqa: E402
-from bench import run as bench_run  # noqa: E402
-
+# the folder that holds the tpo_kernels under test (a checkout or site-packages)
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpo_kernels.__file__)))
 FAST = ["--reps", "2", "--warmup", "1", "--device", "cpu", "--threads", "1"]
 
 
-def _env():
+def _env(pythonpath=PACKAGE_PARENT):
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("TRITON_INTERPRET", None)
     return env
 
@@ -49,6 +51,11 @@ def test_smoke_preset_every_case(tmp_path, capsys):
     assert ours, "no tpo_kernels provider ran"
     assert all(r["check_vs_reference"]["ok"] for r in ours), [r["check_vs_reference"] for r in ours]
     assert all("naive" in r["vs"] for r in ours)
+    # the installed package is described: its version, commit (or 'unknown') and location
+    pkg = run["meta"]["package"]
+    assert pkg["version"] == tpo_kernels.__version__ and pkg["commit"]
+    assert pkg["location"] == os.path.dirname(os.path.abspath(tpo_kernels.__file__))
+    assert f"tpo_kernels {tpo_kernels.__version__} at commit {pkg['commit'][:12]}" in run["meta"]["software"]
     md = (tmp_path / "results.md").read_text()
     assert "| shape | provider | mode |" in md and "## logits" in md
     assert "results.md" in capsys.readouterr().out
@@ -82,24 +89,31 @@ def test_isolated_subprocess_measurement(tmp_path):
     for r in run["results"]:
         assert r["status"] == "ok", r
         assert r["peak_bytes"] >= 0
+    # --report rebuilds the tables from results.json without measuring; presets it does not know
+    # (e.g. renamed since) are named and their targets left out
+    run["meta"]["presets"] = ["no-such-preset"]
+    (tmp_path / "results.md").unlink()
+    with open(tmp_path / "results.json", "w") as f:
+        json.dump(run, f)
+    assert bench_run.main(["--report", str(tmp_path), "--no-plots"]) == 0
+    assert "| M=64 V=256 | naive | full |" in (tmp_path / "results.md").read_text()
+    assert _load(tmp_path)["targets"] == []
 
 
-def test_missing_provider_is_skipped_with_reason(tmp_path, monkeypatch):
-    import tpo_kernels
-    import tpo_kernels.functional
-
-    # as if the function had not been written yet
-    monkeypatch.delattr(tpo_kernels, "selective_logprobs")
-    monkeypatch.delattr(tpo_kernels.functional, "selective_logprobs")
-    args = ["--case", "logprobs", "--shape", "M=32,V=128", "--providers", "tpo:torch,cce,naive", "--mode", "full", "--no-isolate", "--no-plots", "--out", str(tmp_path)]
+def test_unavailable_provider_is_skipped_with_reason(tmp_path, monkeypatch):
+    # as if the torch backend could not run here
+    status = dict(tpo_kernels.backend_status(), torch="not available: test")
+    monkeypatch.setattr(tpo_kernels, "backend_status", lambda: status)
+    args = ["--case", "logprobs", "--shape", "M=32,V=128", "--providers", "tpo:torch,tpo:cuda,cce,naive", "--mode", "full", "--no-isolate", "--no-plots", "--out", str(tmp_path)]
     assert bench_run.main(args + FAST) == 0
     run = _load(tmp_path)
     reasons = {s["provider"]: s["reason"] for s in run["skipped"]}
-    assert "does not exist yet" in reasons["tpo:torch"]
+    assert reasons["tpo:torch"] == "backend 'torch': not available: test"
+    assert "needs a CUDA device" in reasons["tpo:cuda"]
     assert "cce" not in reasons  # cce is not a logprobs provider: the glob simply matches nothing
     assert [r["provider"] for r in run["results"]] == ["naive"]
     md = (tmp_path / "results.md").read_text()
-    assert "## Skipped providers" in md and "does not exist yet" in md
+    assert "## Skipped providers" in md and "not available: test" in md
     # and a GPU-only baseline on CPU
     reason = C.CASES["fused_linear"].provider("cce").available(torch.device("cpu"))
     assert reason and "GPU only" in reason
@@ -112,27 +126,49 @@ def test_target_evaluation():
         dict(row, provider="torch_lce", role="baseline", time_s={"median": 2.0}, peak_bytes=50, extra_bytes=5),
     ]
     targets = [
-        C.Target("x", "time", "fused_linear", "dense", "full", "time", "ratio", "ours", "torch_lce", "<=", 1.0),
-        C.Target("x", "mem", "fused_linear", "dense", "full", "peak", "ratio", "ours", "torch_lce", "<=", 1.0),
-        C.Target("x", "speed", "fused_linear", "dense", "full", "time", "speedup", "ours", "torch_lce", ">=", 2.0),
-        C.Target("x", "missing", "fused_linear", "dense", "full", "time", "ratio", "ours", "naive", "<=", 1.0),
+        PR.Target("time", "fused_linear", "dense", "full", "time", "ratio", "ours", "torch_lce", "<=", 1.0, preset="x"),
+        PR.Target("mem", "fused_linear", "dense", "full", "peak", "ratio", "ours", "torch_lce", "<=", 1.0, preset="x"),
+        PR.Target("speed", "fused_linear", "dense", "full", "time", "speedup", "ours", "torch_lce", ">=", 2.0, preset="x"),
+        PR.Target("missing", "fused_linear", "dense", "full", "time", "ratio", "ours", "naive", "<=", 1.0, preset="x"),
     ]
     ev = R.evaluate_targets(targets, results)
     assert [e["status"] for e in ev] == ["PASS", "FAIL", "PASS", "baseline naive not measured"]
     assert ev[0]["value"] == pytest.approx(0.5) and ev[1]["value"] == pytest.approx(2.0)
+    assert all(e["preset"] == "x" for e in ev)
     assert "PASS" in R.targets_text(ev)
 
 
-def test_presets_name_the_issue_settings():
-    p4 = C.PRESETS["issue4-cpu"].jobs[0]
-    assert p4.shapes == [{"G": 8, "K": 8, "T": 128, "H": 512, "V": 32768}] and p4.dtypes == ["fp32"]
-    assert set(p4.variants) == {"dense", "sparse90"} and {"naive", "torch_lce"} <= set(p4.providers)
-    assert C.PRESETS["issue5-gpu"].jobs[0].shapes == [{"G": 16, "K": 8, "T": 128, "V": 151936}]
-    assert C.PRESETS["issue6-cpu"].jobs[0].shapes == [{"R": 2048, "K": 8, "H": 512, "V": 32768}]
+def test_presets_settings():
+    fl = PR.PRESETS["fused-linear-cpu"].jobs[0]
+    assert fl.shapes == [{"G": 8, "K": 8, "T": 128, "H": 512, "V": 32768}] and fl.dtypes == ["fp32"]
+    assert set(fl.variants) == {"dense", "sparse90"} and {"naive", "torch_lce"} <= set(fl.providers)
+    assert PR.PRESETS["logits-speedup-gpu"].jobs[0].shapes == [{"G": 16, "K": 8, "T": 128, "V": 151936}]
+    assert PR.PRESETS["token-level-speedup-cpu"].jobs[0].shapes == [{"R": 2048, "K": 8, "H": 512, "V": 32768}]
+    # every target knows its preset; names say what is measured, one name each
+    for name, p in PR.PRESETS.items():
+        assert all(t.preset == name for t in p.targets)
+        assert "issue" not in name
+    # grid settings live in GridPoint fields, never in the shape dicts
+    for case in C.CASES.values():
+        for points in case.grids.values():
+            for pt in points:
+                assert isinstance(pt, C.GridPoint) and set(pt.shape) <= set(case.params) | {"M"}
     # 90%-tied variant: floor(0.9 G) groups tie, the rest do not
-    s, tied = C._scores(8, 8, "sparse90", C._Gens(0, "cpu"), "cpu")
+    s, tied = I.make_scores(8, 8, "sparse90", I.Generators(0, "cpu"), "cpu")
     row_tied = (s.amax(1) == s.amin(1)).sum().item()
     assert tied == 7 and row_tied == 7
+
+
+def test_default_grid_plan_keeps_costly_providers_at_main_shapes():
+    from tpo_kernels.bench.plan import plan
+
+    args = bench_run.build_parser().parse_args(["--case", "fused_linear"])
+    specs, skipped, targets, title = plan(args, torch.device("cpu"))
+    main_shape = C.CASES["fused_linear"].grids["cpu"][0].shape
+    lce = [s for s in specs if s["provider"] == "torch_lce"]
+    assert lce and all(s["shape"] == main_shape and s["variant"] == "dense" for s in lce)
+    assert {s["variant"] for s in specs if s["provider"] == "naive" and s["shape"] == main_shape} == {"dense", "sparse90"}
+    assert specs[0]["shape"] == main_shape and not targets and title == "default grid on cpu"
 
 
 def test_cli_status_and_demo():
@@ -150,4 +186,26 @@ def test_cli_bench_dispatch(capsys):
 
     assert cli.main(["bench", "--list", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "case fused_linear" in out and "issue4-cpu" in out
+    assert "case fused_linear" in out and "fused-linear-cpu" in out
+
+
+def test_cli_bench_needs_no_checkout(tmp_path):
+    """The harness ships in the package: a copy of tpo_kernels alone (no checkout, no bench/
+    folder, no tests/) runs ``tpo-kernels bench`` from an unrelated working folder."""
+    site, work = tmp_path / "site", tmp_path / "work"
+    shutil.copytree(os.path.dirname(os.path.abspath(tpo_kernels.__file__)), site / "tpo_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    work.mkdir()
+    env = _env(str(site))
+    here = "import tpo_kernels.bench as b; print(b.__file__)"
+    proc = subprocess.run([sys.executable, "-c", here], cwd=work, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith(str(site)), proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "tpo_kernels", "bench", "--help"], cwd=work, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and "--preset" in proc.stdout, proc.stderr
+    cmd = [sys.executable, "-m", "tpo_kernels.bench", "--case", "logprobs", "--shape", "M=32,V=128", "--providers", "naive,tpo:cpu",
+           "--mode", "full", "--isolate", "--no-plots", "--out", "out"] + FAST
+    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = _load(work / "out")
+    assert [r["status"] for r in run["results"]] == ["ok", "ok"], run["results"]
+    assert run["meta"]["package"]["location"] == str(site / "tpo_kernels")

@@ -3,14 +3,13 @@
 * ``status``: which backends run here, and why the others do not.
 * ``demo``:   a tiny end-to-end TPO step (loss, p, q, backward) on whatever device is present,
   checked against the plain-PyTorch reference; takes seconds.
-* ``bench``:  the benchmark harness in the repository's ``bench/`` folder (see bench/README.md);
-  all further arguments go to it (``tpo-kernels bench --help``).
+* ``bench``:  the benchmark harness, ``tpo_kernels.bench``; all further arguments go to it
+  (``tpo-kernels bench --help``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
@@ -92,34 +91,8 @@ def _demo(args) -> int:
     return 0 if ok else 1
 
 
-def _find_bench_root() -> Optional[str]:
-    """The folder that contains ``bench/`` (the source checkout), or None."""
-    candidates = []
-    env = os.environ.get("TPO_KERNELS_BENCH_DIR")
-    if env:
-        env = os.path.abspath(env)
-        candidates.append(os.path.dirname(env) if os.path.basename(env.rstrip(os.sep)) == "bench" else env)
-    candidates.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    candidates.append(os.getcwd())
-    for root in candidates:
-        if os.path.isfile(os.path.join(root, "bench", "run.py")):
-            return root
-    return None
-
-
 def _bench(argv: List[str]) -> int:
-    root = _find_bench_root()
-    if root is None:
-        print(
-            "tpo-kernels bench: the benchmark harness lives in the source checkout's bench/ folder, which this "
-            "installation does not include. Run it from a checkout (pip install -e .), or set "
-            "TPO_KERNELS_BENCH_DIR to the checkout.",
-            file=sys.stderr,
-        )
-        return 2
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from bench.run import main as bench_main
+    from tpo_kernels.bench.run import main as bench_main
 
     return bench_main(argv)
 

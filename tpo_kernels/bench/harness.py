@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import resource
 import statistics
 import sys
@@ -269,7 +268,7 @@ def _prime(case, provider, spec, device, dtype):
 
 
 def worker_main(argv=None) -> int:
-    """``python -m bench.worker SPEC.json OUT.json``: one measurement in a fresh process."""
+    """``python -m tpo_kernels.bench.worker SPEC.json OUT.json``: one measurement in a fresh process."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         spec = json.load(f)

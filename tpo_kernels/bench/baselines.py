@@ -1,10 +1,10 @@
 """The implementations a user would pick instead of tpo_kernels, written the way users write them.
 
 Everything here is plain PyTorch (plus optional third-party fused cross-entropy kernels) and is
-independent of tpo_kernels, so the baselines exist even while the package's own paths are still
-being written, and so a bug in the package cannot leak into the numbers it is compared with.
+independent of the rest of tpo_kernels, so that a bug in the package cannot leak into the numbers
+it is compared with.
 
-Math (DESIGN.md section 1), on-policy and anchored, eta = 1, temperature = 1, reduction "mean":
+Math (as in tpo_kernels.reference), on-policy and anchored, eta = 1, temperature = 1, reduction "mean":
 token log-prob lp = log_softmax(z)[y]; ell = per-completion sum; per group of K:
 u = standardized scores (population std, 0 on ties), log p = log_softmax(ell),
 q = softmax(log p.detach() + u / eta), loss = mean over groups of -sum q log p.

@@ -1,4 +1,4 @@
-"""Derived numbers (throughput, ratios, correctness checks, issue targets) and the outputs:
+"""Derived numbers (throughput, ratios, correctness checks, preset targets) and the outputs:
 ``results.json``, ``results.md`` and PNG plots."""
 
 from __future__ import annotations
@@ -7,9 +7,12 @@ import json
 import math
 import os
 from collections import OrderedDict, defaultdict
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List
 
 from . import cases as C
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .presets import Target
 
 MiB = float(1 << 20)
 _COMPARE_ROLES = ("reference", "baseline", "floor")
@@ -78,7 +81,7 @@ def _close(a, b, rtol, atol):
 # --------------------------------------------------------------------------- targets
 
 
-def evaluate_targets(targets: List["C.Target"], results: List[dict]) -> List[dict]:
+def evaluate_targets(targets: List["Target"], results: List[dict]) -> List[dict]:
     out = []
     ok_rows = [r for r in results if r.get("status") == "ok"]
 
@@ -96,7 +99,7 @@ def evaluate_targets(targets: List["C.Target"], results: List[dict]) -> List[dic
     for t in targets:
         rows = [r for r in ok_rows if r["case"] == t.case and r["variant"] == t.variant and r["mode"] == t.mode]
         nums = [r for r in rows if (r["role"] == "ours" if t.num == "ours" else r["provider"] == t.num)]
-        entry_base = {"issue": t.issue, "target": t.text, "case": t.case, "variant": t.variant, "op": t.op, "threshold": t.threshold, "unit": t.unit}
+        entry_base = {"preset": t.preset, "target": t.text, "case": t.case, "variant": t.variant, "op": t.op, "threshold": t.threshold, "unit": t.unit}
         if not nums:
             out.append(dict(entry_base, provider=t.num, status="not measured", value=None))
             continue
@@ -132,7 +135,7 @@ def targets_text(evaluated: List[dict]) -> str:
         v = "n/a" if e["value"] is None else f"{e['value']:.3g}"
         unit = f" {e['unit']}" if e.get("unit") else ""
         lines.append(
-            f"[{e['status']}] {e['issue']} ({e['variant']}): {e['target']}: "
+            f"[{e['status']}] {e.get('preset', '')} ({e['variant']}): {e['target']}: "
             f"{e.get('formula', e['provider'])} = {v}{unit} (target {e['op']} {e['threshold']:g}{unit})"
         )
     return "\n".join(lines)
@@ -175,8 +178,6 @@ def markdown(run: dict) -> str:
     out.append(f"- command: `{meta['command']}`")
     if meta.get("backend_status"):
         out.append("- backends: " + ", ".join(f"{k}: {v}" for k, v in meta["backend_status"].items()))
-    if meta.get("tpo_functions"):
-        out.append("- tpo_kernels functions: " + ", ".join(f"{k}: {v}" for k, v in meta["tpo_functions"].items()))
     out.append(f"- timing: {meta['timing']}")
     if meta.get("load_average_start") is not None:
         out.append(
@@ -193,10 +194,10 @@ def markdown(run: dict) -> str:
     )
     out.append("")
     if run.get("targets"):
-        out += ["## Issue targets", "", "| status | issue | variant | target | measured | value |", "| --- | --- | --- | --- | --- | --- |"]
+        out += ["## Targets", "", "| status | preset | variant | target | measured | value |", "| --- | --- | --- | --- | --- | --- |"]
         for e in run["targets"]:
             v = "n/a" if e["value"] is None else f"{e['value']:.3g}{(' ' + e['unit']) if e.get('unit') else ''}"
-            out.append(f"| {e['status']} | {e['issue']} | {e['variant']} | {e['target']} ({e['op']} {e['threshold']:g}) | {e.get('formula', e['provider'])} | {v} |")
+            out.append(f"| {e['status']} | {e.get('preset', '')} | {e['variant']} | {e['target']} ({e['op']} {e['threshold']:g}) | {e.get('formula', e['provider'])} | {v} |")
         out.append("")
     groups: Dict[tuple, List[dict]] = OrderedDict()
     for r in results:

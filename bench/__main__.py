@@ -1,5 +1,0 @@
-import sys
-
-from .run import main
-
-sys.exit(main())

@@ -1,0 +1,160 @@
+"""Presets: named settings (case, shapes, dtypes, variants, providers, modes) that measure one
+question, and the targets whose verdicts they print (``tpo-kernels bench --preset NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .cases import seq
+
+
+@dataclass
+class Target:
+    """One number a preset checks. ``kind``:
+
+    * ``ratio``:   metric(num) / metric(den)      (time or memory "at most x of" a baseline)
+    * ``speedup``: time(den) / time(num)           ("at least x faster than")
+    * ``value``:   metric(num) itself              (e.g. extra memory, bandwidth)
+    ``num`` may be ``"ours"``: evaluated for every tpo_kernels provider measured.
+    """
+
+    text: str
+    case: str
+    variant: str
+    mode: str
+    metric: str  # "time" | "peak" | "extra" | "throughput"
+    kind: str
+    num: str
+    den: Optional[str]
+    op: str  # "<=" | "<" | ">="
+    threshold: float
+    scale: float = 1.0  # value is divided by this before comparing (e.g. GiB, peak bandwidth)
+    unit: str = ""
+    preset: str = ""  # filled in by the preset that holds it
+
+
+@dataclass
+class Job:
+    case: str
+    shapes: List[dict]
+    dtypes: List[str]
+    variants: List[str]
+    providers: List[str]
+    modes: List[str]
+
+
+@dataclass
+class Preset:
+    name: str
+    device: str  # "cpu", "cuda" or "any"
+    about: str
+    jobs: List[Job]
+    targets: List[Target]
+
+
+GiB = float(1 << 30)
+H200_HBM = 4.8e12  # bytes/s
+
+PRESETS: Dict[str, Preset] = {}
+
+
+def _preset(p: Preset):
+    for t in p.targets:
+        t.preset = p.name
+    PRESETS[p.name] = p
+
+
+def _full(case, variant, metric, kind, num, den, op, threshold, text, scale=1.0, unit=""):
+    return Target(text, case, variant, "full", metric, kind, num, den, op, threshold, scale, unit)
+
+
+_FL_CPU = seq(8, 8, 128, 32768, 512)
+_preset(Preset(
+    "fused-linear-cpu", "cpu",
+    "Fused hidden x lm_head TPO against naive and F.linear_cross_entropy-TPO: peak memory and time, "
+    "G=8 K=8 T=128 (M=8192) H=512 V=32768 fp32, fwd+bwd; dense and 90%-tied",
+    [Job("fused_linear", [_FL_CPU], ["fp32"], ["dense", "sparse90"], ["naive", "torch_lce", "tpo:cpu", "tpo:torch"], ["full"])],
+    [
+        _full("fused_linear", "dense", "peak", "ratio", "ours", "torch_lce", "<=", 1.0, "peak memory at most that of F.linear_cross_entropy-TPO"),
+        _full("fused_linear", "dense", "peak", "ratio", "ours", "naive", "<", 0.25, "peak memory under a quarter of naive"),
+        _full("fused_linear", "dense", "time", "ratio", "ours", "torch_lce", "<=", 1.0, "time at most that of F.linear_cross_entropy-TPO"),
+        _full("fused_linear", "sparse90", "time", "ratio", "ours", "torch_lce", "<=", 0.4,
+              "90% of groups tied: time at most 0.4x of F.linear_cross_entropy-TPO"),
+    ],
+))
+_preset(Preset(
+    "fused-linear-gpu", "cuda",
+    "Fused hidden x lm_head TPO against the matmul floor and fused cross-entropy kernels: M=16384 (G=16 K=8 T=128) "
+    "H=4096 V=151936 bf16, fwd+bwd",
+    [Job("fused_linear", [seq(16, 8, 128, 151936, 4096)], ["bf16"], ["dense", "sparse90"],
+         ["tpo:cuda", "tpo:triton", "matmul4", "naive", "torch_lce", "cce", "liger"], ["full"])],
+    [
+        _full("fused_linear", "dense", "time", "ratio", "ours", "matmul4", "<=", 1.15, "time within 1.15x of four cuBLAS matmuls of the same shapes"),
+        _full("fused_linear", "dense", "extra", "value", "ours", None, "<", 2.0,
+              "extra memory (peak minus inputs and their gradients) under 2 GiB", GiB, "GiB"),
+    ],
+))
+_preset(Preset(
+    "logits-speedup-cpu", "cpu",
+    "Logits path against eager PyTorch, fwd+bwd at M=8192 V=32768 fp32: tpo_loss on G=8 K=8 T=128 "
+    "(time and extra memory) and selective_logprobs (time)",
+    [
+        Job("logits", [seq(8, 8, 128, 32768)], ["fp32"], ["dense"], ["tpo:cpu", "tpo:torch", "naive"], ["full"]),
+        Job("logprobs", [{"M": 8192, "V": 32768}], ["fp32"], ["dense"], ["tpo:cpu", "tpo:torch", "naive"], ["full"]),
+    ],
+    [
+        _full("logits", "dense", "time", "speedup", "ours", "naive", ">=", 2.0, "tpo_loss fwd+bwd at least 2x faster than eager PyTorch"),
+        _full("logprobs", "dense", "time", "speedup", "ours", "naive", ">=", 2.0,
+              "selective_logprobs fwd+bwd at least 2x faster than eager log_softmax+gather+autograd"),
+        _full("logits", "dense", "extra", "value", "ours", None, "<", 0.5 * 8192 * 32768 * 4 / GiB,
+              "no [M,V] fp32 temporary: tpo_loss extra memory under half of one (512 MiB)", GiB, "GiB"),
+    ],
+))
+_preset(Preset(
+    "logits-speedup-gpu", "cuda",
+    "Logits path against eager PyTorch and torch.compile, and as a share of HBM bandwidth: tpo_loss fwd+bwd at "
+    "M=16384 (G=16 K=8 T=128) V=151936 bf16",
+    [Job("logits", [seq(16, 8, 128, 151936)], ["bf16"], ["dense"], ["tpo:cuda", "tpo:triton", "naive", "compile"], ["full"])],
+    [
+        _full("logits", "dense", "throughput", "value", "ours", None, ">=", 0.85,
+              "at least 85% of H200 HBM bandwidth (4.8 TB/s) for 6*M*V bytes", H200_HBM / 1e9, "units of 4.8 TB/s"),
+        _full("logits", "dense", "time", "speedup", "ours", "naive", ">=", 2.0, "at least 2x eager PyTorch"),
+        _full("logits", "dense", "time", "speedup", "ours", "compile", ">=", 1.3, "at least 1.3x torch.compile of the reference"),
+    ],
+))
+_preset(Preset(
+    "token-level-speedup-cpu", "cpu",
+    "Token-level TPO, fused path against the full-vocab reference: time and extra memory, "
+    "R=2048 K=8 H=512 V=32768 fp32, fwd+bwd",
+    [Job("token", [{"R": 2048, "K": 8, "H": 512, "V": 32768}], ["fp32"], ["dense"], ["tpo:cpu", "tpo:torch", "naive"], ["full"])],
+    [
+        _full("token", "dense", "time", "speedup", "ours", "naive", ">=", 20.0, "fused-linear token path at least 20x faster than the full-vocab reference"),
+        _full("token", "dense", "extra", "value", "ours", None, "<", 2048 * 32768 * 4 / GiB,
+              "no [R,V] tensor: extra memory under one [R,V] fp32 tensor (256 MiB)", GiB, "GiB"),
+    ],
+))
+_preset(Preset(
+    "token-level-speedup-gpu", "cuda",
+    "Token-level TPO, fused path against the full-vocab reference: time and extra memory, "
+    "R=8192 K=8 H=4096 V=151936 bf16, fwd+bwd",
+    [Job("token", [{"R": 8192, "K": 8, "H": 4096, "V": 151936}], ["bf16"], ["dense"], ["tpo:cuda", "tpo:triton", "naive"], ["full"])],
+    [
+        _full("token", "dense", "time", "speedup", "ours", "naive", ">=", 20.0, "fused-linear token path at least 20x faster than the full-vocab reference"),
+        _full("token", "dense", "extra", "value", "ours", None, "<", 8192 * 151936 * 2 / GiB,
+              "no [R,V] tensor: extra memory under one [R,V] bf16 tensor", GiB, "GiB"),
+    ],
+))
+_preset(Preset(
+    "smoke", "any",
+    "Tiny shapes through every case (for tests and a first look; seconds)",
+    [
+        Job("logits", [seq(2, 4, 16, 512)], ["fp32"], ["dense", "sparse90"], ["tpo:cpu", "tpo:torch", "tpo:cuda", "tpo:triton", "naive"],
+            ["forward", "backward", "full"]),
+        Job("fused_linear", [seq(2, 4, 16, 512, 64)], ["fp32"], ["dense"], ["tpo:*", "naive", "torch_lce", "matmul4"], ["full"]),
+        Job("token", [{"R": 64, "K": 4, "H": 64, "V": 512}], ["fp32"], ["dense"], ["tpo:*", "tpo_logits:*", "naive"], ["full"]),
+        Job("token_logits", [{"R": 64, "K": 4, "V": 512}], ["fp32"], ["dense"], ["tpo:*", "naive"], ["full"]),
+        Job("logprobs", [{"M": 128, "V": 512}], ["fp32"], ["dense"], ["tpo:*", "naive"], ["full"]),
+    ],
+    [],
+))
