@@ -329,9 +329,9 @@ constexpr const char* kRowForwardDoc =
     "optionally the entropy; rows with labels[r] < 0 get 0 and are not read (csrc/tpo_abi.h).";
 constexpr const char* kRowBackwardDoc =
     "row_backward(*, dtype, rows, vocab, row_stride, logits, labels, lse, grad_logprob, "
-    "grad_entropy=0, entropy=0, inv_temperature, out, out_row_stride): out[r, v] = it * (g (onehot "
-    "- p) - ge p (log p + H)); out may be logits (in place); rows with g == ge == 0 are zero-filled "
-    "without reading logits (csrc/tpo_abi.h).";
+    "grad_entropy=0, entropy=0, inv_temperature, out, out_row_stride): out[r, v] = it * "
+    "(g (onehot - p) - ge p (log p + H)); out may be logits (in place); rows with g == ge == 0 "
+    "are zero-filled without reading logits (csrc/tpo_abi.h).";
 constexpr const char* kCandidateForwardDoc =
     "candidate_forward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
     "inv_temperature, logits, cand_logits): cand_logits[r, k] = logits[r, candidates[r, k]] * it.";

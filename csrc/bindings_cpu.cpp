@@ -72,12 +72,16 @@ void math_elementwise(const std::string& op, uintptr_t in, uintptr_t out, int64_
     const float* x = reinterpret_cast<const float*>(in);
     uint16_t* y = reinterpret_cast<uint16_t*>(out);
     const bool bf16 = op == "float_to_bf16";
-    for (int64_t i = 0; i < count; ++i) y[i] = bf16 ? tpo::float_to_bf16(x[i]) : tpo::float_to_half(x[i]);
+    for (int64_t i = 0; i < count; ++i) {
+      y[i] = bf16 ? tpo::float_to_bf16(x[i]) : tpo::float_to_half(x[i]);
+    }
   } else if (op == "bf16_to_float" || op == "half_to_float") {
     const uint16_t* x = reinterpret_cast<const uint16_t*>(in);
     float* y = reinterpret_cast<float*>(out);
     const bool bf16 = op == "bf16_to_float";
-    for (int64_t i = 0; i < count; ++i) y[i] = bf16 ? tpo::bf16_to_float(x[i]) : tpo::half_to_float(x[i]);
+    for (int64_t i = 0; i < count; ++i) {
+      y[i] = bf16 ? tpo::bf16_to_float(x[i]) : tpo::half_to_float(x[i]);
+    }
   } else {
     throw std::invalid_argument("unknown op " + op);
   }

@@ -5,8 +5,8 @@
 //
 // Matches tpo_kernels.group_op.group_targets: ties are detected as max(s) == min(s) (u = 0), the
 // std is the population std, and p and q go through the same block_softmax code, so a tied
-// on-policy group gets q == p bit for bit (its gradient p - q is exactly 0). Every reduction has a fixed shape
-// and order, so results are bitwise reproducible run to run.
+// on-policy group gets q == p bit for bit (its gradient p - q is exactly 0). Every reduction has
+// a fixed shape and order, so results are bitwise reproducible run to run.
 #include <cuda_runtime.h>
 #include <stdint.h>
 

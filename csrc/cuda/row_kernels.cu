@@ -1,6 +1,7 @@
-// CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter. One block per row for the vocab-sized passes: 16-byte loads where the row is
-// aligned (scalar head/tail otherwise), per-thread online softmax in the accumulation type
-// (fp32; fp64 for fp64 logits), warp-shuffle + shared-memory merge. The per-element arithmetic
+// CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter.
+// One block per row for the vocab-sized passes: 16-byte loads where the row is aligned (scalar
+// head/tail otherwise), per-thread online softmax in the accumulation type (fp32; fp64 for fp64
+// logits), warp-shuffle + shared-memory merge. The per-element arithmetic
 // is the shared row_math.h, the same code the CPU extension runs.
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -23,8 +24,7 @@ template <class T, int kBlock, bool kEntropy>
 __global__ void __launch_bounds__(kBlock)
     row_forward_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                        const int64_t* __restrict__ labels, acc_t<T> it,
-                       acc_t<T>* __restrict__ lse,
-                       acc_t<T>* __restrict__ target,
+                       acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ target,
                        acc_t<T>* __restrict__ entropy) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
@@ -110,8 +110,7 @@ __device__ __forceinline__ A backward_element(A z, int64_t idx, int64_t label, A
 template <class T, int kBlock, bool kEntropy>
 __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, int64_t head,
                                              int64_t num_packs, int64_t label, acc_t<T> lse,
-                                             acc_t<T> g, acc_t<T> ge,
-                                             acc_t<T> ent, acc_t<T> it) {
+                                             acc_t<T> g, acc_t<T> ge, acc_t<T> ent, acc_t<T> it) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
@@ -128,8 +127,8 @@ __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, in
     const int64_t base = head + j * N;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      pk.v[k] = Elem<T>::store(
-          backward_element<A, kEntropy>(Elem<T>::load(pk.v[k]), base + k, label, lse, g, ge, ent, it));
+      pk.v[k] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(pk.v[k]), base + k,
+                                                             label, lse, g, ge, ent, it));
     }
     out_packs[j] = pk.raw;
   }
@@ -146,8 +145,7 @@ __global__ void __launch_bounds__(kBlock)
                         const acc_t<T>* __restrict__ lse,
                         const acc_t<T>* __restrict__ grad_logprob,
                         const acc_t<T>* __restrict__ grad_entropy,
-                        const acc_t<T>* __restrict__ entropy,
-                        acc_t<T> it) {
+                        const acc_t<T>* __restrict__ entropy, acc_t<T> it) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   const int64_t row = blockIdx.x;
