@@ -15,14 +15,13 @@ Environment variables:
   TPO_REQUIRE_CUDA=1 a missing nvcc or a failed CUDA build fails the install (CI sets this).
   TPO_SKIP_CUDA=1    do not build the CUDA extension.
   TPO_NO_OPENMP=1    build the CPU extension without OpenMP (single-threaded row ops).
-  CUDA_HOME / CUDA_PATH, NVCC   where to find the CUDA toolkit / nvcc.
+  CUDA_HOME / CUDA_PATH, NVCC   where to find the CUDA toolkit / nvcc (csrc/cuda_toolkit.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,62 +47,18 @@ def _rel(paths):
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA toolkit discovery
+# CUDA toolkit discovery: csrc/cuda_toolkit.py, shared with .ci/build_native.sh
 # --------------------------------------------------------------------------------------------
 
 
-def find_nvcc():
-    candidates = [os.environ.get("NVCC")]
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
-    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    for cand in candidates:
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
+def _load_toolkit():
+    spec = importlib.util.spec_from_file_location("tpo_cuda_toolkit", ROOT / CSRC / "cuda_toolkit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def cuda_root(nvcc: str):
-    """The toolkit root. nvcc may be a wrapper script (e.g. /usr/local/bin/nvcc), so ask nvcc
-    itself (--dryrun prints TOP=<root>) before guessing from its path."""
-    try:
-        out = subprocess.run(
-            [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
-            capture_output=True, text=True, timeout=60,
-        )
-        match = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.MULTILINE)
-        if match:
-            return os.path.realpath(match.group(1).strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-
-
-def cuda_lib_dir(root: str):
-    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
-                os.path.join("targets", "sbsa-linux", "lib")):
-        path = os.path.join(root, sub)
-        if os.path.isfile(os.path.join(path, "libcudart_static.a")):
-            return path
-    raise RuntimeError(f"libcudart_static.a not found under the CUDA toolkit at {root}")
-
-
-def cuda_arch_flags():
-    raw = os.environ.get("TPO_CUDA_ARCHS", "80;90")
-    archs = [a.replace(".", "").strip() for a in re.split(r"[;, ]+", raw) if a.strip()]
-    if not archs or any(not re.fullmatch(r"\d+[af]?", a) for a in archs):
-        raise RuntimeError(f"TPO_CUDA_ARCHS={raw!r}: expected compute capabilities like '80;90'")
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    # PTX of the newest plain arch (not an arch-specific 90a/100f), for JIT on newer GPUs.
-    plain = [a for a in archs if a.isdigit()]
-    if plain:
-        top = max(plain, key=int)
-        flags.append(f"-gencode=arch=compute_{top},code=compute_{top}")
-    return flags
+toolkit = _load_toolkit()
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +84,8 @@ cuda_extension = Pybind11Extension(
     sources=[f"{CSRC}/bindings_cuda.cpp"],
     include_dirs=[CSRC],
     # The .cu files are listed here too so that they are shipped in the sdist.
-    depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.cuh")) + cuda_sources,
+    depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.cuh")) + cuda_sources
+    + [f"{CSRC}/cuda_toolkit.py"],
     extra_compile_args=["-O3"],
     cxx_std=17,
 )
@@ -147,7 +103,7 @@ class BuildExt(pybind11_build_ext):
             reason = None
             if _flag("TPO_SKIP_CUDA"):
                 reason = "TPO_SKIP_CUDA is set"
-            elif find_nvcc() is None:
+            elif toolkit.find_nvcc() is None:
                 reason = "nvcc not found (set CUDA_HOME or NVCC, or put nvcc on PATH)"
             if reason is not None:
                 if _flag("TPO_REQUIRE_CUDA") and not _flag("TPO_SKIP_CUDA"):
@@ -173,11 +129,11 @@ class BuildExt(pybind11_build_ext):
             self._failed_cuda.append(ext)
 
     def _build_cuda_extension(self, ext):
-        nvcc = find_nvcc()
-        root = cuda_root(nvcc)
-        lib_dir = cuda_lib_dir(root)
-        arch_flags = cuda_arch_flags()
-        _log(f"building {ext.name} with {nvcc} (toolkit {root}), {' '.join(arch_flags)}")
+        nvcc = toolkit.find_nvcc()
+        root = toolkit.cuda_root(nvcc)
+        lib_dir = toolkit.cuda_lib_dir(root)
+        flags = toolkit.nvcc_flags(CSRC, toolkit.cuda_archs())
+        _log(f"building {ext.name} with {nvcc} (toolkit {root}), {' '.join(flags)}")
         obj_dir = Path(self.build_temp) / "cuda_objects"
         obj_dir.mkdir(parents=True, exist_ok=True)
         objects, jobs = [], []
@@ -187,11 +143,7 @@ class BuildExt(pybind11_build_ext):
             if self.force or not obj.exists() or any(
                 os.path.getmtime(d) > obj.stat().st_mtime for d in deps if os.path.exists(d)
             ):
-                cmd = [
-                    nvcc, "-c", source, "-o", str(obj), "-O3", "-std=c++17",
-                    "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-                    "--expt-relaxed-constexpr", "-lineinfo", f"-I{CSRC}",
-                ] + arch_flags
+                cmd = [nvcc, "-c", source, "-o", str(obj)] + flags
                 _log(" ".join(cmd))
                 jobs.append((cmd, subprocess.Popen(cmd)))  # the .cu files compile concurrently
             objects.append(str(obj))
@@ -200,8 +152,7 @@ class BuildExt(pybind11_build_ext):
             raise RuntimeError("nvcc failed: " + "; ".join(" ".join(cmd) for cmd in failed))
         ext.extra_objects = list(ext.extra_objects or []) + objects
         ext.library_dirs = list(ext.library_dirs or []) + [lib_dir]
-        # Static runtime: the .so needs only libcuda (the driver), loaded lazily at first use.
-        ext.libraries = list(ext.libraries or []) + ["cudart_static", "dl", "pthread", "rt"]
+        ext.libraries = list(ext.libraries or []) + toolkit.LINK_LIBRARIES
         ext.include_dirs = list(ext.include_dirs or []) + [os.path.join(root, "include")]
         super().build_extension(ext)
 

@@ -1,10 +1,11 @@
-// Per-row arithmetic shared by the CPU (host compiler) and CUDA (nvcc) row ops.
+// Per-row arithmetic and element types shared by the CPU (host compiler) and CUDA (nvcc) kernels.
 //
 // Everything here is a plain inline function usable on both sides: TPO_HD expands to
 // `__host__ __device__ __forceinline__` under nvcc and to `inline` for the host compiler, so the
-// CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use.
+// CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use: the bf16/fp16
+// conversions, exp, the online softmax, the gradient element and the candidate gather/scatter.
 //
-// Math (DESIGN.md section 1), for one row z[0..V) of logits and inverse temperature it:
+// Math, for one row z[0..V) of logits and inverse temperature it:
 //   x_v   = z_v * it
 //   lse   = logsumexp_v x_v               = m + log(s),  m = max x,  s = sum exp(x - m)
 //   H     = -sum p log p                  = log(s) - t / s,  t = sum exp(x - m) * (x - m)
@@ -17,6 +18,8 @@
 
 #include <math.h>
 #include <string.h>
+
+#include "tpo_abi.h"
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -129,6 +132,71 @@ TPO_HD uint16_t float_to_half(float f) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Element types. bf16 and fp16 are stored as raw 16-bit patterns (neither the compilers' nor
+// CUDA's half types), so one definition serves both compilers. Elem<T> loads an element into its
+// accumulation type Acc (double for double, float otherwise: the "compute dtype" of tpo_abi.h)
+// and stores an Acc back.
+// ---------------------------------------------------------------------------------------------
+
+struct bf16_t {
+  uint16_t bits;
+};
+struct half_t {
+  uint16_t bits;
+};
+
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
+  using Acc = float;
+  static TPO_HD float load(float x) { return x; }
+  static TPO_HD float store(float a) { return a; }
+};
+template <>
+struct Elem<double> {
+  using Acc = double;
+  static TPO_HD double load(double x) { return x; }
+  static TPO_HD double store(double a) { return a; }
+};
+template <>
+struct Elem<bf16_t> {
+  using Acc = float;
+  static TPO_HD float load(bf16_t x) { return bf16_to_float(x.bits); }
+  static TPO_HD bf16_t store(float a) { return bf16_t{float_to_bf16(a)}; }
+};
+template <>
+struct Elem<half_t> {
+  using Acc = float;
+  static TPO_HD float load(half_t x) { return half_to_float(x.bits); }
+  static TPO_HD half_t store(float a) { return half_t{float_to_half(a)}; }
+};
+
+template <class T>
+using acc_t = typename Elem<T>::Acc;
+
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// Host-side dispatch on a DType code (already checked): returns f(TypeTag<T>()) for the element
+// type T of `dtype`.
+template <class F>
+inline auto visit_dtype(int dtype, F&& f) -> decltype(f(TypeTag<float>())) {
+  switch (dtype) {
+    case kFloat16:
+      return f(TypeTag<half_t>());
+    case kBFloat16:
+      return f(TypeTag<bf16_t>());
+    case kFloat64:
+      return f(TypeTag<double>());
+    default:
+      return f(TypeTag<float>());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // exp
 // ---------------------------------------------------------------------------------------------
 
@@ -136,7 +204,8 @@ TPO_HD uint16_t float_to_half(float f) {
 // n = round(x / ln2), r = x - n ln2 (Cody-Waite split: ln2_hi has 9 significant bits, so n*ln2_hi
 // is exact for |n| <= 128), exp(r) by its degree-7 Taylor polynomial (truncation error
 // |r|^8/8! < 6e-9 relative for |r| <= ln2/2), then scaled by 2^n built from the exponent bits.
-// Max error about 1.2 ulp (< 1.1e-7 relative) on [-86, 88.7] (tests/test_native.py checks it).
+// Max error about 1.2 ulp (< 1.1e-7 relative) on [-86, 88.7] (tests/test_cpu_extension.py
+// checks it).
 // Results below exp(-86) (< 5e-38) flush to 0; NaN propagates; -inf -> 0; +inf -> inf.
 // Out-of-range x is not clamped before the polynomial; the garbage it produces there is replaced
 // by the masks at the end.
@@ -274,6 +343,39 @@ TPO_HD A grad_element(A log_p, A p, A g, A ge, A entropy, bool is_label, A inv_t
 template <class A>
 TPO_HD A grad_element_nolabel(A p, A g, A inv_t) {
   return (-g * p) * inv_t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Candidate gather / scatter (token-level TPO)
+// ---------------------------------------------------------------------------------------------
+
+// logits[c] * it for one candidate id of a row; an id outside [0, vocab) is not dereferenced
+// and gives NaN.
+template <class T>
+TPO_HD acc_t<T> gather_candidate(const T* row, int64_t c, int64_t vocab, acc_t<T> it) {
+  return (c >= 0 && c < vocab) ? Elem<T>::load(row[c]) * it : acc_t<T>(quiet_nan_f());
+}
+
+// Scatter of one row's K candidate gradients into `row` (already zero): each distinct id c gets
+// the sum of grad[k] * it over the k with cand[k] == c, in ascending k starting from 0, as a
+// column-by-column scatter_add would; it is written once, so the result is deterministic with
+// no atomics. Ids outside [0, vocab) are ignored.
+template <class T>
+TPO_HD void scatter_candidates(const acc_t<T>* grad, const int64_t* cand, int64_t k,
+                               int64_t vocab, acc_t<T> it, T* row) {
+  using A = acc_t<T>;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t c = cand[j];
+    if (c < 0 || c >= vocab) continue;
+    bool seen = false;  // already written with an earlier occurrence
+    for (int64_t i = 0; i < j; ++i) seen = seen || cand[i] == c;
+    if (seen) continue;
+    A acc = A(0);
+    for (int64_t i = j; i < k; ++i) {
+      if (cand[i] == c) acc += grad[i] * it;
+    }
+    row[c] = Elem<T>::store(acc);
+  }
 }
 
 }  // namespace tpo

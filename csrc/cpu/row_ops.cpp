@@ -3,29 +3,26 @@
 // forces a choice (for tests and benchmarks); an unsupported choice falls back to the best one.
 #include "row_ops.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "../row_math.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#define TPO_DECLARE_ISA(ns)                                                                    \
-  namespace tpo {                                                                              \
-  namespace cpu {                                                                              \
-  namespace ns {                                                                               \
-  void row_forward_impl(const void*, int, int64_t, int64_t, int64_t, const int64_t*, double,   \
-                        void*, void*, void*);                                                  \
-  void row_backward_impl(const void*, int, int64_t, int64_t, int64_t, const int64_t*,          \
-                         const void*, const void*, const void*, const void*, double, void*,    \
-                         int64_t);                                                             \
-  void candidate_forward_impl(const void*, int, int64_t, int64_t, int64_t, const int64_t*,     \
-                              int64_t, double, void*);                                         \
-  void candidate_backward_impl(const void*, const int64_t*, int64_t, int64_t, int64_t, double, \
-                               void*, int);                                                    \
-  }                                                                                            \
-  }                                                                                            \
+// Each instruction set's copy of the kernels (row_kernels.inl) lives in a namespace of its own.
+#define TPO_DECLARE_ISA(ns)                              \
+  namespace tpo {                                        \
+  namespace cpu {                                        \
+  namespace ns {                                         \
+  void row_forward_impl(const RowForwardArgs& args);     \
+  void row_backward_impl(const RowBackwardArgs& args);   \
+  }                                                      \
+  }                                                      \
   }
 
 TPO_DECLARE_ISA(generic)
@@ -92,47 +89,58 @@ int max_threads() {
 }
 
 #if defined(TPO_X86_DISPATCH)
-#define TPO_DISPATCH(fn, ...)                                \
-  switch (current_isa()) {                                   \
-    case kAvx512:                                            \
-      return avx512::fn(__VA_ARGS__);                        \
-    case kAvx2:                                              \
-      return avx2::fn(__VA_ARGS__);                          \
-    default:                                                 \
-      return generic::fn(__VA_ARGS__);                       \
+#define TPO_DISPATCH(fn, args)  \
+  switch (current_isa()) {      \
+    case kAvx512:               \
+      return avx512::fn(args);  \
+    case kAvx2:                 \
+      return avx2::fn(args);    \
+    default:                    \
+      return generic::fn(args); \
   }
 #else
-#define TPO_DISPATCH(fn, ...) return generic::fn(__VA_ARGS__);
+#define TPO_DISPATCH(fn, args) return generic::fn(args);
 #endif
 
-void row_forward(const void* logits, int dtype, int64_t rows, int64_t vocab, int64_t row_stride,
-                 const int64_t* labels, double inv_temperature, void* lse, void* target,
-                 void* entropy) {
-  TPO_DISPATCH(row_forward_impl, logits, dtype, rows, vocab, row_stride, labels, inv_temperature,
-               lse, target, entropy)
+void row_forward(const RowForwardArgs& args) { TPO_DISPATCH(row_forward_impl, args) }
+
+void row_backward(const RowBackwardArgs& args) { TPO_DISPATCH(row_backward_impl, args) }
+
+// Gathers and scatters of K values per row: no vectorization to gain, baseline code only; the
+// per-row work is the shared row_math.h code the CUDA kernels run.
+void candidate_forward(const CandidateArgs& args) {
+  visit_dtype(args.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const T* logits = static_cast<const T*>(args.logits);
+    A* out = static_cast<A*>(args.cand_logits);
+    const int64_t k = args.num_candidates;
+    const A it = static_cast<A>(args.inv_temperature);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < args.rows; ++r) {
+      const T* row = logits + r * args.row_stride;
+      for (int64_t j = 0; j < k; ++j) {
+        out[r * k + j] = gather_candidate(row, args.candidates[r * k + j], args.vocab, it);
+      }
+    }
+  });
 }
 
-void row_backward(const void* logits, int dtype, int64_t rows, int64_t vocab, int64_t row_stride,
-                  const int64_t* labels, const void* lse, const void* grad_logprob,
-                  const void* grad_entropy, const void* entropy, double inv_temperature,
-                  void* out, int64_t out_row_stride) {
-  TPO_DISPATCH(row_backward_impl, logits, dtype, rows, vocab, row_stride, labels, lse,
-               grad_logprob, grad_entropy, entropy, inv_temperature, out, out_row_stride)
-}
-
-// Gathers and scatters of K values per row: no vectorization to gain, baseline code only.
-void candidate_forward(const void* logits, int dtype, int64_t rows, int64_t vocab,
-                       int64_t row_stride, const int64_t* candidates, int64_t num_candidates,
-                       double inv_temperature, void* cand_logits) {
-  generic::candidate_forward_impl(logits, dtype, rows, vocab, row_stride, candidates,
-                                  num_candidates, inv_temperature, cand_logits);
-}
-
-void candidate_backward(const void* grad_cand, const int64_t* candidates, int64_t rows,
-                        int64_t num_candidates, int64_t vocab, double inv_temperature, void* out,
-                        int dtype) {
-  generic::candidate_backward_impl(grad_cand, candidates, rows, num_candidates, vocab,
-                                   inv_temperature, out, dtype);
+void candidate_backward(const CandidateArgs& args) {
+  visit_dtype(args.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const A* grad = static_cast<const A*>(args.grad_cand);
+    T* out = static_cast<T*>(args.out);
+    const int64_t k = args.num_candidates;
+    const A it = static_cast<A>(args.inv_temperature);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < args.rows; ++r) {
+      T* row = out + r * args.row_stride;
+      memset(static_cast<void*>(row), 0, static_cast<size_t>(args.vocab) * sizeof(T));
+      scatter_candidates(grad + r * k, args.candidates + r * k, k, args.vocab, it, row);
+    }
+  });
 }
 
 }  // namespace cpu

@@ -1,53 +1,15 @@
-// Shared device helpers of the CUDA kernels: element types, 16-byte packs, block reductions,
-// launch plumbing (device guard, error strings).
+// Shared device helpers of the CUDA kernels: 16-byte packs, block reductions, launch plumbing
+// (device guard, stream, error strings). Element types and per-element math are row_math.h's.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "../row_math.h"
+#include "launch.h"
 
 namespace tpo {
 namespace cuda {
-
-// ---------------------------------------------------------------------------------------------
-// Element types: raw 16-bit storage for bf16/fp16; loads give the accumulation type.
-// ---------------------------------------------------------------------------------------------
-
-struct bf16_s {
-  uint16_t bits;
-};
-struct half_s {
-  uint16_t bits;
-};
-
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ float to_acc(bf16_s x) { return bf16_to_float(x.bits); }
-__device__ __forceinline__ float to_acc(half_s x) { return half_to_float(x.bits); }
-
-template <class T>
-struct ElemOps;
-template <>
-struct ElemOps<float> {
-  using acc = float;
-  __device__ static float from_acc(float a) { return a; }
-};
-template <>
-struct ElemOps<double> {
-  using acc = double;
-  __device__ static double from_acc(double a) { return a; }
-};
-template <>
-struct ElemOps<bf16_s> {
-  using acc = float;
-  __device__ static bf16_s from_acc(float a) { return bf16_s{float_to_bf16(a)}; }
-};
-template <>
-struct ElemOps<half_s> {
-  using acc = float;
-  __device__ static half_s from_acc(float a) { return half_s{float_to_half(a)}; }
-};
 
 // 16 bytes of T: one vectorized (128-bit) load or store.
 template <class T>
@@ -162,14 +124,26 @@ class DeviceGuard {
   cudaError_t status_ = cudaSuccess;
 };
 
+inline cudaStream_t as_stream(const Launch& launch) {
+  return static_cast<cudaStream_t>(launch.stream);
+}
+
 inline const char* launch_status() {
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// Grids cover rows in dimension x, at most 2^31 - 1 blocks per launch; larger row counts are
-// split into several launches over row offsets.
+// The most blocks one launch may have in grid dimension x (2^31 - 1).
 constexpr int64_t kMaxGridX = 2147483647;
+
+// Grids cover rows (or groups) in dimension x; more than kMaxGridX of them are split into
+// launches over offsets: f(start, count) for [start, start + count).
+template <class F>
+void for_grid_chunks(int64_t total, F&& f) {
+  for (int64_t start = 0; start < total; start += kMaxGridX) {
+    f(start, total - start < kMaxGridX ? total - start : kMaxGridX);
+  }
+}
 
 }  // namespace cuda
 }  // namespace tpo

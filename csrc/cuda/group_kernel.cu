@@ -1,12 +1,12 @@
-// The TPO group op (layer 2 of DESIGN.md) in one launch: one block per group computes the
-// sequence log-probs of its members (deterministic segmented sums of token log-probs), the
-// standardized scores u, p = softmax(ell), q = softmax(ell_old + u/eta) (or softmax(u/eta)),
-// the group loss -sum q log p and the coefficients c = w (p - q).
+// The TPO group op (layer 2) in one launch: one block per group computes the sequence log-probs
+// of its members (deterministic segmented sums of token log-probs), the standardized scores u,
+// p = softmax(ell), q = softmax(ell_old + u/eta) (or softmax(u/eta)) and the group loss
+// -sum q log p (GroupArgs in tpo_abi.h).
 //
-// Matches tpo_kernels.targets.group_targets: ties are detected as max(s) == min(s) (u = 0), the
+// Matches tpo_kernels.group_op.group_targets: ties are detected as max(s) == min(s) (u = 0), the
 // std is the population std, and p and q go through the same block_softmax code, so a tied
-// on-policy group gets q == p bit for bit and c == 0 exactly. Every reduction has a fixed shape
-// and order, so results are bitwise reproducible run to run.
+// on-policy group gets q == p bit for bit (its gradient p - q is exactly 0). Every reduction has
+// a fixed shape and order, so results are bitwise reproducible run to run.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(kGroupBlock)
                          const int64_t* __restrict__ seq_len,
                          const int64_t* __restrict__ group_offsets,
                          const int64_t* __restrict__ group_members, const A* __restrict__ scores,
-                         const A* __restrict__ old_seq_logprobs, A eta, bool anchor, A weight,
-                         A* ell, A* u, A* p, A* q, A* __restrict__ group_loss, A* coef) {
+                         const A* __restrict__ old_seq_logprobs, A eta, bool anchor, A* ell,
+                         A* u, A* p, A* q, A* __restrict__ group_loss) {
   __shared__ A scratch[kGroupBlock / 32];
   const int64_t group = blockIdx.x;
   const int64_t begin = group_offsets[group];
@@ -111,54 +111,35 @@ __global__ void __launch_bounds__(kGroupBlock)
     local_loss += qn * (ell[n] - log_p_norm);
     p[n] = pn;
     q[n] = qn;  // same thread read q[n] just above: no race
-    coef[n] = (pn - qn) * weight;
   }
   const A loss = block_reduce<kGroupBlock>(local_loss, SumOp<A>(), scratch);
   if (threadIdx.x == 0) group_loss[group] = -loss;
 }
 
 template <class A>
-const char* group_typed(const void* token_logprobs, const int64_t* seq_start,
-                        const int64_t* seq_len, const int64_t* group_offsets,
-                        const int64_t* group_members, int64_t num_groups, const void* scores,
-                        const void* old, double eta, bool anchor, double weight, void* ell,
-                        void* u, void* p, void* q, void* group_loss, void* coef,
-                        cudaStream_t stream) {
-  for (int64_t start = 0; start < num_groups; start += kMaxGridX) {
-    const int64_t count = num_groups - start < kMaxGridX ? num_groups - start : kMaxGridX;
+void launch_group_targets(const GroupArgs& a, cudaStream_t stream) {
+  for_grid_chunks(a.num_groups, [&](int64_t start, int64_t count) {
     group_targets_kernel<A><<<static_cast<unsigned>(count), kGroupBlock, 0, stream>>>(
-        static_cast<const A*>(token_logprobs), seq_start, seq_len, group_offsets + start,
-        group_members, static_cast<const A*>(scores), static_cast<const A*>(old),
-        static_cast<A>(eta), anchor, static_cast<A>(weight), static_cast<A*>(ell),
-        static_cast<A*>(u), static_cast<A*>(p), static_cast<A*>(q),
-        static_cast<A*>(group_loss) + start, static_cast<A*>(coef));
-  }
-  return launch_status();
+        static_cast<const A*>(a.token_logprobs), a.seq_start, a.seq_len, a.group_offsets + start,
+        a.group_members, static_cast<const A*>(a.scores),
+        static_cast<const A*>(a.old_seq_logprobs), static_cast<A>(a.eta), a.anchor,
+        static_cast<A*>(a.seq_logprobs), static_cast<A*>(a.u), static_cast<A*>(a.p),
+        static_cast<A*>(a.q), static_cast<A*>(a.group_loss) + start);
+  });
 }
 
 }  // namespace
 
-const char* group_targets(int value_dtype, const void* token_logprobs, const int64_t* seq_start,
-                          const int64_t* seq_len, const int64_t* group_offsets,
-                          const int64_t* group_members, int64_t num_groups, const void* scores,
-                          const void* old_seq_logprobs, double eta, bool anchor, double weight,
-                          void* seq_logprobs, void* u, void* p, void* q, void* group_loss,
-                          void* coef, int device, void* stream) {
-  if (num_groups == 0) return nullptr;
-  DeviceGuard guard(device);
+const char* group_targets(const GroupArgs& args, const Launch& launch) {
+  if (args.num_groups == 0) return nullptr;
+  DeviceGuard guard(launch.device);
   if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (value_dtype == 0) {
-    return group_typed<float>(token_logprobs, seq_start, seq_len, group_offsets, group_members,
-                              num_groups, scores, old_seq_logprobs, eta, anchor, weight,
-                              seq_logprobs, u, p, q, group_loss, coef, s);
+  if (args.dtype == kFloat64) {
+    launch_group_targets<double>(args, as_stream(launch));
+  } else {
+    launch_group_targets<float>(args, as_stream(launch));
   }
-  if (value_dtype == 3) {
-    return group_typed<double>(token_logprobs, seq_start, seq_len, group_offsets, group_members,
-                               num_groups, scores, old_seq_logprobs, eta, anchor, weight,
-                               seq_logprobs, u, p, q, group_loss, coef, s);
-  }
-  return "group_targets: value dtype must be float32 (0) or float64 (3)";
+  return launch_status();
 }
 
 }  // namespace cuda

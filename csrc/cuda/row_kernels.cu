@@ -1,10 +1,12 @@
-// CUDA row ops (layer 1 of DESIGN.md): row forward / backward and the token-level candidate
-// gather / scatter. One block per row for the vocab-sized passes: 16-byte loads where the row is
-// aligned (scalar head/tail otherwise), per-thread online softmax in the accumulation type
-// (fp32; fp64 for fp64 logits), warp-shuffle + shared-memory merge. The per-element arithmetic
+// CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter.
+// One block per row for the vocab-sized passes: 16-byte loads where the row is aligned (scalar
+// head/tail otherwise), per-thread online softmax in the accumulation type (fp32; fp64 for fp64
+// logits), warp-shuffle + shared-memory merge. The per-element arithmetic
 // is the shared row_math.h, the same code the CPU extension runs.
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "common.cuh"
 #include "launch.h"
@@ -21,11 +23,10 @@ namespace {
 template <class T, int kBlock, bool kEntropy>
 __global__ void __launch_bounds__(kBlock)
     row_forward_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
-                       const int64_t* __restrict__ labels, typename ElemOps<T>::acc it,
-                       typename ElemOps<T>::acc* __restrict__ lse,
-                       typename ElemOps<T>::acc* __restrict__ target,
-                       typename ElemOps<T>::acc* __restrict__ entropy) {
-  using A = typename ElemOps<T>::acc;
+                       const int64_t* __restrict__ labels, acc_t<T> it,
+                       acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ target,
+                       acc_t<T>* __restrict__ entropy) {
+  using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   __shared__ SoftmaxState<A> scratch[kBlock / 32];
   const int64_t row = blockIdx.x;
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kBlock)
   const int64_t head = aligned_head<T>(x, vocab);
   const int64_t num_packs = (vocab - head) / N;
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
-    const A z = to_acc(x[i]) * it;
+    const A z = Elem<T>::load(x[i]) * it;
     nan_seen |= (z != z);
     softmax_add(st, z);
   }
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(kBlock)
     A pack_max = ninf;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      z[k] = to_acc(pk.v[k]) * it;
+      z[k] = Elem<T>::load(pk.v[k]) * it;
       pack_max = z[k] > pack_max ? z[k] : pack_max;
       nan_seen |= (z[k] != z[k]);
     }
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kBlock)
     }
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
-    const A z = to_acc(x[i]) * it;
+    const A z = Elem<T>::load(x[i]) * it;
     nan_seen |= (z != z);
     softmax_add(st, z);
   }
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(kBlock)
   if (threadIdx.x == 0) {
     const A nan = A(quiet_nan_f());
     lse[row] = nan_seen ? nan : softmax_lse(st);
-    target[row] = to_acc(x[label]) * it;
+    target[row] = Elem<T>::load(x[label]) * it;
     if (kEntropy) entropy[row] = nan_seen ? nan : softmax_entropy(st);
   }
 }
@@ -108,14 +109,13 @@ __device__ __forceinline__ A backward_element(A z, int64_t idx, int64_t label, A
 
 template <class T, int kBlock, bool kEntropy>
 __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, int64_t head,
-                                             int64_t num_packs, int64_t label, typename ElemOps<T>::acc lse,
-                                             typename ElemOps<T>::acc g, typename ElemOps<T>::acc ge,
-                                             typename ElemOps<T>::acc ent, typename ElemOps<T>::acc it) {
-  using A = typename ElemOps<T>::acc;
+                                             int64_t num_packs, int64_t label, acc_t<T> lse,
+                                             acc_t<T> g, acc_t<T> ge, acc_t<T> ent, acc_t<T> it) {
+  using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
-    o[i] = ElemOps<T>::from_acc(
-        backward_element<A, kEntropy>(to_acc(x[i]), i, label, lse, g, ge, ent, it));
+    o[i] = Elem<T>::store(
+        backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, lse, g, ge, ent, it));
   }
   // Plain (coherent) loads: out may alias the logits (in-place backward). Each pack is read and
   // then written by the same thread, so aliasing is safe.
@@ -127,14 +127,14 @@ __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, in
     const int64_t base = head + j * N;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      pk.v[k] = ElemOps<T>::from_acc(
-          backward_element<A, kEntropy>(to_acc(pk.v[k]), base + k, label, lse, g, ge, ent, it));
+      pk.v[k] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(pk.v[k]), base + k,
+                                                             label, lse, g, ge, ent, it));
     }
     out_packs[j] = pk.raw;
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
-    o[i] = ElemOps<T>::from_acc(
-        backward_element<A, kEntropy>(to_acc(x[i]), i, label, lse, g, ge, ent, it));
+    o[i] = Elem<T>::store(
+        backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, lse, g, ge, ent, it));
   }
 }
 
@@ -142,12 +142,11 @@ template <class T, int kBlock>
 __global__ void __launch_bounds__(kBlock)
     row_backward_kernel(const T* logits, T* out, int64_t vocab, int64_t row_stride,
                         int64_t out_row_stride, const int64_t* __restrict__ labels,
-                        const typename ElemOps<T>::acc* __restrict__ lse,
-                        const typename ElemOps<T>::acc* __restrict__ grad_logprob,
-                        const typename ElemOps<T>::acc* __restrict__ grad_entropy,
-                        const typename ElemOps<T>::acc* __restrict__ entropy,
-                        typename ElemOps<T>::acc it) {
-  using A = typename ElemOps<T>::acc;
+                        const acc_t<T>* __restrict__ lse,
+                        const acc_t<T>* __restrict__ grad_logprob,
+                        const acc_t<T>* __restrict__ grad_entropy,
+                        const acc_t<T>* __restrict__ entropy, acc_t<T> it) {
+  using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   const int64_t row = blockIdx.x;
   const A g = grad_logprob[row];
@@ -157,7 +156,7 @@ __global__ void __launch_bounds__(kBlock)
   int64_t num_packs = (vocab - head) / N;
 
   if (g == A(0) && ge == A(0)) {  // zero-signal row: write zeros, never read the logits
-    const T zero = ElemOps<T>::from_acc(A(0));
+    const T zero = Elem<T>::store(A(0));
     for (int64_t i = threadIdx.x; i < head; i += kBlock) o[i] = zero;
     uint4* out_packs = reinterpret_cast<uint4*>(o + head);
     for (int64_t j = threadIdx.x; j < num_packs; j += kBlock) out_packs[j] = make_uint4(0, 0, 0, 0);
@@ -189,44 +188,24 @@ template <class T>
 __global__ void candidate_forward_kernel(const T* __restrict__ logits, int64_t rows,
                                          int64_t vocab, int64_t row_stride,
                                          const int64_t* __restrict__ candidates, int64_t k,
-                                         typename ElemOps<T>::acc it,
-                                         typename ElemOps<T>::acc* __restrict__ out) {
-  using A = typename ElemOps<T>::acc;
+                                         acc_t<T> it, acc_t<T>* __restrict__ out) {
   const int64_t total = rows * k;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = idx / k;
-    const int64_t c = candidates[idx];
-    out[idx] = (c >= 0 && c < vocab) ? to_acc(logits[row * row_stride + c]) * it
-                                     : A(quiet_nan_f());
+    out[idx] = gather_candidate(logits + (idx / k) * row_stride, candidates[idx], vocab, it);
   }
 }
 
-// One thread per row walks its K candidates in ascending order, so duplicates are summed in a
-// fixed order (deterministic) with no atomics: each distinct candidate is written once, with
-// the sum of all its occurrences starting from 0 (as a column-by-column scatter_add would).
+// One thread per row walks its K candidates in ascending order (row_math.h), so duplicates are
+// summed in a fixed order (deterministic) with no atomics.
 template <class T>
-__global__ void candidate_backward_kernel(const typename ElemOps<T>::acc* __restrict__ grad,
+__global__ void candidate_backward_kernel(const acc_t<T>* __restrict__ grad,
                                           const int64_t* __restrict__ candidates, int64_t rows,
-                                          int64_t k, int64_t vocab, typename ElemOps<T>::acc it,
-                                          T* __restrict__ out) {
-  using A = typename ElemOps<T>::acc;
+                                          int64_t k, int64_t vocab, int64_t row_stride,
+                                          acc_t<T> it, T* __restrict__ out) {
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows;
        row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t* cand = candidates + row * k;
-    const A* gr = grad + row * k;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t c = cand[j];
-      if (c < 0 || c >= vocab) continue;
-      bool seen = false;
-      for (int64_t i = 0; i < j; ++i) seen = seen || cand[i] == c;
-      if (seen) continue;
-      A acc = A(0);
-      for (int64_t i = j; i < k; ++i) {
-        if (cand[i] == c) acc += gr[i] * it;
-      }
-      out[row * vocab + c] = ElemOps<T>::from_acc(acc);
-    }
+    scatter_candidates(grad + row * k, candidates + row * k, k, vocab, it, out + row * row_stride);
   }
 }
 
@@ -235,99 +214,59 @@ __global__ void candidate_backward_kernel(const typename ElemOps<T>::acc* __rest
 // ---------------------------------------------------------------------------------------------
 
 // Threads per row block: enough packs per thread to hide latency, never idle warps on tiny rows.
-template <class T>
-int row_block_size(int64_t vocab) {
+// Calls f(std::integral_constant<int, kBlock>()).
+template <class T, class F>
+void with_row_block(int64_t vocab, F&& f) {
   const int64_t packs = vocab / Pack<T>::kSize;
-  if (packs <= 1024) return 128;
-  if (packs <= 8192) return 256;
-  return 512;
-}
-
-template <class T, int kBlock>
-void launch_forward_rows(const T* logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                         const int64_t* labels, typename ElemOps<T>::acc it,
-                         typename ElemOps<T>::acc* lse, typename ElemOps<T>::acc* target,
-                         typename ElemOps<T>::acc* entropy, cudaStream_t stream) {
-  for (int64_t start = 0; start < rows; start += kMaxGridX) {
-    const int64_t count = rows - start < kMaxGridX ? rows - start : kMaxGridX;
-    if (entropy != nullptr) {
-      row_forward_kernel<T, kBlock, true><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
-          logits + start * row_stride, vocab, row_stride, labels + start, it, lse + start,
-          target + start, entropy + start);
-    } else {
-      row_forward_kernel<T, kBlock, false><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
-          logits + start * row_stride, vocab, row_stride, labels + start, it, lse + start,
-          target + start, nullptr);
-    }
-  }
+  if (packs <= 1024) return f(std::integral_constant<int, 128>());
+  if (packs <= 8192) return f(std::integral_constant<int, 256>());
+  return f(std::integral_constant<int, 512>());
 }
 
 template <class T>
-const char* forward_typed(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                          const int64_t* labels, double inv_t, void* lse, void* target,
-                          void* entropy, cudaStream_t stream) {
-  using A = typename ElemOps<T>::acc;
-  const T* x = static_cast<const T*>(logits);
-  A* l = static_cast<A*>(lse);
-  A* t = static_cast<A*>(target);
-  A* e = static_cast<A*>(entropy);
-  const A it = static_cast<A>(inv_t);
-  switch (row_block_size<T>(vocab)) {
-    case 128:
-      launch_forward_rows<T, 128>(x, rows, vocab, row_stride, labels, it, l, t, e, stream);
-      break;
-    case 256:
-      launch_forward_rows<T, 256>(x, rows, vocab, row_stride, labels, it, l, t, e, stream);
-      break;
-    default:
-      launch_forward_rows<T, 512>(x, rows, vocab, row_stride, labels, it, l, t, e, stream);
-  }
-  return launch_status();
-}
-
-template <class T, int kBlock>
-void launch_backward_rows(const T* logits, T* out, int64_t rows, int64_t vocab,
-                          int64_t row_stride, int64_t out_row_stride, const int64_t* labels,
-                          const typename ElemOps<T>::acc* lse, const typename ElemOps<T>::acc* g,
-                          const typename ElemOps<T>::acc* ge,
-                          const typename ElemOps<T>::acc* ent, typename ElemOps<T>::acc it,
-                          cudaStream_t stream) {
-  for (int64_t start = 0; start < rows; start += kMaxGridX) {
-    const int64_t count = rows - start < kMaxGridX ? rows - start : kMaxGridX;
-    row_backward_kernel<T, kBlock><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
-        logits + start * row_stride, out + start * out_row_stride, vocab, row_stride,
-        out_row_stride, labels + start, lse + start, g + start,
-        ge != nullptr ? ge + start : nullptr, ent != nullptr ? ent + start : nullptr, it);
-  }
+void launch_row_forward(const RowForwardArgs& a, cudaStream_t stream) {
+  using A = acc_t<T>;
+  const T* logits = static_cast<const T*>(a.logits);
+  A* lse = static_cast<A*>(a.lse);
+  A* target = static_cast<A*>(a.target);
+  A* entropy = static_cast<A*>(a.entropy);
+  const A it = static_cast<A>(a.inv_temperature);
+  with_row_block<T>(a.vocab, [&](auto block) {
+    constexpr int kBlock = decltype(block)::value;
+    for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
+      const unsigned grid = static_cast<unsigned>(count);
+      if (entropy != nullptr) {
+        row_forward_kernel<T, kBlock, true><<<grid, kBlock, 0, stream>>>(
+            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it,
+            lse + start, target + start, entropy + start);
+      } else {
+        row_forward_kernel<T, kBlock, false><<<grid, kBlock, 0, stream>>>(
+            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it,
+            lse + start, target + start, nullptr);
+      }
+    });
+  });
 }
 
 template <class T>
-const char* backward_typed(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                           const int64_t* labels, const void* lse, const void* g, const void* ge,
-                           const void* ent, double inv_t, void* out, int64_t out_row_stride,
-                           cudaStream_t stream) {
-  using A = typename ElemOps<T>::acc;
-  const T* x = static_cast<const T*>(logits);
-  T* o = static_cast<T*>(out);
-  const A* l = static_cast<const A*>(lse);
-  const A* gp = static_cast<const A*>(g);
-  const A* gep = static_cast<const A*>(ge);
-  const A* ep = static_cast<const A*>(ent);
-  const A it = static_cast<A>(inv_t);
-  switch (row_block_size<T>(vocab)) {
-    case 128:
-      launch_backward_rows<T, 128>(x, o, rows, vocab, row_stride, out_row_stride, labels, l, gp,
-                                   gep, ep, it, stream);
-      break;
-    case 256:
-      launch_backward_rows<T, 256>(x, o, rows, vocab, row_stride, out_row_stride, labels, l, gp,
-                                   gep, ep, it, stream);
-      break;
-    default:
-      launch_backward_rows<T, 512>(x, o, rows, vocab, row_stride, out_row_stride, labels, l, gp,
-                                   gep, ep, it, stream);
-  }
-  return launch_status();
+void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
+  using A = acc_t<T>;
+  const T* logits = static_cast<const T*>(a.logits);
+  T* out = static_cast<T*>(a.out);
+  const A* lse = static_cast<const A*>(a.lse);
+  const A* g = static_cast<const A*>(a.grad_logprob);
+  const A* ge = static_cast<const A*>(a.grad_entropy);
+  const A* ent = static_cast<const A*>(a.entropy);
+  const A it = static_cast<A>(a.inv_temperature);
+  with_row_block<T>(a.vocab, [&](auto block) {
+    constexpr int kBlock = decltype(block)::value;
+    for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
+      row_backward_kernel<T, kBlock><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
+          logits + start * a.row_stride, out + start * a.out_row_stride, a.vocab, a.row_stride,
+          a.out_row_stride, a.labels + start, lse + start, g + start,
+          ge != nullptr ? ge + start : nullptr, ent != nullptr ? ent + start : nullptr, it);
+    });
+  });
 }
 
 unsigned elementwise_grid(int64_t work, int block) {
@@ -337,29 +276,28 @@ unsigned elementwise_grid(int64_t work, int block) {
 }
 
 template <class T>
-const char* candidate_forward_typed(const void* logits, int64_t rows, int64_t vocab,
-                                    int64_t row_stride, const int64_t* candidates, int64_t k,
-                                    double inv_t, void* out, cudaStream_t stream) {
-  using A = typename ElemOps<T>::acc;
+void launch_candidate_forward(const CandidateArgs& a, cudaStream_t stream) {
+  using A = acc_t<T>;
   constexpr int kBlock = 256;
-  candidate_forward_kernel<T><<<elementwise_grid(rows * k, kBlock), kBlock, 0, stream>>>(
-      static_cast<const T*>(logits), rows, vocab, row_stride, candidates, k,
-      static_cast<A>(inv_t), static_cast<A*>(out));
-  return launch_status();
+  candidate_forward_kernel<T><<<elementwise_grid(a.rows * a.num_candidates, kBlock), kBlock, 0,
+                                stream>>>(
+      static_cast<const T*>(a.logits), a.rows, a.vocab, a.row_stride, a.candidates,
+      a.num_candidates, static_cast<A>(a.inv_temperature), static_cast<A*>(a.cand_logits));
 }
 
 template <class T>
-const char* candidate_backward_typed(const void* grad, const int64_t* candidates, int64_t rows,
-                                     int64_t k, int64_t vocab, double inv_t, void* out,
-                                     cudaStream_t stream) {
-  using A = typename ElemOps<T>::acc;
+const char* launch_candidate_backward(const CandidateArgs& a, cudaStream_t stream) {
+  using A = acc_t<T>;
   constexpr int kBlock = 128;
-  cudaError_t err = cudaMemsetAsync(out, 0, static_cast<size_t>(rows) * vocab * sizeof(T), stream);
+  const cudaError_t err =
+      cudaMemset2DAsync(a.out, static_cast<size_t>(a.row_stride) * sizeof(T), 0,
+                        static_cast<size_t>(a.vocab) * sizeof(T), static_cast<size_t>(a.rows),
+                        stream);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  if (k == 0) return nullptr;
-  candidate_backward_kernel<T><<<elementwise_grid(rows, kBlock), kBlock, 0, stream>>>(
-      static_cast<const A*>(grad), candidates, rows, k, vocab, static_cast<A>(inv_t),
-      static_cast<T*>(out));
+  if (a.num_candidates == 0) return nullptr;
+  candidate_backward_kernel<T><<<elementwise_grid(a.rows, kBlock), kBlock, 0, stream>>>(
+      static_cast<const A*>(a.grad_cand), a.candidates, a.rows, a.num_candidates, a.vocab,
+      a.row_stride, static_cast<A>(a.inv_temperature), static_cast<T*>(a.out));
   return launch_status();
 }
 
@@ -369,65 +307,43 @@ const char* candidate_backward_typed(const void* grad, const int64_t* candidates
 // Host entry points (launch.h)
 // ---------------------------------------------------------------------------------------------
 
-#define TPO_DISPATCH_DTYPE(dtype, fn, ...)        \
-  switch (dtype) {                                \
-    case 0:                                       \
-      return fn<float>(__VA_ARGS__);              \
-    case 1:                                       \
-      return fn<half_s>(__VA_ARGS__);             \
-    case 2:                                       \
-      return fn<bf16_s>(__VA_ARGS__);             \
-    case 3:                                       \
-      return fn<double>(__VA_ARGS__);             \
-    default:                                      \
-      return "unsupported dtype code";            \
-  }
-
-#define TPO_GUARD_DEVICE(device)                                    \
-  DeviceGuard guard(device);                                        \
+const char* row_forward(const RowForwardArgs& args, const Launch& launch) {
+  if (args.rows == 0) return nullptr;
+  DeviceGuard guard(launch.device);
   if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
-
-const char* row_forward(const void* logits, int dtype, int64_t rows, int64_t vocab,
-                        int64_t row_stride, const int64_t* labels, double inv_temperature,
-                        void* lse, void* target, void* entropy, int device, void* stream) {
-  if (rows == 0) return nullptr;
-  TPO_GUARD_DEVICE(device)
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  TPO_DISPATCH_DTYPE(dtype, forward_typed, logits, rows, vocab, row_stride, labels,
-                     inv_temperature, lse, target, entropy, s)
+  visit_dtype(args.dtype, [&](auto tag) {
+    launch_row_forward<typename decltype(tag)::type>(args, as_stream(launch));
+  });
+  return launch_status();
 }
 
-const char* row_backward(const void* logits, int dtype, int64_t rows, int64_t vocab,
-                         int64_t row_stride, const int64_t* labels, const void* lse,
-                         const void* grad_logprob, const void* grad_entropy, const void* entropy,
-                         double inv_temperature, void* out, int64_t out_row_stride, int device,
-                         void* stream) {
-  if (rows == 0) return nullptr;
-  TPO_GUARD_DEVICE(device)
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  TPO_DISPATCH_DTYPE(dtype, backward_typed, logits, rows, vocab, row_stride, labels, lse,
-                     grad_logprob, grad_entropy, entropy, inv_temperature, out, out_row_stride, s)
+const char* row_backward(const RowBackwardArgs& args, const Launch& launch) {
+  if (args.rows == 0) return nullptr;
+  DeviceGuard guard(launch.device);
+  if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
+  visit_dtype(args.dtype, [&](auto tag) {
+    launch_row_backward<typename decltype(tag)::type>(args, as_stream(launch));
+  });
+  return launch_status();
 }
 
-const char* candidate_forward(const void* logits, int dtype, int64_t rows, int64_t vocab,
-                              int64_t row_stride, const int64_t* candidates, int64_t k,
-                              double inv_temperature, void* cand_logits, int device,
-                              void* stream) {
-  if (rows == 0 || k == 0) return nullptr;
-  TPO_GUARD_DEVICE(device)
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  TPO_DISPATCH_DTYPE(dtype, candidate_forward_typed, logits, rows, vocab, row_stride, candidates,
-                     k, inv_temperature, cand_logits, s)
+const char* candidate_forward(const CandidateArgs& args, const Launch& launch) {
+  if (args.rows == 0 || args.num_candidates == 0) return nullptr;
+  DeviceGuard guard(launch.device);
+  if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
+  visit_dtype(args.dtype, [&](auto tag) {
+    launch_candidate_forward<typename decltype(tag)::type>(args, as_stream(launch));
+  });
+  return launch_status();
 }
 
-const char* candidate_backward(const void* grad_cand, const int64_t* candidates, int64_t rows,
-                               int64_t k, int64_t vocab, double inv_temperature, void* out,
-                               int dtype, int device, void* stream) {
-  if (rows == 0) return nullptr;
-  TPO_GUARD_DEVICE(device)
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  TPO_DISPATCH_DTYPE(dtype, candidate_backward_typed, grad_cand, candidates, rows, k, vocab,
-                     inv_temperature, out, s)
+const char* candidate_backward(const CandidateArgs& args, const Launch& launch) {
+  if (args.rows == 0) return nullptr;
+  DeviceGuard guard(launch.device);
+  if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
+  return visit_dtype(args.dtype, [&](auto tag) {
+    return launch_candidate_backward<typename decltype(tag)::type>(args, as_stream(launch));
+  });
 }
 
 int device_count(const char** error) {

@@ -6,22 +6,12 @@ functions take no launch arguments. The group op is the portable PyTorch one.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
-# The marshalling helpers used to live here; re-exported for code that imports them from here.
-from .native import (  # noqa: F401
-    DTYPE_CODES,
-    NativeBackend,
-    as_rows,
-    dtype_code,
-    labels_vector,
-    per_row,
-    ptr,
-    row_stride,
-)
+from .native import NativeBackend
 
 
 class CpuBackend(NativeBackend):
@@ -41,7 +31,7 @@ class CpuBackend(NativeBackend):
     def supports_device(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"
 
-    def _launch_args(self, t: Tensor, what: str) -> tuple:
+    def _launch_args(self, t: Tensor, what: str) -> Dict[str, int]:
         if t.device.type != "cpu":
             raise ValueError(f"the cpu backend needs CPU tensors, got {what} on {t.device}")
-        return ()
+        return {}

@@ -2,20 +2,22 @@
 current CUDA stream through raw device pointers (no torch C++ ABI involved).
 
 Row ops: one block per row, 16-byte loads, fp32 accumulation (fp64 for fp64 logits). The group
-op is one block per group (``csrc/cuda/group_kernel.cu``); it falls back to the PyTorch one when
-autograd needs to see through it. Candidate ops are deterministic (one thread per row). The tensor
-preparation shared with the CPU backend lives in :mod:`.native`; every extension call gets the
-trailing ``device, stream`` arguments from :meth:`CudaBackend._launch_args`.
+op is one block per group (``csrc/cuda/group_kernel.cu``). Candidate ops are deterministic (one
+thread per row). The tensor preparation shared with the CPU backend lives in :mod:`.native`;
+every extension call gets the ``device`` and ``stream`` keywords from
+:meth:`CudaBackend._launch_args`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
-from .native import NativeBackend, per_row, ptr
+from ..group_op import GroupResult
+from ..layout import BatchLayout
+from .native import DTYPE_CODES, NativeBackend, per_row, ptr
 
 
 class CudaBackend(NativeBackend):
@@ -39,46 +41,47 @@ class CudaBackend(NativeBackend):
     def supports_device(self, device: torch.device) -> bool:
         return torch.device(device).type == "cuda"
 
-    def _launch_args(self, t: Tensor, what: str) -> Tuple[int, int]:
-        """(device index, current stream handle) for a kernel on ``t``'s device."""
+    def _launch_args(self, t: Tensor, what: str) -> Dict[str, int]:
+        """Device index and current stream handle for a kernel on ``t``'s device."""
         if t.device.type != "cuda":
             raise ValueError(f"the cuda backend needs CUDA tensors, got {what} on {t.device}")
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        return index, torch.cuda.current_stream(index).cuda_stream
+        return dict(device=index, stream=torch.cuda.current_stream(index).cuda_stream)
 
-    def group_targets(self, token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction):
-        from ..targets import GroupTargets, loss_weight
-
-        needs_autograd = torch.is_grad_enabled() and (
-            token_logprobs.requires_grad
-            or (old_seq_logprobs is not None and old_seq_logprobs.requires_grad)
-        )
-        if (
-            token_logprobs.device.type != "cuda"
-            or token_logprobs.dtype not in (torch.float32, torch.float64)
-            or needs_autograd
-        ):
-            return super().group_targets(
-                token_logprobs, layout, scores, old_seq_logprobs, eta, anchor, reduction
-            )
-        device, stream = self._launch_args(token_logprobs, "token_logprobs")
+    def group_targets(
+        self,
+        token_logprobs: Tensor,
+        layout: BatchLayout,
+        scores: Tensor,
+        *,
+        old_seq_logprobs: Optional[Tensor] = None,
+        eta: float,
+        anchor: bool,
+    ) -> GroupResult:
+        """The fused group op (contract: :func:`tpo_kernels.group_op.group_targets`), one block
+        per group. Takes float32 / float64 token log-probs on a CUDA device; not differentiable
+        by itself (the autograd rule lives with the op that calls it)."""
+        launch = self._launch_args(token_logprobs, "token_logprobs")
         dtype, dev = token_logprobs.dtype, token_logprobs.device
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"the cuda group op needs float32 or float64 token_logprobs, got {dtype}")
         n, g = layout.num_seqs, layout.num_groups
-        tokens = token_logprobs.reshape(-1).contiguous()
 
         def index(t: Tensor) -> Tensor:
             return t.to(device=dev, dtype=torch.int64).contiguous()
 
+        tokens = token_logprobs.reshape(-1).contiguous()
         seq_start, seq_len = index(layout.seq_start), index(layout.seq_len)
         offsets, members = index(layout.group_offsets), index(layout.group_members)
         s = per_row(scores, n, dtype, dev, "scores")
         old = per_row(old_seq_logprobs, n, dtype, dev, "old_seq_logprobs")
-        ell, u, p, q, coef = (torch.empty(n, dtype=dtype, device=dev) for _ in range(5))
+        ell, u, p, q = (torch.empty(n, dtype=dtype, device=dev) for _ in range(4))
         group_loss = torch.empty(g, dtype=dtype, device=dev)
         self.extension.group_targets(
-            0 if dtype == torch.float32 else 3, ptr(tokens), ptr(seq_start), ptr(seq_len),
-            ptr(offsets), ptr(members), g, ptr(s), ptr(old), float(eta), bool(anchor),
-            float(loss_weight(reduction, g)), ptr(ell), ptr(u), ptr(p), ptr(q), ptr(group_loss),
-            ptr(coef), device, stream,
+            dtype=DTYPE_CODES[dtype], num_groups=g, token_logprobs=ptr(tokens),
+            seq_start=ptr(seq_start), seq_len=ptr(seq_len), group_offsets=ptr(offsets),
+            group_members=ptr(members), scores=ptr(s), old_seq_logprobs=ptr(old), eta=float(eta),
+            anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
+            group_loss=ptr(group_loss), **launch,
         )
-        return GroupTargets(ell, u, p, q, group_loss, coef)
+        return GroupResult(ell, u, p, q, group_loss)

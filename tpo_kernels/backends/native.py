@@ -1,18 +1,19 @@
-"""Shared Python glue of the native backends (``cpu``: ``tpo_kernels._C_cpu``; ``cuda``:
+"""Shared Python side of the native backends (``cpu``: ``tpo_kernels._C_cpu``; ``cuda``:
 ``tpo_kernels._C_cuda``).
 
-Both extensions work on raw pointers (``tensor.data_ptr()``) and take the same argument lists;
-the CUDA functions add a trailing ``device, stream``. So this module prepares the tensors once for
-both: 2-D row-major views (row stride >= V, unit column stride; anything else is copied with
-``.contiguous()``), int64 labels and candidates, per-row values in the compute dtype, every
-tensor on the device of the one the kernel reads. A subclass supplies the extension and
-:meth:`NativeBackend._launch_args`, which checks a tensor is on the backend's device and returns
-the arguments appended to every extension call.
+Both extensions take keyword arguments only, named like the fields of the argument structs in
+``csrc/tpo_abi.h`` (addresses from ``tensor.data_ptr()``); the CUDA ops add ``device`` and
+``stream``. This module prepares the tensors once for both: 2-D row-major views (row stride >= V,
+unit column stride; anything else is copied with ``.contiguous()``), int64 labels and candidates,
+per-row values in the compute dtype, every tensor on the device of the one the kernel reads.
+These pointer-boundary checks raise ``ValueError`` / ``TypeError``; the extensions re-check what
+could make a kernel touch memory it should not. A subclass supplies the extension and
+:meth:`NativeBackend._launch_args`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +21,7 @@ from torch import Tensor
 from .._dtypes import compute_dtype
 from .interface import Backend
 
-# Element type codes understood by the extensions (csrc/cpu/row_ops.h).
+# Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
@@ -49,6 +50,12 @@ def row_stride(t: Tensor) -> int:
     return t.stride(0) if rows > 1 else max(vocab, 1)
 
 
+def matrix_args(t: Tensor) -> dict:
+    """The ``dtype, rows, vocab, row_stride`` fields of a matrix returned by :func:`as_rows`."""
+    rows, vocab = t.shape
+    return dict(dtype=DTYPE_CODES[t.dtype], rows=rows, vocab=vocab, row_stride=row_stride(t))
+
+
 def per_row(t: Optional[Tensor], rows: int, dtype: torch.dtype, device, what: str) -> Optional[Tensor]:
     """A contiguous ``[rows]`` tensor of ``dtype`` on ``device`` (None stays None)."""
     if t is None:
@@ -65,16 +72,17 @@ def labels_vector(labels: Tensor, rows: int, device) -> Tensor:
     return per_row(labels, rows, torch.int64, device, "labels")
 
 
-def ptr(t: Optional[Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def candidate_ids(candidates: Tensor, rows: int, device) -> Tensor:
     """``candidates`` as a contiguous int64 ``[rows, K]`` tensor on ``device``."""
-    cand = candidates.to(device=device, dtype=torch.int64).contiguous()
-    if cand.dim() != 2 or cand.shape[0] != rows:
+    if candidates.dtype.is_floating_point or candidates.dtype.is_complex or candidates.dtype == torch.bool:
+        raise TypeError(f"candidates must be an integer tensor, got {candidates.dtype}")
+    if candidates.dim() != 2 or candidates.shape[0] != rows:
         raise ValueError(f"candidates must be [{rows}, K], got {tuple(candidates.shape)}")
-    return cand
+    return candidates.to(device=device, dtype=torch.int64).contiguous()
+
+
+def ptr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 class NativeBackend(Backend):
@@ -93,9 +101,9 @@ class NativeBackend(Backend):
         """The compiled module; raises ImportError when it is not built."""
         raise NotImplementedError
 
-    def _launch_args(self, t: Tensor, what: str) -> tuple:
-        """Raise ValueError unless ``t`` is on this backend's device type; return the arguments
-        appended to every extension call for a kernel on ``t``'s device."""
+    def _launch_args(self, t: Tensor, what: str) -> Dict[str, int]:
+        """Raise ValueError unless ``t`` is on this backend's device type; return the keyword
+        arguments added to every extension call for a kernel on ``t``'s device."""
         raise NotImplementedError
 
     @property
@@ -105,27 +113,27 @@ class NativeBackend(Backend):
             raise RuntimeError(f"the {self.name} backend is not usable here: {reason}")
         return self._ext
 
-    def _check_out(self, out: Tensor, like: Tensor) -> None:
-        """``out`` must be on ``like``'s device (the kernel writes it through a raw pointer)."""
-        self._launch_args(out, "out")
-        if out.device != like.device:
-            raise ValueError(f"out must be on {like.device}, got {out.device}")
+    def _same_device(self, t: Tensor, like: Tensor, what: str) -> None:
+        """``t`` must be on ``like``'s device (the kernel writes it through a raw pointer)."""
+        self._launch_args(t, what)
+        if t.device != like.device:
+            raise ValueError(f"{what} must be on {like.device}, got {t.device}")
 
     def row_forward(
         self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         launch = self._launch_args(logits, "logits")
-        code = dtype_code(logits.dtype)
+        dtype_code(logits.dtype)
         x = as_rows(logits)
-        rows, vocab = x.shape
+        rows = x.shape[0]
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
         lse = torch.empty(rows, dtype=acc, device=x.device)
         target = torch.empty(rows, dtype=acc, device=x.device)
         entropy = torch.empty(rows, dtype=acc, device=x.device) if with_entropy else None
         self.extension.row_forward(
-            ptr(x), code, rows, vocab, row_stride(x), ptr(lab), float(inv_temperature),
-            ptr(lse), ptr(target), ptr(entropy), *launch,
+            **matrix_args(x), logits=ptr(x), labels=ptr(lab), inv_temperature=float(inv_temperature),
+            lse=ptr(lse), target=ptr(target), entropy=ptr(entropy), **launch,
         )
         return lse, target, entropy
 
@@ -142,12 +150,12 @@ class NativeBackend(Backend):
         out: Tensor,
     ) -> None:
         launch = self._launch_args(logits, "logits")
-        self._check_out(out, logits)
-        code = dtype_code(logits.dtype)
+        self._same_device(out, logits, "out")
+        dtype_code(logits.dtype)
         if out.shape != logits.shape:
             raise ValueError(f"out must have the logits' shape {tuple(logits.shape)}, got {tuple(out.shape)}")
         x = as_rows(logits)
-        rows, vocab = x.shape
+        rows = x.shape[0]
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
         lse_v = per_row(lse, rows, acc, x.device, "lse")
@@ -162,29 +170,30 @@ class NativeBackend(Backend):
         # logits); otherwise into a temporary that is copied over. An `out` that starts at the
         # logits' address with another row stride would be overwritten while still being read,
         # so it gets a temporary too.
-        direct = out.dtype == x.dtype and as_rows(out) is out
+        direct = out.dtype == x.dtype and as_rows(out, "out") is out
         target = out if direct else torch.empty_like(x)
         if target.data_ptr() == x.data_ptr() and row_stride(target) != row_stride(x):
             target = torch.empty_like(x)
             direct = False
         self.extension.row_backward(
-            ptr(x), code, rows, vocab, row_stride(x), ptr(lab), ptr(lse_v), ptr(g), ptr(ge),
-            ptr(ent), float(inv_temperature), ptr(target), row_stride(target), *launch,
+            **matrix_args(x), logits=ptr(x), labels=ptr(lab), lse=ptr(lse_v), grad_logprob=ptr(g),
+            grad_entropy=ptr(ge), entropy=ptr(ent), inv_temperature=float(inv_temperature),
+            out=ptr(target), out_row_stride=row_stride(target), **launch,
         )
         if not direct:
             out.copy_(target)
 
     def candidate_forward(self, logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
         launch = self._launch_args(logits, "logits")
-        code = dtype_code(logits.dtype)
+        dtype_code(logits.dtype)
         x = as_rows(logits)
-        rows, vocab = x.shape
+        rows = x.shape[0]
         cand = candidate_ids(candidates, rows, x.device)
         k = cand.shape[1]
         out = torch.empty(rows, k, dtype=compute_dtype(x.dtype), device=x.device)
         self.extension.candidate_forward(
-            ptr(x), code, rows, vocab, row_stride(x), ptr(cand), k, float(inv_temperature),
-            ptr(out), *launch,
+            **matrix_args(x), candidates=ptr(cand), num_candidates=k,
+            inv_temperature=float(inv_temperature), logits=ptr(x), cand_logits=ptr(out), **launch,
         )
         return out
 
@@ -192,18 +201,17 @@ class NativeBackend(Backend):
         self, grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor
     ) -> None:
         launch = self._launch_args(out, "out")
-        code = dtype_code(out.dtype, "out")
-        if out.dim() != 2:
-            raise ValueError(f"out must be 2-D [rows, vocab], got shape {tuple(out.shape)}")
-        rows, vocab = out.shape
+        dtype_code(out.dtype, "out")
+        target = as_rows(out, "out")
+        rows = target.shape[0]
         cand = candidate_ids(candidates, rows, out.device)
         k = cand.shape[1]
         grad = grad_cand.to(device=out.device, dtype=compute_dtype(out.dtype)).contiguous()
         if grad.shape != cand.shape:
             raise ValueError(f"grad_cand must be {tuple(cand.shape)}, got {tuple(grad_cand.shape)}")
-        target = out if out.is_contiguous() else torch.empty(rows, vocab, dtype=out.dtype, device=out.device)
         self.extension.candidate_backward(
-            ptr(grad), ptr(cand), rows, k, vocab, float(inv_temperature), ptr(target), code, *launch,
+            **matrix_args(target), candidates=ptr(cand), num_candidates=k,
+            inv_temperature=float(inv_temperature), grad_cand=ptr(grad), out=ptr(target), **launch,
         )
         if target is not out:
             out.copy_(target)

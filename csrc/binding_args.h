@@ -1,0 +1,344 @@
+// What both pybind11 bindings (bindings_cpu.cpp, bindings_cuda.cpp) share: reading an extension
+// call's keyword arguments into the ABI structs of tpo_abi.h, and checking a filled struct before
+// any kernel touches memory through it.
+//
+// Every extension op takes keyword arguments only, named like the struct fields (addresses are
+// Python ints from tensor.data_ptr(); an optional pointer may be left out, None or 0). A missing,
+// unknown or ill-typed keyword raises TypeError; a struct that would make a kernel read or write
+// out of bounds (null pointers, negative or inconsistent sizes, a bad dtype code, an id outside
+// [0, vocab) where the ids can be read on the host) raises ValueError.
+//
+// Host only: included by the two binding translation units, never by kernel code.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "tpo_abi.h"
+
+namespace tpo {
+namespace binding {
+
+namespace py = pybind11;
+
+// ---------------------------------------------------------------------------------------------
+// Keyword arguments
+// ---------------------------------------------------------------------------------------------
+
+// The keyword arguments of one call, read by name; finish() rejects names nobody read.
+class Kwargs {
+ public:
+  Kwargs(const py::kwargs& kwargs, const char* op) : kwargs_(kwargs), op_(op) {}
+
+  template <class P>
+  P* pointer(const char* name) {
+    return reinterpret_cast<P*>(address(name, true));
+  }
+  template <class P>
+  P* optional_pointer(const char* name) {
+    return reinterpret_cast<P*>(address(name, false));
+  }
+
+  int64_t integer(const char* name) {
+    const py::object value = get(name, true);
+    if (!is_int(value)) fail(name, "must be an int");
+    return value.cast<int64_t>();
+  }
+
+  int small_integer(const char* name) {
+    const int64_t value = integer(name);
+    if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max()) {
+      throw std::invalid_argument(std::string(op_) + ": " + name + " = " + std::to_string(value) +
+                                  " is out of range");
+    }
+    return static_cast<int>(value);
+  }
+
+  double real(const char* name) {
+    const py::object value = get(name, true);
+    if (!is_int(value) && !py::isinstance<py::float_>(value)) fail(name, "must be a float");
+    return value.cast<double>();
+  }
+
+  bool flag(const char* name) {
+    const py::object value = get(name, true);
+    if (!py::isinstance<py::bool_>(value)) fail(name, "must be a bool");
+    return value.cast<bool>();
+  }
+
+  void finish() const {
+    for (const auto& item : kwargs_) {
+      const std::string name = py::str(item.first);
+      if (read_.count(name) == 0) {
+        throw py::type_error(std::string(op_) + "() got an unexpected keyword argument '" + name +
+                             "'");
+      }
+    }
+  }
+
+ private:
+  static bool is_int(py::handle value) {
+    return py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value);
+  }
+
+  [[noreturn]] void fail(const char* name, const char* what) const {
+    throw py::type_error(std::string(op_) + "(): " + name + " " + what);
+  }
+
+  // The value of `name` (marked as read); a null object when it is absent and not required.
+  py::object get(const char* name, bool required) {
+    read_.insert(name);
+    if (!kwargs_.contains(name)) {
+      if (required) {
+        throw py::type_error(std::string(op_) + "() missing required keyword argument '" + name +
+                             "'");
+      }
+      return py::object();
+    }
+    return kwargs_[name];
+  }
+
+  uintptr_t address(const char* name, bool required) {
+    const py::object value = get(name, required);
+    if (!value || value.is_none()) {
+      if (required) fail(name, "must be an address (an int), not None");
+      return 0;
+    }
+    if (!is_int(value)) fail(name, "must be an address (an int)");
+    const unsigned long long raw = PyLong_AsUnsignedLongLong(value.ptr());
+    if (raw == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      fail(name, "must be a non-negative address");
+    }
+    return static_cast<uintptr_t>(raw);
+  }
+
+  const py::kwargs& kwargs_;
+  const char* op_;
+  std::set<std::string> read_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Filling the structs (one place per struct; the keyword names are the field names)
+// ---------------------------------------------------------------------------------------------
+
+inline RowForwardArgs row_forward_args(Kwargs& in) {
+  RowForwardArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.vocab = in.integer("vocab");
+  a.row_stride = in.integer("row_stride");
+  a.logits = in.pointer<const void>("logits");
+  a.labels = in.pointer<const int64_t>("labels");
+  a.inv_temperature = in.real("inv_temperature");
+  a.lse = in.pointer<void>("lse");
+  a.target = in.pointer<void>("target");
+  a.entropy = in.optional_pointer<void>("entropy");
+  return a;
+}
+
+inline RowBackwardArgs row_backward_args(Kwargs& in) {
+  RowBackwardArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.vocab = in.integer("vocab");
+  a.row_stride = in.integer("row_stride");
+  a.logits = in.pointer<const void>("logits");
+  a.labels = in.pointer<const int64_t>("labels");
+  a.lse = in.pointer<const void>("lse");
+  a.grad_logprob = in.pointer<const void>("grad_logprob");
+  a.grad_entropy = in.optional_pointer<const void>("grad_entropy");
+  a.entropy = in.optional_pointer<const void>("entropy");
+  a.inv_temperature = in.real("inv_temperature");
+  a.out = in.pointer<void>("out");
+  a.out_row_stride = in.integer("out_row_stride");
+  return a;
+}
+
+inline CandidateArgs candidate_args(Kwargs& in, CandidateOp op) {
+  CandidateArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.vocab = in.integer("vocab");
+  a.row_stride = in.integer("row_stride");
+  a.candidates = in.pointer<const int64_t>("candidates");
+  a.num_candidates = in.integer("num_candidates");
+  a.inv_temperature = in.real("inv_temperature");
+  if (op == CandidateOp::kForward) {
+    a.logits = in.pointer<const void>("logits");
+    a.cand_logits = in.pointer<void>("cand_logits");
+  } else {
+    a.grad_cand = in.pointer<const void>("grad_cand");
+    a.out = in.pointer<void>("out");
+  }
+  return a;
+}
+
+inline GroupArgs group_args(Kwargs& in) {
+  GroupArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.num_groups = in.integer("num_groups");
+  a.token_logprobs = in.pointer<const void>("token_logprobs");
+  a.seq_start = in.pointer<const int64_t>("seq_start");
+  a.seq_len = in.pointer<const int64_t>("seq_len");
+  a.group_offsets = in.pointer<const int64_t>("group_offsets");
+  a.group_members = in.pointer<const int64_t>("group_members");
+  a.scores = in.pointer<const void>("scores");
+  a.old_seq_logprobs = in.optional_pointer<const void>("old_seq_logprobs");
+  a.eta = in.real("eta");
+  a.anchor = in.flag("anchor");
+  a.seq_logprobs = in.pointer<void>("seq_logprobs");
+  a.u = in.pointer<void>("u");
+  a.p = in.pointer<void>("p");
+  a.q = in.pointer<void>("q");
+  a.group_loss = in.pointer<void>("group_loss");
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks
+// ---------------------------------------------------------------------------------------------
+
+// Where the ids (labels, candidates) live. Host ids are range-checked before any write; device
+// ids cannot be read without a synchronization, so the CUDA kernels guard every id themselves
+// (an id outside [0, vocab) is never dereferenced: it yields NaN or is ignored, see cuda/launch.h).
+enum class Ids { kOnHost, kOnDevice };
+
+inline void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+inline void check_pointer(const void* pointer, const char* name) {
+  check(pointer != nullptr, std::string(name) + " is a null pointer");
+}
+
+inline void check_dtype(int dtype) {
+  check(dtype >= kFloat32 && dtype <= kFloat64,
+        "dtype code must be 0 (float32), 1 (float16), 2 (bfloat16) or 3 (float64), got " +
+            std::to_string(dtype));
+}
+
+inline void check_matrix(int64_t rows, int64_t vocab, int64_t row_stride) {
+  check(rows >= 0, "rows must be >= 0, got " + std::to_string(rows));
+  check(vocab >= 1, "vocab must be >= 1, got " + std::to_string(vocab));
+  check(row_stride >= vocab, "row_stride (" + std::to_string(row_stride) + ") must be >= vocab (" +
+                                 std::to_string(vocab) + ")");
+}
+
+inline void check_inv_temperature(double inv_temperature) {
+  check(std::isfinite(inv_temperature) && inv_temperature > 0.0,
+        "inv_temperature must be finite and > 0");
+}
+
+// Every id must be < vocab; negative ids are allowed only where they mean "skip" (labels).
+inline void check_ids(const int64_t* ids, int64_t count, int64_t vocab, bool allow_negative,
+                      const char* name) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = ids[i];
+    if (id >= vocab || (!allow_negative && id < 0)) {
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] = " +
+                                  std::to_string(id) + " is outside [0, " + std::to_string(vocab) +
+                                  ")");
+    }
+  }
+}
+
+inline void check_args(const RowForwardArgs& a, Ids ids) {
+  check_dtype(a.dtype);
+  check_matrix(a.rows, a.vocab, a.row_stride);
+  check_inv_temperature(a.inv_temperature);
+  if (a.rows == 0) return;
+  check_pointer(a.logits, "logits");
+  check_pointer(a.labels, "labels");
+  check_pointer(a.lse, "lse");
+  check_pointer(a.target, "target");
+  if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
+}
+
+inline void check_args(const RowBackwardArgs& a, Ids ids) {
+  check_dtype(a.dtype);
+  check_matrix(a.rows, a.vocab, a.row_stride);
+  check_inv_temperature(a.inv_temperature);
+  check(a.out_row_stride >= a.vocab, "out_row_stride (" + std::to_string(a.out_row_stride) +
+                                         ") must be >= vocab (" + std::to_string(a.vocab) + ")");
+  if (a.rows == 0) return;
+  check_pointer(a.logits, "logits");
+  check_pointer(a.labels, "labels");
+  check_pointer(a.lse, "lse");
+  check_pointer(a.grad_logprob, "grad_logprob");
+  check_pointer(a.out, "out");
+  check(a.grad_entropy == nullptr || a.entropy != nullptr, "grad_entropy needs entropy");
+  check(a.out != a.logits || a.out_row_stride == a.row_stride,
+        "in-place backward needs out_row_stride == row_stride");
+  if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
+}
+
+inline void check_args(const CandidateArgs& a, CandidateOp op, Ids ids) {
+  check_dtype(a.dtype);
+  check_matrix(a.rows, a.vocab, a.row_stride);
+  check_inv_temperature(a.inv_temperature);
+  check(a.num_candidates >= 0,
+        "num_candidates must be >= 0, got " + std::to_string(a.num_candidates));
+  if (a.rows == 0) return;
+  if (op == CandidateOp::kForward) {
+    if (a.num_candidates == 0) return;
+    check_pointer(a.logits, "logits");
+    check_pointer(a.cand_logits, "cand_logits");
+  } else {
+    check_pointer(a.out, "out");  // zero-filled even without candidates
+    if (a.num_candidates == 0) return;
+    check_pointer(a.grad_cand, "grad_cand");
+  }
+  check_pointer(a.candidates, "candidates");
+  if (ids == Ids::kOnHost) {
+    check_ids(a.candidates, a.rows * a.num_candidates, a.vocab, false, "candidates");
+  }
+}
+
+inline void check_args(const GroupArgs& a) {
+  check(a.dtype == kFloat32 || a.dtype == kFloat64,
+        "group op dtype code must be 0 (float32) or 3 (float64), got " + std::to_string(a.dtype));
+  check(a.num_groups >= 0, "num_groups must be >= 0, got " + std::to_string(a.num_groups));
+  check(std::isfinite(a.eta) && a.eta > 0.0, "eta must be finite and > 0");
+  if (a.num_groups == 0) return;
+  check_pointer(a.token_logprobs, "token_logprobs");
+  check_pointer(a.seq_start, "seq_start");
+  check_pointer(a.seq_len, "seq_len");
+  check_pointer(a.group_offsets, "group_offsets");
+  check_pointer(a.group_members, "group_members");
+  check_pointer(a.scores, "scores");
+  check_pointer(a.seq_logprobs, "seq_logprobs");
+  check_pointer(a.u, "u");
+  check_pointer(a.p, "p");
+  check_pointer(a.q, "q");
+  check_pointer(a.group_loss, "group_loss");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Docstrings of the ops both extensions define
+// ---------------------------------------------------------------------------------------------
+
+constexpr const char* kRowForwardDoc =
+    "row_forward(*, dtype, rows, vocab, row_stride, logits, labels, inv_temperature, lse, target, "
+    "entropy=0): lse[r] = logsumexp(logits[r] * it), target[r] = logits[r, labels[r]] * it and "
+    "optionally the entropy; rows with labels[r] < 0 get 0 and are not read (csrc/tpo_abi.h).";
+constexpr const char* kRowBackwardDoc =
+    "row_backward(*, dtype, rows, vocab, row_stride, logits, labels, lse, grad_logprob, "
+    "grad_entropy=0, entropy=0, inv_temperature, out, out_row_stride): out[r, v] = it * "
+    "(g (onehot - p) - ge p (log p + H)); out may be logits (in place); rows with g == ge == 0 "
+    "are zero-filled without reading logits (csrc/tpo_abi.h).";
+constexpr const char* kCandidateForwardDoc =
+    "candidate_forward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
+    "inv_temperature, logits, cand_logits): cand_logits[r, k] = logits[r, candidates[r, k]] * it.";
+constexpr const char* kCandidateBackwardDoc =
+    "candidate_backward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
+    "inv_temperature, grad_cand, out): out = 0 except out[r, candidates[r, k]] += grad_cand[r, k] "
+    "* it, duplicates summed in ascending k.";
+
+}  // namespace binding
+}  // namespace tpo

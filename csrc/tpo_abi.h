@@ -1,0 +1,108 @@
+// The native ABI: the element-type codes and one argument struct per kernel family. Each binding
+// (bindings_cpu.cpp, bindings_cuda.cpp) fills a struct once from its Python call, checks it
+// (binding_args.h) and hands it to the CPU kernels (cpu/row_ops.h) or the CUDA launchers
+// (cuda/launch.h), which read their arguments from it and nothing else.
+//
+// Plain C++ (no CUDA, no pybind11), so the host compiler and nvcc both include it.
+//
+// Conventions shared by every struct:
+//  * pointers are raw addresses of host memory (CPU) or device memory (CUDA); an optional
+//    pointer is null when absent;
+//  * "compute dtype": per-row and per-candidate values are double for kFloat64 matrices and
+//    float for every other element type;
+//  * a [rows, vocab] matrix has unit column stride and `row_stride` elements between rows
+//    (row_stride >= vocab);
+//  * ids (labels, candidates) are int64; a negative label marks a row that is skipped.
+#pragma once
+
+#include <stdint.h>
+
+namespace tpo {
+
+// Element type codes. The Python side mirrors them in tpo_kernels/backends/native.py.
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+
+// Row forward: for each row r with labels[r] >= 0, with x = logits[r, :] * inv_temperature,
+//   lse[r] = logsumexp(x),  target[r] = x[labels[r]],  entropy[r] = -sum softmax(x) log softmax(x).
+// Rows with labels[r] < 0 get 0 in every output and are never read.
+struct RowForwardArgs {
+  int dtype;                 // element type of logits
+  int64_t rows;
+  int64_t vocab;
+  int64_t row_stride;
+  const void* logits;        // [rows, vocab]
+  const int64_t* labels;     // [rows]
+  double inv_temperature;
+  void* lse;                 // [rows] compute dtype
+  void* target;              // [rows] compute dtype
+  void* entropy;             // [rows] compute dtype, optional
+};
+
+// Row backward: with p = exp(logits[r, :] * it - lse[r]), g = grad_logprob, ge = grad_entropy,
+//   out[r, v] = it * (g[r] (onehot(labels[r])[v] - p[v]) - ge[r] p[v] (log p[v] + entropy[r])).
+// out may be logits itself (in-place backward, then out_row_stride == row_stride). Rows with
+// g == ge == 0 are written as zeros without reading logits; labels[r] < 0 adds no one-hot term.
+struct RowBackwardArgs {
+  int dtype;                 // element type of logits and out
+  int64_t rows;
+  int64_t vocab;
+  int64_t row_stride;
+  const void* logits;        // [rows, vocab]
+  const int64_t* labels;     // [rows]
+  const void* lse;           // [rows] compute dtype
+  const void* grad_logprob;  // [rows] compute dtype
+  const void* grad_entropy;  // [rows] compute dtype, optional (absent: ge = 0)
+  const void* entropy;       // [rows] compute dtype, required when grad_entropy is given
+  double inv_temperature;
+  void* out;                 // [rows, vocab], out_row_stride between rows
+  int64_t out_row_stride;
+};
+
+// Candidate ops of token-level TPO, K = num_candidates ids per row of a [rows, vocab] matrix:
+//   forward (gather):  cand_logits[r, k] = logits[r, candidates[r, k]] * it
+//   backward (scatter): out = 0 except out[r, c] = sum over k with candidates[r, k] == c of
+//                       grad_cand[r, k] * it, summed in ascending k (deterministic).
+// The matrix (logits for the forward, out for the backward) has `dtype`, `vocab` columns and
+// `row_stride`; the [rows, K] arrays are contiguous, in the compute dtype. Each op uses its own
+// two pointers and leaves the other two null.
+enum class CandidateOp : int { kForward = 0, kBackward = 1 };
+
+struct CandidateArgs {
+  int dtype;                 // element type of the [rows, vocab] matrix
+  int64_t rows;
+  int64_t vocab;
+  int64_t row_stride;
+  const int64_t* candidates; // [rows, num_candidates]
+  int64_t num_candidates;
+  double inv_temperature;
+  const void* logits;        // forward: read
+  void* cand_logits;         // forward: written
+  const void* grad_cand;     // backward: read
+  void* out;                 // backward: written
+};
+
+// The group op (layer 2), one group at a time: for the members n of group g,
+//   ell[n] = sum of token_logprobs over the member's rows, u = standardized scores (0 when all
+//   scores of the group tie), p = softmax(ell), q = softmax(base + u / eta) with base =
+//   old_seq_logprobs (ell when absent) if anchor, else 0, and group_loss[g] = -sum q log p.
+// Every value array has `dtype` (kFloat32 or kFloat64).
+struct GroupArgs {
+  int dtype;
+  int64_t num_groups;
+  const void* token_logprobs;     // [M], 0 on rows outside every completion
+  const int64_t* seq_start;       // [N] first row of each completion
+  const int64_t* seq_len;         // [N]
+  const int64_t* group_offsets;   // [G + 1]
+  const int64_t* group_members;   // [N] completions listed group by group
+  const void* scores;             // [N]
+  const void* old_seq_logprobs;   // [N], optional (on-policy when absent)
+  double eta;
+  bool anchor;
+  void* seq_logprobs;             // [N]
+  void* u;                        // [N]
+  void* p;                        // [N]
+  void* q;                        // [N]
+  void* group_loss;               // [G]
+};
+
+}  // namespace tpo

@@ -1,0 +1,121 @@
+"""Helpers of the native-backend tests (test_cpu_extension.py, test_cuda_extension.py,
+test_native_build.py): which extensions run here, the CUDA toolkit discovery of the build,
+random rows, float64 reference values and the tolerances.
+
+Tolerances. The CPU extension and the torch backend read the same logits and accumulate in the
+same dtype (fp32; fp64 for fp64 logits), so they differ only by summation order and exp
+implementation: fp32 per-row values agree to ~1e-6 relative (checked at rtol 2e-6 on lse, atol
+1e-4 on entropies whose torch value comes from lse - sum p z), fp64 to 1e-12. bf16/fp16 inputs
+are upcast exactly, so their per-row values get the fp32 tolerance; gradients written back in
+bf16/fp16 may differ by one rounding step of the output format (rtol 2^-7 bf16 / 2^-10 fp16
+plus a small atol). CUDA results get the same tolerances.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpo_kernels import backends
+from tpo_kernels.backends import backend_status
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = Path(backends.__file__).resolve().parents[1]  # the tpo_kernels being tested
+
+CPU_STATUS = backend_status()["cpu"]
+CUDA_STATUS = backend_status()["cuda"]
+CPU_OK = CPU_STATUS == "available"
+CUDA_OK = CUDA_STATUS == "available"
+HAS_GPU = torch.cuda.is_available()
+needs_cpu_ext = pytest.mark.skipif(not CPU_OK, reason=f"cpu backend: {CPU_STATUS}")
+needs_cuda = pytest.mark.skipif(not CUDA_OK, reason=f"cuda backend: {CUDA_STATUS}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def cpu_backend():
+    from tpo_kernels.backends.cpu import CpuBackend
+
+    return CpuBackend()
+
+
+def cuda_backend():
+    from tpo_kernels.backends.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def cpu_ext():
+    from tpo_kernels import _C_cpu
+
+    return _C_cpu
+
+
+def cuda_ext_or_none():
+    """The built CUDA extension (importable without a GPU), or None when it is not built."""
+    try:
+        from tpo_kernels import _C_cuda
+    except ImportError:
+        return None
+    return _C_cuda
+
+
+def load_toolkit():
+    """csrc/cuda_toolkit.py, the CUDA discovery setup.py and .ci/build_native.sh use; None when
+    the source tree is not here (an installed package tested on its own)."""
+    path = ROOT / "csrc" / "cuda_toolkit.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("tpo_cuda_toolkit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_nvcc():
+    toolkit = load_toolkit()
+    return None if toolkit is None else toolkit.find_nvcc()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows and reference values
+# ----------------------------------------------------------------------------------------------
+
+
+def fwd_tol(dtype):
+    return dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-6, atol=2e-5)
+
+
+def ent_tol(dtype):
+    return dict(rtol=1e-12, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
+
+
+def grad_tol(dtype):
+    return {
+        torch.float64: dict(rtol=1e-11, atol=1e-13),
+        torch.float32: dict(rtol=1e-5, atol=1e-7),
+        torch.bfloat16: dict(rtol=2 ** -7, atol=1e-5),
+        torch.float16: dict(rtol=2 ** -10, atol=1e-6),
+    }[dtype]
+
+
+def make_rows(rows, vocab, dtype, device="cpu", scale=3.0, skip=()):
+    logits = (torch.randn(rows, vocab, dtype=torch.float64) * scale).to(dtype).to(device)
+    labels = torch.randint(0, vocab, (rows,), device=device)
+    for r in skip:
+        labels[r] = -100
+    return logits, labels
+
+
+def reference_rows(logits, labels, inv_t):
+    """float64 lse, target logit and entropy from plain math on the same (rounded) inputs."""
+    z = logits.double() * inv_t
+    lse = torch.logsumexp(z, dim=1)
+    entropy = torch.special.entr(torch.exp(z - lse[:, None])).sum(dim=1)  # 0 log 0 = 0
+    target = z.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    skipped = labels < 0
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    return (torch.where(skipped, zero, lse), torch.where(skipped, zero, target), torch.where(skipped, zero, entropy))

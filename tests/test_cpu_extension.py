@@ -1,0 +1,533 @@
+"""The C++ CPU extension (``tpo_kernels._C_cpu``, backend ``cpu``) against the torch backend and
+plain float64 math: the shared row_math.h helpers, row forward / backward, candidate ops, and
+the binding's argument checks. Tolerances: see tests/_native_helpers.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tpo_kernels._dtypes import compute_dtype
+from tpo_kernels.backends import candidates as torch_candidates
+from tpo_kernels.backends import get_backend
+from tpo_kernels.backends.pytorch import TorchBackend
+
+from _native_helpers import (
+    CPU_OK,
+    DTYPES,
+    HAS_GPU,
+    cpu_backend,
+    cpu_ext,
+    ent_tol,
+    fwd_tol,
+    grad_tol,
+    make_rows,
+    needs_cpu_ext,
+    reference_rows,
+)
+
+TORCH = TorchBackend()
+
+
+def cpu_isas():
+    if not CPU_OK:
+        return ["default"]
+    order = ["generic", "avx2", "avx512"]
+    return order[: order.index(cpu_ext().isa()) + 1]
+
+
+@pytest.fixture(params=cpu_isas())
+def isa(request):
+    """Runs a test once per instruction set the CPU supports (the kernels are compiled per ISA)."""
+    if not CPU_OK:
+        yield request.param
+        return
+    ext = cpu_ext()
+    previous = ext.isa()
+    assert ext.set_isa(request.param) == request.param
+    yield request.param
+    ext.set_isa(previous)
+
+
+def forward(backend, logits, labels, it=1.0, with_entropy=True):
+    return backend.row_forward(logits, labels, inv_temperature=it, with_entropy=with_entropy)
+
+
+def backward(backend, logits, labels, lse, g, out, it=1.0, ge=None, entropy=None):
+    backend.row_backward(logits, labels, lse, g, grad_entropy=ge, entropy=entropy, inv_temperature=it, out=out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared row_math.h helpers (the arithmetic the CUDA kernels use too)
+# ----------------------------------------------------------------------------------------------
+
+
+def math_op(op, x, out_dtype):
+    y = torch.empty(x.shape, dtype=out_dtype)
+    cpu_ext().math_elementwise(op, x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+@needs_cpu_ext
+def test_exp_f32_is_accurate():
+    x = torch.cat([torch.linspace(-86.0, 88.7, 2_000_001), torch.randn(500_000)])
+    y = math_op("exp_f32", x, torch.float32).double()
+    ref = torch.exp(x.double())
+    assert ((y - ref).abs() / ref).max().item() < 1.5e-7  # about 1 ulp of float32
+    special = torch.tensor([float("nan"), float("-inf"), float("inf"), -1000.0, 1000.0, 0.0])
+    out = math_op("exp_f32", special, torch.float32)
+    assert torch.isnan(out[0])
+    assert out[1:].tolist() == [0.0, float("inf"), 0.0, float("inf"), 1.0]
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("fmt", ["bf16", "half"])
+def test_16bit_to_float_exhaustive(fmt):
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float16
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    got = math_op(f"{fmt}_to_float", bits, torch.float32)
+    want = bits.view(dtype).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("fmt", ["bf16", "half"])
+def test_float_to_16bit_rounds_to_nearest_even(fmt):
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float16
+    g = torch.Generator().manual_seed(1)
+    patterns = torch.randint(-(2 ** 31), 2 ** 31 - 1, (2_000_000,), generator=g, dtype=torch.int64)
+    x = patterns.to(torch.int32).view(torch.float32)
+    # Ties, subnormal / overflow boundaries and specials, where rounding bugs live.
+    edges = torch.tensor(
+        [0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 65536.0, 6.1e-5, 6.0e-8, 2.9e-8, 3.0e-8,
+         1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 3.4e38, 1e-40,
+         float("inf"), float("-inf")]
+    )
+    x = torch.cat([x, edges, -edges, torch.randn(100_000) * 1e4, torch.randn(100_000) * 1e-6])
+    got = math_op(f"float_to_{fmt}", x, torch.int16)
+    want = x.to(dtype).view(torch.int16)
+    nan = torch.isnan(x)
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.isnan(got[nan].view(dtype)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Row forward
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
+    logits, labels = make_rows(29, 5003, dtype, skip=(4, 17))
+    it = 1.0 / temperature
+    lse, target, entropy = forward(cpu_backend(), logits, labels, it)
+    t_lse, t_target, t_entropy = forward(TORCH, logits, labels, it)
+    acc = compute_dtype(dtype)
+    assert lse.dtype == target.dtype == entropy.dtype == acc
+    torch.testing.assert_close(lse, t_lse, **fwd_tol(dtype))
+    torch.testing.assert_close(target, t_target, rtol=0, atol=0)
+    torch.testing.assert_close(entropy, t_entropy, **ent_tol(dtype))
+    r_lse, r_target, r_entropy = reference_rows(logits, labels, it)
+    torch.testing.assert_close(lse.double(), r_lse, **fwd_tol(dtype))
+    torch.testing.assert_close(target.double(), r_target, **fwd_tol(dtype))
+    # Against float64 math the entropy is tight too (the torch backend's form cancels).
+    torch.testing.assert_close(entropy.double(), r_entropy, **fwd_tol(dtype))
+    # Without entropy: same lse / target, no entropy tensor.
+    lse2, target2, none = forward(cpu_backend(), logits, labels, it, with_entropy=False)
+    assert none is None
+    assert torch.equal(lse2, lse) and torch.equal(target2, target)
+
+
+@needs_cpu_ext
+def test_row_forward_skipped_rows_are_zero_and_not_read():
+    logits, labels = make_rows(8, 300, torch.float32, skip=(1, 6))
+    logits[1] = float("nan")
+    logits[6] = float("inf")
+    lse, target, entropy = forward(cpu_backend(), logits, labels)
+    for t in (lse, target, entropy):
+        assert t[1].item() == 0.0 and t[6].item() == 0.0
+        assert torch.isfinite(t).all()
+
+
+@needs_cpu_ext
+def test_row_forward_masked_vocab_and_nan(isa):
+    logits, labels = make_rows(5, 10_000, torch.float32)
+    logits[0, ::3] = float("-inf")  # masked vocab entries contribute exp(-inf) = 0
+    logits[0, labels[0]] = 1.0
+    logits[1, :9_000] = float("-inf")  # several all--inf chunks before finite values
+    labels[1] = 9_500
+    logits[2] = float("-inf")  # a fully masked row
+    logits[3, 7] = float("nan")  # NaN must propagate, not vanish
+    lse, target, entropy = forward(cpu_backend(), logits, labels)
+    r_lse, _, r_entropy = reference_rows(logits, labels, 1.0)
+    for r in (0, 1):
+        assert abs(lse[r].item() - r_lse[r].item()) < 1e-5
+        assert abs(entropy[r].item() - r_entropy[r].item()) < 1e-4
+    assert lse[2].item() == float("-inf")
+    assert torch.isnan(lse[3]) and torch.isnan(entropy[3])
+    assert torch.isfinite(lse[4]) and torch.isfinite(entropy[4])
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_rows(dtype, isa):
+    # Odd vocab over many chunks, large logits range.
+    logits, labels = make_rows(16, 131_072 + 7, dtype, scale=8.0, skip=(3,))
+    lse, target, entropy = forward(cpu_backend(), logits, labels)
+    r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
+    torch.testing.assert_close(lse.double(), r_lse, rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), r_entropy, rtol=1e-5, atol=1e-4)
+    g = torch.randn(16)
+    out = torch.empty_like(logits)
+    backward(cpu_backend(), logits, labels, lse, g, out)
+    ref = torch.empty_like(logits)
+    backward(TORCH, logits, labels, lse, g, ref)
+    torch.testing.assert_close(out, ref, **grad_tol(dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Row backward
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_row_backward_matches_torch(dtype, with_entropy, isa):
+    logits, labels = make_rows(23, 2051, dtype, skip=(2,))
+    it = 1.0 / 0.8
+    lse, _, entropy = forward(TORCH, logits, labels, it)
+    acc = compute_dtype(dtype)
+    g = torch.randn(23, dtype=acc)
+    g[[5, 9]] = 0.0
+    ge = torch.randn(23, dtype=acc) if with_entropy else None
+    if ge is not None:
+        ge[5] = 0.0
+        ge[11] = 0.0
+    ent = entropy if with_entropy else None
+    got = torch.empty_like(logits)
+    backward(cpu_backend(), logits, labels, lse, g, got, it, ge, ent)
+    want = torch.empty_like(logits)
+    backward(TORCH, logits, labels, lse, g, want, it, ge, ent)
+    torch.testing.assert_close(got, want, **grad_tol(dtype))
+    assert (got[5] == 0).all()
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_backward_in_place_equals_out_of_place(dtype, isa):
+    logits, labels = make_rows(12, 4099, dtype, skip=(7,))
+    lse, _, entropy = forward(cpu_backend(), logits, labels)
+    acc = compute_dtype(dtype)
+    g, ge = torch.randn(12, dtype=acc), torch.randn(12, dtype=acc)
+    out = torch.empty_like(logits)
+    backward(cpu_backend(), logits, labels, lse, g, out, ge=ge, entropy=entropy)
+    buffer = logits.clone()
+    backward(cpu_backend(), buffer, labels, lse, g, buffer, ge=ge, entropy=entropy)
+    assert torch.equal(buffer, out)  # the label's logit is read before it is overwritten
+
+
+@needs_cpu_ext
+def test_zero_signal_rows_written_without_reading():
+    logits, labels = make_rows(6, 999, torch.float32)
+    logits[2] = float("nan")  # g == ge == 0 on this row: must not be read
+    lse, _, entropy = forward(TORCH, logits, labels)
+    g = torch.randn(6)
+    ge = torch.randn(6)
+    g[2] = 0.0
+    ge[2] = 0.0
+    out = torch.full_like(logits, 123.0)
+    backward(cpu_backend(), logits, labels, lse, g, out, ge=ge, entropy=entropy)
+    assert (out[2] == 0).all()
+    assert torch.isfinite(out).all()
+
+
+@needs_cpu_ext
+def test_backward_negative_label_has_no_onehot():
+    logits, labels = make_rows(4, 100, torch.float64)
+    lse, _, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
+    labels[1] = -1
+    g = torch.ones(4, dtype=torch.float64)
+    out = torch.empty_like(logits)
+    backward(cpu_backend(), logits, labels, lse, g, out)
+    p = torch.softmax(logits[1], dim=0)
+    torch.testing.assert_close(out[1], -p)
+
+
+@needs_cpu_ext
+def test_masked_vocab_gradient_is_finite():
+    logits, labels = make_rows(3, 500, torch.float32)
+    logits[:, ::2] = float("-inf")
+    labels[:] = 1
+    lse, _, entropy = forward(cpu_backend(), logits, labels)
+    out = torch.empty_like(logits)
+    backward(cpu_backend(), logits, labels, lse, torch.ones(3), out, ge=torch.ones(3), entropy=entropy)
+    assert torch.isfinite(out).all()
+    assert (out[:, ::2] == 0).all()
+
+
+@needs_cpu_ext
+def test_gradcheck_float64():
+    backend = cpu_backend()
+
+    class RowLogprob(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, labels, it):
+            lse, target, entropy = backend.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+            ctx.save_for_backward(logits, labels, lse, entropy)
+            ctx.it = it
+            return target - lse, entropy
+
+        @staticmethod
+        def backward(ctx, g, ge):
+            logits, labels, lse, entropy = ctx.saved_tensors
+            skipped = labels < 0  # never read in forward: no gradient (as the orchestration does)
+            g, ge = torch.where(skipped, 0.0, g), torch.where(skipped, 0.0, ge)
+            out = torch.empty_like(logits)
+            backend.row_backward(
+                logits, labels, lse, g, grad_entropy=ge, entropy=entropy, inv_temperature=ctx.it, out=out
+            )
+            return out, None, None
+
+    logits = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, -1, 10, 5])
+    for it in (1.0, 1.0 / 0.6):
+        assert torch.autograd.gradcheck(lambda z: RowLogprob.apply(z, labels, it), (logits,))
+
+
+@needs_cpu_ext
+def test_non_contiguous_inputs():
+    base, labels = make_rows(10, 1200, torch.float32)
+    lse_ref, target_ref, ent_ref = forward(TORCH, base, labels)
+    # Row-strided view (stride(0) > V): used as is. Transposed copy: needs .contiguous().
+    wide = torch.randn(10, 1500)
+    wide[:, :1200] = base
+    strided = wide[:, :1200]
+    transposed = base.t().contiguous().t()
+    for view in (strided, transposed):
+        lse, target, ent = forward(cpu_backend(), view, labels)
+        torch.testing.assert_close(lse, lse_ref, **fwd_tol(torch.float32))
+        torch.testing.assert_close(target, target_ref)
+        torch.testing.assert_close(ent, ent_ref, **ent_tol(torch.float32))
+    g = torch.randn(10)
+    want = torch.empty_like(base)
+    backward(TORCH, base, labels, lse_ref, g, want)
+    # In place into each view: the result lands in the view itself.
+    for view in (wide.clone()[:, :1200], base.t().contiguous().t()):
+        backward(cpu_backend(), view, labels, lse_ref, g, view)
+        torch.testing.assert_close(view, want, **grad_tol(torch.float32))
+    # Per-row inputs of other dtypes / layouts are converted.
+    out = torch.empty(10, 2400)[:, ::2]
+    backward(cpu_backend(), base, labels.int(), lse_ref.double(), g[None, :].t(), out)
+    torch.testing.assert_close(out, want, **grad_tol(torch.float32))
+
+
+@needs_cpu_ext
+def test_deterministic_and_thread_count():
+    logits, labels = make_rows(64, 7000, torch.float32)
+    a = forward(cpu_backend(), logits, labels)
+    b = forward(cpu_backend(), logits, labels)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert cpu_ext().max_threads() >= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidate ops
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cpu_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_candidate_ops_match_torch(dtype):
+    logits, _ = make_rows(9, 300, dtype)
+    cand = torch.randint(0, 300, (9, 6))
+    cand[0] = torch.tensor([5, 5, 7, 5, 7, 9])  # duplicates accumulate in ascending k order
+    it = 1.0 / 0.9
+    got = cpu_backend().candidate_forward(logits, cand, inv_temperature=it)
+    want = torch_candidates.candidate_forward(logits, cand, inv_temperature=it)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    grad = torch.randn(9, 6, dtype=compute_dtype(dtype))
+    out_got = torch.full_like(logits, 7.0)
+    cpu_backend().candidate_backward(grad, cand, inv_temperature=it, out=out_got)
+    out_want = torch.empty_like(logits)
+    torch_candidates.candidate_backward(grad, cand, inv_temperature=it, out=out_want)
+    assert torch.equal(out_got, out_want)
+    # Row-strided and transposed outputs receive the same values (written through a copy or
+    # directly with the row stride); the columns beyond the view are left alone.
+    wide = torch.full((9, 400), 3.0, dtype=dtype)
+    cpu_backend().candidate_backward(grad, cand, inv_temperature=it, out=wide[:, :300])
+    assert torch.equal(wide[:, :300], out_want) and (wide[:, 300:] == 3.0).all()
+    transposed = torch.empty(300, 9, dtype=dtype).t()
+    cpu_backend().candidate_backward(grad, cand, inv_temperature=it, out=transposed)
+    assert torch.equal(transposed, out_want)
+
+
+@needs_cpu_ext
+def test_candidate_ops_without_candidates():
+    logits, _ = make_rows(4, 30, torch.float32)
+    none = torch.empty(4, 0, dtype=torch.int64)
+    assert cpu_backend().candidate_forward(logits, none, inv_temperature=1.0).shape == (4, 0)
+    out = torch.full_like(logits, 2.0)
+    cpu_backend().candidate_backward(torch.empty(4, 0), none, inv_temperature=1.0, out=out)
+    assert (out == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cpu_ext
+def test_rejects_out_of_range_ids():
+    logits, labels = make_rows(4, 50, torch.float32)
+    bad = labels.clone()
+    bad[2] = 50
+    with pytest.raises(ValueError, match=r"labels\[2\] = 50"):
+        forward(cpu_backend(), logits, bad, with_entropy=False)
+    lse, _, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
+    before = logits.clone()
+    with pytest.raises(ValueError, match="labels"):
+        backward(cpu_backend(), logits, bad, lse, torch.ones(4), logits)
+    assert torch.equal(logits, before)  # nothing written
+    cand = torch.randint(0, 50, (4, 3))
+    cand[1, 2] = -1
+    with pytest.raises(ValueError, match="candidates"):
+        cpu_backend().candidate_forward(logits, cand, inv_temperature=1.0)
+    cand[1, 2] = 99
+    with pytest.raises(ValueError, match="candidates"):
+        cpu_backend().candidate_backward(torch.ones(4, 3), cand, inv_temperature=1.0, out=torch.empty_like(logits))
+
+
+def _row_forward_kwargs():
+    x = torch.randn(4, 8)
+    lab = torch.zeros(4, dtype=torch.int64)
+    out = torch.empty(4)
+    keep = (x, lab, out)  # the caller holds these while the addresses are used
+    kwargs = dict(dtype=0, rows=4, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
+                  inv_temperature=1.0, lse=out.data_ptr(), target=out.data_ptr())
+    return keep, kwargs
+
+
+@needs_cpu_ext
+def test_binding_rejects_bad_arguments():
+    ext = cpu_ext()
+    keep, good = _row_forward_kwargs()
+    ext.row_forward(**good)
+    ext.row_forward(**good, entropy=0)  # an optional pointer may be 0 or left out
+    for change, message in [
+        ({"logits": 0}, "null"),
+        ({"labels": 0}, "null"),
+        ({"rows": -1}, "rows"),
+        ({"vocab": 0}, "vocab"),
+        ({"row_stride": 7}, "row_stride"),
+        ({"dtype": 9}, "dtype"),
+        ({"dtype": -1}, "dtype"),
+        ({"inv_temperature": 0.0}, "inv_temperature"),
+        ({"inv_temperature": float("nan")}, "inv_temperature"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ext.row_forward(**{**good, **change})
+    # Keyword arguments only, each named like its csrc/tpo_abi.h field, each of its type.
+    for kwargs, message in [
+        ({k: v for k, v in good.items() if k != "lse"}, "missing required keyword argument 'lse'"),
+        ({**good, "entropyy": 0}, "unexpected keyword argument 'entropyy'"),
+        ({**good, "rows": 4.0}, "rows must be an int"),
+        ({**good, "dtype": True}, "dtype must be an int"),
+        ({**good, "logits": None}, "logits must be an address"),
+        ({**good, "logits": -8}, "non-negative address"),
+        ({**good, "inv_temperature": "1"}, "inv_temperature must be a float"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            ext.row_forward(**kwargs)
+    with pytest.raises(TypeError):
+        ext.row_forward(*good.values())
+    # The other ops run the same shared checks.
+    x, lab, out = keep
+    with pytest.raises(ValueError, match="out_row_stride"):
+        ext.row_backward(dtype=0, rows=4, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
+                         lse=out.data_ptr(), grad_logprob=out.data_ptr(), inv_temperature=1.0,
+                         out=x.data_ptr(), out_row_stride=4)
+    with pytest.raises(ValueError, match="grad_entropy needs entropy"):
+        ext.row_backward(dtype=0, rows=4, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
+                         lse=out.data_ptr(), grad_logprob=out.data_ptr(), grad_entropy=out.data_ptr(),
+                         inv_temperature=1.0, out=x.data_ptr(), out_row_stride=8)
+    with pytest.raises(ValueError, match="num_candidates"):
+        ext.candidate_forward(dtype=0, rows=4, vocab=8, row_stride=8, candidates=lab.data_ptr(), num_candidates=-1,
+                              inv_temperature=1.0, logits=x.data_ptr(), cand_logits=out.data_ptr())
+    with pytest.raises(ValueError, match="grad_cand is a null pointer"):
+        ext.candidate_backward(dtype=0, rows=4, vocab=8, row_stride=8, candidates=lab.data_ptr(), num_candidates=1,
+                               inv_temperature=1.0, grad_cand=0, out=x.data_ptr())
+    # Python-side pointer-boundary checks.
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
+        forward(cpu_backend(), x.int(), lab, with_entropy=False)
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        forward(cpu_backend(), x, lab.float(), with_entropy=False)
+    with pytest.raises(ValueError, match="one per row"):
+        forward(cpu_backend(), x, lab[:3], with_entropy=False)
+    with pytest.raises(ValueError, match="grad_entropy needs the forward's entropy"):
+        backward(cpu_backend(), x, lab, out, out, torch.empty_like(x), ge=out)
+    with pytest.raises(ValueError, match="out must have the logits' shape"):
+        backward(cpu_backend(), x, lab, out, out, torch.empty(4, 9))
+    with pytest.raises(ValueError, match=r"candidates must be \[4, K\]"):
+        cpu_backend().candidate_forward(x, lab, inv_temperature=1.0)
+    with pytest.raises(ValueError, match="CPU tensors|cpu"):
+        if HAS_GPU:
+            forward(cpu_backend(), x.cuda(), lab.cuda(), with_entropy=False)
+        else:
+            raise ValueError("cpu")
+
+
+@needs_cpu_ext
+def test_empty_inputs():
+    logits = torch.empty(0, 10)
+    labels = torch.empty(0, dtype=torch.int64)
+    lse, target, entropy = forward(cpu_backend(), logits, labels)
+    assert lse.shape == target.shape == entropy.shape == (0,)
+    backward(cpu_backend(), logits, labels, lse, lse, logits)
+
+
+@needs_cpu_ext
+def test_backend_status_and_auto():
+    backend = get_backend("cpu", torch.device("cpu"))
+    assert backend.name == "cpu" and backend.unavailable_reason() is None
+    assert backend.supports_device(torch.device("cpu"))
+    assert not backend.supports_device(torch.device("cuda", 0))
+    assert get_backend("auto", torch.device("cpu")).name == "cpu"
+
+
+@pytest.mark.slow
+@needs_cpu_ext
+@pytest.mark.skipif(os.environ.get("TPO_PERF_TESTS", "0") == "0", reason="set TPO_PERF_TESTS=1")
+def test_faster_than_eager():
+    """fwd+bwd at M=8192, V=32768 fp32 (4 GiB of eager temporaries): >= 2x over eager PyTorch."""
+    m, v = 8192, 32768
+    base = torch.randn(m, v)
+    labels = torch.randint(0, v, (m,))
+    g = torch.randn(m)
+
+    def eager():
+        x = base.clone().requires_grad_()
+        t0 = time.perf_counter()
+        lp = torch.log_softmax(x, -1).gather(1, labels[:, None]).squeeze(1)
+        (lp * g).sum().backward()
+        return time.perf_counter() - t0
+
+    def native():
+        x = base.clone()
+        t0 = time.perf_counter()
+        lse, _, _ = forward(cpu_backend(), x, labels, with_entropy=False)
+        backward(cpu_backend(), x, labels, lse, g, x)
+        return time.perf_counter() - t0
+
+    eager_s = sorted(eager() for _ in range(3))[1]
+    native_s = sorted(native() for _ in range(3))[1]
+    print(f"eager {eager_s:.3f}s native {native_s:.3f}s ratio {eager_s / native_s:.2f}")
+    assert eager_s / native_s >= 2.0

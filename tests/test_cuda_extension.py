@@ -1,0 +1,225 @@
+"""The CUDA extension (``tpo_kernels._C_cuda``, backend ``cuda``) against the torch backend and
+the portable group op. The kernel tests need a GPU and are skipped without one; the binding's
+argument checks run wherever the extension is built (they reject a call before any CUDA work).
+Tolerances: see tests/_native_helpers.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpo_kernels._dtypes import compute_dtype
+from tpo_kernels.backends import candidates as torch_candidates
+from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.group_op import group_targets as torch_group_targets
+from tpo_kernels.layout import build_layout
+
+from _native_helpers import (
+    DTYPES,
+    cuda_backend,
+    cuda_ext_or_none,
+    ent_tol,
+    fwd_tol,
+    grad_tol,
+    make_rows,
+    needs_cuda,
+)
+
+TORCH = TorchBackend()
+CUDA_EXT = cuda_ext_or_none()
+needs_cuda_ext = pytest.mark.skipif(CUDA_EXT is None, reason="the CUDA extension is not built")
+
+
+# ----------------------------------------------------------------------------------------------
+# Binding and backend checks (no GPU needed)
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cuda_ext
+def test_binding_rejects_bad_arguments_before_launching():
+    x = torch.randn(4, 8)  # host memory: nothing may be launched on it
+    lab = torch.zeros(4, dtype=torch.int64)
+    good = dict(dtype=0, rows=0, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
+                inv_temperature=1.0, lse=1, target=1, device=0, stream=0)
+    CUDA_EXT.row_forward(**good)  # no rows: checked, nothing to launch
+    for change, message in [
+        ({"rows": 4, "logits": 0}, "null"),
+        ({"rows": -1}, "rows"),
+        ({"row_stride": 7}, "row_stride"),
+        ({"dtype": 4}, "dtype"),
+        ({"inv_temperature": float("inf")}, "inv_temperature"),
+        ({"device": -1}, "device"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            CUDA_EXT.row_forward(**{**good, **change})
+    with pytest.raises(TypeError, match="missing required keyword argument 'device'"):
+        CUDA_EXT.row_forward(**{k: v for k, v in good.items() if k != "device"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weight'"):
+        CUDA_EXT.row_forward(**good, weight=1.0)
+    group = dict(dtype=0, num_groups=1, token_logprobs=1, seq_start=1, seq_len=1, group_offsets=1,
+                 group_members=1, scores=1, eta=1.0, anchor=True, seq_logprobs=1, u=1, p=1, q=1,
+                 group_loss=1, device=0, stream=0)
+    for change, message in [
+        ({"dtype": 1}, "float32.*float64"),
+        ({"eta": 0.0}, "eta"),
+        ({"num_groups": -1}, "num_groups"),
+        ({"q": 0}, "q is a null pointer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            CUDA_EXT.group_targets(**{**group, **change})
+    # The group op has no loss weight or coefficient output any more.
+    for extra in ("weight", "coef"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{extra}'"):
+            CUDA_EXT.group_targets(**group, **{extra: 1})
+
+
+def test_group_op_rejects_host_tensors():
+    layout = build_layout(6, torch.device("cpu"), padded_shape=(2, 3), group_size=2)
+    with pytest.raises(ValueError, match="CUDA tensors, got token_logprobs on cpu"):
+        cuda_backend().group_targets(torch.zeros(6), layout, torch.zeros(2), eta=1.0, anchor=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (GPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1000, 32_003, 151_936])
+def test_row_forward_backward_match_torch(dtype, vocab):
+    logits, labels = make_rows(33, vocab, dtype, device="cuda", skip=(3,))
+    it = 1.0 / 0.7
+    be = cuda_backend()
+    lse, target, entropy = be.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    t_lse, t_target, t_entropy = TORCH.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    torch.testing.assert_close(lse, t_lse, **fwd_tol(dtype))
+    torch.testing.assert_close(target, t_target, **fwd_tol(dtype))
+    torch.testing.assert_close(entropy, t_entropy, **ent_tol(dtype))
+    acc = compute_dtype(dtype)
+    g = torch.randn(33, dtype=acc, device="cuda")
+    ge = torch.randn(33, dtype=acc, device="cuda")
+    g[7] = ge[7] = 0.0
+    for ge_arg in (None, ge):
+        kwargs = dict(grad_entropy=ge_arg, entropy=t_entropy, inv_temperature=it)
+        want = torch.empty_like(logits)
+        TORCH.row_backward(logits, labels, t_lse, g, **kwargs, out=want)
+        got = torch.empty_like(logits)
+        be.row_backward(logits, labels, t_lse, g, **kwargs, out=got)
+        torch.testing.assert_close(got, want, **grad_tol(dtype))
+        in_place = logits.clone()
+        be.row_backward(in_place, labels, t_lse, g, **kwargs, out=in_place)
+        assert torch.equal(in_place, got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_rows_and_zero_rows(dtype):
+    # Offset by one element and an odd vocab: every row starts at a different alignment.
+    storage, _ = make_rows(1, 17 * 4097 + 1, dtype, device="cuda")
+    logits = storage.view(-1)[1 : 1 + 17 * 4097].view(17, 4097)
+    labels = torch.randint(0, 4097, (17,), device="cuda")
+    logits[4] = float("nan")  # zero-signal row: never read
+    lse, _, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    got_lse, _, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    keep = torch.arange(17, device="cuda") != 4
+    torch.testing.assert_close(got_lse[keep], lse[keep], **fwd_tol(dtype))
+    g = torch.randn(17, device="cuda")
+    g[4] = 0.0
+    want = torch.empty_like(logits)
+    TORCH.row_backward(logits, labels, lse, g, inv_temperature=1.0, out=want)
+    cuda_backend().row_backward(logits, labels, lse, g, inv_temperature=1.0, out=logits)  # in place
+    torch.testing.assert_close(logits[keep], want[keep], **grad_tol(dtype))
+    assert (logits[4] == 0).all()
+
+
+@needs_cuda
+def test_skipped_rows_and_invalid_labels_are_not_read():
+    logits, labels = make_rows(6, 777, torch.float32, device="cuda", skip=(2,))
+    logits[2] = float("nan")
+    labels[4] = 777  # out of range: never dereferenced, reported as NaN
+    lse, target, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    assert lse[2].item() == target[2].item() == entropy[2].item() == 0.0
+    assert torch.isnan(lse[4]) and torch.isnan(target[4])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_candidate_ops_match_torch_and_are_deterministic(dtype):
+    logits, _ = make_rows(300, 5000, dtype, device="cuda")
+    cand = torch.randint(0, 40, (300, 8), device="cuda")  # many duplicates
+    grad = torch.randn(300, 8, dtype=compute_dtype(dtype), device="cuda")
+    be = cuda_backend()
+    got = be.candidate_forward(logits, cand, inv_temperature=1.3)
+    assert torch.equal(got, torch_candidates.candidate_forward(logits, cand, inv_temperature=1.3))
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(logits, 5.0)
+        be.candidate_backward(grad, cand, inv_temperature=1.3, out=out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    want = torch.empty_like(logits)
+    torch_candidates.candidate_backward(grad, cand, inv_temperature=1.3, out=want)
+    torch.testing.assert_close(outs[0], want, **grad_tol(dtype))
+    # A row-strided output is zeroed and written row by row; the columns beyond it stay.
+    wide = torch.full((300, 5100), 5.0, dtype=dtype, device="cuda")
+    be.candidate_backward(grad, cand, inv_temperature=1.3, out=wide[:, :5000])
+    assert torch.equal(wide[:, :5000], outs[0]) and (wide[:, 5000:] == 5.0).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grouping", ["contiguous", "ids", "packed"])
+@pytest.mark.parametrize("anchor", [True, False])
+def test_group_op_matches_torch(dtype, grouping, anchor):
+    n, t = 12, 37
+    device = torch.device("cuda")
+    if grouping == "packed":
+        lens = torch.randint(1, 40, (n,))
+        cu = torch.zeros(n + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens, 0)
+        m = int(cu[-1]) + 5  # trailing rows outside every completion
+        layout = build_layout(m, device, cu_seqlens=cu.to(device), group_size=4)
+    elif grouping == "ids":
+        m = n * t
+        ids = torch.tensor([3, 1, 3, 2, 1, 1, 2, 3, 9, 9, 1, 2], device=device)
+        layout = build_layout(m, device, padded_shape=(n, t), group_ids=ids)
+    else:
+        m = n * t
+        layout = build_layout(m, device, padded_shape=(n, t), group_size=4)
+    tokens = -torch.rand(m, dtype=dtype, device=device)
+    scores = torch.randn(n, dtype=dtype, device=device)
+    scores[:4] = 1.0  # a tied group (contiguous) / some ties elsewhere
+    old = tokens.new_empty(n).uniform_(-30, -10)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for old_arg in (None, old):
+        kwargs = dict(old_seq_logprobs=old_arg, eta=0.7, anchor=anchor)
+        got = cuda_backend().group_targets(tokens, layout, scores, **kwargs)
+        want = torch_group_targets(tokens, layout, scores, **kwargs)
+        for name in ("seq_logprobs", "u", "p", "q", "group_loss"):
+            value = getattr(got, name)
+            assert value.dtype == dtype and value.device.type == "cuda", name
+            torch.testing.assert_close(value, getattr(want, name), **tol, msg=name)
+    if grouping == "contiguous":
+        on_policy = cuda_backend().group_targets(tokens, layout, scores, eta=0.7, anchor=True)
+        assert torch.equal(on_policy.p[:4], on_policy.q[:4])  # tied on-policy group: p - q == 0
+
+
+@needs_cuda
+def test_group_op_rejects_other_dtypes():
+    layout = build_layout(6, torch.device("cuda"), padded_shape=(2, 3), group_size=2)
+    tokens = torch.zeros(6, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(TypeError, match="float32 or float64 token_logprobs"):
+        cuda_backend().group_targets(tokens, layout, torch.zeros(2, device="cuda"), eta=1.0, anchor=True)
+
+
+@needs_cuda
+def test_runs_on_the_current_stream():
+    logits, labels = make_rows(64, 20_000, torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
+    with torch.cuda.stream(side):
+        lse, _, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    side.synchronize()
+    t_lse, _, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    torch.testing.assert_close(lse, t_lse, **fwd_tol(torch.bfloat16))
