@@ -1,4 +1,4 @@
-"""TargetPOTrainer (tpo_kernels.integrations.trl) on CPU, offline: a tiny Qwen2 built from a config
+"""TargetPOTrainer (tpo_kernels.integrations.trl) on CPU, offline: a tiny OLMo-2 built from a config
 and a word-level tokenizer built with the tokenizers library.
 
 Every micro-batch is checked inside the trainer (a recording subclass): its groups are whole, and
@@ -8,6 +8,8 @@ batch, recomputed with the model's ordinary forward.
 
 import math
 import os
+import pathlib
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -21,7 +23,7 @@ pytest.importorskip("tokenizers")
 
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Olmo2Config, Olmo2ForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from tpo_kernels import reference  # noqa: E402
@@ -30,20 +32,22 @@ from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffl
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-VOCAB = 40  # <pad>, <eos> and 38 words
+VOCAB = 40  # <pad>, <eos>, <unk> and 37 words
 K = 4
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model directory, tokenizer): a 2-layer Qwen2 of hidden size 32, saved once."""
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    """(model directory, tokenizer): a 2-layer OLMo-2 of hidden size 32 and its word-level
+    tokenizer, saved once. (OLMo-2 rather than Qwen2 so that ``AutoProcessor`` loads the saved
+    tokenizer as is: for a Qwen2 config it builds a Qwen2 BPE tokenizer instead.)"""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", padding_side="left"
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
     )
-    config = Qwen2Config(
+    config = Olmo2Config(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -57,14 +61,14 @@ def tiny(tmp_path_factory):
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = Olmo2ForCausalLM(config)
     # Point the <eos> row of the head along the mean final hidden state: about half the completions
     # then end within 8 tokens (with mask_truncated_completions, the others lose every token).
     with torch.no_grad():
         hidden = model.model(torch.randint(2, VOCAB, (64, 12))).last_hidden_state.reshape(-1, config.hidden_size)
         mean = hidden.mean(dim=0)
         model.lm_head.weight[config.eos_token_id] = mean / mean.norm() ** 2
-    path = tmp_path_factory.mktemp("tiny_qwen2")
+    path = tmp_path_factory.mktemp("tiny_olmo2")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path), tokenizer
@@ -72,7 +76,7 @@ def tiny(tmp_path_factory):
 
 def dataset(num_prompts=16):
     return Dataset.from_dict(
-        {"prompt": [" ".join(f"w{(3 * i + j) % (VOCAB - 2)}" for j in range(3)) for i in range(num_prompts)]}
+        {"prompt": [" ".join(f"w{(3 * i + j) % (VOCAB - 3)}" for j in range(3)) for i in range(num_prompts)]}
     )
 
 
@@ -81,7 +85,7 @@ def even_words(completions, **kwargs):
     out = []
     for text in completions:
         words = text.split()
-        out.append(sum(int(w[1:]) % 2 == 0 for w in words) / max(1, len(words)) + 0.01 * len(words))
+        out.append(sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / max(1, len(words)) + 0.01 * len(words))
     return out
 
 
@@ -279,8 +283,9 @@ def test_group_splitting_batch_is_refused(tiny, tmp_path):
         TargetPOTrainer(model=path, reward_funcs=even_words, args=args, train_dataset=dataset(),
                         processing_class=tokenizer)
     with pytest.raises(TypeError, match="TargetPOConfig"):
-        TargetPOTrainer(model=path, reward_funcs=even_words, args=GRPOConfig(**{**split, "per_device_train_batch_size": 4}),
-                        train_dataset=dataset(), processing_class=tokenizer)
+        grpo_args = GRPOConfig(**{**split, "per_device_train_batch_size": 4})
+        TargetPOTrainer(model=path, reward_funcs=even_words, args=grpo_args, train_dataset=dataset(),
+                        processing_class=tokenizer)
 
 
 def test_config_validation(tmp_path):
@@ -295,7 +300,7 @@ def test_config_validation(tmp_path):
 
 
 def test_shuffle_groups_keeps_groups_whole():
-    rows = torch.arange(24).repeat_interleave(1).view(24)
+    rows = torch.arange(24)
     batch = {"ids": torch.arange(24).view(24, 1), "names": [f"r{i}" for i in range(24)], "n": torch.tensor(7),
              "none": None}
     generator = torch.Generator().manual_seed(1)
@@ -320,3 +325,31 @@ def test_untested_trl_version_is_refused(monkeypatch):
     monkeypatch.setenv(tpo_trl._ALLOW_UNTESTED_ENV, "1")
     with pytest.warns(RuntimeWarning, match="tested with trl"):
         tpo_trl._check_trl_version()
+
+
+def _trl_example() -> str:
+    """The README's TRL example (a ```python trl block), or the proposed section's before merge."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for name in ("README.md", "docs-trl-section.md"):
+        path = root / name
+        if path.exists():
+            blocks = re.findall(r"```python trl\n(.*?)```", path.read_text(), re.S)
+            if blocks:
+                return "\n".join(blocks)
+    pytest.skip("no TRL example found")
+
+
+def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
+    source = _trl_example()
+    source, count = re.subn(r'^model_id = ".*"$', f"model_id = {tiny[0]!r}", source, flags=re.M)
+    assert count == 1, "the example must name its model on one `model_id = ...` line"
+    # On this CPU machine: TRL's default bf16 then runs under CPU autocast (the head's bf16 path).
+    cpu_run = "TargetPOConfig(use_cpu=True, report_to='none', disable_tqdm=True, max_steps=1, "
+    source, count = re.subn(r"TargetPOConfig\(", cpu_run, source)
+    assert count == 1
+    monkeypatch.chdir(tmp_path)  # the example writes its output_dir
+    namespace = {}
+    exec(compile(source, "README.md (TRL example)", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step > 0
+    assert any("tpo/loss" in entry and math.isfinite(entry["tpo/loss"]) for entry in trainer.state.log_history)

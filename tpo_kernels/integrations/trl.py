@@ -214,7 +214,9 @@ def check_tpo_args(args: GRPOConfig) -> None:
         raise ValueError("TargetPOTrainer does not support " + "; ".join(refused) + ". Unset them.")
 
 
-def shuffle_groups(batch: Dict[str, Any], group_size: int, generator: Optional[torch.Generator] = None) -> Dict[str, Any]:
+def shuffle_groups(
+    batch: Dict[str, Any], group_size: int, generator: Optional[torch.Generator] = None
+) -> Dict[str, Any]:
     """Shuffle the rows of a TRL batch dict by whole groups of ``group_size`` consecutive rows.
 
     Tensors with a leading row dimension and lists are permuted in unison; 0-dim tensors and None
