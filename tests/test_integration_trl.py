@@ -98,7 +98,7 @@ class RecordingTrainer(TargetPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.records = []
+        self.records, self.eval_records = [], []
         self.score_checks = []
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -120,19 +120,22 @@ class RecordingTrainer(TargetPOTrainer):
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
-        self.records.append(self._check_micro_batch(model, inputs, loss))
+        record = self._check_micro_batch(model, inputs, loss)
+        (self.records if self.model.training else self.eval_records).append(record)
         return loss
 
     def _check_micro_batch(self, model, inputs, loss):
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         num_rows, length = completion_ids.shape
-        assert num_rows == self.args.per_device_train_batch_size
+        training = self.model.training
+        assert num_rows == (self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size)
         assert num_rows % K == 0, "micro-batch is not a whole number of groups"
         blocks = prompt_ids.view(num_rows // K, K, -1)
         whole = bool((blocks == blocks[:, :1]).all())  # each block of K rows is one prompt...
         distinct = len({tuple(row.tolist()) for row in prompt_ids}) == num_rows // K  # ...and blocks differ
 
-        reused = self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) != 0
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        reused = training and self.args.gradient_accumulation_steps % generate_every != 0
         old = inputs.get("old_per_token_logps") if reused else None
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         mask = inputs["completion_mask"].bool()
@@ -163,7 +166,7 @@ class RecordingTrainer(TargetPOTrainer):
                 current = reference.token_logprobs(logits, completion_ids, temperature=self.temperature)
                 off_policy_gap = float(((current - old.double()).abs() * mask).max())
         return {
-            "loss": loss.item() * self.current_gradient_accumulation_steps,  # unscaled
+            "loss": loss.item() * (self.current_gradient_accumulation_steps if training else 1),  # unscaled
             "expected": expected,
             "whole": whole and distinct,
             "used_old": old is not None,
@@ -193,13 +196,14 @@ def make_config(tmp_path, **overrides):
     return TargetPOConfig(**kwargs)
 
 
-def train(tiny, tmp_path, reward_funcs=even_words, **overrides):
+def train(tiny, tmp_path, reward_funcs=even_words, eval_dataset=None, **overrides):
     path, tokenizer = tiny
     trainer = RecordingTrainer(
         model=path,
         reward_funcs=reward_funcs,
         args=make_config(tmp_path, **overrides),
         train_dataset=dataset(),
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
     )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -226,8 +230,16 @@ def check_run(trainer, changed, logs, micro_batches):
 
 
 def test_two_steps_on_policy(tiny, tmp_path):
-    trainer, changed, logs = train(tiny, tmp_path, temperature=0.7, tpo_eta=0.5)
+    trainer, changed, logs = train(
+        tiny, tmp_path, temperature=0.7, tpo_eta=0.5,
+        eval_dataset=dataset(2), eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8,
+    )
     check_run(trainer, changed, logs, micro_batches=2)
+    evals = [entry for entry in trainer.state.log_history if "eval_tpo/loss" in entry]
+    assert len(evals) == 1 and math.isfinite(evals[0]["eval_tpo/loss"])
+    assert len(trainer.eval_records) == 1  # eval: same loss on whole groups, on-policy, no GA scaling
+    record = trainer.eval_records[0]
+    assert record["whole"] and record["loss"] == pytest.approx(record["expected"], rel=1e-4, abs=1e-5)
     assert not any(r["used_old"] for r in trainer.records)  # on-policy: p_old = p
     assert 0.0 <= logs[0]["tpo/frac_zero_signal_groups"] < 1.0
     assert logs[0]["tpo/entropy_p"] <= math.log(K) + 1e-6 and logs[0]["tpo/kl_q_p"] >= 0.0
