@@ -365,3 +365,36 @@ def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
     trainer = namespace["trainer"]
     assert trainer.state.global_step > 0
     assert any("tpo/loss" in entry and math.isfinite(entry["tpo/loss"]) for entry in trainer.state.log_history)
+
+
+def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
+    """The head alone: a Cohere-style logit multiplier folded into the temperature, a bf16 hidden
+    state under an fp32 head, and completions without a counted token left out of their group."""
+    torch.manual_seed(0)
+    num_rows, prompt, length, width, vocab = 12, 3, 5, 16, 50
+    hidden_all = torch.randn(num_rows, prompt + length, width).to(torch.bfloat16).requires_grad_()
+    head = torch.nn.Linear(width, vocab)
+    labels = torch.randint(0, vocab, (num_rows, length))
+    mask = torch.rand(num_rows, length) > 0.3
+    mask[:, 0] = True
+    mask[1] = False  # one completion of group 0 has no counted token
+    mask[4:8] = False  # group 1 has none at all
+    scores = torch.randn(num_rows)
+    request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
+                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
+                   token_entropy=True)
+    out = tpo_trl._tpo_head(hidden_all, head, request, multiplier=2.0)
+
+    logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
+    kept = mask.any(dim=1)
+    expected = reference.tpo_loss(
+        logits[kept], labels.masked_fill(~mask, -100)[kept], scores[kept].double(),
+        group_ids=(torch.arange(num_rows) // 4)[kept], eta=0.7, temperature=0.8,
+    )
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    assert out["group_index"].unique().tolist() == [0, 2]
+    entropy = reference.token_entropy(logits[kept], temperature=0.8)
+    assert torch.allclose(out["token_entropy"].double()[out["mask"]], entropy[mask[kept]], atol=1e-4)
+    out["loss"].backward()
+    assert hidden_all.grad[1].abs().sum() == 0 and hidden_all.grad[4:8].abs().sum() == 0
+    assert hidden_all.grad[0].abs().sum() > 0 and head.weight.grad.abs().sum() > 0

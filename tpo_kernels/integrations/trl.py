@@ -64,7 +64,8 @@ vocabulary pass under ``no_grad``, off with ``tpo_log_token_entropy=False``) and
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
 the SAPO / VESPO parameters) do not apply to TPO and are ignored; the options that would silently
 change the objective (``top_entropy_quantile < 1``, an entropy bonus, ``off_policy_mask_threshold``,
-``use_bias_correction_kl``, a MoE router auxiliary loss) are refused. Not supported yet:
+``use_bias_correction_kl`` with ``beta > 0``, a MoE router auxiliary loss) are refused; this config
+defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
 vision-language models, DeepSpeed ZeRO-3, logit soft-capping (Gemma 2/3).
 
 Tested with TRL 1.16 (the version is checked on import; set ``TPO_KERNELS_ALLOW_UNTESTED_TRL=1``
