@@ -1,0 +1,400 @@
+"""TargetPOTrainer (tpo_kernels.integrations.trl) on CPU, offline: a tiny OLMo-2 built from a config
+and a word-level tokenizer built with the tokenizers library.
+
+Every micro-batch is checked inside the trainer (a recording subclass): its groups are whole, and
+the loss the trainer returns equals ``tpo_kernels.reference.tpo_loss`` on the logits of the same
+batch, recomputed with the model's ordinary forward.
+"""
+
+import math
+import os
+import pathlib
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("trl")
+pytest.importorskip("tokenizers")
+
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import Olmo2Config, Olmo2ForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+from tpo_kernels import reference  # noqa: E402
+from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
+from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffle_groups  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+VOCAB = 40  # <pad>, <eos>, <unk> and 37 words
+K = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model directory, tokenizer): a 2-layer OLMo-2 of hidden size 32 and its word-level
+    tokenizer, saved once. (OLMo-2 rather than Qwen2 so that ``AutoProcessor`` loads the saved
+    tokenizer as is: for a Qwen2 config it builds a Qwen2 BPE tokenizer instead.)"""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
+    )
+    config = Olmo2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = Olmo2ForCausalLM(config)
+    # Point the <eos> row of the head along the mean final hidden state: about half the completions
+    # then end within 8 tokens (with mask_truncated_completions, the others lose every token).
+    with torch.no_grad():
+        hidden = model.model(torch.randint(2, VOCAB, (64, 12))).last_hidden_state.reshape(-1, config.hidden_size)
+        mean = hidden.mean(dim=0)
+        model.lm_head.weight[config.eos_token_id] = mean / mean.norm() ** 2
+    path = tmp_path_factory.mktemp("tiny_olmo2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def dataset(num_prompts=16):
+    return Dataset.from_dict(
+        {"prompt": [" ".join(f"w{(3 * i + j) % (VOCAB - 3)}" for j in range(3)) for i in range(num_prompts)]}
+    )
+
+
+def even_words(completions, **kwargs):
+    """Fraction of even-numbered words plus a length term: varies within a group."""
+    out = []
+    for text in completions:
+        words = text.split()
+        out.append(sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / max(1, len(words)) + 0.01 * len(words))
+    return out
+
+
+def distinct_words(completions, **kwargs):
+    return [float(len(set(text.split()))) for text in completions]
+
+
+class RecordingTrainer(TargetPOTrainer):
+    """Checks every micro-batch the trainer computes a loss on, and records what it saw."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records, self.eval_records = [], []
+        self.score_checks = []
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._raw_rewards = rewards.clone()
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        # The exactness claim: TRL's advantages standardize, group by group, to the same u as the
+        # weighted sum of the raw rewards (sum_then_normalize), up to float rounding.
+        combined = (self._raw_rewards * self.reward_weights.unsqueeze(0)).sum(dim=1).double()
+        advantages = out["advantages"].double()
+        for start in range(0, advantages.numel(), self.num_generations):
+            rows = slice(start, start + self.num_generations)
+            u_raw, u_adv = reference.standardize(combined[rows]), reference.standardize(advantages[rows])
+            self.score_checks.append(float((u_raw - u_adv).abs().max()))
+        return out
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        record = self._check_micro_batch(model, inputs, loss)
+        (self.records if self.model.training else self.eval_records).append(record)
+        return loss
+
+    def _check_micro_batch(self, model, inputs, loss):
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        num_rows, length = completion_ids.shape
+        training = self.model.training
+        assert num_rows == (self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size)
+        assert num_rows % K == 0, "micro-batch is not a whole number of groups"
+        blocks = prompt_ids.view(num_rows // K, K, -1)
+        whole = bool((blocks == blocks[:, :1]).all())  # each block of K rows is one prompt...
+        distinct = len({tuple(row.tolist()) for row in prompt_ids}) == num_rows // K  # ...and blocks differ
+
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        reused = training and self.args.gradient_accumulation_steps % generate_every != 0
+        old = inputs.get("old_per_token_logps") if reused else None
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        mask = inputs["completion_mask"].bool()
+        kept = mask.any(dim=1)
+        with torch.no_grad():
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -length - 1 : -1]
+            labels = completion_ids.masked_fill(~mask, -100)
+            group_ids = torch.arange(num_rows) // K
+            if bool(kept.any()):
+                expected = reference.tpo_loss(
+                    logits[kept].double(),
+                    labels[kept],
+                    inputs["advantages"][kept].double(),
+                    group_ids=group_ids[kept],
+                    old_logprobs=None if old is None else old[kept].double(),
+                    ref_logprobs=None if ref is None else ref[kept].double(),
+                    beta=self.beta,
+                    eta=self.args.tpo_eta,
+                    anchor=self.args.tpo_anchor,
+                    temperature=self.temperature,
+                ).item()
+            else:
+                expected = 0.0
+            off_policy_gap = 0.0
+            if old is not None:
+                current = reference.token_logprobs(logits, completion_ids, temperature=self.temperature)
+                off_policy_gap = float(((current - old.double()).abs() * mask).max())
+        return {
+            "loss": loss.item() * (self.current_gradient_accumulation_steps if training else 1),  # unscaled
+            "expected": expected,
+            "whole": whole and distinct,
+            "used_old": old is not None,
+            "off_policy_gap": off_policy_gap,
+            "excluded": int((~kept).sum()),
+        }
+
+
+def make_config(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=K,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-3,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        tpo_backend="cpu",
+    )
+    kwargs.update(overrides)
+    return TargetPOConfig(**kwargs)
+
+
+def train(tiny, tmp_path, reward_funcs=even_words, eval_dataset=None, **overrides):
+    path, tokenizer = tiny
+    trainer = RecordingTrainer(
+        model=path,
+        reward_funcs=reward_funcs,
+        args=make_config(tmp_path, **overrides),
+        train_dataset=dataset(),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = [name for name, p in trainer.model.named_parameters() if not torch.equal(before[name], p.detach())]
+    logs = [entry for entry in trainer.state.log_history if "tpo/loss" in entry]
+    return trainer, changed, logs
+
+
+def check_run(trainer, changed, logs, micro_batches):
+    assert len(trainer.records) == micro_batches
+    for record in trainer.records:
+        assert record["whole"], "a micro-batch split a group"
+        assert math.isfinite(record["loss"])
+        assert record["loss"] == pytest.approx(record["expected"], rel=1e-4, abs=1e-5)
+    assert trainer.score_checks and max(trainer.score_checks) < 1e-4
+    assert "lm_head.weight" in changed and any("layers.0" in name for name in changed)
+    assert len(logs) == trainer.args.max_steps
+    for entry in logs:
+        for key in ("tpo/loss", "tpo/kl_q_p", "tpo/entropy_p", "tpo/entropy_q", "tpo/frac_zero_signal_groups",
+                    "tpo/token_entropy"):
+            assert key in entry
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["tpo/loss"])
+
+
+def test_two_steps_on_policy(tiny, tmp_path):
+    trainer, changed, logs = train(
+        tiny, tmp_path, temperature=0.7, tpo_eta=0.5,
+        eval_dataset=dataset(2), eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8,
+    )
+    check_run(trainer, changed, logs, micro_batches=2)
+    evals = [entry for entry in trainer.state.log_history if "eval_tpo/loss" in entry]
+    assert len(evals) == 1 and math.isfinite(evals[0]["eval_tpo/loss"])
+    assert len(trainer.eval_records) == 1  # eval: same loss on whole groups, on-policy, no GA scaling
+    record = trainer.eval_records[0]
+    assert record["whole"] and record["loss"] == pytest.approx(record["expected"], rel=1e-4, abs=1e-5)
+    assert not any(r["used_old"] for r in trainer.records)  # on-policy: p_old = p
+    assert 0.0 <= logs[0]["tpo/frac_zero_signal_groups"] < 1.0
+    assert logs[0]["tpo/entropy_p"] <= math.log(K) + 1e-6 and logs[0]["tpo/kl_q_p"] >= 0.0
+
+
+def test_gradient_accumulation_two_rewards(tiny, tmp_path):
+    # 4 groups generated per optimizer step, shuffled by group into 2 micro-batches of 2 groups.
+    trainer, changed, logs = train(
+        tiny, tmp_path, reward_funcs=[even_words, distinct_words], reward_weights=[1.0, 0.25],
+        gradient_accumulation_steps=2,
+    )
+    check_run(trainer, changed, logs, micro_batches=4)
+    assert not any(r["used_old"] for r in trainer.records)  # generation aligned with the optimizer step
+    # TRL's logged loss is the sum of the returned (GA-scaled) losses: the mean of the unscaled ones.
+    for step, entry in enumerate(logs):
+        window = [r["loss"] for r in trainer.records[2 * step : 2 * step + 2]]
+        assert entry["loss"] == pytest.approx(sum(window) / 2, rel=1e-4, abs=1e-6)
+
+
+def test_steps_per_generation_uses_old_logprobs(tiny, tmp_path):
+    # One generation serves two optimizer steps: the second trains off-policy against p_old.
+    trainer, changed, logs = train(tiny, tmp_path, steps_per_generation=2, learning_rate=1e-2)
+    check_run(trainer, changed, logs, micro_batches=2)
+    assert all(r["used_old"] for r in trainer.records)
+    assert trainer.records[1]["off_policy_gap"] > 1e-6  # the policy moved between the two steps
+
+
+def test_beta_kl_with_fp32_head(tiny, tmp_path):
+    trainer, changed, logs = train(tiny, tmp_path, beta=0.05, cast_lm_head_to_fp32=True, learning_rate=1e-2)
+    check_run(trainer, changed, logs, micro_batches=2)
+    assert all("tpo/kl_k3" in entry and entry["tpo/kl_k3"] >= 0.0 for entry in logs)
+    assert logs[1]["tpo/kl_k3"] > 0.0  # the policy left the reference after the first step
+
+
+def test_mask_truncated_completions(tiny, tmp_path):
+    trainer, changed, logs = train(tiny, tmp_path, mask_truncated_completions=True, tpo_anchor=False)
+    assert sum(r["excluded"] for r in trainer.records) > 0  # truncated completions are left out
+    assert any(r["excluded"] < 8 for r in trainer.records)  # and some remain
+    check_run(trainer, changed, logs, micro_batches=2)
+    assert any(entry["tpo/frac_excluded_completions"] > 0 for entry in logs)
+
+
+def test_group_splitting_batch_is_refused(tiny, tmp_path):
+    split = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4, steps_per_generation=2,
+                 use_cpu=True, bf16=False, report_to="none")
+    GRPOConfig(**split)  # TRL accepts it: each micro-batch would hold half a group
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        TargetPOConfig(**split)
+    args = make_config(tmp_path)
+    args.per_device_train_batch_size = 6  # changed after the config checked it
+    path, tokenizer = tiny
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        TargetPOTrainer(model=path, reward_funcs=even_words, args=args, train_dataset=dataset(),
+                        processing_class=tokenizer)
+    with pytest.raises(TypeError, match="TargetPOConfig"):
+        grpo_args = GRPOConfig(**{**split, "per_device_train_batch_size": 4})
+        TargetPOTrainer(model=path, reward_funcs=even_words, args=grpo_args, train_dataset=dataset(),
+                        processing_class=tokenizer)
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="tpo_eta"):
+        make_config(tmp_path, tpo_eta=0.0)
+    with pytest.raises(ValueError, match="tpo_backend"):
+        make_config(tmp_path, tpo_backend="gpu")
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        make_config(tmp_path, top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        make_config(tmp_path, beta=0.1, use_bias_correction_kl=True)
+
+
+def test_shuffle_groups_keeps_groups_whole():
+    rows = torch.arange(24)
+    batch = {"ids": torch.arange(24).view(24, 1), "names": [f"r{i}" for i in range(24)], "n": torch.tensor(7),
+             "none": None}
+    generator = torch.Generator().manual_seed(1)
+    out = shuffle_groups(batch, 4, generator=generator)
+    ids = out["ids"].view(6, 4)
+    assert torch.equal(ids - ids[:, :1], torch.arange(4).expand(6, 4))  # each group intact, in order
+    assert (ids[:, 0] % 4 == 0).all() and sorted(ids[:, 0].tolist()) == list(range(0, 24, 4))
+    assert not torch.equal(out["ids"].view(24), rows)  # and the groups moved
+    assert out["names"] == [f"r{i}" for i in out["ids"].view(24).tolist()]
+    assert out["n"].item() == 7 and out["none"] is None
+    with pytest.raises(ValueError):
+        shuffle_groups(batch, 5)
+
+
+def test_untested_trl_version_is_refused(monkeypatch):
+    import trl
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.delenv(tpo_trl._ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(ImportError, match="tested with trl"):
+        tpo_trl._check_trl_version()
+    monkeypatch.setenv(tpo_trl._ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="tested with trl"):
+        tpo_trl._check_trl_version()
+
+
+def _trl_example() -> str:
+    """The README's TRL example (a ```python trl block), or the proposed section's before merge."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for name in ("README.md", "docs-trl-section.md"):
+        path = root / name
+        if path.exists():
+            blocks = re.findall(r"```python trl\n(.*?)```", path.read_text(), re.S)
+            if blocks:
+                return "\n".join(blocks)
+    pytest.skip("no TRL example found")
+
+
+def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
+    source = _trl_example()
+    source, count = re.subn(r'^model_id = ".*"$', f"model_id = {tiny[0]!r}", source, flags=re.M)
+    assert count == 1, "the example must name its model on one `model_id = ...` line"
+    # On this CPU machine: TRL's default bf16 then runs under CPU autocast (the head's bf16 path).
+    cpu_run = "TargetPOConfig(use_cpu=True, report_to='none', disable_tqdm=True, max_steps=1, "
+    source, count = re.subn(r"TargetPOConfig\(", cpu_run, source)
+    assert count == 1
+    monkeypatch.chdir(tmp_path)  # the example writes its output_dir
+    namespace = {}
+    exec(compile(source, "README.md (TRL example)", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step > 0
+    assert any("tpo/loss" in entry and math.isfinite(entry["tpo/loss"]) for entry in trainer.state.log_history)
+
+
+def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
+    """The head alone: a Cohere-style logit multiplier folded into the temperature, a bf16 hidden
+    state under an fp32 head, and completions without a counted token left out of their group."""
+    torch.manual_seed(0)
+    num_rows, prompt, length, width, vocab = 12, 3, 5, 16, 50
+    hidden_all = torch.randn(num_rows, prompt + length, width).to(torch.bfloat16).requires_grad_()
+    head = torch.nn.Linear(width, vocab)
+    labels = torch.randint(0, vocab, (num_rows, length))
+    mask = torch.rand(num_rows, length) > 0.3
+    mask[:, 0] = True
+    mask[1] = False  # one completion of group 0 has no counted token
+    mask[4:8] = False  # group 1 has none at all
+    scores = torch.randn(num_rows)
+    request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
+                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
+                   token_entropy=True)
+    out = tpo_trl._tpo_head(hidden_all, head, request, multiplier=2.0)
+
+    logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
+    kept = mask.any(dim=1)
+    expected = reference.tpo_loss(
+        logits[kept], labels.masked_fill(~mask, -100)[kept], scores[kept].double(),
+        group_ids=(torch.arange(num_rows) // 4)[kept], eta=0.7, temperature=0.8,
+    )
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    assert out["group_index"].unique().tolist() == [0, 2]
+    entropy = reference.token_entropy(logits[kept], temperature=0.8)
+    assert torch.allclose(out["token_entropy"].double()[out["mask"]], entropy[mask[kept]], atol=1e-4)
+    out["loss"].backward()
+    assert hidden_all.grad[1].abs().sum() == 0 and hidden_all.grad[4:8].abs().sum() == 0
+    assert hidden_all.grad[0].abs().sum() > 0 and head.weight.grad.abs().sum() > 0
