@@ -383,7 +383,7 @@ def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
                    beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
                    token_entropy=True)
-    out = tpo_trl._tpo_head(hidden_all, head, request, multiplier=2.0)
+    out = tpo_trl.head._tpo_head(hidden_all, head, request, multiplier=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
     kept = mask.any(dim=1)

@@ -1,0 +1,155 @@
+"""The TPO loss head: the fused-linear TPO loss computed inside the model's forward."""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Dict
+
+import torch
+from torch import Tensor
+
+from ...functional import fused_linear_logprobs, fused_linear_tpo_loss
+
+
+def _logit_multiplier(text_config) -> float:
+    """The constant a model multiplies its logits by (1.0 for most models); TPO folds it into the
+    temperature, since ``log_softmax(s * z / tau) == log_softmax(z / (tau / s))`` exactly."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(text_config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scaling is not None:  # Granite / MiniCPM3 divide by it, HyperCLOVA X multiplies
+        return float(scaling) if text_config.model_type == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
+def add_tpo_head(model) -> None:
+    """Patch ``model.forward`` so that ``model(input_ids, attention_mask, tpo_request=request)``
+    returns the TPO loss computed from the final hidden states (see :func:`_tpo_head`); calls
+    without ``tpo_request`` go to the previous forward unchanged (TRL's fused head, generation).
+
+    ``model`` is the transformers causal LM (the base model under PEFT). Idempotent.
+    """
+    if getattr(model.forward, "_tpo_head", False):
+        return
+    previous = model.forward
+    text_config = model.config.get_text_config()
+    multiplier = _logit_multiplier(text_config)
+
+    @functools.wraps(type(model).forward)  # keep the signature: generate() validates its kwargs against it
+    def forward(self, *args, tpo_request=None, **kwargs):
+        if tpo_request is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        return _tpo_head(hidden, self.get_output_embeddings(), tpo_request, multiplier)
+
+    forward._tpo_head = True
+    model.forward = types.MethodType(forward, model)
+
+
+def _head_tensors(hidden: Tensor, head, cast_fp32: bool):
+    """hidden, weight and bias of the lm_head in one dtype, as the model would compute its logits."""
+    weight, bias = head.weight, head.bias
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        DTensor = ()
+    if DTensor and isinstance(weight, DTensor):  # FSDP2: gather the head once, as TRL's fused head does
+        weight = weight.full_tensor()
+        if bias is not None:
+            bias = bias.full_tensor()
+    hidden = hidden.to(weight.device)
+    device_type = hidden.device.type
+    if cast_fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)  # what autocast would run the head's matmul in
+    else:
+        dtype = weight.dtype
+    # API gap: fused_linear_tpo_loss needs hidden and weight of one dtype. Casting hidden costs
+    # [tokens, H]; casting the weight (autocast) is what F.linear under autocast does too.
+    hidden = hidden.to(dtype)
+    weight = weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    return hidden, weight, bias
+
+
+def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], multiplier: float) -> Dict[str, Any]:
+    """The TPO loss of a micro-batch from the backbone's last hidden states ``[N, P + C, H]``.
+
+    ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
+    ``group_size``, ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
+    ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32`` and ``token_entropy``.
+    Returns ``loss``, ``aux`` (tpo_kernels' aux of the counted rows, or None), ``kept`` ([N] bool),
+    ``group_index`` (original group of each kept row), ``labels``, ``mask``, ``ref_logprobs`` of the
+    kept rows, and ``token_entropy`` (or None).
+    """
+    labels, mask, scores = request["labels"], request["mask"], request["scores"]
+    num_rows, length = labels.shape
+    group_size = request["group_size"]
+    hidden = hidden_all[:, -length - 1 : -1]  # position t predicts completion token t
+    hidden, weight, bias = _head_tensors(hidden, head, request["cast_lm_head_to_fp32"])
+    if multiplier <= 0:
+        raise ValueError(f"the model's logit multiplier must be > 0 to fold it into the temperature, got {multiplier}")
+    temperature = request["temperature"] / multiplier
+    device = hidden.device
+    labels, mask, scores = labels.to(device), mask.to(device), scores.to(device)
+    old, ref = request["old_logprobs"], request["ref_logprobs"]
+    group_index = torch.arange(num_rows, device=device) // group_size
+    # API gap: tpo_kernels raises on a completion with no counted token (TRL's
+    # mask_truncated_completions makes them routinely). Leave such rows out of the call and name
+    # the groups of the others with group_ids: no mass, no gradient, for those completions.
+    kept = mask.any(dim=1)
+    out: Dict[str, Any] = {"kept": kept, "aux": None, "token_entropy": None}
+    with torch.autocast(device.type, enabled=False):
+        if not bool(kept.any()):
+            # Still a differentiable zero connected to every parameter the loss would touch.
+            zero = hidden.sum() * 0.0 + weight.sum() * 0.0
+            out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, group_index=group_index[:0])
+            out.update(labels=labels[:0], mask=mask[:0], ref_logprobs=None)
+            return out
+        grouping: Dict[str, Any] = {"group_size": group_size}
+        if not bool(kept.all()):
+            rows = kept.nonzero().squeeze(1)
+            hidden, labels, mask, scores = hidden[rows], labels[rows], mask[rows], scores[rows]
+            old = None if old is None else old[rows]
+            ref = None if ref is None else ref[rows]
+            group_index = group_index[rows]
+            grouping = {"group_ids": group_index}
+        loss, aux = fused_linear_tpo_loss(
+            hidden,
+            weight,
+            labels,
+            scores,
+            bias=bias,
+            mask=mask,
+            old_logprobs=None if old is None else old.to(device),
+            ref_logprobs=None if ref is None else ref.to(device),
+            beta=request["beta"],
+            eta=request["eta"],
+            anchor=request["anchor"],
+            temperature=temperature,
+            reduction="mean",
+            backend=request["backend"],
+            return_aux=True,
+            **grouping,
+        )
+        if request["token_entropy"]:
+            # Second vocabulary pass, without gradient: the TPO forward does not return token entropy yet.
+            with torch.no_grad():
+                _, entropy = fused_linear_logprobs(
+                    hidden.detach(),
+                    weight.detach(),
+                    labels.masked_fill(~mask, -100),
+                    bias=None if bias is None else bias.detach(),
+                    temperature=temperature,
+                    return_entropy=True,
+                    backend=request["backend"],
+                )
+            out["token_entropy"] = entropy
+    out.update(loss=loss, aux=aux, group_index=group_index, labels=labels, mask=mask, ref_logprobs=ref)
+    return out
