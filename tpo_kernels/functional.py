@@ -36,6 +36,16 @@ BackendArg = Union[str, Backend]
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
 
 
+def _sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, scores, backend,
+                    settings: dict, batch: dict):
+    """Checked settings, the backend and the prepared batch of a sequence-level loss."""
+    settings = check.check_settings(**settings)
+    chosen = get_backend(backend, inputs.device)
+    batch = check.prepare_batch(inputs.shape[:-1], vocab_size, inputs.device, compute_dtype(inputs.dtype), labels,
+                                scores, input_name=input_name, validate=settings.validate, **batch)
+    return settings, chosen, batch
+
+
 def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str) -> LossOutput:
     """The group stage of sequence-level TPO on flat token log-probs, and its aux."""
     objective = GroupObjective(
@@ -131,14 +141,13 @@ def tpo_loss(
             ``q``, ``u``, ``coef`` (dL/d ell of the group term) and ``group_loss``.
     """
     check.check_logits(logits)
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
     inplace_backward = check.check_flag("inplace_backward", inplace_backward)
-    chosen = get_backend(backend, logits.device)
-    batch = check.prepare_batch(
-        logits.shape[:-1], logits.shape[-1], logits.device, compute_dtype(logits.dtype), labels, scores,
-        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, validate=validate,
+    settings, chosen, batch = _sequence_setup(
+        logits, logits.shape[-1], "logits", labels, scores, backend,
+        dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
+             validate=validate),
+        dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
+             ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
     )
     matrix, copied = _rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
@@ -247,13 +256,12 @@ def fused_linear_tpo_loss(
     supported.
     """
     flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
-    chosen = get_backend(backend, hidden.device)
-    batch = check.prepare_batch(
-        hidden.shape[:-1], weight.shape[0], hidden.device, compute_dtype(hidden.dtype), labels, scores,
-        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, input_name="hidden", validate=validate,
+    settings, chosen, batch = _sequence_setup(
+        hidden, weight.shape[0], "hidden", labels, scores, backend,
+        dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
+             validate=validate),
+        dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
+             ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
     )
     key = backend_key(chosen)
     token_lp, _ = linear_logprobs(flat, weight, bias, batch.labels, inv_temperature=settings.inv_temperature,
