@@ -94,6 +94,26 @@ def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate)
     )
 
 
+def check_backend_arg(backend, names: Tuple[str, ...], backend_type: type) -> None:
+    """``backend`` is "auto", a backend name or a Backend instance."""
+    if isinstance(backend, backend_type):
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or a tpo_kernels Backend, got {type(backend).__name__}")
+    if backend != "auto" and backend not in names:
+        raise ValueError(f"backend must be 'auto' or one of {names} (or a Backend instance), got {backend!r}")
+
+
+def check_backend_device(name: str, supported: bool, device: torch.device) -> None:
+    if not supported:
+        raise ValueError(f"backend {name!r} does not run on {device.type} tensors")
+
+
+def check_tile_policy(tile_policy, policy_type: type) -> None:
+    if tile_policy is not None and not isinstance(tile_policy, policy_type):
+        raise TypeError(f"tile_policy must be a TilePolicy or None, got {type(tile_policy).__name__}")
+
+
 # ----------------------------------------------------------------------------- tensors
 
 
@@ -279,11 +299,10 @@ def _check_mask(mask, token_shape, device: torch.device, input_name: str, valida
     return mask.reshape(-1) != 0
 
 
-def _check_float_values(name: str, x, device, input_name: str) -> Tensor:
+def _check_float_values(name: str, x, device, input_name: str) -> None:
     check_tensor(name, x, device, input_name)
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} must be a float tensor, got {x.dtype}")
-    return x
 
 
 def prepare_batch(
@@ -414,8 +433,3 @@ def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, a
         if validate and not bool(torch.isfinite(old_logprobs).all()):
             raise ValueError("old_logprobs must be finite (found NaN or inf)")
     return candidates.to(torch.int64).contiguous(), scores, old_logprobs
-
-
-__all__ = ["FLOAT_DTYPES", "LossSettings", "PreparedBatch", "check_chunk_size", "check_flag",
-           "check_grad_accum_dtype", "check_head", "check_logits", "check_settings",
-           "compute_dtype", "prepare_batch", "prepare_candidates", "prepare_labels"]

@@ -196,8 +196,7 @@ def _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_polic
     check.check_head(hidden, weight, bias)
     chunk_size = check.check_chunk_size(chunk_size)
     accum = check.check_grad_accum_dtype(grad_accum_dtype, weight.dtype)
-    if tile_policy is not None and not isinstance(tile_policy, TilePolicy):
-        raise TypeError(f"tile_policy must be a TilePolicy or None, got {type(tile_policy).__name__}")
+    check.check_tile_policy(tile_policy, TilePolicy)
     policy = tile_policy or TilePolicy.for_device(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     if chunk_size is None:

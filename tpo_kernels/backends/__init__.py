@@ -23,6 +23,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from .._validate import check_backend_arg, check_backend_device
 from .interface import Backend
 
 BACKEND_NAMES = ("torch", "triton", "cpu", "cuda")
@@ -62,28 +63,18 @@ def triton_interpreter_enabled() -> bool:
 def get_backend(backend: Union[str, Backend], device: torch.device) -> Backend:
     """Resolve ``backend`` (a name, ``"auto"`` or a :class:`Backend`) to a usable backend for
     ``device``; raises naming ``backend`` when it cannot run there."""
-    if isinstance(backend, Backend):
-        reason = backend.unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(f"backend {backend.name!r} is not usable here: {reason}")
-        if not backend.supports_device(device):
-            raise ValueError(f"backend {backend.name!r} does not run on {device.type} tensors")
-        return backend
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string or a tpo_kernels Backend, got {type(backend).__name__}")
+    check_backend_arg(backend, BACKEND_NAMES, Backend)
     if backend == "auto":
         for name in _AUTO_ORDER.get(device.type, _AUTO_ORDER_DEFAULT):
             if _reason(name) is None and _load(name).supports_device(device):
                 return _load(name)
         return _load("torch")
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be 'auto' or one of {BACKEND_NAMES} (or a Backend instance), got {backend!r}")
-    reason = _reason(backend)
+    chosen = backend if isinstance(backend, Backend) else None
+    reason = chosen.unavailable_reason() if chosen is not None else _reason(backend)
     if reason is not None:
-        raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
-    chosen = _load(backend)
-    if not chosen.supports_device(device):
-        raise ValueError(f"backend {backend!r} does not run on {device.type} tensors")
+        raise RuntimeError(f"backend {getattr(chosen, 'name', backend)!r} is not usable here: {reason}")
+    chosen = chosen or _load(backend)
+    check_backend_device(chosen.name, chosen.supports_device(device), device)
     return chosen
 
 
