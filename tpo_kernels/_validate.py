@@ -81,17 +81,22 @@ class LossSettings:
     reduction: str
     return_aux: bool
     validate: bool
+    return_entropy: bool = False
 
 
-def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate) -> LossSettings:
-    return LossSettings(
+def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False) -> LossSettings:
+    settings = LossSettings(
         eta=check_positive("eta", eta),
         anchor=check_flag("anchor", anchor),
         inv_temperature=1.0 / check_positive("temperature", temperature),
         reduction=check_reduction(reduction),
         return_aux=check_flag("return_aux", return_aux),
         validate=check_flag("validate", validate),
+        return_entropy=check_flag("return_entropy", return_entropy),
     )
+    if settings.return_entropy and not settings.return_aux:
+        raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
+    return settings
 
 
 def check_backend_arg(backend, names: Tuple[str, ...], backend_type: type) -> None:
@@ -147,8 +152,9 @@ def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:
     return logits
 
 
-def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3)) -> None:
-    """hidden ``[..., H]``, weight ``[V, H]`` with V >= 1, bias ``[V]``: one dtype, one device."""
+def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3), same_dtype: bool = False) -> None:
+    """hidden ``[..., H]``, weight ``[V, H]`` with V >= 1, bias ``[V]`` in the weight's dtype, one
+    device. Hidden states may have another float dtype than the head unless ``same_dtype``."""
     check_float_tensor("hidden", hidden, hidden_ndims)
     check_float_tensor("weight", weight, (2,))
     if weight.shape[0] == 0:
@@ -158,7 +164,7 @@ def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3)) -> 
             f"weight must have shape [V, H] with H={hidden.shape[-1]} (the last dim of hidden), "
             f"got {tuple(weight.shape)}"
         )
-    if weight.dtype != hidden.dtype:
+    if same_dtype and weight.dtype != hidden.dtype:
         raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
     check_tensor("weight", weight, hidden.device, "hidden")
     if bias is None:
@@ -166,8 +172,8 @@ def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3)) -> 
     check_float_tensor("bias", bias, (1,))
     if tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape [V]=({weight.shape[0]},), got {tuple(bias.shape)}")
-    if bias.dtype != hidden.dtype:
-        raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+    if bias.dtype != weight.dtype:
+        raise TypeError(f"bias must have the dtype of weight ({weight.dtype}), got {bias.dtype}")
     check_tensor("bias", bias, hidden.device, "hidden")
 
 

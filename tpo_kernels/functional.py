@@ -46,8 +46,10 @@ def _sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, sc
     return settings, chosen, batch
 
 
-def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str) -> LossOutput:
-    """The group stage of sequence-level TPO on flat token log-probs, and its aux."""
+def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str,
+                   entropy: Optional[Tensor] = None) -> LossOutput:
+    """The group stage of sequence-level TPO on flat token log-probs, and its aux (with the token
+    entropies of the same vocabulary pass, when computed)."""
     objective = GroupObjective(
         batch.layout, batch.scores, old_seq_logprobs=batch.old_seq_logprobs, eta=settings.eta,
         anchor=settings.anchor, reduction=settings.reduction, backend=key, beta=batch.beta,
@@ -58,6 +60,8 @@ def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check
         return loss
     aux = objective.aux()
     aux["token_logprobs"] = aux["token_logprobs"].view(batch.token_shape)
+    if entropy is not None:
+        aux["token_entropy"] = entropy.detach().view(batch.token_shape)
     return loss, aux
 
 
@@ -109,6 +113,7 @@ def tpo_loss(
     backend: BackendArg = "auto",
     inplace_backward: bool = True,
     return_aux: bool = False,
+    return_entropy: bool = False,
     validate: bool = True,
 ) -> LossOutput:
     """Sequence-level Target Policy Optimization loss on vocabulary logits.
@@ -138,14 +143,18 @@ def tpo_loss(
             nor are buffers under ``torch.compile``.
         eta, anchor, temperature, reduction, backend, validate: see the module docstring.
         return_aux: also return a dict of detached ``token_logprobs``, ``seq_logprobs``, ``p``,
-            ``q``, ``u``, ``coef`` (dL/d ell of the group term) and ``group_loss``.
+            ``q``, ``u``, ``coef`` (dL/d ell of the group term), ``group_loss`` and per-group
+            metrics: ``kl_q_p`` (KL(q || p)), ``entropy_p``, ``entropy_q`` and ``zero_signal``
+            (True where the group carries no gradient, ``p == q``).
+        return_entropy: with ``return_aux``, also ``aux["token_entropy"]``: the entropy of each
+            token's tempered distribution, from the same vocabulary pass (0 where not counted).
     """
     check.check_logits(logits)
     inplace_backward = check.check_flag("inplace_backward", inplace_backward)
     settings, chosen, batch = _sequence_setup(
         logits, logits.shape[-1], "logits", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             validate=validate),
+             return_entropy=return_entropy, validate=validate),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
     )
@@ -154,9 +163,9 @@ def tpo_loss(
     # Under torch.compile the graph owns the buffers: the backward is out of place.
     inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and logits.grad_fn is not None))
     key = backend_key(chosen)
-    token_lp, _ = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,
-                                 with_entropy=False, inplace_backward=inplace, backend=key)
-    return _sequence_loss(token_lp, batch, settings, key)
+    token_lp, entropy = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,
+                                       with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
+    return _sequence_loss(token_lp, batch, settings, key, entropy)
 
 
 def selective_logprobs(
@@ -199,7 +208,7 @@ def _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_polic
     check.check_tile_policy(tile_policy, TilePolicy)
     policy = tile_policy or TilePolicy.for_device(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    if chunk_size is None:
+    if chunk_size is None:  # the tile budget, in rows of V
         chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])
     return flat, dict(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum)
 
@@ -225,6 +234,7 @@ def fused_linear_tpo_loss(
     reduction: str = "mean",
     backend: BackendArg = "auto",
     return_aux: bool = False,
+    return_entropy: bool = False,
     chunk_size: Optional[int] = None,
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
@@ -239,8 +249,10 @@ def fused_linear_tpo_loss(
     Args:
         hidden: ``[N, T, H]`` padded or ``[M, H]`` packed (with ``cu_seqlens``) last hidden states;
             ``hidden[n, t]`` predicts ``labels[n, t]`` (already shifted).
-        weight: ``[V, H]`` lm_head weight, dtype and device of ``hidden``.
-        bias: optional ``[V]`` lm_head bias.
+        weight: ``[V, H]`` lm_head weight on the device of ``hidden``. Its dtype may differ from
+            the hidden states' (e.g. an fp32 head under bf16 activations): logits are computed in
+            the wider dtype, casting one tile at a time.
+        bias: optional ``[V]`` lm_head bias, the weight's dtype.
         chunk_size: a budget of ``chunk_size * V`` logits per tile (a block of tokens times a
             block of the vocabulary); default from the tile policy (512 MiB of fp32 logits on
             CUDA, 6 MiB on CPU).
@@ -258,14 +270,14 @@ def fused_linear_tpo_loss(
     settings, chosen, batch = _sequence_setup(
         hidden, weight.shape[0], "hidden", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             validate=validate),
+             return_entropy=return_entropy, validate=validate),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
     )
     key = backend_key(chosen)
-    token_lp, _ = linear_logprobs(flat, weight, bias, batch.labels, inv_temperature=settings.inv_temperature,
-                                  with_entropy=False, backend=key, **tiles)
-    return _sequence_loss(token_lp, batch, settings, key)
+    token_lp, entropy = linear_logprobs(flat, weight, bias, batch.labels, inv_temperature=settings.inv_temperature,
+                                        with_entropy=settings.return_entropy, backend=key, **tiles)
+    return _sequence_loss(token_lp, batch, settings, key, entropy)
 
 
 def fused_linear_logprobs(
@@ -381,7 +393,7 @@ def fused_linear_token_tpo_loss(
     compute dtype and cast to the weight's dtype; the bias gradient likewise.
     Everything else as in :func:`token_tpo_loss`.
     """
-    check.check_head(hidden, weight, bias, hidden_ndims=(2,))
+    check.check_head(hidden, weight, bias, hidden_ndims=(2,), same_dtype=True)
     settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
                                     return_aux=return_aux, validate=validate)
     chosen = get_backend(backend, hidden.device)

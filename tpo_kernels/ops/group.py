@@ -67,7 +67,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_seq_logprobs, grad_u, grad_p, grad_q, grad_group_loss):
     p, q, token_seq, seq_group = ctx.saved_tensors
-    grad_seq = (p - q) * grad_group_loss[seq_group]
+    grad_seq = (p - q) * grad_group_loss[seq_group]  # materialized: zeros when the loss is unused
     if grad_seq_logprobs is not None:
         grad_seq = grad_seq + grad_seq_logprobs
     inside = token_seq >= 0
@@ -140,12 +140,20 @@ class GroupObjective:
         """Detached per-token, per-member and per-group results; ``coef`` is ``dLoss/d ell``
         of the group term, ``w * (p - q)`` with ``w = 1/G`` for the mean."""
         r = self.result
+        p, q = r.p.detach(), r.q.detach()
+        # Per-group metrics; 0 * log 0 = 0.
+        log_p, log_q = torch.log(p), torch.log(q)
+        q_log_q = torch.where(q > 0, q * log_q, 0.0)
         return {
             "token_logprobs": self.token_logprobs.detach(),
             "seq_logprobs": r.seq_logprobs.detach(),
-            "p": r.p.detach(),
-            "q": r.q.detach(),
+            "p": p,
+            "q": q,
             "u": r.u.detach(),
-            "coef": ((r.p - r.q) * self.loss_weight()).detach(),
+            "coef": (p - q) * self.loss_weight(),
             "group_loss": r.group_loss.detach(),
+            "kl_q_p": group_sum(q_log_q - torch.where(q > 0, q * log_p, 0.0), self.layout),
+            "entropy_p": -group_sum(torch.where(p > 0, p * log_p, 0.0), self.layout),
+            "entropy_q": -group_sum(q_log_q, self.layout),
+            "zero_signal": group_sum((p != q).to(p.dtype), self.layout) == 0,
         }

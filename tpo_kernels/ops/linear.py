@@ -83,9 +83,11 @@ def _add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor) 
 class TiledLinearHead:
     """A linear head over a flat token matrix, evaluated one tile of logits at a time.
 
-    ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None, one
-    dtype; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A tile
-    never holds more than ``chunk_size * V`` logits.
+    ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` (the weight's
+    dtype) or None; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A
+    tile never holds more than ``chunk_size * V`` logits. Hidden states and weight may differ in
+    dtype (bf16 activations under an fp32 head): logits are computed in the wider of the two, and
+    only a tile's operands are cast, never the whole of either.
     """
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -93,6 +95,7 @@ class TiledLinearHead:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
         self.chunk_size, self.policy = chunk_size, policy
+        self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
 
     @staticmethod
     def _row_chunks(selected: Tensor, chunk_size: int) -> List[Union[slice, Tensor]]:
@@ -104,16 +107,19 @@ class TiledLinearHead:
             return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
         return list(rows.split(chunk_size)) if rows.numel() > 0 else []
 
+    def _block_weight(self, vocab: slice) -> Tensor:
+        return self.weight[vocab].to(self.dtype)
+
     def _logits(self, h_rows: Tensor, vocab: slice, buffer: Tensor) -> Tensor:
         """``h_rows @ W[vocab].T (+ b[vocab])`` written into a contiguous view of the buffer."""
-        weight = self.weight[vocab]
+        weight, h_rows = self._block_weight(vocab), h_rows.to(self.dtype)
         out = buffer[: h_rows.shape[0] * weight.shape[0]].view(h_rows.shape[0], weight.shape[0])
         if self.bias is None:
             return torch.mm(h_rows, weight.t(), out=out)
-        return torch.addmm(self.bias[vocab], h_rows, weight.t(), out=out)
+        return torch.addmm(self.bias[vocab].to(self.dtype), h_rows, weight.t(), out=out)
 
     def _buffer(self, rows: int, vocab: int) -> Tensor:
-        return self.hidden.new_empty(max(rows, 1) * vocab)
+        return self.hidden.new_empty(max(rows, 1) * vocab, dtype=self.dtype)
 
     def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
         """(tokens, vocabulary entries) of one tile over ``num_rows`` rows: at most
@@ -141,7 +147,7 @@ class TiledLinearHead:
         block holding the label, and the entropy from ``S = sum_v p_v z_v`` (``H = lse - S``),
         where block ``b`` contributes ``exp(lse_b - lse) * (lse_b - H_b)``."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
-        lse = self.hidden.new_zeros(num_rows, dtype=compute_dtype(self.hidden.dtype))
+        lse = self.hidden.new_zeros(num_rows, dtype=compute_dtype(self.dtype))
         target = torch.zeros_like(lse)
         entropy = torch.zeros_like(lse) if with_entropy else None
         counted = self.labels >= 0
@@ -191,9 +197,9 @@ class TiledLinearHead:
             active = active | (grad_entropy != 0)
         num_active = int(active.sum())  # the one read-back: sizes the tiles of active rows
         token_block, vocab_block = self._tile(num_active, grad_accum_dtype)
-        hidden_accum = hidden.dtype
+        hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
         if vocab_block != vocab_size:
-            hidden_accum = torch.promote_types(grad_accum_dtype, hidden.dtype)
+            hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
         chunks = self._row_chunks(active, token_block)
         # The tile buffer first: the size of the forward's, it can take that freed memory.
@@ -209,13 +215,14 @@ class TiledLinearHead:
                 vocab = slice(start, min(start + vocab_block, vocab_size))
                 if need_weight:
                     dw = grad_weight[vocab] if block_accum is None else block_accum[: vocab.stop - start].zero_()
+                block_weight = self._block_weight(vocab) if need_hidden else None
                 for rows in chunks:
                     h_rows = hidden[rows]
                     dlogits = self._block_grad(h_rows, rows, vocab, buffer, lse, grad_logprob, grad_entropy, entropy)
                     if need_hidden:
-                        _add_product(grad_hidden, rows, dlogits, weight[vocab])
+                        _add_product(grad_hidden, rows, dlogits, block_weight)
                     if need_weight:
-                        _add_product(dw, slice(None), dlogits.t(), h_rows)
+                        _add_product(dw, slice(None), dlogits.t(), h_rows.to(self.dtype))
                     if need_bias:
                         grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
                 if block_accum is not None:
@@ -263,7 +270,7 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
 @_linear_logprobs.register_fake
 def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens,
       accum_bytes, grad_accum_dtype, backend):
-    rows, acc = hidden.shape[0], compute_dtype(hidden.dtype)
+    rows, acc = hidden.shape[0], compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
     return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
             hidden.new_empty(rows, dtype=acc))
 
@@ -295,6 +302,7 @@ def _setup_context(ctx, inputs, output):
      accum_bytes, grad_accum_dtype, backend) = inputs
     _, entropy, lse = output
     ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype)
     ctx.with_entropy, ctx.has_bias, ctx.backend = with_entropy, bias is not None, backend
 
@@ -302,6 +310,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
     hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
     skipped = labels < 0  # rows that do not count have no gradient
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros_like(lse)
     grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(lse.dtype))
     if ctx.with_entropy and grad_entropy is not None:
         grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))

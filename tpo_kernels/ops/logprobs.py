@@ -77,6 +77,7 @@ def _setup_context(ctx, inputs, output):
     logits, labels, inv_temperature, with_entropy, inplace_backward, backend = inputs
     _, entropy, lse = output
     ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
 
@@ -84,6 +85,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
     logits, labels, lse, entropy = ctx.saved_tensors
     skipped = labels < 0  # rows that were never read have no gradient
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros_like(lse)
     grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(lse.dtype))
     if ctx.with_entropy and grad_entropy is not None:
         grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))
