@@ -1,14 +1,13 @@
-"""Token-level TPO (issue 6): token_tpo_loss and fused_linear_token_tpo_loss against
+"""Token-level TPO: token_tpo_loss and fused_linear_token_tpo_loss against
 reference.token_tpo_loss (full-vocab log_softmax, gather, Eq. 1-3 with autograd), gradcheck,
-exact zeros for tied states, determinism, no [R, V] tensor on the fused-linear path, the Triton
-candidate kernels (under the interpreter on CPU) and input validation.
+exact zeros for tied states, determinism, no [R, V] tensor on the fused-linear path, and the
+Triton candidate kernels (under the interpreter on CPU) and input validation.
 
 Tolerances: float64 inputs are compared at 1e-10 (everything is computed in float64); float32
 at 1e-5; bf16 inputs are compared with a float64 reference run on the same (bf16-rounded)
 values, at 1e-5 for the loss (fp32 math) and 2e-2 for gradients rounded to bf16 on output.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,20 +18,17 @@ import torch
 
 import tpo_kernels.backends.candidates as candidate_ops
 from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
-from tpo_kernels.backends import Backend, backend_status, triton_interpreter_enabled
+from tpo_kernels.backends import Backend
 from tpo_kernels.layout import pair_runs
 
+from _backends import DEVICE, backend_params, needs_triton, needs_triton_nvidia_compiler
 from _dispatch import OutputSizes
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or triton_interpreter_enabled()
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable or no CUDA / interpreter")
-
-# Backends whose own candidate ops run the logits path on CPU tensors.
-LOGITS_BACKENDS = ["torch"] + (["cpu"] if backend_status()["cpu"] == "available" else [])
-LINEAR_BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+# Backends whose own candidate ops run the logits path on CPU tensors; the Triton candidate
+# kernels come in as "triton-kernels" (see the logits_backend fixture).
+LOGITS_BACKENDS = backend_params("torch", "cpu")
+# Backends with candidate linear ops of their own (the fused-linear path).
+LINEAR_BACKENDS = backend_params("torch", "triton")
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 2e-2)}
 
@@ -84,7 +80,7 @@ def _triton_candidate_backend():
     return TritonCandidates()
 
 
-@pytest.fixture(params=LOGITS_BACKENDS + (["triton-kernels"] if HAS_TRITON else []))
+@pytest.fixture(params=LOGITS_BACKENDS + [pytest.param("triton-kernels", marks=needs_triton, id="triton-kernels")])
 def logits_backend(request):
     """Backend for token_tpo_loss; "triton-kernels" is a Backend instance whose candidate ops
     are the Triton launchers."""
@@ -277,12 +273,19 @@ def test_fused_linear_gradcheck(backend):
     )
 
 
-@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
-def test_fused_linear_tied_states_and_determinism(backend):
+def _tied_linear_inputs():
+    """Linear inputs (hidden, weight, bias as leaves on DEVICE), candidates and scores in which
+    state 4 ties; vocab 5, so candidates repeat across states."""
     gen = torch.Generator().manual_seed(9)
     hidden, weight, bias, cands, scores = _linear_inputs(torch.float32, True, gen, num_states=8, vocab=5)
     scores[4] = 1.5  # tied: no gradient from state 4
     params = [t.to(DEVICE).requires_grad_() for t in (hidden, weight, bias)]
+    return params, cands, scores
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_fused_linear_is_deterministic(backend):
+    params, cands, scores = _tied_linear_inputs()
     runs = []
     for _ in range(2):
         loss = fused_linear_token_tpo_loss(
@@ -290,7 +293,16 @@ def test_fused_linear_tied_states_and_determinism(backend):
         )
         runs.append((loss, *torch.autograd.grad(loss, params)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    assert bool((runs[0][1][4] == 0).all())  # dH of the tied state
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_fused_linear_tied_states_have_exactly_zero_gradient(backend):
+    params, cands, scores = _tied_linear_inputs()
+    loss = fused_linear_token_tpo_loss(
+        params[0], params[1], cands.to(DEVICE), scores.to(DEVICE), bias=params[2], backend=backend
+    )
+    (dhidden, *_) = torch.autograd.grad(loss, params)
+    assert bool((dhidden[4] == 0).all())  # dH of the tied state
 
     # A batch whose states all tie: every gradient is exactly zero.
     tied = torch.zeros_like(scores)
@@ -462,17 +474,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
-def _nvidia_compiler_present():
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-    from triton.backends import backends
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    return "nvidia" in backends and os.path.exists(ptxas)
-
-
-@pytest.mark.skipif(not _nvidia_compiler_present(), reason="Triton's NVIDIA compiler is absent")
+@needs_triton_nvidia_compiler
 def test_candidate_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts programs the compiler may reject: compile the kernels to cubins
     (no GPU needed) with the interpreter off."""
