@@ -337,39 +337,3 @@ def test_weight_dtype_accumulation_and_bf16_gradients_stay_close():
         assert grad32.dtype == grad16.dtype == torch.bfloat16
         torch.testing.assert_close(grad16.float(), grad32.float(), **BF16_TOL)
 
-
-def test_bad_inputs_name_the_argument():
-    h, w, b, labels, scores, kwargs = _batch()
-
-    def call(**overrides):
-        args = dict(hidden=h, weight=w, labels=labels, scores=scores, bias=b, **kwargs)
-        args.update(overrides)
-        hidden, weight = args.pop("hidden"), args.pop("weight")
-        return fused_linear_tpo_loss(hidden, weight, args.pop("labels"), args.pop("scores"), **args)
-
-    with pytest.raises(ValueError, match="weight must have shape"):
-        call(weight=w[:, :-1])
-    with pytest.raises(TypeError, match="weight must have the dtype of hidden"):
-        call(weight=w.double())
-    with pytest.raises(ValueError, match="bias must have shape"):
-        call(bias=b[:-1])
-    with pytest.raises(TypeError, match="bias must have the dtype"):
-        call(bias=b.double())
-    with pytest.raises(ValueError, match="hidden must be 2-D or 3-D"):
-        call(hidden=h[0, 0])
-    with pytest.raises(ValueError, match="labels must have shape"):
-        call(labels=labels[:, :-1])
-    with pytest.raises(ValueError, match=r"labels must hold ids in \[0, 37\)"):
-        call(labels=torch.full_like(labels, VOCAB))
-    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
-        call(chunk_size=0)
-    with pytest.raises(TypeError, match="chunk_size must be an int"):
-        call(chunk_size=2.0)
-    with pytest.raises(TypeError, match="grad_accum_dtype"):
-        call(grad_accum_dtype=torch.int32)
-    with pytest.raises(ValueError, match="temperature"):
-        call(temperature=0.0)
-    with pytest.raises(ValueError, match="labels must have shape"):
-        fused_linear_logprobs(h, w, labels[:, :-1])
-    with pytest.raises(TypeError, match="labels must be an integer tensor"):
-        fused_linear_logprobs(h, w, labels.float())
