@@ -4,22 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-import pytest
 import torch
 
-import tpo_kernels
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def backend_param(name: str):
-    """pytest.param for a backend, skipped with the reason when it cannot run here."""
-    status = tpo_kernels.backend_status()[name]
-    marks = [] if status == "available" else [pytest.mark.skip(reason=f"{name}: {status}")]
-    return pytest.param(name, marks=marks, id=name)
-
-
-ALL_BACKENDS = [backend_param(n) for n in ("torch", "triton", "cpu", "cuda")]
+from _backends import DEVICE
 
 
 def make_batch(

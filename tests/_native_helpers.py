@@ -1,6 +1,7 @@
 """Helpers of the native-backend tests (test_cpu_extension.py, test_cuda_extension.py,
-test_native_build.py): which extensions run here, the CUDA toolkit discovery of the build,
-random rows, float64 reference values and the tolerances.
+test_native_build.py): the backends and extension modules, where the built extensions lie,
+random rows, float64 reference values and the tolerances. Which extensions and compilers are
+present here: tests/_backends.py.
 
 Tolerances. The CPU extension and the torch backend read the same logits and accumulate in the
 same dtype (fp32; fp64 for fp64 logits), so they differ only by summation order and exp
@@ -13,25 +14,13 @@ plus a small atol). CUDA results get the same tolerances.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-import pytest
 import torch
 
 from tpo_kernels import backends
-from tpo_kernels.backends import backend_status
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = Path(backends.__file__).resolve().parents[1]  # the tpo_kernels being tested
-
-CPU_STATUS = backend_status()["cpu"]
-CUDA_STATUS = backend_status()["cuda"]
-CPU_OK = CPU_STATUS == "available"
-CUDA_OK = CUDA_STATUS == "available"
-HAS_GPU = torch.cuda.is_available()
-needs_cpu_ext = pytest.mark.skipif(not CPU_OK, reason=f"cpu backend: {CPU_STATUS}")
-needs_cuda = pytest.mark.skipif(not CUDA_OK, reason=f"cuda backend: {CUDA_STATUS}")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -52,32 +41,6 @@ def cpu_ext():
     from tpo_kernels import _C_cpu
 
     return _C_cpu
-
-
-def cuda_ext_or_none():
-    """The built CUDA extension (importable without a GPU), or None when it is not built."""
-    try:
-        from tpo_kernels import _C_cuda
-    except ImportError:
-        return None
-    return _C_cuda
-
-
-def load_toolkit():
-    """csrc/cuda_toolkit.py, the CUDA discovery setup.py and .ci/build_native.sh use; None when
-    the source tree is not here (an installed package tested on its own)."""
-    path = ROOT / "csrc" / "cuda_toolkit.py"
-    if not path.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("tpo_cuda_toolkit", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def find_nvcc():
-    toolkit = load_toolkit()
-    return None if toolkit is None else toolkit.find_nvcc()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import tpo_kernels  # noqa: E402
+from _backends import HAS_GPU  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if HAS_GPU:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

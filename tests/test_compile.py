@@ -6,10 +6,10 @@ import torch
 
 import tpo_kernels
 
-from _batches import backend_param
+from _backends import backend_available, backend_params
 
 N, T, H, V, K = 4, 6, 16, 50, 2
-COMPILE_BACKENDS = [backend_param("torch"), backend_param("cpu")]
+COMPILE_BACKENDS = backend_params("torch", "cpu")
 
 
 def _model_and_batch():
@@ -63,7 +63,7 @@ def test_fullgraph_compile_matches_eager(backend):
 
 def test_inductor_compile_matches_eager():
     """The default compiler (inductor) on the cpu backend's custom ops."""
-    backend = "cpu" if tpo_kernels.backend_status()["cpu"] == "available" else "torch"
+    backend = "cpu" if backend_available("cpu") else "torch"
     embedding, lm_head, *batch = _model_and_batch()
     eager = _loss_and_grads(lambda: _step(backend, embedding, lm_head, *batch), embedding, lm_head)
     torch._dynamo.reset()

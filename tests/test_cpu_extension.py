@@ -15,17 +15,15 @@ from tpo_kernels.backends import candidates as torch_candidates
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
 
+from _backends import HAS_GPU, backend_available, needs_cpu
 from _native_helpers import (
-    CPU_OK,
     DTYPES,
-    HAS_GPU,
     cpu_backend,
     cpu_ext,
     ent_tol,
     fwd_tol,
     grad_tol,
     make_rows,
-    needs_cpu_ext,
     reference_rows,
 )
 
@@ -33,7 +31,7 @@ TORCH = TorchBackend()
 
 
 def cpu_isas():
-    if not CPU_OK:
+    if not backend_available("cpu"):
         return ["default"]
     order = ["generic", "avx2", "avx512"]
     return order[: order.index(cpu_ext().isa()) + 1]
@@ -42,7 +40,7 @@ def cpu_isas():
 @pytest.fixture(params=cpu_isas())
 def isa(request):
     """Runs a test once per instruction set the CPU supports (the kernels are compiled per ISA)."""
-    if not CPU_OK:
+    if not backend_available("cpu"):
         yield request.param
         return
     ext = cpu_ext()
@@ -71,7 +69,7 @@ def math_op(op, x, out_dtype):
     return y
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_exp_f32_is_accurate():
     x = torch.cat([torch.linspace(-86.0, 88.7, 2_000_001), torch.randn(500_000)])
     y = math_op("exp_f32", x, torch.float32).double()
@@ -83,7 +81,7 @@ def test_exp_f32_is_accurate():
     assert out[1:].tolist() == [0.0, float("inf"), 0.0, float("inf"), 1.0]
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("fmt", ["bf16", "half"])
 def test_16bit_to_float_exhaustive(fmt):
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float16
@@ -95,7 +93,7 @@ def test_16bit_to_float_exhaustive(fmt):
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("fmt", ["bf16", "half"])
 def test_float_to_16bit_rounds_to_nearest_even(fmt):
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float16
@@ -121,7 +119,7 @@ def test_float_to_16bit_rounds_to_nearest_even(fmt):
 # ----------------------------------------------------------------------------------------------
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
@@ -145,7 +143,7 @@ def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
     assert torch.equal(lse2, lse) and torch.equal(target2, target)
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_row_forward_skipped_rows_are_zero_and_not_read():
     logits, labels = make_rows(8, 300, torch.float32, skip=(1, 6))
     logits[1] = float("nan")
@@ -156,7 +154,7 @@ def test_row_forward_skipped_rows_are_zero_and_not_read():
         assert torch.isfinite(t).all()
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_row_forward_masked_vocab_and_nan(isa):
     logits, labels = make_rows(5, 10_000, torch.float32)
     logits[0, ::3] = float("-inf")  # masked vocab entries contribute exp(-inf) = 0
@@ -175,7 +173,7 @@ def test_row_forward_masked_vocab_and_nan(isa):
     assert torch.isfinite(lse[4]) and torch.isfinite(entropy[4])
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_rows(dtype, isa):
     # Odd vocab over many chunks, large logits range.
@@ -197,7 +195,7 @@ def test_large_rows(dtype, isa):
 # ----------------------------------------------------------------------------------------------
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_row_backward_matches_torch(dtype, with_entropy, isa):
@@ -220,7 +218,7 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
     assert (got[5] == 0).all()
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_backward_in_place_equals_out_of_place(dtype, isa):
     logits, labels = make_rows(12, 4099, dtype, skip=(7,))
@@ -234,7 +232,7 @@ def test_row_backward_in_place_equals_out_of_place(dtype, isa):
     assert torch.equal(buffer, out)  # the label's logit is read before it is overwritten
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_zero_signal_rows_written_without_reading():
     logits, labels = make_rows(6, 999, torch.float32)
     logits[2] = float("nan")  # g == ge == 0 on this row: must not be read
@@ -249,7 +247,7 @@ def test_zero_signal_rows_written_without_reading():
     assert torch.isfinite(out).all()
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_backward_negative_label_has_no_onehot():
     logits, labels = make_rows(4, 100, torch.float64)
     lse, _, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
@@ -261,7 +259,7 @@ def test_backward_negative_label_has_no_onehot():
     torch.testing.assert_close(out[1], -p)
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_masked_vocab_gradient_is_finite():
     logits, labels = make_rows(3, 500, torch.float32)
     logits[:, ::2] = float("-inf")
@@ -273,7 +271,7 @@ def test_masked_vocab_gradient_is_finite():
     assert (out[:, ::2] == 0).all()
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_gradcheck_float64():
     backend = cpu_backend()
 
@@ -302,7 +300,7 @@ def test_gradcheck_float64():
         assert torch.autograd.gradcheck(lambda z: RowLogprob.apply(z, labels, it), (logits,))
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_non_contiguous_inputs():
     base, labels = make_rows(10, 1200, torch.float32)
     lse_ref, target_ref, ent_ref = forward(TORCH, base, labels)
@@ -329,7 +327,7 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(out, want, **grad_tol(torch.float32))
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_deterministic_and_thread_count():
     logits, labels = make_rows(64, 7000, torch.float32)
     a = forward(cpu_backend(), logits, labels)
@@ -344,7 +342,7 @@ def test_deterministic_and_thread_count():
 # ----------------------------------------------------------------------------------------------
 
 
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_candidate_ops_match_torch(dtype):
     logits, _ = make_rows(9, 300, dtype)
@@ -370,7 +368,7 @@ def test_candidate_ops_match_torch(dtype):
     assert torch.equal(transposed, out_want)
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_candidate_ops_without_candidates():
     logits, _ = make_rows(4, 30, torch.float32)
     none = torch.empty(4, 0, dtype=torch.int64)
@@ -385,7 +383,7 @@ def test_candidate_ops_without_candidates():
 # ----------------------------------------------------------------------------------------------
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_rejects_out_of_range_ids():
     logits, labels = make_rows(4, 50, torch.float32)
     bad = labels.clone()
@@ -416,7 +414,7 @@ def _row_forward_kwargs():
     return keep, kwargs
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_binding_rejects_bad_arguments():
     ext = cpu_ext()
     keep, good = _row_forward_kwargs()
@@ -485,7 +483,7 @@ def test_binding_rejects_bad_arguments():
             raise ValueError("cpu")
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_empty_inputs():
     logits = torch.empty(0, 10)
     labels = torch.empty(0, dtype=torch.int64)
@@ -494,7 +492,7 @@ def test_empty_inputs():
     backward(cpu_backend(), logits, labels, lse, lse, logits)
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_backend_status_and_auto():
     backend = get_backend("cpu", torch.device("cpu"))
     assert backend.name == "cpu" and backend.unavailable_reason() is None
@@ -504,7 +502,7 @@ def test_backend_status_and_auto():
 
 
 @pytest.mark.slow
-@needs_cpu_ext
+@needs_cpu
 @pytest.mark.skipif(os.environ.get("TPO_PERF_TESTS", "0") == "0", reason="set TPO_PERF_TESTS=1")
 def test_faster_than_eager():
     """fwd+bwd at M=8192, V=32768 fp32 (4 GiB of eager temporaries): >= 2x over eager PyTorch."""

@@ -14,20 +14,17 @@ from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.group_op import group_targets as torch_group_targets
 from tpo_kernels.layout import build_layout
 
+from _backends import CUDA_EXTENSION, needs_cuda, needs_cuda_extension
 from _native_helpers import (
     DTYPES,
     cuda_backend,
-    cuda_ext_or_none,
     ent_tol,
     fwd_tol,
     grad_tol,
     make_rows,
-    needs_cuda,
 )
 
 TORCH = TorchBackend()
-CUDA_EXT = cuda_ext_or_none()
-needs_cuda_ext = pytest.mark.skipif(CUDA_EXT is None, reason="the CUDA extension is not built")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -35,13 +32,13 @@ needs_cuda_ext = pytest.mark.skipif(CUDA_EXT is None, reason="the CUDA extension
 # ----------------------------------------------------------------------------------------------
 
 
-@needs_cuda_ext
+@needs_cuda_extension
 def test_binding_rejects_bad_arguments_before_launching():
     x = torch.randn(4, 8)  # host memory: nothing may be launched on it
     lab = torch.zeros(4, dtype=torch.int64)
     good = dict(dtype=0, rows=0, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
                 inv_temperature=1.0, lse=1, target=1, device=0, stream=0)
-    CUDA_EXT.row_forward(**good)  # no rows: checked, nothing to launch
+    CUDA_EXTENSION.row_forward(**good)  # no rows: checked, nothing to launch
     for change, message in [
         ({"rows": 4, "logits": 0}, "null"),
         ({"rows": -1}, "rows"),
@@ -51,11 +48,11 @@ def test_binding_rejects_bad_arguments_before_launching():
         ({"device": -1}, "device"),
     ]:
         with pytest.raises(ValueError, match=message):
-            CUDA_EXT.row_forward(**{**good, **change})
+            CUDA_EXTENSION.row_forward(**{**good, **change})
     with pytest.raises(TypeError, match="missing required keyword argument 'device'"):
-        CUDA_EXT.row_forward(**{k: v for k, v in good.items() if k != "device"})
+        CUDA_EXTENSION.row_forward(**{k: v for k, v in good.items() if k != "device"})
     with pytest.raises(TypeError, match="unexpected keyword argument 'weight'"):
-        CUDA_EXT.row_forward(**good, weight=1.0)
+        CUDA_EXTENSION.row_forward(**good, weight=1.0)
     group = dict(dtype=0, num_groups=1, token_logprobs=1, seq_start=1, seq_len=1, group_offsets=1,
                  group_members=1, scores=1, eta=1.0, anchor=True, seq_logprobs=1, u=1, p=1, q=1,
                  group_loss=1, device=0, stream=0)
@@ -66,11 +63,11 @@ def test_binding_rejects_bad_arguments_before_launching():
         ({"q": 0}, "q is a null pointer"),
     ]:
         with pytest.raises(ValueError, match=message):
-            CUDA_EXT.group_targets(**{**group, **change})
-    # The group op has no loss weight or coefficient output any more.
+            CUDA_EXTENSION.group_targets(**{**group, **change})
+    # The group op takes no loss weight and writes no coefficient.
     for extra in ("weight", "coef"):
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{extra}'"):
-            CUDA_EXT.group_targets(**group, **{extra: 1})
+            CUDA_EXTENSION.group_targets(**group, **{extra: 1})
 
 
 def test_group_op_rejects_host_tensors():

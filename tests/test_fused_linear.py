@@ -10,16 +10,9 @@ import torch
 
 from tpo_kernels import TilePolicy, fused_linear_logprobs, fused_linear_tpo_loss, reference
 
+from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
+from _batches import make_batch
 from _dispatch import OpRecorder, OutputSizes
-from _batches import DEVICE, backend_param, make_batch
-
-# Backends that run on DEVICE at full speed; Triton under the CPU interpreter only on one tiny case.
-if DEVICE.type == "cpu":
-    BACKENDS = [backend_param("torch"), backend_param("cpu")]
-    INTERPRETED = [backend_param("triton")]
-else:
-    BACKENDS = [backend_param(n) for n in ("torch", "triton", "cuda")]
-    INTERPRETED = []
 
 HIDDEN, VOCAB = 16, 37
 # fp32: the fused path computes the same fp32 logits chunk by chunk (only the matmul blocking and
@@ -111,7 +104,7 @@ class MatmulRecorder(OpRecorder):
         return [m * k * n for (m, k), (_, n) in self.shapes]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("grouping", ["size", "ids"])
 @pytest.mark.parametrize("bias", [True, False])
@@ -122,7 +115,7 @@ def test_fp32_matches_reference(backend, layout, grouping, bias, reduction):
     _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("old", ["token", "seq"])
 @pytest.mark.parametrize("anchor", [True, False])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -132,7 +125,7 @@ def test_old_logprobs_and_anchor_match_reference(backend, old, anchor, layout):
     _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_kl_penalty_temperature_and_eta_match_reference(backend, reduction, layout):
@@ -141,14 +134,14 @@ def test_kl_penalty_temperature_and_eta_match_reference(backend, reduction, layo
     _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_bf16_matches_reference_on_the_same_rounded_logits(backend, layout):
     h, w, b, labels, scores, kwargs = _batch(layout=layout, old="token", dtype=torch.bfloat16)
     _check_tpo(backend, h, w, b, labels, scores, kwargs, BF16_TOL, reference_dtype=torch.bfloat16, chunk_size=4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype, accum", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
 def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum):
     # A wider accumulator than the weight dtype is kept per vocabulary block; a budget of 10
@@ -163,7 +156,7 @@ def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum):
     assert any(operands[1] == (HIDDEN, 10) for operands in recorder.shapes)  # a block's recompute ran
 
 
-@pytest.mark.parametrize("backend", INTERPRETED)
+@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
 def test_interpreted_triton_matches_reference(backend):
     h, w, b, labels, scores, kwargs = _batch(num_groups=1, group_size=2, max_len=3, with_ref=True)
     kwargs.update(temperature=0.8)
@@ -179,7 +172,7 @@ def test_return_aux_matches_reference():
         torch.testing.assert_close(aux[key], ref_aux[key].to(aux[key].dtype), **FP32_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_gradcheck_float64(backend, bias):
     # Old log-probs given: q is then a constant, so the loss value is what the gradient differentiates
@@ -196,7 +189,7 @@ def test_gradcheck_float64(backend, bias):
     assert torch.autograd.gradcheck(loss_fn, tuple(t for t in (h, w, b) if t is not None))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_logprobs_gradcheck_float64(backend):
     h, w, b = _leaves(*_head((2, 2), torch.float64, hidden=2, vocab=5))
     labels = torch.randint(0, 5, (2, 2), device=DEVICE)
@@ -209,7 +202,7 @@ def test_logprobs_gradcheck_float64(backend):
     assert torch.autograd.gradcheck(fn, (h, w, b))
 
 
-@pytest.mark.parametrize("backend", BACKENDS + INTERPRETED)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS + INTERPRETED_BACKENDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("vocab_blocks", [False, True])
 def test_logprobs_and_entropy_match_reference(backend, temperature, vocab_blocks):
@@ -246,7 +239,7 @@ def test_logprobs_under_no_grad_match_the_differentiable_values():
     torch.testing.assert_close(lp, reference.selective_logprobs(h @ w.T + b, labels), **FP32_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_chunk_size_invariance(backend):
     h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="token", with_ref=True)
     num_tokens = labels.numel()
@@ -270,7 +263,7 @@ def _tied_batch(tie_groups, **kwargs):
     return _leaves(h, w, b), labels, scores, loss_kwargs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_all_tied_groups_run_no_backward_matmul_and_give_exact_zeros(backend, layout):
     (h, w, b), labels, scores, kwargs = _tied_batch(3, layout=layout, grouping="ids")
@@ -282,7 +275,7 @@ def test_all_tied_groups_run_no_backward_matmul_and_give_exact_zeros(backend, la
         assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
     (h, w, b), labels, scores, kwargs = _tied_batch(2, layout="packed")  # group 2 of 3 carries signal
     chunk_size = 3
@@ -304,7 +297,7 @@ def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
     assert torch.equal(h.grad[~active], torch.zeros_like(h.grad[~active]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_only_the_gradients_asked_for_are_computed(backend):
     h, w, b, labels, scores, kwargs = _batch(layout="padded")
     w.requires_grad_(True)
@@ -317,7 +310,7 @@ def test_only_the_gradients_asked_for_are_computed(backend):
     torch.testing.assert_close(grad_w, ref, **FP32_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_never_materializes_tokens_times_vocab(backend):
     n, t, hidden, vocab, chunk_size = 8, 16, 8, 500, 4
     h, w, b = _leaves(*_head((n, t), hidden=hidden, vocab=vocab))
@@ -344,39 +337,3 @@ def test_weight_dtype_accumulation_and_bf16_gradients_stay_close():
         assert grad32.dtype == grad16.dtype == torch.bfloat16
         torch.testing.assert_close(grad16.float(), grad32.float(), **BF16_TOL)
 
-
-def test_bad_inputs_name_the_argument():
-    h, w, b, labels, scores, kwargs = _batch()
-
-    def call(**overrides):
-        args = dict(hidden=h, weight=w, labels=labels, scores=scores, bias=b, **kwargs)
-        args.update(overrides)
-        hidden, weight = args.pop("hidden"), args.pop("weight")
-        return fused_linear_tpo_loss(hidden, weight, args.pop("labels"), args.pop("scores"), **args)
-
-    with pytest.raises(ValueError, match="weight must have shape"):
-        call(weight=w[:, :-1])
-    with pytest.raises(TypeError, match="weight must have the dtype of hidden"):
-        call(weight=w.double())
-    with pytest.raises(ValueError, match="bias must have shape"):
-        call(bias=b[:-1])
-    with pytest.raises(TypeError, match="bias must have the dtype"):
-        call(bias=b.double())
-    with pytest.raises(ValueError, match="hidden must be 2-D or 3-D"):
-        call(hidden=h[0, 0])
-    with pytest.raises(ValueError, match="labels must have shape"):
-        call(labels=labels[:, :-1])
-    with pytest.raises(ValueError, match=r"labels must hold ids in \[0, 37\)"):
-        call(labels=torch.full_like(labels, VOCAB))
-    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
-        call(chunk_size=0)
-    with pytest.raises(TypeError, match="chunk_size must be an int"):
-        call(chunk_size=2.0)
-    with pytest.raises(TypeError, match="grad_accum_dtype"):
-        call(grad_accum_dtype=torch.int32)
-    with pytest.raises(ValueError, match="temperature"):
-        call(temperature=0.0)
-    with pytest.raises(ValueError, match="labels must have shape"):
-        fused_linear_logprobs(h, w, labels[:, :-1])
-    with pytest.raises(TypeError, match="labels must be an integer tensor"):
-        fused_linear_logprobs(h, w, labels.float())

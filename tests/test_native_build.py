@@ -16,21 +16,19 @@ import pytest
 from tpo_kernels.backends import backend_status
 from tpo_kernels.backends.native import DTYPE_CODES
 
-from _native_helpers import (
-    CPU_OK,
+from _backends import (
+    CUDA_EXTENSION,
+    CUDA_TOOLKIT,
     HAS_GPU,
-    PACKAGE_DIR,
+    NVCC,
     ROOT,
-    cpu_ext,
-    cuda_ext_or_none,
-    find_nvcc,
-    load_toolkit,
-    needs_cpu_ext,
+    backend_available,
+    needs_cpu,
+    needs_nvcc,
 )
+from _native_helpers import PACKAGE_DIR, cpu_ext
 
-TOOLKIT = load_toolkit()
-needs_source = pytest.mark.skipif(TOOLKIT is None, reason="not a source checkout (no csrc/)")
-NVCC = find_nvcc()
+needs_source = pytest.mark.skipif(CUDA_TOOLKIT is None, reason="not a source checkout (no csrc/)")
 CUDA_SKIPPED = os.environ.get("TPO_SKIP_CUDA", "0") not in ("", "0")
 ISAS = ("generic", "avx2", "avx512")
 
@@ -46,10 +44,10 @@ def cuda_so_files():
 
 def test_cpu_extension_built():
     assert list(PACKAGE_DIR.glob("_C_cpu*.so")) or list(PACKAGE_DIR.glob("_C_cpu*.pyd")), backend_status()["cpu"]
-    assert CPU_OK, backend_status()["cpu"]
+    assert backend_available("cpu"), backend_status()["cpu"]
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_isa_dispatch_and_fallback():
     ext = cpu_ext()
     previous = ext.isa()
@@ -65,7 +63,7 @@ def test_isa_dispatch_and_fallback():
         ext.set_isa(previous)
 
 
-@needs_cpu_ext
+@needs_cpu
 def test_isa_chosen_by_environment():
     """TPO_CPU_ISA picks the kernels' instruction set at first use (a fresh process each)."""
     so = next(iter(PACKAGE_DIR.glob("_C_cpu*.so")))
@@ -115,11 +113,11 @@ def test_dtype_codes_match_the_abi_header():
 @needs_source
 def test_cuda_archs_follow_the_environment(monkeypatch):
     monkeypatch.delenv("TPO_CUDA_ARCHS", raising=False)
-    assert TOOLKIT.cuda_archs() == ["80", "90"]
+    assert CUDA_TOOLKIT.cuda_archs() == ["80", "90"]
     monkeypatch.setenv("TPO_CUDA_ARCHS", "8.0 90a;100")
-    archs = TOOLKIT.cuda_archs()
+    archs = CUDA_TOOLKIT.cuda_archs()
     assert archs == ["80", "90a", "100"]
-    assert TOOLKIT.arch_flags(archs) == [
+    assert CUDA_TOOLKIT.arch_flags(archs) == [
         "-gencode=arch=compute_80,code=sm_80",
         "-gencode=arch=compute_90a,code=sm_90a",
         "-gencode=arch=compute_100,code=sm_100",
@@ -127,11 +125,11 @@ def test_cuda_archs_follow_the_environment(monkeypatch):
     ]
     monkeypatch.setenv("TPO_CUDA_ARCHS", "sm_90")
     with pytest.raises(RuntimeError, match="TPO_CUDA_ARCHS"):
-        TOOLKIT.cuda_archs()
+        CUDA_TOOLKIT.cuda_archs()
 
 
 @needs_source
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@needs_nvcc
 def test_build_script_uses_the_shared_discovery(tmp_path):
     """.ci/build_native.sh reads csrc/cuda_toolkit.py's answers (TPO_CUDA_ARCHS included) and
     stops, before compiling anything, when the cuobjdump it is pointed at does not exist."""
@@ -154,7 +152,7 @@ def test_build_script_uses_the_shared_discovery(tmp_path):
 @pytest.mark.skipif(CUDA_SKIPPED, reason="TPO_SKIP_CUDA set")
 def test_cuda_extension_built_when_nvcc_present():
     assert cuda_so_files(), "nvcc is present but tpo_kernels/_C_cuda*.so was not built"
-    ext = cuda_ext_or_none()
+    ext = CUDA_EXTENSION
     if ext is None:  # pragma: no cover - e.g. a loader without libcuda support
         pytest.skip("built but not importable here")
     assert ext.device_count() >= 0
@@ -166,14 +164,14 @@ def test_cuda_extension_built_when_nvcc_present():
 
 
 @needs_source
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@needs_nvcc
 @pytest.mark.skipif(not cuda_so_files(), reason="the CUDA extension is not built")
 def test_cuda_extension_carries_every_configured_arch():
-    root = TOOLKIT.cuda_root(NVCC)
-    cuobjdump = TOOLKIT.find_tool("cuobjdump", NVCC, root)
+    root = CUDA_TOOLKIT.cuda_root(NVCC)
+    cuobjdump = CUDA_TOOLKIT.find_tool("cuobjdump", NVCC, root)
     assert cuobjdump, "nvcc is here but no cuobjdump was found (see csrc/cuda_toolkit.py find_tool)"
     for so in cuda_so_files():
         elves = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True,
                                check=True).stdout
-        for arch in TOOLKIT.cuda_archs():
+        for arch in CUDA_TOOLKIT.cuda_archs():
             assert f"sm_{arch}.cubin" in elves, f"{so.name} lacks sm_{arch} code:\n{elves}"

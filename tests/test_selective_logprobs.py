@@ -6,7 +6,7 @@ import torch
 import tpo_kernels
 from tpo_kernels import reference
 
-from _batches import ALL_BACKENDS, DEVICE
+from _backends import ALL_BACKENDS, DEVICE, backend_params
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3), torch.float64: dict(atol=1e-10, rtol=1e-10)}
@@ -48,7 +48,7 @@ def test_ignored_positions_are_zero_and_get_no_gradient(backend):
     assert torch.count_nonzero(x.grad.view(-1, x.shape[-1])[1]) == 0
 
 
-@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b.values[0] in ("torch", "triton", "cpu")])
+@pytest.mark.parametrize("backend", backend_params("torch", "triton", "cpu"))
 def test_gradcheck_float64(backend):
     logits, labels = _inputs(torch.float64, shape=(2, 3), vocab=6)
     logits.requires_grad_(True)

@@ -1,14 +1,13 @@
-"""Token-level TPO (issue 6): token_tpo_loss and fused_linear_token_tpo_loss against
+"""Token-level TPO: token_tpo_loss and fused_linear_token_tpo_loss against
 reference.token_tpo_loss (full-vocab log_softmax, gather, Eq. 1-3 with autograd), gradcheck,
-exact zeros for tied states, determinism, no [R, V] tensor on the fused-linear path, the Triton
-candidate kernels (under the interpreter on CPU) and input validation.
+exact zeros for tied states, determinism, no [R, V] tensor on the fused-linear path, and the
+Triton candidate kernels (under the interpreter on CPU). Bad inputs: see test_validation.py.
 
 Tolerances: float64 inputs are compared at 1e-10 (everything is computed in float64); float32
 at 1e-5; bf16 inputs are compared with a float64 reference run on the same (bf16-rounded)
 values, at 1e-5 for the loss (fp32 math) and 2e-2 for gradients rounded to bf16 on output.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,20 +18,17 @@ import torch
 
 import tpo_kernels.backends.candidates as candidate_ops
 from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
-from tpo_kernels.backends import Backend, backend_status, triton_interpreter_enabled
+from tpo_kernels.backends import Backend
 from tpo_kernels.layout import pair_runs
 
+from _backends import DEVICE, backend_params, needs_triton, needs_triton_nvidia_compiler
 from _dispatch import OutputSizes
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or triton_interpreter_enabled()
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable or no CUDA / interpreter")
-
-# Backends whose own candidate ops run the logits path on CPU tensors.
-LOGITS_BACKENDS = ["torch"] + (["cpu"] if backend_status()["cpu"] == "available" else [])
-LINEAR_BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+# Backends whose own candidate ops run the logits path on CPU tensors; the Triton candidate
+# kernels come in as "triton-kernels" (see the logits_backend fixture).
+LOGITS_BACKENDS = backend_params("torch", "cpu")
+# Backends with candidate linear ops of their own (the fused-linear path).
+LINEAR_BACKENDS = backend_params("torch", "triton")
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 2e-2)}
 
@@ -84,7 +80,7 @@ def _triton_candidate_backend():
     return TritonCandidates()
 
 
-@pytest.fixture(params=LOGITS_BACKENDS + (["triton-kernels"] if HAS_TRITON else []))
+@pytest.fixture(params=LOGITS_BACKENDS + [pytest.param("triton-kernels", marks=needs_triton, id="triton-kernels")])
 def logits_backend(request):
     """Backend for token_tpo_loss; "triton-kernels" is a Backend instance whose candidate ops
     are the Triton launchers."""
@@ -277,12 +273,19 @@ def test_fused_linear_gradcheck(backend):
     )
 
 
-@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
-def test_fused_linear_tied_states_and_determinism(backend):
+def _tied_linear_inputs():
+    """Linear inputs (hidden, weight, bias as leaves on DEVICE), candidates and scores in which
+    state 4 ties; vocab 5, so candidates repeat across states."""
     gen = torch.Generator().manual_seed(9)
     hidden, weight, bias, cands, scores = _linear_inputs(torch.float32, True, gen, num_states=8, vocab=5)
     scores[4] = 1.5  # tied: no gradient from state 4
     params = [t.to(DEVICE).requires_grad_() for t in (hidden, weight, bias)]
+    return params, cands, scores
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_fused_linear_is_deterministic(backend):
+    params, cands, scores = _tied_linear_inputs()
     runs = []
     for _ in range(2):
         loss = fused_linear_token_tpo_loss(
@@ -290,7 +293,16 @@ def test_fused_linear_tied_states_and_determinism(backend):
         )
         runs.append((loss, *torch.autograd.grad(loss, params)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    assert bool((runs[0][1][4] == 0).all())  # dH of the tied state
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_fused_linear_tied_states_have_exactly_zero_gradient(backend):
+    params, cands, scores = _tied_linear_inputs()
+    loss = fused_linear_token_tpo_loss(
+        params[0], params[1], cands.to(DEVICE), scores.to(DEVICE), bias=params[2], backend=backend
+    )
+    (dhidden, *_) = torch.autograd.grad(loss, params)
+    assert bool((dhidden[4] == 0).all())  # dH of the tied state
 
     # A batch whose states all tie: every gradient is exactly zero.
     tied = torch.zeros_like(scores)
@@ -462,17 +474,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
-def _nvidia_compiler_present():
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-    from triton.backends import backends
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    return "nvidia" in backends and os.path.exists(ptxas)
-
-
-@pytest.mark.skipif(not _nvidia_compiler_present(), reason="Triton's NVIDIA compiler is absent")
+@needs_triton_nvidia_compiler
 def test_candidate_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts programs the compiler may reject: compile the kernels to cubins
     (no GPU needed) with the interpreter off."""
@@ -484,81 +486,3 @@ def test_candidate_kernels_compile_for_sm80_and_sm90():
     )
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
 
-
-# ----------------------------------------------------------------------------- validation
-
-
-_LOGITS = torch.randn(3, 10)
-_CANDS = torch.randint(0, 10, (3, 4))
-_SCORES = torch.randn(3, 4)
-_NAN_SCORES = _SCORES.index_fill(1, torch.tensor([1]), float("nan"))
-
-
-@pytest.mark.parametrize(
-    "change, exc, match",
-    [
-        ({"logits": _LOGITS.long()}, TypeError, "logits must be float16"),
-        ({"logits": _LOGITS[0]}, ValueError, "logits must be 2-D"),
-        ({"candidates": _CANDS.float()}, TypeError, "candidates must be an integer"),
-        ({"candidates": [[0]]}, TypeError, "candidates must be a torch.Tensor"),
-        ({"candidates": _CANDS[:2]}, ValueError, r"candidates must have shape \[R, K\]"),
-        ({"candidates": _CANDS[:, :0], "scores": _SCORES[:, :0]}, ValueError, "K >= 1"),
-        ({"candidates": _CANDS + 10}, ValueError, r"token ids in \[0, 10\)"),
-        ({"candidates": _CANDS - 11}, ValueError, r"token ids in \[0, 10\)"),
-        ({"scores": _SCORES[:, :3]}, ValueError, "scores must have the shape"),
-        ({"scores": _SCORES > 0}, TypeError, "scores must be a real tensor"),
-        ({"scores": _NAN_SCORES}, ValueError, "scores must be finite"),
-        ({"old_logprobs": torch.randn(3, 5)}, ValueError, "old_logprobs must have the shape"),
-        ({"old_logprobs": torch.zeros(3, 4, dtype=torch.long)}, TypeError, "old_logprobs must be a float"),
-        ({"old_logprobs": torch.full((3, 4), float("-inf"))}, ValueError, "old_logprobs must be finite"),
-        ({"eta": 0.0}, ValueError, "eta must be a finite number > 0"),
-        ({"temperature": -1.0}, ValueError, "temperature must be a finite number > 0"),
-        ({"temperature": "hot"}, TypeError, "temperature must be a number"),
-        ({"reduction": "max"}, ValueError, "reduction must be one of"),
-        ({"anchor": 1}, TypeError, "anchor must be a bool"),
-        ({"backend": "tpu"}, ValueError, "backend must be 'auto' or one of"),
-        ({"logits": _LOGITS[:0], "candidates": _CANDS[:0], "scores": _SCORES[:0]}, ValueError, r"R == 0"),
-    ],
-)
-def test_token_tpo_loss_validation(change, exc, match):
-    args = {"logits": _LOGITS, "candidates": _CANDS, "scores": _SCORES, **change}
-    with pytest.raises(exc, match=match):
-        token_tpo_loss(args.pop("logits"), args.pop("candidates"), args.pop("scores"), **args)
-
-
-@pytest.mark.parametrize(
-    "change, exc, match",
-    [
-        ({"weight": torch.randn(10, 5)}, ValueError, r"weight must have shape \[V, H\] with H=6"),
-        ({"weight": torch.randn(10, 6).double()}, TypeError, "weight must have the dtype of hidden"),
-        ({"bias": torch.randn(9)}, ValueError, r"bias must have shape \[V\]=\(10,\)"),
-        ({"bias": torch.randn(10, dtype=torch.float64)}, TypeError, "bias must have the dtype of hidden"),
-        ({"hidden": torch.randn(3, 6, 1)}, ValueError, "hidden must be 2-D"),
-        ({"candidates": torch.randint(0, 10, (4, 2))}, ValueError, r"R=3 \(the rows of hidden\)"),
-        ({"candidates": torch.tensor([[0, 10], [1, 2], [3, 4]])}, ValueError, r"token ids in \[0, 10\)"),
-        ({"scores": torch.tensor([[0, float("inf")], [1, 2], [3, 4]])}, ValueError, "scores must be finite"),
-    ],
-)
-def test_fused_linear_validation(change, exc, match):
-    args = {
-        "hidden": torch.randn(3, 6),
-        "weight": torch.randn(10, 6),
-        "candidates": torch.randint(0, 10, (3, 2)),
-        "scores": torch.randn(3, 2),
-        "bias": torch.randn(10),
-    }
-    args.update(change)
-    with pytest.raises(exc, match=match):
-        fused_linear_token_tpo_loss(
-            args["hidden"], args["weight"], args["candidates"], args["scores"], bias=args["bias"]
-        )
-
-
-def test_device_mismatch_is_rejected():
-    # The "meta" device stands in for a second device: the checks run before any computation.
-    with pytest.raises(ValueError, match="candidates is on meta but logits is on cpu"):
-        token_tpo_loss(_LOGITS, _CANDS.to("meta"), _SCORES)
-    with pytest.raises(ValueError, match="scores is on meta but logits is on cpu"):
-        token_tpo_loss(_LOGITS, _CANDS, _SCORES.to("meta"))
-    with pytest.raises(ValueError, match="weight is on meta but hidden is on cpu"):
-        fused_linear_token_tpo_loss(torch.randn(3, 6), torch.randn(10, 6, device="meta"), _CANDS, _SCORES)

@@ -1,4 +1,4 @@
-"""Kernel-level tests of the Triton backend against the torch backend and targets.group_targets.
+"""Kernel-level tests of the Triton backend against the torch backend and group_op.group_targets.
 
 On CPU these run under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py when
 CUDA is absent), so shapes are kept small. Tolerances: fp32/fp64 inputs are compared tightly
@@ -15,20 +15,19 @@ import textwrap
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tpo_kernels.backends import get_backend
+from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.group_op import group_targets as torch_group_targets
+from tpo_kernels.layout import build_layout
 
-from tpo_kernels.backends import get_backend, triton_interpreter_enabled  # noqa: E402
-from tpo_kernels.backends.pytorch import TorchBackend  # noqa: E402
-from tpo_kernels.layout import build_layout  # noqa: E402
-from tpo_kernels.group_op import group_targets as torch_group_targets  # noqa: E402
+from _backends import BACKEND_STATUS, DEVICE, backend_available, needs_triton_nvidia_compiler
 
-if not (torch.cuda.is_available() or triton_interpreter_enabled()):
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
+if not backend_available("triton"):
+    pytest.skip(f"triton backend: {BACKEND_STATUS['triton']}", allow_module_level=True)
 
 from tpo_kernels.backends.triton import TritonBackend  # noqa: E402
 from tpo_kernels.backends.triton import group_kernel, row_kernels  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REF = TorchBackend()
 
 FWD_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5, torch.float16: 1e-5}
@@ -203,7 +202,7 @@ def test_row_backward_zero_rows_are_not_read():
     assert torch.isfinite(out).all()
 
 
-def test_row_backward_deterministic_and_backend_method():
+def test_row_backward_through_the_backend_is_deterministic():
     logits = _logits(4, 40, torch.bfloat16)
     labels = _labels(4, 40)
     backend = TritonBackend()
@@ -361,17 +360,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
-def _nvidia_compiler_present():
-    try:
-        import triton
-        from triton.backends import backends
-    except ImportError:
-        return False
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    return "nvidia" in backends and os.path.exists(os.path.join(bin_dir, "ptxas"))
-
-
-@pytest.mark.skipif(not _nvidia_compiler_present(), reason="Triton's NVIDIA compiler is absent")
+@needs_triton_nvidia_compiler
 def test_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts some programs the compiler rejects: compile every kernel variant to
     a cubin (no GPU needed) with the interpreter switched off."""

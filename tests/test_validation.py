@@ -1,4 +1,8 @@
-"""Every bad input raises a ValueError/TypeError that names the argument, before any kernel runs."""
+"""Every bad input to a public function raises a ValueError/TypeError that names the argument,
+before any kernel runs: one section per public function (tpo_loss, selective_logprobs,
+fused_linear_tpo_loss, fused_linear_logprobs, token_tpo_loss, fused_linear_token_tpo_loss).
+The compiled extensions' own pointer-boundary checks are tested with the extensions
+(test_cpu_extension.py, test_cuda_extension.py)."""
 
 import pytest
 import torch
@@ -7,6 +11,11 @@ import tpo_kernels
 
 _DROP = object()
 N, T, V = 4, 5, 37
+H = 16
+
+# ----------------------------------------------------------------------------------------------
+# tpo_loss
+# ----------------------------------------------------------------------------------------------
 
 BAD_INPUTS = [
     ("logits", TypeError, dict(logits=torch.zeros(N, T, V, dtype=torch.int64))),
@@ -94,6 +103,11 @@ def test_unusable_backend_explains_why():
                              backend=unusable[0])
 
 
+# ----------------------------------------------------------------------------------------------
+# selective_logprobs
+# ----------------------------------------------------------------------------------------------
+
+
 def test_selective_logprobs_rejects_out_of_range_labels():
     with pytest.raises(ValueError, match="labels"):
         tpo_kernels.selective_logprobs(torch.randn(3, V), torch.tensor([0, V, 1]))
@@ -102,3 +116,135 @@ def test_selective_logprobs_rejects_out_of_range_labels():
 def test_selective_logprobs_rejects_bad_temperature():
     with pytest.raises(ValueError, match="temperature"):
         tpo_kernels.selective_logprobs(torch.randn(3, V), torch.tensor([0, 1, 2]), temperature=-1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_linear_tpo_loss
+# ----------------------------------------------------------------------------------------------
+
+_HIDDEN = torch.randn(N, T, H)
+_WEIGHT = torch.randn(V, H)
+_BIAS = torch.randn(V)
+_LABELS = torch.randint(0, V, (N, T))
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        ({"weight": _WEIGHT[:, :-1]}, ValueError, "weight must have shape"),
+        ({"weight": _WEIGHT.double()}, TypeError, "weight must have the dtype of hidden"),
+        ({"bias": _BIAS[:-1]}, ValueError, "bias must have shape"),
+        ({"bias": _BIAS.double()}, TypeError, "bias must have the dtype"),
+        ({"hidden": _HIDDEN[0, 0]}, ValueError, "hidden must be 2-D or 3-D"),
+        ({"labels": _LABELS[:, :-1]}, ValueError, "labels must have shape"),
+        ({"labels": torch.full_like(_LABELS, V)}, ValueError, r"labels must hold ids in \[0, 37\)"),
+        ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
+        ({"chunk_size": 2.0}, TypeError, "chunk_size must be an int"),
+        ({"grad_accum_dtype": torch.int32}, TypeError, "grad_accum_dtype"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+    ],
+)
+def test_fused_linear_tpo_loss_bad_input_names_the_argument(change, exc, match):
+    args = {"hidden": _HIDDEN, "weight": _WEIGHT, "labels": _LABELS, "scores": torch.randn(N), "bias": _BIAS,
+            "group_size": 2, **change}
+    with pytest.raises(exc, match=match):
+        tpo_kernels.fused_linear_tpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"),
+                                          args.pop("scores"), **args)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_linear_logprobs
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        ({"labels": _LABELS[:, :-1]}, ValueError, "labels must have shape"),
+        ({"labels": _LABELS.float()}, TypeError, "labels must be an integer tensor"),
+    ],
+)
+def test_fused_linear_logprobs_bad_input_names_the_argument(change, exc, match):
+    args = {"hidden": _HIDDEN, "weight": _WEIGHT, "labels": _LABELS, **change}
+    with pytest.raises(exc, match=match):
+        tpo_kernels.fused_linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+
+
+# ----------------------------------------------------------------------------------------------
+# token_tpo_loss
+# ----------------------------------------------------------------------------------------------
+
+_LOGITS = torch.randn(3, 10)
+_CANDS = torch.randint(0, 10, (3, 4))
+_SCORES = torch.randn(3, 4)
+_NAN_SCORES = _SCORES.index_fill(1, torch.tensor([1]), float("nan"))
+# Inputs on the "meta" device stand in for inputs on a second device: the device checks run
+# before any computation.
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        ({"logits": _LOGITS.long()}, TypeError, "logits must be float16"),
+        ({"logits": _LOGITS[0]}, ValueError, "logits must be 2-D"),
+        ({"candidates": _CANDS.float()}, TypeError, "candidates must be an integer"),
+        ({"candidates": [[0]]}, TypeError, "candidates must be a torch.Tensor"),
+        ({"candidates": _CANDS[:2]}, ValueError, r"candidates must have shape \[R, K\]"),
+        ({"candidates": _CANDS[:, :0], "scores": _SCORES[:, :0]}, ValueError, "K >= 1"),
+        ({"candidates": _CANDS + 10}, ValueError, r"token ids in \[0, 10\)"),
+        ({"candidates": _CANDS - 11}, ValueError, r"token ids in \[0, 10\)"),
+        ({"candidates": _CANDS.to("meta")}, ValueError, "candidates is on meta but logits is on cpu"),
+        ({"scores": _SCORES[:, :3]}, ValueError, "scores must have the shape"),
+        ({"scores": _SCORES > 0}, TypeError, "scores must be a real tensor"),
+        ({"scores": _NAN_SCORES}, ValueError, "scores must be finite"),
+        ({"scores": _SCORES.to("meta")}, ValueError, "scores is on meta but logits is on cpu"),
+        ({"old_logprobs": torch.randn(3, 5)}, ValueError, "old_logprobs must have the shape"),
+        ({"old_logprobs": torch.zeros(3, 4, dtype=torch.long)}, TypeError, "old_logprobs must be a float"),
+        ({"old_logprobs": torch.full((3, 4), float("-inf"))}, ValueError, "old_logprobs must be finite"),
+        ({"eta": 0.0}, ValueError, "eta must be a finite number > 0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be a finite number > 0"),
+        ({"temperature": "hot"}, TypeError, "temperature must be a number"),
+        ({"reduction": "max"}, ValueError, "reduction must be one of"),
+        ({"anchor": 1}, TypeError, "anchor must be a bool"),
+        ({"backend": "tpu"}, ValueError, "backend must be 'auto' or one of"),
+        ({"logits": _LOGITS[:0], "candidates": _CANDS[:0], "scores": _SCORES[:0]}, ValueError, r"R == 0"),
+    ],
+)
+def test_token_tpo_loss_bad_input_names_the_argument(change, exc, match):
+    args = {"logits": _LOGITS, "candidates": _CANDS, "scores": _SCORES, **change}
+    with pytest.raises(exc, match=match):
+        tpo_kernels.token_tpo_loss(args.pop("logits"), args.pop("candidates"), args.pop("scores"), **args)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_linear_token_tpo_loss
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        ({"weight": torch.randn(10, 5)}, ValueError, r"weight must have shape \[V, H\] with H=6"),
+        ({"weight": torch.randn(10, 6).double()}, TypeError, "weight must have the dtype of hidden"),
+        ({"weight": torch.randn(10, 6, device="meta")}, ValueError, "weight is on meta but hidden is on cpu"),
+        ({"bias": torch.randn(9)}, ValueError, r"bias must have shape \[V\]=\(10,\)"),
+        ({"bias": torch.randn(10, dtype=torch.float64)}, TypeError, "bias must have the dtype of hidden"),
+        ({"hidden": torch.randn(3, 6, 1)}, ValueError, "hidden must be 2-D"),
+        ({"candidates": torch.randint(0, 10, (4, 2))}, ValueError, r"R=3 \(the rows of hidden\)"),
+        ({"candidates": torch.tensor([[0, 10], [1, 2], [3, 4]])}, ValueError, r"token ids in \[0, 10\)"),
+        ({"scores": torch.tensor([[0, float("inf")], [1, 2], [3, 4]])}, ValueError, "scores must be finite"),
+    ],
+)
+def test_fused_linear_token_tpo_loss_bad_input_names_the_argument(change, exc, match):
+    args = {
+        "hidden": torch.randn(3, 6),
+        "weight": torch.randn(10, 6),
+        "candidates": torch.randint(0, 10, (3, 2)),
+        "scores": torch.randn(3, 2),
+        "bias": torch.randn(10),
+    }
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        tpo_kernels.fused_linear_token_tpo_loss(
+            args["hidden"], args["weight"], args["candidates"], args["scores"], bias=args["bias"]
+        )
