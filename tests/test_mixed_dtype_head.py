@@ -7,7 +7,8 @@ import torch
 import tpo_kernels
 from tpo_kernels import reference
 
-from _batches import ALL_BACKENDS, make_batch
+from _backends import ALL_BACKENDS
+from _batches import make_batch
 
 H = 16
 
