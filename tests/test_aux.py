@@ -68,9 +68,3 @@ def test_token_entropy_comes_from_the_same_pass(backend, path, layout):
     assert aux["token_entropy"].shape == labels.shape
     torch.testing.assert_close(aux["token_entropy"].double(), want, atol=1e-5, rtol=1e-4)
     assert torch.equal(loss, plain_loss)
-
-
-def test_return_entropy_needs_return_aux():
-    logits, labels, scores, kwargs = make_batch()
-    with pytest.raises(ValueError, match="return_entropy"):
-        tpo_kernels.tpo_loss(logits, labels, scores, return_entropy=True, **kwargs)

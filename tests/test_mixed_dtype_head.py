@@ -37,11 +37,3 @@ def test_mixed_dtypes_match_reference_on_the_wider_dtype(backend, hidden_dtype, 
     torch.testing.assert_close(grads[0].double(), want_grads[0].double(), **hidden_tol)
     for got, ref in zip(grads[1:], want_grads[1:]):
         torch.testing.assert_close(got.double(), ref.double(), **tol)
-
-
-def test_bias_must_have_the_weight_dtype():
-    _, labels, scores, kwargs = make_batch()
-    hidden = torch.randn(*labels.shape, H).bfloat16()
-    weight, bias = torch.randn(37, H), torch.randn(37).bfloat16()
-    with pytest.raises(TypeError, match="bias"):
-        tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores, bias=bias, **kwargs)

@@ -9,6 +9,8 @@ import torch
 
 import tpo_kernels
 
+from _batches import make_batch
+
 _DROP = object()
 N, T, V = 4, 5, 37
 H = 16
@@ -132,7 +134,7 @@ _LABELS = torch.randint(0, V, (N, T))
     "change, exc, match",
     [
         ({"weight": _WEIGHT[:, :-1]}, ValueError, "weight must have shape"),
-        ({"weight": _WEIGHT.double()}, TypeError, "weight must have the dtype of hidden"),
+        ({"weight": _WEIGHT.double()}, TypeError, "bias must have the dtype of weight"),  # mixed dtypes are fine; the bias follows the weight
         ({"bias": _BIAS[:-1]}, ValueError, "bias must have shape"),
         ({"bias": _BIAS.double()}, TypeError, "bias must have the dtype"),
         ({"hidden": _HIDDEN[0, 0]}, ValueError, "hidden must be 2-D or 3-D"),
@@ -228,7 +230,7 @@ def test_token_tpo_loss_bad_input_names_the_argument(change, exc, match):
         ({"weight": torch.randn(10, 6).double()}, TypeError, "weight must have the dtype of hidden"),
         ({"weight": torch.randn(10, 6, device="meta")}, ValueError, "weight is on meta but hidden is on cpu"),
         ({"bias": torch.randn(9)}, ValueError, r"bias must have shape \[V\]=\(10,\)"),
-        ({"bias": torch.randn(10, dtype=torch.float64)}, TypeError, "bias must have the dtype of hidden"),
+        ({"bias": torch.randn(10, dtype=torch.float64)}, TypeError, "bias must have the dtype of weight"),
         ({"hidden": torch.randn(3, 6, 1)}, ValueError, "hidden must be 2-D"),
         ({"candidates": torch.randint(0, 10, (4, 2))}, ValueError, r"R=3 \(the rows of hidden\)"),
         ({"candidates": torch.tensor([[0, 10], [1, 2], [3, 4]])}, ValueError, r"token ids in \[0, 10\)"),
@@ -248,3 +250,35 @@ def test_fused_linear_token_tpo_loss_bad_input_names_the_argument(change, exc, m
         tpo_kernels.fused_linear_token_tpo_loss(
             args["hidden"], args["weight"], args["candidates"], args["scores"], bias=args["bias"]
         )
+
+
+# ----------------------------------------------------------------------------- loss settings and heads
+
+
+def test_return_entropy_needs_return_aux():
+    logits, labels, scores, kwargs = make_batch()
+    with pytest.raises(ValueError, match="return_entropy"):
+        tpo_kernels.tpo_loss(logits, labels, scores, return_entropy=True, **kwargs)
+
+
+def test_fused_linear_bias_must_have_the_weight_dtype():
+    _, labels, scores, kwargs = make_batch()
+    hidden = torch.randn(*labels.shape, 16).bfloat16()
+    weight, bias = torch.randn(37, 16), torch.randn(37).bfloat16()
+    with pytest.raises(TypeError, match="bias"):
+        tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores, bias=bias, **kwargs)
+
+
+# ----------------------------------------------------------------------------- tpo_loss_from_logprobs
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(logprobs=torch.zeros(4, 3, dtype=torch.int64)), TypeError),
+    (dict(logprobs=torch.zeros(4, 3, 2)), ValueError),
+    (dict(mask=torch.ones(4, 2)), ValueError),
+])
+def test_tpo_loss_from_logprobs_bad_input_names_the_argument(bad, error):
+    args = {"logprobs": -torch.rand(4, 3), "mask": torch.ones(4, 3), **bad}
+    name = next(iter(bad))
+    with pytest.raises(error, match=name):
+        tpo_kernels.tpo_loss_from_logprobs(args["logprobs"], torch.randn(4), mask=args["mask"], group_size=2)

@@ -3,6 +3,7 @@
 Public API::
 
     tpo_loss(logits, labels, scores, ...)                        sequence-level TPO on logits
+    tpo_loss_from_logprobs(logprobs, scores, ...)                the same on per-token log-probs
     fused_linear_tpo_loss(hidden, weight, labels, scores, ...)   same on hidden @ weight.T, chunked
     token_tpo_loss(logits, candidates, scores, ...)              token-level TPO, K candidates per state
     fused_linear_token_tpo_loss(hidden, weight, candidates, ...) same from hidden states, O(R*K*H)
@@ -24,6 +25,7 @@ from .functional import (
     selective_logprobs,
     token_tpo_loss,
     tpo_loss,
+    tpo_loss_from_logprobs,
 )
 from .modules import FusedLinearTokenTPOLoss, FusedLinearTPOLoss, TokenTPOLoss, TPOLoss
 from .ops import TilePolicy
@@ -35,6 +37,7 @@ __all__ = [
     "backend_status",
     "reference",
     "tpo_loss",
+    "tpo_loss_from_logprobs",
     "fused_linear_tpo_loss",
     "token_tpo_loss",
     "fused_linear_token_tpo_loss",

@@ -168,6 +168,52 @@ def tpo_loss(
     return _sequence_loss(token_lp, batch, settings, key, entropy)
 
 
+def tpo_loss_from_logprobs(
+    logprobs: Tensor,
+    scores: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    group_size: Optional[int] = None,
+    group_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    beta: float = 0.0,
+    eta: float = 1.0,
+    anchor: bool = True,
+    reduction: str = "mean",
+    backend: BackendArg = "auto",
+    return_aux: bool = False,
+    validate: bool = True,
+) -> LossOutput:
+    """Sequence-level TPO on per-token log-probs a trainer has already computed (verl's policy
+    losses, or any loop whose vocabulary pass is done): the group stage alone, differentiable in
+    ``logprobs``.
+
+    Args:
+        logprobs: ``[N, T]`` padded or ``[M]`` packed (with ``cu_seqlens``) float log-probs of
+            the sampled tokens under the current policy (already tempered).
+        mask: ``[N, T]`` / ``[M]`` 0/1 or bool mask of the tokens that count (response mask);
+            None: every token counts.
+        scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, beta: as in
+            :func:`tpo_loss`.
+        eta, anchor, reduction, backend, return_aux, validate: see the module docstring.
+    """
+    check.check_float_tensor("logprobs", logprobs, (1, 2))
+    settings = check.check_settings(eta=eta, anchor=anchor, temperature=1.0, reduction=reduction,
+                                    return_aux=return_aux, validate=validate)
+    chosen = get_backend(backend, logprobs.device)
+    # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
+    labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=logprobs.device)
+    batch = check.prepare_batch(
+        logprobs.shape, 1, logprobs.device, compute_dtype(logprobs.dtype), labels, scores,
+        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, beta=beta, input_name="logprobs", validate=validate,
+    )
+    token_lp = torch.where(batch.valid, logprobs.reshape(-1).to(compute_dtype(logprobs.dtype)), 0.0)
+    return _sequence_loss(token_lp, batch, settings, backend_key(chosen))
+
+
 def selective_logprobs(
     logits: Tensor,
     labels: Tensor,
