@@ -368,11 +368,14 @@ def prepare_batch(
     scores = check_scores(scores, (num_seqs,), device, input_name, acc, validate, f"shape [N]=({num_seqs},)")
     valid = flat_labels >= 0
     if validate:
-        counts = segment_sum(valid.to(torch.int64), layout)
-        if bool((counts == 0).any()):
-            empty = int(torch.nonzero(counts == 0)[0])
-            raise ValueError(
-                f"completion {empty} has no counted token (all masked or ignore_index); drop it or unmask a token"
+        # Completions with no counted token (e.g. truncated and masked) are left out of their group.
+        counted_seqs = segment_sum(valid.to(torch.int64), layout) > 0
+        if not bool(counted_seqs.any()):
+            raise ValueError("no completion has a counted token (all masked or ignore_index)")
+        if not bool(counted_seqs.all()):
+            layout = build_layout(
+                num_tokens, device, padded_shape=token_shape if len(token_shape) == 2 else None,
+                cu_seqlens=cu_seqlens, group_size=group_size, group_ids=group_ids, members=counted_seqs,
             )
 
     # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion.

@@ -13,9 +13,10 @@ Shared keywords of the losses:
     backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"cpu"``, ``"torch"`` or a
         :class:`tpo_kernels.backends.Backend` instance.
     return_aux: also return a dict of detached intermediate results.
-    validate: check values too (label ranges, finite scores, non-empty completions, ...), which
-        reads results back from the device. ``validate=False`` skips those reads for compiled
-        and CUDA-graph use; shapes, dtypes and devices are always checked.
+    validate: check values too (label ranges, finite scores, ...), which reads results back from
+        the device, and leave completions with no counted token out of their groups.
+        ``validate=False`` skips those reads, for compiled and CUDA-graph use: then every
+        completion must have a counted token. Shapes, dtypes and devices are always checked.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
 def _dense_slots(layout: BatchLayout):
     """(group, slot) of each entry of ``group_members`` in a dense ``[G, max_group_size]`` layout."""
     rows = layout.seq_group[layout.group_members]
-    cols = torch.arange(layout.num_seqs, device=rows.device) - layout.group_offsets[rows]
+    cols = torch.arange(layout.group_members.numel(), device=rows.device) - layout.group_offsets[rows]
     return rows, cols
 
 
@@ -141,7 +141,7 @@ def group_targets(
             return dense
 
         def from_dense(x):
-            out = x.new_empty(layout.num_seqs)
+            out = x.new_zeros(layout.num_seqs)  # completions outside every group: 0
             out[members] = x[rows, cols]
             return out
 

@@ -63,8 +63,13 @@ def build_layout(
     cu_seqlens: Optional[Tensor] = None,
     group_size: Optional[int] = None,
     group_ids: Optional[Tensor] = None,
+    members: Optional[Tensor] = None,
 ) -> BatchLayout:
-    """Build the layout from a padded ``(N, T)`` shape or packed ``cu_seqlens`` (already validated)."""
+    """Build the layout from a padded ``(N, T)`` shape or packed ``cu_seqlens`` (already validated).
+
+    ``members`` (``[N]`` bool) leaves completions out of every group: they get no probability
+    mass and no gradient (completions with no counted token). A group left with no member is
+    dropped."""
     if padded_shape is not None:
         n, t = padded_shape
         seq_start = torch.arange(n, device=device, dtype=torch.int64) * t
@@ -83,7 +88,20 @@ def build_layout(
         )
         max_seq_len = int(seq_len.max()) if n > 0 else 0
 
-    if group_ids is None:
+    if members is not None:
+        ids = group_ids.to(device) if group_ids is not None else torch.arange(n, device=device) // group_size
+        kept = torch.nonzero(members.to(device)).squeeze(1)
+        _, kept_group = torch.unique(ids[kept], sorted=True, return_inverse=True)
+        seq_group = torch.zeros(n, device=device, dtype=torch.int64)  # 0 for the left-out: p = q = 0
+        seq_group[kept] = kept_group.to(torch.int64)
+        counts = torch.bincount(kept_group)
+        g = counts.numel()
+        group_offsets = torch.zeros(g + 1, device=device, dtype=torch.int64)
+        group_offsets[1:] = torch.cumsum(counts, 0)
+        group_members = kept[torch.sort(kept_group, stable=True).indices]
+        max_group_size = int(counts.max())
+        contiguous_k = None
+    elif group_ids is None:
         k = group_size
         g = n // k
         seq_group = torch.arange(n, device=device, dtype=torch.int64) // k

@@ -75,7 +75,8 @@ class CudaBackend(NativeBackend):
         offsets, members = index(layout.group_offsets), index(layout.group_members)
         s = per_row(scores, n, dtype, dev, "scores")
         old = per_row(old_seq_logprobs, n, dtype, dev, "old_seq_logprobs")
-        ell, u, p, q = (torch.empty(n, dtype=dtype, device=dev) for _ in range(4))
+        # Completions outside every group (no counted token) keep 0.
+        ell, u, p, q = (torch.zeros(n, dtype=dtype, device=dev) for _ in range(4))
         group_loss = torch.empty(g, dtype=dtype, device=dev)
         self.extension.group_targets(
             dtype=DTYPE_CODES[dtype], num_groups=g, token_logprobs=ptr(tokens),

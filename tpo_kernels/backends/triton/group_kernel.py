@@ -140,10 +140,10 @@ def group_targets(
     acc = compute_dtype(out_dtype)
     n, g = layout.num_seqs, layout.num_groups
 
-    def empty(size):
-        return torch.empty(size, dtype=out_dtype, device=device)
+    def zeros(size):  # completions outside every group keep 0
+        return torch.zeros(size, dtype=out_dtype, device=device)
 
-    ell, u, p, q, group_loss = empty(n), empty(n), empty(n), empty(n), empty(g)
+    ell, u, p, q, group_loss = zeros(n), zeros(n), zeros(n), zeros(n), zeros(g)
     if g > 0:
         token_logprobs = token_logprobs.contiguous()
         scores = scores.contiguous()
