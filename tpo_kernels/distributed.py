@@ -109,11 +109,11 @@ def all_gather_stacked(x: Tensor, group, purpose: str) -> Tensor:
     """``[P, *x.shape]``: every rank's ``x`` (same shape everywhere), in group rank order."""
     world = dist.get_world_size(group)
     x = x.contiguous()
-    out = x.new_empty((world, *x.shape))
+    out = x.new_empty(world * x.numel())  # the concatenated form (gloo has no stacked form)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group)
+    gather(out, x.view(-1), group=group)
     _record("all_gather", purpose, world, x, out)
-    return out
+    return out.view(world, *x.shape)
 
 
 def all_reduce_sum(x: Tensor, group, purpose: str) -> Tensor:

@@ -156,6 +156,7 @@ def tpo_loss(
         process_group, vocab_parallel_group, vocab_start_index: see the module docstring
             (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local).
     """
+    source = logits  # a DTensor's local shard is never overwritten when the DTensor is a leaf
     logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
     check.check_logits(logits)
     settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
@@ -172,7 +173,7 @@ def tpo_loss(
     matrix, copied = _rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
     # Under torch.compile the graph owns the buffers: the backward is out of place.
-    inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and logits.grad_fn is not None))
+    inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
     key = backend_key(chosen)
     if shard is None:
         token_lp, _ = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,

@@ -1,0 +1,154 @@
+"""Multi-process tests of tpo_kernels.distributed on CPU: gloo, 2, 3 and 4 spawned local ranks.
+
+Every case compares a distributed run with the single-process result on the whole batch / whole
+vocabulary (computed on each rank, see tests/_distributed_cases.py): the loss and every gradient
+(hidden or logits rows, weight and bias or their shards) within fp32 tolerance, for groups split
+over data-parallel ranks (a group spread over every rank, ranks with different N, contiguous
+``group_size`` groups straddling ranks, packed and padded, old log-probs, the KL term, each
+reduction), a vocabulary split over ranks (V % P != 0, shards in rank order or placed by
+``vocab_start_index``, logits or fused head, with entropy), DTensor shards, the 2-D (data x
+tensor) mesh, DDP and FSDP2 training of a tiny causal LM. Zero-signal groups stay exactly zero.
+A byte-counting case checks what each collective moves.
+
+Each world size is one spawn running all its cases (process start-up dominates the time).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _distributed import run_ranks
+
+FP32_TOL = dict(atol=5e-5, rtol=2e-4)
+TRAIN_TOL = dict(atol=1e-4, rtol=1e-3)
+
+
+def _dp(path, sizes, grouping, **kw):
+    return ("dp_case", dict(path=path, sizes=sizes, grouping=grouping, **kw))
+
+
+CASES = {
+    2: {
+        "dp_logits_ids_torch": _dp("logits", [5, 7], "ids"),
+        "dp_logits_size_packed_cpu_old": _dp("logits", [5, 7], "size", backend="cpu", packed=True, old="token"),
+        "dp_logits_sum_kl": _dp("logits", [6, 4], "ids", reduction="sum", kl=True),
+        "dp_fused_ids_cpu": _dp("fused", [4, 7], "ids", backend="cpu"),
+        "dp_fused_size_torch": _dp("fused", [5, 7], "size"),
+        "dp_fused_size_old_kl": _dp("fused", [7, 5], "size", old="token", kl=True, backend="cpu"),
+        "dp_fused_none_seqold_kl": _dp("fused", [5, 6], "ids", reduction="none", old="seq", kl=True),
+        "dp_fused_packed_ids": _dp("fused", [6, 3], "ids", packed=True, backend="cpu"),
+        "vp_logprobs_logits": ("vp_logprobs_case", dict(path="logits")),
+        "vp_logprobs_logits_packed_cpu": ("vp_logprobs_case", dict(path="logits", packed=True, backend="cpu")),
+        "vp_logprobs_fused_cpu": ("vp_logprobs_case", dict(path="fused", backend="cpu")),
+        "vp_logprobs_fused_start_index": ("vp_logprobs_case", dict(path="fused", rotate=True)),
+        "vp_loss_logits_cpu_old_kl": ("vp_loss_case", dict(path="logits", backend="cpu", old="token", kl=True)),
+        "vp_loss_logits_zero": ("vp_loss_case", dict(path="logits")),
+        "vp_loss_fused_zero": ("vp_loss_case", dict(path="fused", backend="cpu")),
+        "vp_loss_fused_old_kl": ("vp_loss_case", dict(path="fused", old="seq", kl=True, grouping="size")),
+        "dtensor_fused": ("dtensor_case", dict(path="fused")),
+        "dtensor_logits": ("dtensor_case", dict(path="logits", backend="cpu")),
+        "bytes": ("bytes_case", {}),
+        "train_ddp": ("train_case", dict(wrapper="ddp")),
+        "train_fsdp2": ("train_case", dict(wrapper="fsdp2")),
+    },
+    3: {
+        "dp_logits_ids_cpu": _dp("logits", [3, 5, 4], "ids", backend="cpu"),
+        "dp_fused_ids_old_kl": _dp("fused", [4, 2, 5], "ids", old="token", kl=True),
+        "dp_fused_size_straddling": _dp("fused", [3, 6, 3], "size", backend="cpu"),
+        "dp_fused_size_one_group": _dp("fused", [2, 3, 1], "size", group_size=6, tie=False),
+        "vp_logprobs_logits_start_index": ("vp_logprobs_case", dict(path="logits", rotate=True, backend="cpu")),
+        "vp_logprobs_fused": ("vp_logprobs_case", dict(path="fused")),
+        "vp_loss_fused_cpu_old_kl": ("vp_loss_case", dict(path="fused", backend="cpu", old="token", kl=True)),
+        "vp_loss_logits_zero": ("vp_loss_case", dict(path="logits", rotate=True)),
+        "dtensor_fused": ("dtensor_case", dict(path="fused", backend="cpu")),
+        "bytes": ("bytes_case", {}),
+    },
+    4: {
+        "two_d": ("two_d_case", {}),
+        "two_d_dtensor_cpu": ("two_d_case", dict(dtensor=True, backend="cpu")),
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    from _distributed_cases import run_cases
+
+    return run_ranks(world, run_cases, CASES[world])
+
+
+def _case(world: int, name: str):
+    per_rank = [ranks[name] for ranks in _results(world)]
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, f"rank {rank} of {world}, case {name}:\n{result['error']}"
+    return per_rank
+
+
+def _check_pairs(per_rank, tol=FP32_TOL):
+    for rank, result in enumerate(per_rank):
+        for what, (got, want) in result["pairs"].items():
+            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"rank {rank}, {what}: {m}")
+        for what, ok in result["zeros"].items():
+            assert ok, f"rank {rank}: {what}"
+    # The loss (every rank's is the whole batch's) and per-token results are bitwise the same
+    # on every rank: they come from the same gathered data through the same computation.
+    for what in ("loss", "logprobs", "entropy"):
+        if what in per_rank[0]["pairs"]:
+            values = [r["pairs"][what][0] for r in per_rank]
+            assert all(torch.equal(v, values[0]) for v in values), f"{what} differs between ranks"
+
+
+CORRECTNESS = [(w, n) for w, cases in CASES.items() for n in cases if n != "bytes" and not n.startswith("train")]
+
+
+@pytest.mark.parametrize("world,name", CORRECTNESS, ids=[f"{w}ranks-{n}" for w, n in CORRECTNESS])
+def test_matches_single_process(world, name):
+    per_rank = _case(world, name)
+    _check_pairs(per_rank)
+    if any(k.startswith("tied_") for r in per_rank for k in r["zeros"]):  # the zero checks saw tied tokens
+        assert sum(r.get("tied_tokens", 0) for r in per_rank) > 0
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_training_matches_single_process(wrapper):
+    """A tiny causal LM under DDP / FSDP2 (fully_shard), 2 gloo ranks, two SGD steps with
+    fused_linear_tpo_loss(process_group=...): losses, first-step gradients of every parameter
+    (after the wrapper's averaging) and the final parameters equal single-process training on
+    the whole batch."""
+    per_rank = _case(2, f"train_{wrapper}")
+    _check_pairs(per_rank, TRAIN_TOL)
+    names = per_rank[0]["pairs"]
+    assert {"grad_lm.lm_head.weight", "grad_lm.embed.weight", "grad_lm.block.0.weight"} <= set(names)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_bytes(world):
+    """Item 1 moves O(N): a 5-int64 size record, [max N_r, C] floats, max N_r int64 group ids,
+    the same for any T, V, H, and nothing in the backward. Item 2 moves O(M): [2, M] fp32
+    partials (3 rows with entropy) and, in the backward, the [M, H] dH all-reduce; nothing
+    depends on V."""
+    for rank, result in enumerate(_case(world, "bytes")):
+        stats = result["bytes"]
+        dp_small, dp_large = stats["dp_small"], stats["dp_large"]
+        n = dp_small["max_n"]
+        columns = 5  # ell, score, old sequence log-prob, k3 sum, counted tokens
+        expected = [("all_gather", "sizes", 5 * 8, world * 5 * 8),
+                    ("all_gather", "rows", n * columns * 4, world * n * columns * 4),
+                    ("all_gather", "group_ids", n * 8, world * n * 8)]
+        assert dp_small["forward"] == expected, (rank, dp_small["forward"])
+        assert dp_large["forward"] == expected, "item 1 must not depend on T, V or H"
+        assert dp_small["backward"] == [] and dp_large["backward"] == []
+        for name in ("vp_small", "vp_large"):
+            vp = stats[name]
+            m, h = vp["tokens"], vp["hidden"]
+            assert vp["forward"] == [("all_gather", "vocab_shards", 16, world * 16),
+                                     ("all_gather", "partials", 2 * m * 4, world * 2 * m * 4)], vp["forward"]
+            assert vp["backward"] == [("all_reduce", "hidden_grad", m * h * 4)], vp["backward"]
+            assert vp["entropy"] == [("all_gather", "vocab_shards", 16), ("all_gather", "partials", 3 * m * 4)]
+        if rank == 0:
+            print(f"\n{world} ranks, bytes per rank: " + "; ".join(
+                f"{k}: fwd {[r[1:3] for r in v['forward']]} bwd {[r[1:] for r in v['backward']]}"
+                for k, v in stats.items()))
