@@ -21,6 +21,11 @@ from tpo_kernels import distributed as tpo_dist
 
 HIDDEN, VOCAB, MAX_LEN = 16, 37, 5
 
+# The group (and a 1-D DeviceMesh over it) of the ranks running the current cases: ranks
+# 0..world-1 of the spawned processes (see run_all).
+_GROUP = None
+_MESH = None
+
 
 def _leaf(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.detach().clone().requires_grad_(True)
@@ -163,7 +168,7 @@ def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction
             backend: str = "torch", old=None, kl=False, packed=False, seed=0, group_size: int = 4,
             tie: bool = True) -> dict:
     """Item 1: groups split over ranks; loss and every gradient vs the whole batch in one process."""
-    pg = dist.group.WORLD
+    pg = _GROUP
     batch = dp_batch(sizes, grouping=grouping, old=old, kl=kl, packed=packed, seed=seed, group_size=group_size,
                      tie=tie)
     whole, share = _whole(batch), _share(batch, rank)
@@ -226,7 +231,7 @@ def vp_logprobs_case(rank: int, world: int, *, path: str, rotate: bool = False, 
                      seed: int = 1, packed: bool = False) -> dict:
     """Item 2 on the log-prob functions with entropy: per-token values on every rank and the
     shard's gradients vs the whole vocabulary."""
-    pg = dist.group.WORLD
+    pg = _GROUP
     batch = dp_batch([6], grouping="size", group_size=3, packed=packed, seed=seed)
     start, stop, explicit = _my_shard(VOCAB, world, rank, rotate)
     labels = batch["labels"]
@@ -264,7 +269,7 @@ def vp_logprobs_case(rank: int, world: int, *, path: str, rotate: bool = False, 
 def vp_loss_case(rank: int, world: int, *, path: str, backend: str = "torch", rotate: bool = False,
                  old=None, kl=False, seed: int = 2, grouping: str = "ids") -> dict:
     """Item 2 on the TPO losses: the same batch on every rank, the vocabulary split."""
-    pg = dist.group.WORLD
+    pg = _GROUP
     batch = dp_batch([9], grouping=grouping, group_size=3, old=old, kl=kl, seed=seed)
     whole = _whole(batch)
     start, stop, explicit = _my_shard(VOCAB, world, rank, rotate)
@@ -302,10 +307,9 @@ def dtensor_case(rank: int, world: int, *, path: str, backend: str = "torch", se
     """A DTensor sharded on the vocabulary (torchtitan style) needs no group nor offset: the weight
     and bias (fused path) or the logits (logits path) as ``Shard`` DTensors; gradients come back
     as DTensors with the same placement."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = _MESH
     batch = dp_batch([6], grouping="size", group_size=3, seed=seed, old="seq", kl=True)
     whole = _whole(batch)
     if path == "logits":
@@ -383,7 +387,7 @@ def two_d_case(rank: int, world: int, *, backend: str = "torch", dtensor: bool =
 def bytes_case(rank: int, world: int) -> dict:
     """The bytes each collective moves: item 1 depends on N only (not on T, V, H); item 2 on
     M (the partials) and M * H (the dH all-reduce), not on V."""
-    pg = dist.group.WORLD
+    pg = _GROUP
     out = {}
     sizes = [3, 5, 4][:world] if world > 1 else [4]
     for name, (max_len, vocab, hidden) in {"small": (5, 37, 16), "large": (12, 101, 24)}.items():
@@ -467,7 +471,7 @@ def train_case(rank: int, world: int, *, wrapper: str, steps: int = 2) -> dict:
     batch: losses, first-step gradients and final parameters."""
     from torch.nn.parallel import DistributedDataParallel
 
-    pg = dist.group.WORLD
+    pg = _GROUP
     sizes = [3, 5, 4][:world]
     input_ids, batch = _lm_batch(sizes)
     share = _share(batch, rank)
@@ -480,8 +484,8 @@ def train_case(rank: int, world: int, *, wrapper: str, steps: int = 2) -> dict:
     else:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model.lm.block)
-        wrapped = fully_shard(model)
+        fully_shard(model.lm.block, mesh=_MESH)
+        wrapped = fully_shard(model, mesh=_MESH)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     pairs = {}
@@ -519,4 +523,21 @@ def run_cases(rank: int, world: int, cases: Dict[str, tuple]) -> Dict[str, dict]
             results[name] = globals()[fn_name](rank, world, **kwargs)
         except Exception:  # noqa: BLE001 - reported by the test of this case
             results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def run_all(rank: int, world: int, cases_by_world: Dict[int, Dict[str, tuple]]) -> Dict[int, Dict[str, dict]]:
+    """One spawn for every world size (process start-up dominates): for each ``w``, ranks
+    ``0..w-1`` form a group and run ``cases_by_world[w]`` while the others wait."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    global _GROUP, _MESH
+    results = {}
+    for size, cases in sorted(cases_by_world.items()):
+        group = dist.group.WORLD if size == world else dist.new_group(list(range(size)))
+        mesh = DeviceMesh("cpu", torch.arange(size))  # every rank takes part in creating it
+        if rank < size:
+            _GROUP, _MESH = group, mesh
+            results[size] = run_cases(rank, size, cases)
+        dist.barrier()
     return results
