@@ -424,6 +424,42 @@ def bytes_case(rank: int, world: int) -> dict:
     return {"bytes": out}
 
 
+# ----------------------------------------------------------------------------- errors
+
+
+def errors_case(rank: int, world: int) -> dict:
+    """Inputs that are fine on each rank but inconsistent across ranks raise the same error on
+    every rank (no rank is left waiting in a collective)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    pg = _GROUP
+    batch = dp_batch([5] * world, grouping="size", seed=8)
+    share = _share(batch, rank)
+    messages = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            messages[name] = None
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+
+    h, w = share["hidden"], batch["weight"]
+    attempt("group_size_total", lambda: tpo_kernels.fused_linear_tpo_loss(
+        h, w, share["labels"], share["scores"], group_size=3, process_group=pg))
+    old = {"old_logprobs": share["scores"] * 0 - 1.0} if rank == 0 else {}
+    attempt("old_on_one_rank", lambda: tpo_kernels.fused_linear_tpo_loss(
+        h, w, share["labels"], share["scores"], group_size=5, process_group=pg, **old))
+    attempt("overlapping_shards", lambda: tpo_kernels.fused_linear_logprobs(
+        h, w[:10], share["labels"], vocab_parallel_group=pg, vocab_start_index=0))
+    fsdp_like = distribute_tensor(w, _MESH, [Shard(0)])  # FSDP2's sharded lm_head, outside forward
+    attempt("same_group_for_both", lambda: tpo_kernels.fused_linear_tpo_loss(
+        h, fsdp_like, share["labels"], share["scores"], group_size=5, process_group=pg))
+    attempt("start_without_group", lambda: tpo_kernels.fused_linear_logprobs(
+        h, w, share["labels"], vocab_start_index=0))
+    return {"messages": messages}
+
+
 # ----------------------------------------------------------------------------- DDP / FSDP2
 
 

@@ -54,6 +54,7 @@ CASES = {
         "bytes": ("bytes_case", {}),
         "train_ddp": ("train_case", dict(wrapper="ddp")),
         "train_fsdp2": ("train_case", dict(wrapper="fsdp2")),
+        "errors": ("errors_case", {}),
     },
     3: {
         "dp_logits_ids_cpu": _dp("logits", [3, 5, 4], "ids", backend="cpu"),
@@ -103,7 +104,8 @@ def _check_pairs(per_rank, tol=FP32_TOL):
             assert all(torch.equal(v, values[0]) for v in values), f"{what} differs between ranks"
 
 
-CORRECTNESS = [(w, n) for w, cases in CASES.items() for n in cases if n != "bytes" and not n.startswith("train")]
+CORRECTNESS = [(w, n) for w, cases in CASES.items() for n in cases
+               if n not in ("bytes", "errors") and not n.startswith("train")]
 
 
 @pytest.mark.parametrize("world,name", CORRECTNESS, ids=[f"{w}ranks-{n}" for w, n in CORRECTNESS])
@@ -154,3 +156,18 @@ def test_collective_bytes(world):
             print(f"\n{world} ranks, bytes per rank: " + "; ".join(
                 f"{k}: fwd {[r[1:3] for r in v['forward']]} bwd {[r[1:] for r in v['backward']]}"
                 for k, v in stats.items()))
+
+
+def test_inconsistent_inputs_fail_on_every_rank():
+    """group_size not dividing the total N, old log-probs on one rank only, overlapping vocabulary
+    shards, the vocabulary and the batch split over the same ranks (FSDP2's sharded weight used
+    outside forward): the same ValueError on every rank, none left hanging."""
+    per_rank = [r["messages"] for r in _case(2, "errors")]
+    expected = {"group_size_total": "group_size must divide the number of completions over all ranks",
+                "old_on_one_rank": "ranks disagree",
+                "overlapping_shards": "must tile",
+                "same_group_for_both": "the vocabulary is sharded over the ranks of process_group",
+                "start_without_group": "vocab_start_index needs vocab_parallel_group"}
+    for name, fragment in expected.items():
+        for rank, messages in enumerate(per_rank):
+            assert messages[name] is not None and fragment in messages[name], (rank, name, messages[name])

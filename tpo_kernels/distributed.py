@@ -269,12 +269,25 @@ class DataParallelGroups:
         return loss, aux
 
 
-def data_parallel_groups(process_group, group_size, group_ids, device: torch.device,
-                         input_name: str) -> Optional[DataParallelGroups]:
-    """None without a ``process_group`` (the single-process path), else the checked grouping."""
+def data_parallel_groups(process_group, group_size, group_ids, device: torch.device, input_name: str,
+                         shard: Optional["VocabShard"] = None) -> Optional[DataParallelGroups]:
+    """None without a ``process_group`` (the single-process path), else the checked grouping.
+    With a vocabulary ``shard`` too, the two groups must differ (a 2-D mesh): ranks splitting
+    the batch hold different tokens, so they cannot also split one token's vocabulary."""
     if process_group is None:
         return None
-    return DataParallelGroups(process_group, group_size, group_ids, device, input_name)
+    groups = DataParallelGroups(process_group, group_size, group_ids, device, input_name)
+    if shard is not None and _ranks(shard.group) == _ranks(process_group) and dist.get_world_size(process_group) > 1:
+        raise ValueError(
+            "the vocabulary is sharded over the ranks of process_group, which hold different completions; "
+            "use a tensor-parallel group for the vocabulary (for FSDP2, call the loss inside the wrapped "
+            "module's forward, where the lm_head weight is unsharded)"
+        )
+    return groups
+
+
+def _ranks(group) -> List[int]:
+    return list(dist.get_process_group_ranks(group))
 
 
 # ----------------------------------------------------------------------------- vocabulary parallel

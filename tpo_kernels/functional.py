@@ -163,7 +163,8 @@ def tpo_loss(
                                     return_aux=return_aux, validate=validate)
     inplace_backward = check.check_flag("inplace_backward", inplace_backward)
     chosen = get_backend(backend, logits.device)
-    data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, logits.device, "logits")
+    data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, logits.device, "logits",
+                                                     shard)
     groups = dict(group_size=group_size, group_ids=group_ids) if data_parallel is None else data_parallel.local_grouping()
     batch = check.prepare_batch(
         logits.shape[:-1], logits.shape[-1] if shard is None else shard.vocab_size, logits.device,
@@ -300,7 +301,8 @@ def fused_linear_tpo_loss(
     settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
                                     return_aux=return_aux, validate=validate)
     chosen = get_backend(backend, hidden.device)
-    data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, hidden.device, "hidden")
+    data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, hidden.device, "hidden",
+                                                     shard)
     groups = dict(group_size=group_size, group_ids=group_ids) if data_parallel is None else data_parallel.local_grouping()
     batch = check.prepare_batch(
         hidden.shape[:-1], weight.shape[0] if shard is None else shard.vocab_size, hidden.device,
