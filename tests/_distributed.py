@@ -54,7 +54,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, arg
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported by the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, deadline_s: float = DEFAULT_DEADLINE_S) -> List[Any]:

@@ -93,7 +93,7 @@ def _case(world: int, name: str):
 def _check_pairs(per_rank, tol=FP32_TOL):
     for rank, result in enumerate(per_rank):
         for what, (got, want) in result["pairs"].items():
-            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"rank {rank}, {what}: {m}")
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, r=rank, w=what: f"rank {r}, {w}: {m}")
         for what, ok in result["zeros"].items():
             assert ok, f"rank {rank}: {what}"
     # The loss (every rank's is the whole batch's) and per-token results are bitwise the same

@@ -528,5 +528,5 @@ def replicated_local(name: str, x):
 
 
 __all__ = ["CollectiveLog", "CollectiveRecord", "DataParallelGroups", "VocabShard", "all_gather_stacked",
-           "all_reduce_sum", "count_collectives", "data_parallel_groups", "gather_rows", "vocab_parallel_head", "vocab_shard",
-           "vocab_parallel_linear_logprobs", "vocab_parallel_logprobs"]
+           "all_reduce_sum", "count_collectives", "data_parallel_groups", "gather_rows", "vocab_parallel_head",
+           "vocab_parallel_linear_logprobs", "vocab_parallel_logprobs", "vocab_shard"]

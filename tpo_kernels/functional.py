@@ -165,7 +165,7 @@ def tpo_loss(
     chosen = get_backend(backend, logits.device)
     data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, logits.device, "logits",
                                                      shard)
-    groups = dict(group_size=group_size, group_ids=group_ids) if data_parallel is None else data_parallel.local_grouping()
+    groups = data_parallel.local_grouping() if data_parallel else dict(group_size=group_size, group_ids=group_ids)
     batch = check.prepare_batch(
         logits.shape[:-1], logits.shape[-1] if shard is None else shard.vocab_size, logits.device,
         compute_dtype(logits.dtype), labels, scores, **groups, cu_seqlens=cu_seqlens, mask=mask,
@@ -180,8 +180,9 @@ def tpo_loss(
         token_lp, _ = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,
                                      with_entropy=False, inplace_backward=inplace, backend=key)
     else:
-        token_lp, _ = distributed.vocab_parallel_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
-                                                          with_entropy=False, inplace_backward=inplace, backend=key)
+        token_lp, _ = distributed.vocab_parallel_logprobs(
+            matrix, batch.labels, shard, inv_temperature=settings.inv_temperature, with_entropy=False,
+            inplace_backward=inplace, backend=key)
     return _sequence_loss(token_lp, batch, settings, key, data_parallel)
 
 
@@ -212,8 +213,8 @@ def selective_logprobs(
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, logits.device)
-    flat = check.prepare_labels(labels, logits.shape[:-1], logits.shape[-1] if shard is None else shard.vocab_size,
-                                logits.device, "logits", ignore_index, validate)
+    vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
+    flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
     matrix, _ = _rows(logits)
     if shard is None:
         token_lp, entropy = token_logprobs(matrix, flat, inv_temperature=inv_temperature, with_entropy=return_entropy,
@@ -303,7 +304,7 @@ def fused_linear_tpo_loss(
     chosen = get_backend(backend, hidden.device)
     data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, hidden.device, "hidden",
                                                      shard)
-    groups = dict(group_size=group_size, group_ids=group_ids) if data_parallel is None else data_parallel.local_grouping()
+    groups = data_parallel.local_grouping() if data_parallel else dict(group_size=group_size, group_ids=group_ids)
     batch = check.prepare_batch(
         hidden.shape[:-1], weight.shape[0] if shard is None else shard.vocab_size, hidden.device,
         compute_dtype(hidden.dtype), labels, scores, **groups, cu_seqlens=cu_seqlens, mask=mask,
@@ -356,8 +357,9 @@ def fused_linear_logprobs(
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, hidden.device)
-    flat_labels = check.prepare_labels(labels, hidden.shape[:-1], weight.shape[0] if shard is None else shard.vocab_size,
-                                       hidden.device, "hidden", ignore_index, validate)
+    vocab_size = weight.shape[0] if shard is None else shard.vocab_size
+    flat_labels = check.prepare_labels(labels, hidden.shape[:-1], vocab_size, hidden.device, "hidden",
+                                       ignore_index, validate)
     if shard is None:
         token_lp, entropy = linear_logprobs(flat, weight, bias, flat_labels, inv_temperature=inv_temperature,
                                             with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
