@@ -17,11 +17,17 @@ cases run on subgroups of it.
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from _distributed import run_ranks
+from _distributed import loopback_env, run_ranks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FP32_TOL = dict(atol=5e-5, rtol=2e-4)
 TRAIN_TOL = dict(atol=1e-4, rtol=1e-3)
@@ -171,3 +177,16 @@ def test_inconsistent_inputs_fail_on_every_rank():
     for name, fragment in expected.items():
         for rank, messages in enumerate(per_rank):
             assert messages[name] is not None and fragment in messages[name], (rank, name, messages[name])
+
+
+@pytest.mark.parametrize("options", [[], ["--tensor-parallel", "2"]], ids=["ddp", "vocab-parallel"])
+def test_torchrun_example(options):
+    """The README's example runs as written under torchrun (2 CPU processes) and matches
+    one-process training."""
+    env = dict(os.environ, **loopback_env(), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "tpo_distributed.py"), "--steps", "2", *options]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "largest parameter difference from one-process training" in done.stdout, done.stdout

@@ -276,8 +276,11 @@ def data_parallel_groups(process_group, group_size, group_ids, device: torch.dev
     the batch hold different tokens, so they cannot also split one token's vocabulary."""
     if process_group is None:
         return None
+    _check_group("process_group", process_group)
+    if dist.get_world_size(process_group) == 1:  # nothing to gather: the single-process path
+        return None
     groups = DataParallelGroups(process_group, group_size, group_ids, device, input_name)
-    if shard is not None and _ranks(shard.group) == _ranks(process_group) and dist.get_world_size(process_group) > 1:
+    if shard is not None and _ranks(shard.group) == _ranks(process_group):
         raise ValueError(
             "the vocabulary is sharded over the ranks of process_group, which hold different completions; "
             "use a tensor-parallel group for the vocabulary (for FSDP2, call the loss inside the wrapped "
