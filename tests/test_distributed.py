@@ -203,3 +203,17 @@ def test_torchrun_example(command):
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "largest parameter difference from one-process training" in done.stdout, done.stdout
+
+
+def test_keywords_without_an_initialized_group():
+    """In one process: the distributed keywords name what is missing."""
+    hidden, weight = torch.randn(4, 3, 8), torch.randn(11, 8)
+    labels, scores = torch.randint(0, 11, (4, 3)), torch.randn(4)
+    import tpo_kernels
+
+    with pytest.raises(RuntimeError, match="process_group needs torch.distributed initialized"):
+        tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores, group_size=2, process_group=object())
+    with pytest.raises(RuntimeError, match="vocab_parallel_group needs torch.distributed initialized"):
+        tpo_kernels.fused_linear_logprobs(hidden, weight, labels, vocab_parallel_group=object())
+    with pytest.raises(ValueError, match="vocab_start_index needs vocab_parallel_group"):
+        tpo_kernels.selective_logprobs(torch.randn(4, 3, 11), labels, vocab_start_index=0)

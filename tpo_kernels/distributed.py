@@ -188,10 +188,10 @@ class DataParallelGroups:
         self.group, self.group_size, self.group_ids = process_group, group_size, group_ids
 
     @staticmethod
-    def local_grouping() -> dict:
-        """The grouping keywords for checking the local batch: completions only (the real groups
-        are formed after the gather), hence one group per completion."""
-        return dict(group_size=1, group_ids=None)
+    def local_grouping() -> Tuple[int, None]:
+        """``(group_size, group_ids)`` for checking the local batch: completions only (the real
+        groups are formed after the gather), hence one group per completion."""
+        return 1, None
 
     def loss(self, token_lp: Tensor, batch, settings, key: str):
         layout, acc = batch.layout, token_lp.dtype

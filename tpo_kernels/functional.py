@@ -165,11 +165,13 @@ def tpo_loss(
     chosen = get_backend(backend, logits.device)
     data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, logits.device, "logits",
                                                      shard)
-    groups = data_parallel.local_grouping() if data_parallel else dict(group_size=group_size, group_ids=group_ids)
+    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
+        group_size, group_ids = data_parallel.local_grouping()
+    vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
     batch = check.prepare_batch(
-        logits.shape[:-1], logits.shape[-1] if shard is None else shard.vocab_size, logits.device,
-        compute_dtype(logits.dtype), labels, scores, **groups, cu_seqlens=cu_seqlens, mask=mask,
-        ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, validate=validate,
+        logits.shape[:-1], vocab_size, logits.device, compute_dtype(logits.dtype), labels, scores,
+        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, validate=validate,
     )
     matrix, copied = _rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
@@ -304,12 +306,13 @@ def fused_linear_tpo_loss(
     chosen = get_backend(backend, hidden.device)
     data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, hidden.device, "hidden",
                                                      shard)
-    groups = data_parallel.local_grouping() if data_parallel else dict(group_size=group_size, group_ids=group_ids)
+    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
+        group_size, group_ids = data_parallel.local_grouping()
+    vocab_size = weight.shape[0] if shard is None else shard.vocab_size
     batch = check.prepare_batch(
-        hidden.shape[:-1], weight.shape[0] if shard is None else shard.vocab_size, hidden.device,
-        compute_dtype(hidden.dtype), labels, scores, **groups, cu_seqlens=cu_seqlens, mask=mask,
-        ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
-        input_name="hidden", validate=validate,
+        hidden.shape[:-1], vocab_size, hidden.device, compute_dtype(hidden.dtype), labels, scores,
+        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, input_name="hidden", validate=validate,
     )
     key = backend_key(chosen)
     if shard is None:
