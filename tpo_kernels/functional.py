@@ -17,6 +17,23 @@ Shared keywords of the losses:
         the device, and leave completions with no counted token out of their groups.
         ``validate=False`` skips those reads, for compiled and CUDA-graph use: then every
         completion must have a counted token. Shapes, dtypes and devices are always checked.
+
+Distributed keywords (:mod:`tpo_kernels.distributed`; collectives run eagerly, not under
+``torch.compile``):
+    process_group: the data-parallel group over which the batch's completions are split (the
+        sequence-level losses). Groups may straddle ranks (``group_ids`` global; ``group_size``
+        counts over the concatenation of the ranks' batches in rank order) and ranks may hold
+        different N. Only ``[N]``-sized rows are all-gathered. Every rank returns the loss of the
+        whole batch and gives its tokens ``P`` times their gradient of it, so that after DDP /
+        FSDP2 averaging every parameter has the single-process gradient of the whole batch.
+        ``aux`` holds this rank's completions (``seq_offset``: the first one's global index) and
+        every group's ``group_loss``.
+    vocab_parallel_group, vocab_start_index: this rank holds a contiguous vocabulary shard of the
+        logits ``[..., V_r]`` or of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``), with the same
+        tokens on every rank of the group. Shards are in group-rank order unless
+        ``vocab_start_index`` gives this shard's first id. A DTensor weight / logits sharded on the
+        vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
+        fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
+from . import distributed
 from ._dtypes import compute_dtype
 from .backends import Backend, backend_key, get_backend
 from .layout import candidate_layout
@@ -38,19 +56,41 @@ LossOutput = Union[Tensor, Tuple[Tensor, dict]]
 
 
 def _sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, scores, backend,
-                    settings: dict, batch: dict):
-    """Checked settings, the backend and the prepared batch of a sequence-level loss."""
+                    settings: dict, batch: dict, process_group=None, shard=None):
+    """Checked settings, the backend, the prepared batch of a sequence-level loss and, when its
+    groups are split over data-parallel ranks, how to gather them."""
     settings = check.check_settings(**settings)
     chosen = get_backend(backend, inputs.device)
+    data_parallel = distributed.data_parallel_groups(process_group, batch["group_size"], batch["group_ids"],
+                                                     inputs.device, input_name, shard)
+    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
+        batch["group_size"], batch["group_ids"] = data_parallel.local_grouping()
     batch = check.prepare_batch(inputs.shape[:-1], vocab_size, inputs.device, compute_dtype(inputs.dtype), labels,
                                 scores, input_name=input_name, validate=settings.validate, **batch)
-    return settings, chosen, batch
+    return settings, chosen, batch, data_parallel
+
+
+def _row_logprobs(matrix: Tensor, labels: Tensor, shard, **settings):
+    """The logits row op, on a vocabulary shard when ``shard`` says so."""
+    if shard is None:
+        return token_logprobs(matrix, labels, **settings)
+    return distributed.vocab_parallel_logprobs(matrix, labels, shard, **settings)
+
+
+def _head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, **settings):
+    """The fused-linear row op, on a vocabulary shard of the head when ``shard`` says so."""
+    if shard is None:
+        return linear_logprobs(hidden, weight, bias, labels, **settings)
+    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard, **settings)
 
 
 def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str,
-                   entropy: Optional[Tensor] = None) -> LossOutput:
+                   entropy: Optional[Tensor] = None,
+                   data_parallel: Optional[distributed.DataParallelGroups] = None) -> LossOutput:
     """The group stage of sequence-level TPO on flat token log-probs, and its aux (with the token
     entropies of the same vocabulary pass, when computed)."""
+    if data_parallel is not None:  # groups spread over ranks: gather [N]-sized rows first
+        return data_parallel.loss(token_lp, batch, settings, key)
     objective = GroupObjective(
         batch.layout, batch.scores, old_seq_logprobs=batch.old_seq_logprobs, eta=settings.eta,
         anchor=settings.anchor, reduction=settings.reduction, backend=key, beta=batch.beta,
@@ -116,6 +156,9 @@ def tpo_loss(
     return_aux: bool = False,
     return_entropy: bool = False,
     validate: bool = True,
+    process_group=None,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
 ) -> LossOutput:
     """Sequence-level Target Policy Optimization loss on vocabulary logits.
 
@@ -149,24 +192,29 @@ def tpo_loss(
             (True where the group carries no gradient, ``p == q``).
         return_entropy: with ``return_aux``, also ``aux["token_entropy"]``: the entropy of each
             token's tempered distribution, from the same vocabulary pass (0 where not counted).
+        process_group, vocab_parallel_group, vocab_start_index: see the module docstring
+            (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local).
     """
+    source = logits  # a DTensor's local shard is never overwritten when the DTensor is a leaf
+    logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
     check.check_logits(logits)
     inplace_backward = check.check_flag("inplace_backward", inplace_backward)
-    settings, chosen, batch = _sequence_setup(
-        logits, logits.shape[-1], "logits", labels, scores, backend,
+    settings, chosen, batch, data_parallel = _sequence_setup(
+        logits, logits.shape[-1] if shard is None else shard.vocab_size, "logits", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
              return_entropy=return_entropy, validate=validate),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
+        process_group, shard,
     )
     matrix, copied = _rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
     # Under torch.compile the graph owns the buffers: the backward is out of place.
-    inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and logits.grad_fn is not None))
+    inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
     key = backend_key(chosen)
-    token_lp, entropy = token_logprobs(matrix, batch.labels, inv_temperature=settings.inv_temperature,
-                                       with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
-    return _sequence_loss(token_lp, batch, settings, key, entropy)
+    token_lp, entropy = _row_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
+                                      with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
+    return _sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
 def tpo_loss_from_logprobs(
@@ -224,6 +272,8 @@ def selective_logprobs(
     ignore_index: int = -100,
     backend: BackendArg = "auto",
     validate: bool = True,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token ``log softmax(logits / temperature)[labels]`` without materializing full-vocab
     log-probs; differentiable (its backward is the fused row backward).
@@ -231,18 +281,20 @@ def selective_logprobs(
     Returns float32 log-probs of the labels' shape (float64 for float64 logits), 0 where
     ``labels == ignore_index``; with ``return_entropy`` also the per-token entropy of the tempered
     distribution (0 at ignored positions), which is differentiable too. Under ``torch.no_grad()``
-    this is the cheap way to get old / reference log-probs.
+    this is the cheap way to get old / reference log-probs. With ``vocab_parallel_group``
+    (module docstring) ``logits`` is this rank's vocabulary shard ``[..., V_r]``.
     """
+    logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
     check.check_logits(logits)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, logits.device)
-    flat = check.prepare_labels(labels, logits.shape[:-1], logits.shape[-1], logits.device, "logits",
-                                ignore_index, validate)
+    vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
+    flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
     matrix, _ = _rows(logits)
-    token_lp, entropy = token_logprobs(matrix, flat, inv_temperature=inv_temperature, with_entropy=return_entropy,
-                                       inplace_backward=False, backend=backend_key(chosen))
+    token_lp, entropy = _row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature, with_entropy=return_entropy,
+                                      inplace_backward=False, backend=backend_key(chosen))
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)
@@ -286,6 +338,9 @@ def fused_linear_tpo_loss(
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
     validate: bool = True,
+    process_group=None,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
 ) -> LossOutput:
     """Sequence-level TPO loss on ``logits = hidden @ weight.T (+ bias)``, computed tile by tile
     so that the ``[tokens, vocab]`` logits never exist.
@@ -308,23 +363,28 @@ def fused_linear_tpo_loss(
             When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
             block of at most 256 MiB at a time.
         tile_policy: how tiles are sized (:class:`tpo_kernels.ops.TilePolicy`); default per device.
+        process_group, vocab_parallel_group, vocab_start_index: see the module docstring (weight
+            ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors sharded on dim 0).
 
     The backward recomputes the logits of the tokens whose loss gradient is nonzero; tokens of
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
     supported.
     """
+    hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
+                                                                  vocab_start_index)
     flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
-    settings, chosen, batch = _sequence_setup(
-        hidden, weight.shape[0], "hidden", labels, scores, backend,
+    settings, chosen, batch, data_parallel = _sequence_setup(
+        hidden, weight.shape[0] if shard is None else shard.vocab_size, "hidden", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
              return_entropy=return_entropy, validate=validate),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
+        process_group, shard,
     )
     key = backend_key(chosen)
-    token_lp, entropy = linear_logprobs(flat, weight, bias, batch.labels, inv_temperature=settings.inv_temperature,
-                                        with_entropy=settings.return_entropy, backend=key, **tiles)
-    return _sequence_loss(token_lp, batch, settings, key, entropy)
+    token_lp, entropy = _head_logprobs(flat, weight, bias, batch.labels, shard, inv_temperature=settings.inv_temperature,
+                                       with_entropy=settings.return_entropy, backend=key, **tiles)
+    return _sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
 def fused_linear_logprobs(
@@ -341,6 +401,8 @@ def fused_linear_logprobs(
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
     validate: bool = True,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token ``log softmax((hidden @ weight.T + bias) / temperature)[labels]`` without
     materializing the logits; differentiable with respect to hidden, weight and bias.
@@ -350,17 +412,21 @@ def fused_linear_logprobs(
     ignore_index``; with ``return_entropy`` also the per-token entropy of the tempered
     distribution (0 at ignored positions), whose gradient flows too. Under ``torch.no_grad()``
     this is the memory-light way to get old / reference log-probs from a model's hidden states.
-    ``chunk_size``, ``grad_accum_dtype`` and ``tile_policy`` as in :func:`fused_linear_tpo_loss`.
+    ``chunk_size``, ``grad_accum_dtype`` and ``tile_policy`` as in :func:`fused_linear_tpo_loss`;
+    ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
+    hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
+                                                                  vocab_start_index)
     flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, hidden.device)
-    flat_labels = check.prepare_labels(labels, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden",
+    vocab_size = weight.shape[0] if shard is None else shard.vocab_size
+    flat_labels = check.prepare_labels(labels, hidden.shape[:-1], vocab_size, hidden.device, "hidden",
                                        ignore_index, validate)
-    token_lp, entropy = linear_logprobs(flat, weight, bias, flat_labels, inv_temperature=inv_temperature,
-                                        with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
+    token_lp, entropy = _head_logprobs(flat, weight, bias, flat_labels, shard, inv_temperature=inv_temperature,
+                                       with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)

@@ -88,14 +88,21 @@ class TiledLinearHead:
     tile never holds more than ``chunk_size * V`` logits. Hidden states and weight may differ in
     dtype (bf16 activations under an fp32 head): logits are computed in the wider of the two, and
     only a tile's operands are cast, never the whole of either.
+
+    ``vocab_offset``: the vocabulary id of ``weight``'s first row when it is one shard of a
+    vocabulary-parallel head (:mod:`tpo_kernels.distributed`). Labels stay global ids; a counted
+    row whose label lies on another shard gets its logsumexp (and entropy) over this shard,
+    target 0, and no one-hot term in the backward.
     """
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                 backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy) -> None:
+                 backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
+                 vocab_offset: int = 0) -> None:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
         self.chunk_size, self.policy = chunk_size, policy
         self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
+        self.vocab_offset = vocab_offset
 
     @staticmethod
     def _row_chunks(selected: Tensor, chunk_size: int) -> List[Union[slice, Tensor]]:
@@ -158,7 +165,7 @@ class TiledLinearHead:
             h_rows, labels = self.hidden[rows], self.labels[rows]
             for start in range(0, vocab_size, vocab_block):
                 logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
-                local = labels - start
+                local = labels - (self.vocab_offset + start)
                 inside = (local >= 0) & (local < logits.shape[1])
                 # Every row is read: a label outside the block stands in as 0, its target unused.
                 block_lse, block_target, block_entropy = self.backend.row_forward(
@@ -237,7 +244,7 @@ class TiledLinearHead:
         """dz for one tile (token rows x vocabulary block), written in place over the recomputed
         logits in the buffer."""
         dlogits = self._logits(h_rows, vocab, buffer)
-        labels = self.labels[rows] - vocab.start  # label ids local to the block, -1 outside it
+        labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(
             dlogits, labels, lse[rows], grad_logprob[rows],

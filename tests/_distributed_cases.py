@@ -1,0 +1,579 @@
+"""What each rank runs in the multi-process tests (tests/test_distributed.py).
+
+Every rank builds the whole problem from a fixed seed, computes the single-process result on the
+whole batch / whole vocabulary itself (no collective), then the distributed result on its share,
+and returns both: ``{"pairs": {name: (distributed, single_process)}, "zeros": {name: bool}}``.
+Gradients are returned as the contract defines them: data-parallel tokens get ``P`` times their
+gradient (divided back here), parameters are averaged over the data-parallel ranks (as DDP does).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpo_kernels
+from tpo_kernels import distributed as tpo_dist
+
+HIDDEN, VOCAB, MAX_LEN = 16, 37, 5
+
+# The group (and a 1-D DeviceMesh over it) of the ranks running the current cases: ranks
+# 0..world-1 of the spawned processes (see run_all).
+_GROUP = None
+_MESH = None
+
+
+def _leaf(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.detach().clone().requires_grad_(True)
+
+
+def _offsets(sizes: Sequence[int]) -> List[int]:
+    return [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def dp_batch(sizes: Sequence[int], *, grouping: str, group_size: int = 4, old: Optional[str] = None,
+             kl: bool = False, tie: bool = True, packed: bool = False, seed: int = 0, vocab: int = VOCAB,
+             hidden: int = HIDDEN, max_len: int = MAX_LEN) -> dict:
+    """A whole batch of ``sum(sizes)`` completions; rank r holds ``sizes[r]`` consecutive ones.
+
+    ``grouping="ids"``: group 0 has the first completion of every rank (spread over all ranks),
+    the others are random; ``"size"``: contiguous groups of ``group_size`` over the concatenation.
+    With ``tie`` the scores of one group tie: for ids group 1, the last completion of every rank;
+    for sizes a group straddling two ranks when there is one."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    starts = _offsets(sizes)
+    if grouping == "ids":
+        ids = torch.full((n,), -1, dtype=torch.int64)
+        ids[torch.tensor(starts[:-1])] = 0  # the first completion of every rank
+        ids[torch.tensor(starts[1:]) - 1] = torch.where(ids[torch.tensor(starts[1:]) - 1] < 0, 1, 0)  # the last
+        rest = torch.nonzero(ids < 0).squeeze(1)
+        num_groups = max(1, rest.numel() // 3)
+        ids[rest] = torch.randperm(rest.numel(), generator=gen) % num_groups + 2
+        group_of = ids
+    else:
+        group_of = torch.arange(n) // group_size
+    scores = torch.randn(n, generator=gen, dtype=torch.float64)
+    # Tied: a group spread over every rank (ids), or one straddling two ranks (size).
+    tied = [1] if grouping == "ids" else [1 if n // group_size > 2 else 0]
+    if tie:
+        for g in tied:
+            scores[group_of == g] = 0.25
+    lengths = torch.randint(1, max_len + 1, (n,), generator=gen)
+    if packed:
+        total = int(lengths.sum())
+        labels = torch.randint(0, vocab, (total,), generator=gen)
+        token_shape = (total,)
+    else:
+        labels = torch.randint(0, vocab, (n, max_len), generator=gen)
+        for i in range(n):
+            labels[i, lengths[i]:] = -100
+        token_shape = (n, max_len)
+    batch = dict(
+        sizes=list(sizes), lengths=lengths, labels=labels, scores=scores.float(), group_of=group_of,
+        group_ids=group_of * 7 + 3, group_size=group_size, grouping=grouping, packed=packed, tied=tied,
+        logits=(torch.randn(*token_shape, vocab, generator=gen, dtype=torch.float64) * 2).float(),
+        hidden=torch.randn(*token_shape, hidden, generator=gen, dtype=torch.float64).float(),
+        weight=(torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) * 0.5).float(),
+        bias=torch.randn(vocab, generator=gen, dtype=torch.float64).float(),
+    )
+    if old == "token":
+        batch["old_logprobs"] = (-torch.rand(token_shape, generator=gen, dtype=torch.float64) * 3).float()
+    elif old == "seq":
+        batch["old_logprobs"] = (-torch.rand(n, generator=gen, dtype=torch.float64) * 10).float()
+    if kl:
+        batch["ref_logprobs"] = (-torch.rand(token_shape, generator=gen, dtype=torch.float64) * 3).float()
+        batch["beta"] = 0.1
+    return batch
+
+
+def _token_rows(batch: dict, first: int, count: int) -> slice:
+    """Rows of completions [first, first + count) in the flat token order."""
+    if not batch["packed"]:
+        return slice(first, first + count)
+    cu = _offsets(batch["lengths"].tolist())
+    return slice(cu[first], cu[first + count])
+
+
+def _share(batch: dict, rank: int) -> dict:
+    """Rank ``rank``'s completions, as loss keywords plus the token tensors."""
+    starts = _offsets(batch["sizes"])
+    first, count = starts[rank], batch["sizes"][rank]
+    seqs, rows = slice(first, first + count), _token_rows(batch, first, count)
+    share = dict(labels=batch["labels"][rows], scores=batch["scores"][seqs], logits=batch["logits"][rows],
+                 hidden=batch["hidden"][rows], rows=rows, seqs=seqs)
+    kwargs = {}
+    if batch["grouping"] == "ids":
+        kwargs["group_ids"] = batch["group_ids"][seqs]
+    else:
+        kwargs["group_size"] = batch["group_size"]
+    if batch["packed"]:
+        lengths = batch["lengths"][seqs]
+        kwargs["cu_seqlens"] = torch.tensor(_offsets(lengths.tolist()), dtype=torch.int32)
+    if "old_logprobs" in batch:
+        old = batch["old_logprobs"]
+        kwargs["old_logprobs"] = old[seqs] if old.dim() == 1 and old.shape[0] == len(batch["scores"]) else old[rows]
+    if "ref_logprobs" in batch:
+        kwargs["ref_logprobs"], kwargs["beta"] = batch["ref_logprobs"][rows], batch["beta"]
+    share["kwargs"] = kwargs
+    return share
+
+
+def _whole(batch: dict) -> dict:
+    """The single-process loss keywords of the whole batch."""
+    kwargs = {}
+    if batch["grouping"] == "ids":
+        kwargs["group_ids"] = batch["group_ids"]
+    else:
+        kwargs["group_size"] = batch["group_size"]
+    if batch["packed"]:
+        kwargs["cu_seqlens"] = torch.tensor(_offsets(batch["lengths"].tolist()), dtype=torch.int32)
+    for key in ("old_logprobs", "ref_logprobs", "beta"):
+        if key in batch:
+            kwargs[key] = batch[key]
+    return kwargs
+
+
+def _tied_rows(batch: dict) -> torch.Tensor:
+    """Tokens of the completions of tied groups: bool of the labels' shape."""
+    tied = torch.isin(batch["group_of"], torch.tensor(batch["tied"]))
+    if batch["packed"]:
+        return tied.repeat_interleave(batch["lengths"])
+    return tied[:, None].expand(batch["labels"].shape)
+
+
+def _mean_over(group, x: torch.Tensor) -> torch.Tensor:
+    """Average over the ranks of ``group``, as DDP / FSDP2 do with gradients (test-side, not
+    counted)."""
+    x = x.detach().clone()
+    dist.all_reduce(x, group=group)
+    return x / dist.get_world_size(group)
+
+
+def _loss_value(loss: torch.Tensor) -> torch.Tensor:
+    return loss.sum() if loss.dim() else loss
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction: str = "mean",
+            backend: str = "torch", old=None, kl=False, packed=False, seed=0, group_size: int = 4,
+            tie: bool = True) -> dict:
+    """Item 1: groups split over ranks; loss and every gradient vs the whole batch in one process."""
+    pg = _GROUP
+    batch = dp_batch(sizes, grouping=grouping, old=old, kl=kl, packed=packed, seed=seed, group_size=group_size,
+                     tie=tie)
+    whole, share = _whole(batch), _share(batch, rank)
+    common = dict(reduction=reduction, backend=backend, return_aux=True)
+    if path == "logits":
+        ref_leaf = _leaf(batch["logits"])
+        ref_loss, ref_aux = tpo_kernels.tpo_loss(ref_leaf * 1.0, batch["labels"], batch["scores"], **whole, **common)
+        _loss_value(ref_loss).backward()
+        leaf = _leaf(share["logits"])
+        loss, aux = tpo_kernels.tpo_loss(leaf * 1.0, share["labels"], share["scores"], **share["kwargs"], **common,
+                                         process_group=pg)  # non-leaf logits: in-place backward
+        _loss_value(loss).backward()
+        pairs = {"loss": (loss.detach(), ref_loss.detach()),
+                 "grad_logits": (leaf.grad / world, ref_leaf.grad[share["rows"]])}
+        grads = {"logits": (leaf.grad, ref_leaf.grad[share["rows"]])}
+    else:
+        ref_h, ref_w, ref_b = _leaf(batch["hidden"]), _leaf(batch["weight"]), _leaf(batch["bias"])
+        ref_loss, ref_aux = tpo_kernels.fused_linear_tpo_loss(ref_h, ref_w, batch["labels"], batch["scores"],
+                                                              bias=ref_b, **whole, **common, chunk_size=7)
+        _loss_value(ref_loss).backward()
+        h, w, b = _leaf(share["hidden"]), _leaf(batch["weight"]), _leaf(batch["bias"])
+        loss, aux = tpo_kernels.fused_linear_tpo_loss(h, w, share["labels"], share["scores"], bias=b,
+                                                      **share["kwargs"], **common, chunk_size=7, process_group=pg)
+        _loss_value(loss).backward()
+        pairs = {"loss": (loss.detach(), ref_loss.detach()),
+                 "grad_hidden": (h.grad / world, ref_h.grad[share["rows"]]),
+                 "grad_weight": (_mean_over(pg, w.grad), ref_w.grad),
+                 "grad_bias": (_mean_over(pg, b.grad), ref_b.grad)}
+        grads = {"hidden": (h.grad, ref_h.grad[share["rows"]])}
+    for name in ("p", "q", "u", "coef", "seq_logprobs"):
+        pairs[f"aux_{name}"] = (aux[name], ref_aux[name][share["seqs"]])
+    pairs["aux_group_loss"] = (aux["group_loss"], ref_aux["group_loss"])
+    tied = _tied_rows(batch)[share["rows"]]
+    zeros = {}
+    if tie and not kl and (old is None):  # zero-signal: tied on-policy groups, exactly zero on both sides
+        for name, (got, want) in grads.items():
+            zeros[f"tied_{name}_zero"] = bool((got[tied] == 0).all()) and bool((want[tied] == 0).all())
+            zeros[f"untied_{name}_nonzero"] = bool((got[~tied] != 0).any())
+    return {"pairs": pairs, "zeros": zeros, "tied_tokens": int(tied.sum())}
+
+
+# ----------------------------------------------------------------------------- vocabulary parallel
+
+
+def vocab_split(vocab: int, world: int) -> List[int]:
+    """Uneven contiguous shard sizes (``torch.tensor_split``), in rank order."""
+    return [len(part) for part in torch.arange(vocab).tensor_split(world)]
+
+
+def _my_shard(vocab: int, world: int, rank: int, rotate: bool):
+    """(start, stop, explicit start or None): rank r holds piece r, or piece (r+1) % P with an
+    explicit vocab_start_index."""
+    sizes = vocab_split(vocab, world)
+    piece = (rank + 1) % world if rotate else rank
+    start = sum(sizes[:piece])
+    return start, start + sizes[piece], (start if rotate else None)
+
+
+def vp_logprobs_case(rank: int, world: int, *, path: str, rotate: bool = False, backend: str = "torch",
+                     seed: int = 1, packed: bool = False) -> dict:
+    """Item 2 on the log-prob functions with entropy: per-token values on every rank and the
+    shard's gradients vs the whole vocabulary."""
+    pg = _GROUP
+    batch = dp_batch([6], grouping="size", group_size=3, packed=packed, seed=seed)
+    start, stop, explicit = _my_shard(VOCAB, world, rank, rotate)
+    labels = batch["labels"]
+    gen = torch.Generator().manual_seed(seed + 100)
+    coef_lp = torch.randn(labels.shape, generator=gen)
+    coef_ent = torch.randn(labels.shape, generator=gen)
+    vp = dict(vocab_parallel_group=pg, vocab_start_index=explicit)
+    if path == "logits":
+        ref_leaf, leaf = _leaf(batch["logits"]), _leaf(batch["logits"][..., start:stop])
+        ref_lp, ref_ent = tpo_kernels.selective_logprobs(ref_leaf, labels, return_entropy=True, temperature=0.7,
+                                                         backend=backend)
+        lp, ent = tpo_kernels.selective_logprobs(leaf, labels, return_entropy=True, temperature=0.7, backend=backend,
+                                                 **vp)
+        ((ref_lp * coef_lp + ref_ent * coef_ent).sum()).backward()
+        ((lp * coef_lp + ent * coef_ent).sum()).backward()
+        pairs = {"grad_logits_shard": (leaf.grad, ref_leaf.grad[..., start:stop])}
+    else:
+        ref_h, ref_w, ref_b = _leaf(batch["hidden"]), _leaf(batch["weight"]), _leaf(batch["bias"])
+        h, w, b = _leaf(batch["hidden"]), _leaf(batch["weight"][start:stop]), _leaf(batch["bias"][start:stop])
+        ref_lp, ref_ent = tpo_kernels.fused_linear_logprobs(ref_h, ref_w, labels, bias=ref_b, return_entropy=True,
+                                                            temperature=0.7, backend=backend, chunk_size=5)
+        lp, ent = tpo_kernels.fused_linear_logprobs(h, w, labels, bias=b, return_entropy=True, temperature=0.7,
+                                                    backend=backend, chunk_size=5, **vp)
+        ((ref_lp * coef_lp + ref_ent * coef_ent).sum()).backward()
+        ((lp * coef_lp + ent * coef_ent).sum()).backward()
+        pairs = {"grad_hidden": (h.grad, ref_h.grad), "grad_weight_shard": (w.grad, ref_w.grad[start:stop]),
+                 "grad_bias_shard": (b.grad, ref_b.grad[start:stop])}
+    pairs["logprobs"] = (lp.detach(), ref_lp.detach())
+    pairs["entropy"] = (ent.detach(), ref_ent.detach())
+    ignored = labels == -100
+    zeros = {"ignored_rows_zero": bool((lp[ignored] == 0).all() and (ent[ignored] == 0).all())}
+    return {"pairs": pairs, "zeros": zeros}
+
+
+def vp_loss_case(rank: int, world: int, *, path: str, backend: str = "torch", rotate: bool = False,
+                 old=None, kl=False, seed: int = 2, grouping: str = "ids") -> dict:
+    """Item 2 on the TPO losses: the same batch on every rank, the vocabulary split."""
+    pg = _GROUP
+    batch = dp_batch([9], grouping=grouping, group_size=3, old=old, kl=kl, seed=seed)
+    whole = _whole(batch)
+    start, stop, explicit = _my_shard(VOCAB, world, rank, rotate)
+    vp = dict(vocab_parallel_group=pg, vocab_start_index=explicit)
+    if path == "logits":
+        ref_leaf, leaf = _leaf(batch["logits"]), _leaf(batch["logits"][..., start:stop])
+        ref_loss = tpo_kernels.tpo_loss(ref_leaf * 1.0, batch["labels"], batch["scores"], **whole, backend=backend)
+        loss = tpo_kernels.tpo_loss(leaf * 1.0, batch["labels"], batch["scores"], **whole, backend=backend, **vp)
+        ref_loss.backward()
+        loss.backward()
+        pairs = {"grad_logits_shard": (leaf.grad, ref_leaf.grad[..., start:stop])}
+        grads = {"logits": (leaf.grad, ref_leaf.grad[..., start:stop])}
+    else:
+        ref_h, ref_w, ref_b = _leaf(batch["hidden"]), _leaf(batch["weight"]), _leaf(batch["bias"])
+        h, w, b = _leaf(batch["hidden"]), _leaf(batch["weight"][start:stop]), _leaf(batch["bias"][start:stop])
+        ref_loss = tpo_kernels.fused_linear_tpo_loss(ref_h, ref_w, batch["labels"], batch["scores"], bias=ref_b,
+                                                     **whole, backend=backend)
+        loss = tpo_kernels.fused_linear_tpo_loss(h, w, batch["labels"], batch["scores"], bias=b, **whole,
+                                                 backend=backend, **vp)
+        ref_loss.backward()
+        loss.backward()
+        pairs = {"grad_hidden": (h.grad, ref_h.grad), "grad_weight_shard": (w.grad, ref_w.grad[start:stop]),
+                 "grad_bias_shard": (b.grad, ref_b.grad[start:stop])}
+        grads = {"hidden": (h.grad, ref_h.grad)}
+    pairs["loss"] = (loss.detach(), ref_loss.detach())
+    zeros = {}
+    if not kl and old is None:
+        tied = _tied_rows(batch)
+        for name, (got, want) in grads.items():
+            zeros[f"tied_{name}_zero"] = bool((got[tied] == 0).all()) and bool((want[tied] == 0).all())
+    return {"pairs": pairs, "zeros": zeros, "tied_tokens": int(tied.sum()) if zeros else 0}
+
+
+def dtensor_case(rank: int, world: int, *, path: str, backend: str = "torch", seed: int = 3) -> dict:
+    """A DTensor sharded on the vocabulary (torchtitan style) needs no group nor offset: the weight
+    and bias (fused path) or the logits (logits path) as ``Shard`` DTensors; gradients come back
+    as DTensors with the same placement."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _MESH
+    batch = dp_batch([6], grouping="size", group_size=3, seed=seed, old="seq", kl=True)
+    whole = _whole(batch)
+    if path == "logits":
+        ref_leaf = _leaf(batch["logits"])
+        dt = distribute_tensor(batch["logits"], mesh, [Shard(2)]).requires_grad_(True)
+        ref_loss = tpo_kernels.tpo_loss(ref_leaf, batch["labels"], batch["scores"], **whole, backend=backend)
+        loss = tpo_kernels.tpo_loss(dt, batch["labels"], batch["scores"], **whole, backend=backend)
+        ref_loss.backward()
+        loss.backward()
+        pairs = {"grad_logits": (dt.grad.full_tensor(), ref_leaf.grad)}
+        untouched = bool(torch.equal(dt.full_tensor().detach(), batch["logits"]))  # a leaf: never overwritten
+    else:
+        ref_h, ref_w, ref_b = _leaf(batch["hidden"]), _leaf(batch["weight"]), _leaf(batch["bias"])
+        w = distribute_tensor(batch["weight"], mesh, [Shard(0)]).requires_grad_(True)
+        b = distribute_tensor(batch["bias"], mesh, [Shard(0)]).requires_grad_(True)
+        h = _leaf(batch["hidden"])
+        ref_loss = tpo_kernels.fused_linear_tpo_loss(ref_h, ref_w, batch["labels"], batch["scores"], bias=ref_b,
+                                                     **whole, backend=backend)
+        loss = tpo_kernels.fused_linear_tpo_loss(h, w, batch["labels"], batch["scores"], bias=b, **whole,
+                                                 backend=backend)
+        ref_loss.backward()
+        loss.backward()
+        pairs = {"grad_hidden": (h.grad, ref_h.grad), "grad_weight": (w.grad.full_tensor(), ref_w.grad),
+                 "grad_bias": (b.grad.full_tensor(), ref_b.grad)}
+        untouched = type(w.grad).__name__ == "DTensor" and w.grad.placements == w.placements
+    pairs["loss"] = (loss.detach(), ref_loss.detach())
+    return {"pairs": pairs, "zeros": {"dtensor_ok": untouched}}
+
+
+def two_d_case(rank: int, world: int, *, backend: str = "torch", dtensor: bool = False, seed: int = 4) -> dict:
+    """Items 1 + 2 on a (data x tensor) mesh: the batch split over ``dp``, the vocabulary over
+    ``tp``; ranks of one ``dp`` coordinate hold the same completions."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+    dp_rank, tp_rank, dp_size = mesh.get_local_rank("dp"), mesh.get_local_rank("tp"), world // 2
+    sizes = [3, 5, 4][:dp_size] if dp_size > 1 else [6]
+    batch = dp_batch(sizes, grouping="ids", old="token", kl=True, seed=seed)
+    whole, share = _whole(batch), _share(batch, dp_rank)
+    ref_h, ref_w, ref_b = _leaf(batch["hidden"]), _leaf(batch["weight"]), _leaf(batch["bias"])
+    ref_loss = tpo_kernels.fused_linear_tpo_loss(ref_h, ref_w, batch["labels"], batch["scores"], bias=ref_b,
+                                                 **whole, backend=backend)
+    ref_loss.backward()
+    h = _leaf(share["hidden"])
+    if dtensor:
+        w = distribute_tensor(batch["weight"], mesh, [Replicate(), Shard(0)]).requires_grad_(True)
+        b = distribute_tensor(batch["bias"], mesh, [Replicate(), Shard(0)]).requires_grad_(True)
+        vp = {}
+        start = min(-(-VOCAB // 2) * tp_rank, VOCAB)  # DTensor's Shard splits like torch.chunk
+    else:
+        start, stop, _ = _my_shard(VOCAB, 2, tp_rank, rotate=False)
+        w, b = _leaf(batch["weight"][start:stop]), _leaf(batch["bias"][start:stop])
+        vp = dict(vocab_parallel_group=tp_group)
+    loss = tpo_kernels.fused_linear_tpo_loss(h, w, share["labels"], share["scores"], bias=b, **share["kwargs"],
+                                             backend=backend, process_group=dp_group, **vp)
+    loss.backward()
+    if dtensor:
+        grad_w, grad_b = w.grad.to_local(), b.grad.to_local()
+    else:
+        grad_w, grad_b = w.grad, b.grad
+    stop = start + grad_w.shape[0]
+    return {"pairs": {
+        "loss": (loss.detach(), ref_loss.detach()),
+        "grad_hidden": (h.grad / dp_size, ref_h.grad[share["rows"]]),
+        "grad_weight_shard": (_mean_over(dp_group, grad_w), ref_w.grad[start:stop]),
+        "grad_bias_shard": (_mean_over(dp_group, grad_b), ref_b.grad[start:stop]),
+    }, "zeros": {}}
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def bytes_case(rank: int, world: int) -> dict:
+    """The bytes each collective moves: item 1 depends on N only (not on T, V, H); item 2 on
+    M (the partials) and M * H (the dH all-reduce), not on V."""
+    pg = _GROUP
+    out = {}
+    sizes = [3, 5, 4][:world] if world > 1 else [4]
+    for name, (max_len, vocab, hidden) in {"small": (5, 37, 16), "large": (12, 101, 24)}.items():
+        batch = dp_batch(sizes, grouping="ids", old="token", kl=True, seed=5, vocab=vocab, hidden=hidden,
+                         max_len=max_len)
+        share = _share(batch, rank)
+        h, w = _leaf(share["hidden"]), _leaf(batch["weight"])
+        with tpo_dist.count_collectives() as forward:
+            loss = tpo_kernels.fused_linear_tpo_loss(h, w, share["labels"], share["scores"], **share["kwargs"],
+                                                     backend="torch", process_group=pg)
+        with tpo_dist.count_collectives() as backward:
+            loss.backward()
+        out[f"dp_{name}"] = dict(forward=[(r.op, r.purpose, r.payload_bytes, r.output_bytes) for r in forward],
+                                 backward=[(r.op, r.purpose, r.payload_bytes) for r in backward],
+                                 max_n=max(sizes), tokens=share["labels"].numel(), hidden=hidden,
+                                 received=forward.received_bytes() + backward.received_bytes())
+
+        start, stop, _ = _my_shard(vocab, world, rank, rotate=False)
+        full = dp_batch([6], grouping="ids", seed=6, vocab=vocab, hidden=hidden, max_len=max_len)
+        h, w = _leaf(full["hidden"]), _leaf(full["weight"][start:stop])
+        with tpo_dist.count_collectives() as forward:
+            loss = tpo_kernels.fused_linear_tpo_loss(h, w, full["labels"], full["scores"], **_whole(full),
+                                                     backend="torch", vocab_parallel_group=pg)
+        with tpo_dist.count_collectives() as backward:
+            loss.backward()
+        with tpo_dist.count_collectives() as entropy:
+            tpo_kernels.fused_linear_logprobs(h.detach(), w.detach(), full["labels"], return_entropy=True,
+                                              backend="torch", vocab_parallel_group=pg, vocab_start_index=start)
+        out[f"vp_{name}"] = dict(forward=[(r.op, r.purpose, r.payload_bytes, r.output_bytes) for r in forward],
+                                 backward=[(r.op, r.purpose, r.payload_bytes) for r in backward],
+                                 entropy=[(r.op, r.purpose, r.payload_bytes) for r in entropy],
+                                 tokens=full["labels"].numel(), hidden=hidden,
+                                 received=forward.received_bytes() + backward.received_bytes())
+    return {"bytes": out}
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def errors_case(rank: int, world: int) -> dict:
+    """Inputs that are fine on each rank but inconsistent across ranks raise the same error on
+    every rank (no rank is left waiting in a collective)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    pg = _GROUP
+    batch = dp_batch([5] * world, grouping="size", seed=8)
+    share = _share(batch, rank)
+    messages = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            messages[name] = None
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+
+    h, w = share["hidden"], batch["weight"]
+    attempt("group_size_total", lambda: tpo_kernels.fused_linear_tpo_loss(
+        h, w, share["labels"], share["scores"], group_size=3, process_group=pg))
+    old = {"old_logprobs": share["scores"] * 0 - 1.0} if rank == 0 else {}
+    attempt("old_on_one_rank", lambda: tpo_kernels.fused_linear_tpo_loss(
+        h, w, share["labels"], share["scores"], group_size=5, process_group=pg, **old))
+    attempt("overlapping_shards", lambda: tpo_kernels.fused_linear_logprobs(
+        h, w[:10], share["labels"], vocab_parallel_group=pg, vocab_start_index=0))
+    fsdp_like = distribute_tensor(w, _MESH, [Shard(0)])  # FSDP2's sharded lm_head, outside forward
+    attempt("same_group_for_both", lambda: tpo_kernels.fused_linear_tpo_loss(
+        h, fsdp_like, share["labels"], share["scores"], group_size=5, process_group=pg))
+    attempt("start_without_group", lambda: tpo_kernels.fused_linear_logprobs(
+        h, w, share["labels"], vocab_start_index=0))
+    return {"messages": messages}
+
+
+# ----------------------------------------------------------------------------- DDP / FSDP2
+
+
+class TinyCausalLM(nn.Module):
+    """Embedding, a causal running mean over positions, one MLP block, an lm_head."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        positions = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device)
+        x = x.cumsum(dim=1) / positions[:, None]  # causal: position t sees tokens <= t
+        return x + self.block(x)
+
+
+class TPOPolicy(nn.Module):
+    """The model and its loss in one forward, so that FSDP2 has the lm_head weight unsharded
+    when the fused loss reads it."""
+
+    def __init__(self, lm: TinyCausalLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels, scores, group_ids, process_group=None):
+        hidden = self.lm.hidden_states(input_ids)
+        return tpo_kernels.fused_linear_tpo_loss(hidden, self.lm.lm_head.weight, labels, scores, group_ids=group_ids,
+                                                 backend="cpu", chunk_size=8, process_group=process_group)
+
+
+def _lm_batch(sizes, seed: int = 7):
+    batch = dp_batch(sizes, grouping="ids", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = sum(sizes)
+    input_ids = torch.randint(0, VOCAB, (n, MAX_LEN), generator=gen)
+    return input_ids, batch
+
+
+def train_case(rank: int, world: int, *, wrapper: str, steps: int = 2) -> dict:
+    """A tiny causal LM trained for a few SGD steps with fused_linear_tpo_loss under DDP or FSDP2
+    (``fully_shard`` on the block and the root) vs the same steps in one process on the whole
+    batch: losses, first-step gradients and final parameters."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    pg = _GROUP
+    sizes = [3, 5, 4][:world]
+    input_ids, batch = _lm_batch(sizes)
+    share = _share(batch, rank)
+    torch.manual_seed(0)
+    reference = TPOPolicy(TinyCausalLM())
+    torch.manual_seed(0)
+    model = TPOPolicy(TinyCausalLM())
+    if wrapper == "ddp":
+        wrapped = DistributedDataParallel(model, process_group=pg)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.lm.block, mesh=_MESH)
+        wrapped = fully_shard(model, mesh=_MESH)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+    pairs = {}
+    for step in range(steps):
+        ref_loss = reference(input_ids, batch["labels"], batch["scores"], batch["group_ids"])
+        loss = wrapped(input_ids[share["seqs"]], share["labels"], share["scores"], share["kwargs"]["group_ids"],
+                       process_group=pg)
+        ref_loss.backward()
+        loss.backward()
+        pairs[f"loss_step{step}"] = (loss.detach(), ref_loss.detach())
+        if step == 0:
+            for (name, p), (_, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                pairs[f"grad_{name}"] = (grad, ref_p.grad)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for (name, p), (_, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        pairs[f"param_{name}"] = (value.detach(), ref_p.detach())
+    return {"pairs": pairs, "zeros": {}}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_cases(rank: int, world: int, cases: Dict[str, tuple]) -> Dict[str, dict]:
+    """Run ``{name: (function name, kwargs)}`` in order on this rank; a failing case is reported
+    under its name (the ranks stay in step as long as every rank fails alike)."""
+    results = {}
+    for name, (fn_name, kwargs) in cases.items():
+        torch.manual_seed(0)
+        try:
+            results[name] = globals()[fn_name](rank, world, **kwargs)
+        except Exception:  # noqa: BLE001 - reported by the test of this case
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def run_all(rank: int, world: int, cases_by_world: Dict[int, Dict[str, tuple]]) -> Dict[int, Dict[str, dict]]:
+    """One spawn for every world size (process start-up dominates): for each ``w``, ranks
+    ``0..w-1`` form a group and run ``cases_by_world[w]`` while the others wait."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    global _GROUP, _MESH
+    results = {}
+    for size, cases in sorted(cases_by_world.items()):
+        group = dist.group.WORLD if size == world else dist.new_group(list(range(size)))
+        mesh = DeviceMesh("cpu", torch.arange(size))  # every rank takes part in creating it
+        if rank < size:
+            _GROUP, _MESH = group, mesh
+            results[size] = run_cases(rank, size, cases)
+        dist.barrier()
+    return results

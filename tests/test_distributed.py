@@ -1,0 +1,219 @@
+"""Multi-process tests of tpo_kernels.distributed on CPU: gloo, 2, 3 and 4 spawned local ranks.
+
+Every case compares a distributed run with the single-process result on the whole batch / whole
+vocabulary (computed on each rank, see tests/_distributed_cases.py): the loss and every gradient
+(hidden or logits rows, weight and bias or their shards) within fp32 tolerance, for groups split
+over data-parallel ranks (a group spread over every rank, ranks with different N, contiguous
+``group_size`` groups straddling ranks, packed and padded, old log-probs, the KL term, each
+reduction), a vocabulary split over ranks (V % P != 0, shards in rank order or placed by
+``vocab_start_index``, logits or fused head, with entropy), DTensor shards, the 2-D (data x
+tensor) mesh, DDP and FSDP2 training of a tiny causal LM. Zero-signal groups stay exactly zero.
+A byte-counting case checks what each collective moves.
+
+One spawn of 4 ranks runs every case (process start-up dominates the time): the 2- and 3-rank
+cases run on subgroups of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _distributed import loopback_env, run_ranks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+FP32_TOL = dict(atol=5e-5, rtol=2e-4)
+TRAIN_TOL = dict(atol=1e-4, rtol=1e-3)
+
+
+def _dp(path, sizes, grouping, **kw):
+    return ("dp_case", dict(path=path, sizes=sizes, grouping=grouping, **kw))
+
+
+CASES = {
+    2: {
+        "dp_logits_ids_torch": _dp("logits", [5, 7], "ids"),
+        "dp_logits_size_packed_cpu_old": _dp("logits", [5, 7], "size", backend="cpu", packed=True, old="token"),
+        "dp_logits_sum_kl": _dp("logits", [6, 4], "ids", reduction="sum", kl=True),
+        "dp_fused_ids_cpu": _dp("fused", [4, 7], "ids", backend="cpu"),
+        "dp_fused_size_torch": _dp("fused", [5, 7], "size"),
+        "dp_fused_size_old_kl": _dp("fused", [7, 5], "size", old="token", kl=True, backend="cpu"),
+        "dp_fused_none_seqold_kl": _dp("fused", [5, 6], "ids", reduction="none", old="seq", kl=True),
+        "dp_fused_packed_ids": _dp("fused", [6, 3], "ids", packed=True, backend="cpu"),
+        "vp_logprobs_logits": ("vp_logprobs_case", dict(path="logits")),
+        "vp_logprobs_logits_packed_cpu": ("vp_logprobs_case", dict(path="logits", packed=True, backend="cpu")),
+        "vp_logprobs_fused_cpu": ("vp_logprobs_case", dict(path="fused", backend="cpu")),
+        "vp_logprobs_fused_start_index": ("vp_logprobs_case", dict(path="fused", rotate=True)),
+        "vp_loss_logits_cpu_old_kl": ("vp_loss_case", dict(path="logits", backend="cpu", old="token", kl=True)),
+        "vp_loss_logits_zero": ("vp_loss_case", dict(path="logits")),
+        "vp_loss_fused_zero": ("vp_loss_case", dict(path="fused", backend="cpu")),
+        "vp_loss_fused_old_kl": ("vp_loss_case", dict(path="fused", old="seq", kl=True, grouping="size")),
+        "dtensor_fused": ("dtensor_case", dict(path="fused")),
+        "dtensor_logits": ("dtensor_case", dict(path="logits", backend="cpu")),
+        "bytes": ("bytes_case", {}),
+        "train_ddp": ("train_case", dict(wrapper="ddp")),
+        "train_fsdp2": ("train_case", dict(wrapper="fsdp2")),
+        "errors": ("errors_case", {}),
+    },
+    3: {
+        "dp_logits_ids_cpu": _dp("logits", [3, 5, 4], "ids", backend="cpu"),
+        "dp_fused_ids_old_kl": _dp("fused", [4, 2, 5], "ids", old="token", kl=True),
+        "dp_fused_size_straddling": _dp("fused", [3, 6, 3], "size", backend="cpu"),
+        "dp_fused_size_one_group": _dp("fused", [2, 3, 1], "size", group_size=6, tie=False),
+        "vp_logprobs_logits_start_index": ("vp_logprobs_case", dict(path="logits", rotate=True, backend="cpu")),
+        "vp_logprobs_fused": ("vp_logprobs_case", dict(path="fused")),
+        "vp_loss_fused_cpu_old_kl": ("vp_loss_case", dict(path="fused", backend="cpu", old="token", kl=True)),
+        "vp_loss_logits_zero": ("vp_loss_case", dict(path="logits", rotate=True)),
+        "dtensor_fused": ("dtensor_case", dict(path="fused", backend="cpu")),
+        "bytes": ("bytes_case", {}),
+    },
+    4: {
+        "two_d": ("two_d_case", {}),
+        "two_d_dtensor_cpu": ("two_d_case", dict(dtensor=True, backend="cpu")),
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    """Every case of every world size, from one spawn of max(CASES) ranks."""
+    from _distributed_cases import run_all
+
+    return run_ranks(max(CASES), run_all, CASES)
+
+
+def _case(world: int, name: str):
+    per_rank = [ranks[world][name] for ranks in _results()[:world]]
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, f"rank {rank} of {world}, case {name}:\n{result['error']}"
+    return per_rank
+
+
+def _check_pairs(per_rank, tol=FP32_TOL):
+    for rank, result in enumerate(per_rank):
+        for what, (got, want) in result["pairs"].items():
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, r=rank, w=what: f"rank {r}, {w}: {m}")
+        for what, ok in result["zeros"].items():
+            assert ok, f"rank {rank}: {what}"
+    # The loss (every rank's is the whole batch's) and per-token results are bitwise the same
+    # on every rank: they come from the same gathered data through the same computation.
+    for what in ("loss", "logprobs", "entropy"):
+        if what in per_rank[0]["pairs"]:
+            values = [r["pairs"][what][0] for r in per_rank]
+            assert all(torch.equal(v, values[0]) for v in values), f"{what} differs between ranks"
+
+
+CORRECTNESS = [(w, n) for w, cases in CASES.items() for n in cases
+               if n not in ("bytes", "errors") and not n.startswith("train")]
+
+
+@pytest.mark.parametrize("world,name", CORRECTNESS, ids=[f"{w}ranks-{n}" for w, n in CORRECTNESS])
+def test_matches_single_process(world, name):
+    per_rank = _case(world, name)
+    _check_pairs(per_rank)
+    if any(k.startswith("tied_") for r in per_rank for k in r["zeros"]):  # the zero checks saw tied tokens
+        assert sum(r.get("tied_tokens", 0) for r in per_rank) > 0
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_training_matches_single_process(wrapper):
+    """A tiny causal LM under DDP / FSDP2 (fully_shard), 2 gloo ranks, two SGD steps with
+    fused_linear_tpo_loss(process_group=...): losses, first-step gradients of every parameter
+    (after the wrapper's averaging) and the final parameters equal single-process training on
+    the whole batch."""
+    per_rank = _case(2, f"train_{wrapper}")
+    _check_pairs(per_rank, TRAIN_TOL)
+    names = per_rank[0]["pairs"]
+    assert {"grad_lm.lm_head.weight", "grad_lm.embed.weight", "grad_lm.block.0.weight"} <= set(names)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_bytes(world):
+    """Item 1 moves O(N): a 5-int64 size record, [max N_r, C] floats, max N_r int64 group ids,
+    the same for any T, V, H, and nothing in the backward. Item 2 moves O(M): [2, M] fp32
+    partials (3 rows with entropy) and, in the backward, the [M, H] dH all-reduce; nothing
+    depends on V."""
+    for rank, result in enumerate(_case(world, "bytes")):
+        stats = result["bytes"]
+        dp_small, dp_large = stats["dp_small"], stats["dp_large"]
+        n = dp_small["max_n"]
+        columns = 5  # ell, score, old sequence log-prob, k3 sum, counted tokens
+        expected = [("all_gather", "sizes", 5 * 8, world * 5 * 8),
+                    ("all_gather", "rows", n * columns * 4, world * n * columns * 4),
+                    ("all_gather", "group_ids", n * 8, world * n * 8)]
+        assert dp_small["forward"] == expected, (rank, dp_small["forward"])
+        assert dp_large["forward"] == expected, "item 1 must not depend on T, V or H"
+        assert dp_small["backward"] == [] and dp_large["backward"] == []
+        for name in ("vp_small", "vp_large"):
+            vp = stats[name]
+            m, h = vp["tokens"], vp["hidden"]
+            assert vp["forward"] == [("all_gather", "vocab_shards", 16, world * 16),
+                                     ("all_gather", "partials", 2 * m * 4, world * 2 * m * 4)], vp["forward"]
+            assert vp["backward"] == [("all_reduce", "hidden_grad", m * h * 4)], vp["backward"]
+            assert vp["entropy"] == [("all_gather", "vocab_shards", 16), ("all_gather", "partials", 3 * m * 4)]
+        if rank == 0:
+            print(f"\n{world} ranks, bytes per rank: " + "; ".join(
+                f"{k}: fwd {[r[1:3] for r in v['forward']]} bwd {[r[1:] for r in v['backward']]}"
+                for k, v in stats.items()))
+
+
+def test_inconsistent_inputs_fail_on_every_rank():
+    """group_size not dividing the total N, old log-probs on one rank only, overlapping vocabulary
+    shards, the vocabulary and the batch split over the same ranks (FSDP2's sharded weight used
+    outside forward): the same ValueError on every rank, none left hanging."""
+    per_rank = [r["messages"] for r in _case(2, "errors")]
+    expected = {"group_size_total": "group_size must divide the number of completions over all ranks",
+                "old_on_one_rank": "ranks disagree",
+                "overlapping_shards": "must tile",
+                "same_group_for_both": "the vocabulary is sharded over the ranks of process_group",
+                "start_without_group": "vocab_start_index needs vocab_parallel_group"}
+    for name, fragment in expected.items():
+        for rank, messages in enumerate(per_rank):
+            assert messages[name] is not None and fragment in messages[name], (rank, name, messages[name])
+
+
+def _example_commands():
+    """The ``torchrun ... examples/tpo_distributed.py`` lines of the docs' bash blocks (README.md
+    once the section is merged, docs-distributed-section.md until then)."""
+    commands = []
+    for name in ("README.md", "docs-distributed-section.md"):
+        path = ROOT / name
+        if path.exists():
+            for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+                commands += [line.split() for line in block.splitlines() if "examples/tpo_distributed.py" in line]
+    return commands or [["torchrun", "(no example command found in the docs)"]]
+
+
+@pytest.mark.parametrize("command", _example_commands(), ids=lambda c: " ".join(c[5:]) or "default")
+def test_torchrun_example(command):
+    """The documented example commands run as written under torchrun (2 CPU processes, two
+    steps instead of three) and match one-process training."""
+    assert command[0] == "torchrun" and "examples/tpo_distributed.py" in command, command
+    env = dict(os.environ, **loopback_env(), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", *command[1:], "--steps", "2"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "largest parameter difference from one-process training" in done.stdout, done.stdout
+
+
+def test_keywords_without_an_initialized_group():
+    """In one process: the distributed keywords name what is missing."""
+    hidden, weight = torch.randn(4, 3, 8), torch.randn(11, 8)
+    labels, scores = torch.randint(0, 11, (4, 3)), torch.randn(4)
+    import tpo_kernels
+
+    with pytest.raises(RuntimeError, match="process_group needs torch.distributed initialized"):
+        tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores, group_size=2, process_group=object())
+    with pytest.raises(RuntimeError, match="vocab_parallel_group needs torch.distributed initialized"):
+        tpo_kernels.fused_linear_logprobs(hidden, weight, labels, vocab_parallel_group=object())
+    with pytest.raises(ValueError, match="vocab_start_index needs vocab_parallel_group"):
+        tpo_kernels.selective_logprobs(torch.randn(4, 3, 11), labels, vocab_start_index=0)
