@@ -181,22 +181,23 @@ def test_inconsistent_inputs_fail_on_every_rank():
 
 
 def _example_commands():
-    """The ``torchrun ... examples/tpo_distributed.py`` lines of the docs' bash blocks (README.md
-    once the section is merged, docs-distributed-section.md until then)."""
+    """The ``torchrun ... -m tpo_kernels.examples.distributed_training`` lines of the README's
+    bash blocks."""
     commands = []
-    for name in ("README.md", "docs-distributed-section.md"):
+    for name in ("README.md",):
         path = ROOT / name
         if path.exists():
             for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
-                commands += [line.split() for line in block.splitlines() if "examples/tpo_distributed.py" in line]
+                commands += [line.split() for line in block.splitlines()
+                             if "tpo_kernels.examples.distributed_training" in line]
     return commands or [["torchrun", "(no example command found in the docs)"]]
 
 
-@pytest.mark.parametrize("command", _example_commands(), ids=lambda c: " ".join(c[5:]) or "default")
+@pytest.mark.parametrize("command", _example_commands(), ids=lambda c: " ".join(c[6:]) or "default")
 def test_torchrun_example(command):
     """The documented example commands run as written under torchrun (2 CPU processes, two
     steps instead of three) and match one-process training."""
-    assert command[0] == "torchrun" and "examples/tpo_distributed.py" in command, command
+    assert command[0] == "torchrun" and "tpo_kernels.examples.distributed_training" in command, command
     env = dict(os.environ, **loopback_env(), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", *command[1:], "--steps", "2"]

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._dtypes import FLOAT_DTYPES, compute_dtype
+from ._dtypes import FLOAT_DTYPES
 from .group_op import segment_sum
 from .layout import BatchLayout, build_layout
 

@@ -18,22 +18,9 @@ Shared keywords of the losses:
         ``validate=False`` skips those reads, for compiled and CUDA-graph use: then every
         completion must have a counted token. Shapes, dtypes and devices are always checked.
 
-Distributed keywords (:mod:`tpo_kernels.distributed`; collectives run eagerly, not under
-``torch.compile``):
-    process_group: the data-parallel group over which the batch's completions are split (the
-        sequence-level losses). Groups may straddle ranks (``group_ids`` global; ``group_size``
-        counts over the concatenation of the ranks' batches in rank order) and ranks may hold
-        different N. Only ``[N]``-sized rows are all-gathered. Every rank returns the loss of the
-        whole batch and gives its tokens ``P`` times their gradient of it, so that after DDP /
-        FSDP2 averaging every parameter has the single-process gradient of the whole batch.
-        ``aux`` holds this rank's completions (``seq_offset``: the first one's global index) and
-        every group's ``group_loss``.
-    vocab_parallel_group, vocab_start_index: this rank holds a contiguous vocabulary shard of the
-        logits ``[..., V_r]`` or of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``), with the same
-        tokens on every rank of the group. Shards are in group-rank order unless
-        ``vocab_start_index`` gives this shard's first id. A DTensor weight / logits sharded on the
-        vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
-        fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
+Distributed keywords (``process_group`` for groups split over data-parallel ranks;
+``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded lm_head or logits):
+see :mod:`tpo_kernels.distributed`.
 """
 
 from __future__ import annotations
@@ -47,91 +34,11 @@ from . import _validate as check
 from . import distributed
 from ._dtypes import compute_dtype
 from .backends import Backend, backend_key, get_backend
-from .layout import candidate_layout
-from .ops import TilePolicy, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
-from .ops.group import GroupObjective
+from .ops import TilePolicy, candidate_logits, linear_candidate_logits
+from .ops import pipeline
 
 BackendArg = Union[str, Backend]
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
-
-
-def _sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, scores, backend,
-                    settings: dict, batch: dict, process_group=None, shard=None):
-    """Checked settings, the backend, the prepared batch of a sequence-level loss and, when its
-    groups are split over data-parallel ranks, how to gather them."""
-    settings = check.check_settings(**settings)
-    chosen = get_backend(backend, inputs.device)
-    data_parallel = distributed.data_parallel_groups(process_group, batch["group_size"], batch["group_ids"],
-                                                     inputs.device, input_name, shard)
-    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
-        batch["group_size"], batch["group_ids"] = data_parallel.local_grouping()
-    batch = check.prepare_batch(inputs.shape[:-1], vocab_size, inputs.device, compute_dtype(inputs.dtype), labels,
-                                scores, input_name=input_name, validate=settings.validate, **batch)
-    return settings, chosen, batch, data_parallel
-
-
-def _row_logprobs(matrix: Tensor, labels: Tensor, shard, **settings):
-    """The logits row op, on a vocabulary shard when ``shard`` says so."""
-    if shard is None:
-        return token_logprobs(matrix, labels, **settings)
-    return distributed.vocab_parallel_logprobs(matrix, labels, shard, **settings)
-
-
-def _head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, **settings):
-    """The fused-linear row op, on a vocabulary shard of the head when ``shard`` says so."""
-    if shard is None:
-        return linear_logprobs(hidden, weight, bias, labels, **settings)
-    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard, **settings)
-
-
-def _sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str,
-                   entropy: Optional[Tensor] = None,
-                   data_parallel: Optional[distributed.DataParallelGroups] = None) -> LossOutput:
-    """The group stage of sequence-level TPO on flat token log-probs, and its aux (with the token
-    entropies of the same vocabulary pass, when computed)."""
-    if data_parallel is not None:  # groups spread over ranks: gather [N]-sized rows first
-        return data_parallel.loss(token_lp, batch, settings, key)
-    objective = GroupObjective(
-        batch.layout, batch.scores, old_seq_logprobs=batch.old_seq_logprobs, eta=settings.eta,
-        anchor=settings.anchor, reduction=settings.reduction, backend=key, beta=batch.beta,
-        ref_logprobs=batch.ref_logprobs, valid=batch.valid,
-    )
-    loss = objective.forward(token_lp)
-    if not settings.return_aux:
-        return loss
-    aux = objective.aux()
-    aux["token_logprobs"] = aux["token_logprobs"].view(batch.token_shape)
-    if entropy is not None:
-        aux["token_entropy"] = entropy.detach().view(batch.token_shape)
-    return loss, aux
-
-
-def _candidate_loss(cand_logits: Tensor, scores: Tensor, old_logprobs: Optional[Tensor],
-                    settings: check.LossSettings, key: str) -> LossOutput:
-    """The group stage of token-level TPO: each state's K candidates form a group."""
-    num_states, num_cand = cand_logits.shape
-    objective = GroupObjective(
-        candidate_layout(num_states, num_cand, cand_logits.device), scores.reshape(-1),
-        old_seq_logprobs=None if old_logprobs is None else old_logprobs.reshape(-1), eta=settings.eta,
-        anchor=settings.anchor, reduction=settings.reduction, backend=key,
-    )
-    loss = objective.forward(cand_logits.reshape(-1))
-    if not settings.return_aux:
-        return loss
-    aux = objective.aux()
-    state_loss = aux.pop("group_loss")
-    aux = {name: aux[name].view(num_states, num_cand) for name in ("seq_logprobs", "p", "q", "u", "coef")}
-    aux["candidate_logits"] = aux.pop("seq_logprobs")
-    aux["state_loss"] = state_loss
-    return loss, aux
-
-
-def _rows(x: Tensor) -> Tuple[Tensor, bool]:
-    """``[..., D]`` as a contiguous ``[M, D]`` matrix; True when that needed a copy."""
-    matrix = x.reshape(-1, x.shape[-1])
-    if matrix.is_contiguous():
-        return matrix, False
-    return matrix.contiguous(), True
 
 
 def tpo_loss(
@@ -199,7 +106,7 @@ def tpo_loss(
     logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
     check.check_logits(logits)
     inplace_backward = check.check_flag("inplace_backward", inplace_backward)
-    settings, chosen, batch, data_parallel = _sequence_setup(
+    settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         logits, logits.shape[-1] if shard is None else shard.vocab_size, "logits", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
              return_entropy=return_entropy, validate=validate),
@@ -207,14 +114,14 @@ def tpo_loss(
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
         process_group, shard,
     )
-    matrix, copied = _rows(logits)
+    matrix, copied = pipeline.rows(logits)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
     # Under torch.compile the graph owns the buffers: the backward is out of place.
     inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
     key = backend_key(chosen)
-    token_lp, entropy = _row_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
+    token_lp, entropy = pipeline.row_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
                                       with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
-    return _sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
+    return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
 def tpo_loss_from_logprobs(
@@ -260,7 +167,7 @@ def tpo_loss_from_logprobs(
         ref_logprobs=ref_logprobs, beta=beta, input_name="logprobs", validate=validate,
     )
     token_lp = torch.where(batch.valid, logprobs.reshape(-1).to(compute_dtype(logprobs.dtype)), 0.0)
-    return _sequence_loss(token_lp, batch, settings, backend_key(chosen))
+    return pipeline.sequence_loss(token_lp, batch, settings, backend_key(chosen))
 
 
 def selective_logprobs(
@@ -292,24 +199,12 @@ def selective_logprobs(
     chosen = get_backend(backend, logits.device)
     vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
     flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
-    matrix, _ = _rows(logits)
-    token_lp, entropy = _row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature, with_entropy=return_entropy,
+    matrix, _ = pipeline.rows(logits)
+    token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature, with_entropy=return_entropy,
                                       inplace_backward=False, backend=backend_key(chosen))
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)
-
-
-def _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy):
-    check.check_head(hidden, weight, bias)
-    chunk_size = check.check_chunk_size(chunk_size)
-    accum = check.check_grad_accum_dtype(grad_accum_dtype, weight.dtype)
-    check.check_tile_policy(tile_policy, TilePolicy)
-    policy = tile_policy or TilePolicy.for_device(hidden.device)
-    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    if chunk_size is None:  # the tile budget, in rows of V
-        chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])
-    return flat, dict(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum)
 
 
 def fused_linear_tpo_loss(
@@ -372,8 +267,8 @@ def fused_linear_tpo_loss(
     """
     hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
                                                                   vocab_start_index)
-    flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
-    settings, chosen, batch, data_parallel = _sequence_setup(
+    flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
+    settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         hidden, weight.shape[0] if shard is None else shard.vocab_size, "hidden", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
              return_entropy=return_entropy, validate=validate),
@@ -382,9 +277,9 @@ def fused_linear_tpo_loss(
         process_group, shard,
     )
     key = backend_key(chosen)
-    token_lp, entropy = _head_logprobs(flat, weight, bias, batch.labels, shard, inv_temperature=settings.inv_temperature,
+    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, batch.labels, shard, inv_temperature=settings.inv_temperature,
                                        with_entropy=settings.return_entropy, backend=key, **tiles)
-    return _sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
+    return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
 def fused_linear_logprobs(
@@ -417,7 +312,7 @@ def fused_linear_logprobs(
     """
     hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
                                                                   vocab_start_index)
-    flat, tiles = _linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
+    flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
@@ -425,7 +320,7 @@ def fused_linear_logprobs(
     vocab_size = weight.shape[0] if shard is None else shard.vocab_size
     flat_labels = check.prepare_labels(labels, hidden.shape[:-1], vocab_size, hidden.device, "hidden",
                                        ignore_index, validate)
-    token_lp, entropy = _head_logprobs(flat, weight, bias, flat_labels, shard, inv_temperature=inv_temperature,
+    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, flat_labels, shard, inv_temperature=inv_temperature,
                                        with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
@@ -478,9 +373,9 @@ def token_tpo_loss(
         old_logprobs, "logits", validate,
     )
     key = backend_key(chosen)
-    matrix, _ = _rows(logits)
+    matrix, _ = pipeline.rows(logits)
     cand = candidate_logits(matrix, candidates, inv_temperature=settings.inv_temperature, backend=key)
-    return _candidate_loss(cand, scores, old_logprobs, settings, key)
+    return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)
 
 
 def fused_linear_token_tpo_loss(
@@ -517,4 +412,4 @@ def fused_linear_token_tpo_loss(
     key = backend_key(chosen)
     cand = linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature=settings.inv_temperature,
                                    backend=key)
-    return _candidate_loss(cand, scores, old_logprobs, settings, key)
+    return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)

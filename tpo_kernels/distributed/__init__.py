@@ -1,0 +1,62 @@
+"""TPO across devices: groups split over data-parallel ranks, and a vocabulary-parallel lm_head.
+
+Two independent modes, combinable on a 2-D (data x tensor) mesh:
+
+**Data parallel** (``process_group=`` on :func:`~tpo_kernels.tpo_loss` and
+:func:`~tpo_kernels.fused_linear_tpo_loss`). The completions of one group may live on different
+ranks. The row op (the vocabulary-sized work) stays local; the group stage needs only per-completion
+numbers, so each rank sends its ``[N_r, C]`` rows (sequence log-prob, score, old sequence log-prob,
+KL sums) plus an int64 group id per completion, and every rank runs the same group op on the
+gathered ``[N, C]``. Nothing token- or vocabulary-sized crosses ranks.
+
+Contract: every rank returns the loss of the *concatenated* batch (same value on every rank, so
+the mean of the ranks' losses is the global loss), and its backward sends into this rank's
+tokens ``P`` times their gradient of that loss (``P`` the size of ``process_group``). Data
+parallelism (DDP's all-reduce, FSDP2's reduce-scatter) averages parameter gradients over the
+``P`` ranks, so every parameter receives exactly the gradient of single-process training on the
+concatenated batch. The factor ``P`` is not a convention picked for DDP: the gather's true
+backward is a reduce-scatter (sum over ranks) of identical gradients, which equals ``P`` times the
+local one, so no backward collective is needed.
+
+**Vocabulary parallel** (``vocab_parallel_group=`` on the fused-linear and logits functions). Each
+rank holds a contiguous vocabulary shard of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``) or of
+the logits (``[M, V_r]``), and the same tokens (hidden ``[M, H]`` and labels, replicated in the
+group). Each rank computes per-token partials over its shard (logsumexp, the target logit when
+it owns the label, and ``S = sum_v p_v z_v`` for the entropy); one all-gather of the ``[C, M]``
+partials lets every rank merge them in rank order (deterministic, identical on every rank). The
+backward is local on the shard (``dW``, ``db`` or the logits gradient of the shard) plus, for the
+fused path, the one all-reduce of ``dH`` that any tensor-parallel linear layer needs.
+
+Every collective goes through :func:`all_gather_stacked` or :func:`all_reduce_sum`, which
+:func:`count_collectives` can log (the byte-counting tests use it).
+
+The keywords of the public functions (collectives run eagerly, not under ``torch.compile``):
+    process_group: the data-parallel group over which the batch's completions are split (the
+        sequence-level losses). Groups may straddle ranks (``group_ids`` global; ``group_size``
+        counts over the concatenation of the ranks' batches in rank order) and ranks may hold
+        different N. Only ``[N]``-sized rows are all-gathered. Every rank returns the loss of the
+        whole batch and gives its tokens ``P`` times their gradient of it, so that after DDP /
+        FSDP2 averaging every parameter has the single-process gradient of the whole batch.
+        ``aux`` holds this rank's completions (``seq_offset``: the first one's global index) and
+        every group's ``group_loss``.
+    vocab_parallel_group, vocab_start_index: this rank holds a contiguous vocabulary shard of the
+        logits ``[..., V_r]`` or of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``), with the same
+        tokens on every rank of the group. Shards are in group-rank order unless
+        ``vocab_start_index`` gives this shard's first id. A DTensor weight / logits sharded on the
+        vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
+        fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
+"""
+from .collectives import CollectiveLog, CollectiveRecord, count_collectives
+from .data_parallel import DataParallelGroups, data_parallel_groups
+from .vocab_parallel import (
+    VocabShard,
+    replicated_local,
+    vocab_parallel_head,
+    vocab_parallel_linear_logprobs,
+    vocab_parallel_logprobs,
+    vocab_shard,
+)
+
+__all__ = ["CollectiveLog", "CollectiveRecord", "DataParallelGroups", "VocabShard", "count_collectives",
+           "data_parallel_groups", "replicated_local", "vocab_parallel_head", "vocab_parallel_linear_logprobs",
+           "vocab_parallel_logprobs", "vocab_shard"]

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m tpo_kernels.examples.<name>`` (or ``torchrun ... -m``)."""

@@ -1,0 +1,110 @@
+"""The steps every public function runs, shared (layer 3): checked settings and batch, the row
+op on a whole or vocabulary-sharded head, and the group stage with its aux."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+from torch import Tensor
+
+from .. import _validate as check
+from .. import distributed
+from .._dtypes import compute_dtype
+from ..backends import get_backend
+from ..layout import candidate_layout
+from .group import GroupObjective
+from .linear import TilePolicy, linear_logprobs
+from .logprobs import token_logprobs
+
+LossOutput = Union[Tensor, Tuple[Tensor, dict]]
+
+
+def sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, scores, backend,
+                    settings: dict, batch: dict, process_group=None, shard=None):
+    """Checked settings, the backend, the prepared batch of a sequence-level loss and, when its
+    groups are split over data-parallel ranks, how to gather them."""
+    settings = check.check_settings(**settings)
+    chosen = get_backend(backend, inputs.device)
+    data_parallel = distributed.data_parallel_groups(process_group, batch["group_size"], batch["group_ids"],
+                                                     inputs.device, input_name, shard)
+    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
+        batch["group_size"], batch["group_ids"] = data_parallel.local_grouping()
+    batch = check.prepare_batch(inputs.shape[:-1], vocab_size, inputs.device, compute_dtype(inputs.dtype), labels,
+                                scores, input_name=input_name, validate=settings.validate, **batch)
+    return settings, chosen, batch, data_parallel
+
+
+def row_logprobs(matrix: Tensor, labels: Tensor, shard, **settings):
+    """The logits row op, on a vocabulary shard when ``shard`` says so."""
+    if shard is None:
+        return token_logprobs(matrix, labels, **settings)
+    return distributed.vocab_parallel_logprobs(matrix, labels, shard, **settings)
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, **settings):
+    """The fused-linear row op, on a vocabulary shard of the head when ``shard`` says so."""
+    if shard is None:
+        return linear_logprobs(hidden, weight, bias, labels, **settings)
+    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard, **settings)
+
+
+def sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str,
+                   entropy: Optional[Tensor] = None,
+                   data_parallel: Optional[distributed.DataParallelGroups] = None) -> LossOutput:
+    """The group stage of sequence-level TPO on flat token log-probs, and its aux (with the token
+    entropies of the same vocabulary pass, when computed)."""
+    if data_parallel is not None:  # groups spread over ranks: gather [N]-sized rows first
+        return data_parallel.loss(token_lp, batch, settings, key)
+    objective = GroupObjective(
+        batch.layout, batch.scores, old_seq_logprobs=batch.old_seq_logprobs, eta=settings.eta,
+        anchor=settings.anchor, reduction=settings.reduction, backend=key, beta=batch.beta,
+        ref_logprobs=batch.ref_logprobs, valid=batch.valid,
+    )
+    loss = objective.forward(token_lp)
+    if not settings.return_aux:
+        return loss
+    aux = objective.aux()
+    aux["token_logprobs"] = aux["token_logprobs"].view(batch.token_shape)
+    if entropy is not None:
+        aux["token_entropy"] = entropy.detach().view(batch.token_shape)
+    return loss, aux
+
+
+def candidate_loss(cand_logits: Tensor, scores: Tensor, old_logprobs: Optional[Tensor],
+                    settings: check.LossSettings, key: str) -> LossOutput:
+    """The group stage of token-level TPO: each state's K candidates form a group."""
+    num_states, num_cand = cand_logits.shape
+    objective = GroupObjective(
+        candidate_layout(num_states, num_cand, cand_logits.device), scores.reshape(-1),
+        old_seq_logprobs=None if old_logprobs is None else old_logprobs.reshape(-1), eta=settings.eta,
+        anchor=settings.anchor, reduction=settings.reduction, backend=key,
+    )
+    loss = objective.forward(cand_logits.reshape(-1))
+    if not settings.return_aux:
+        return loss
+    aux = objective.aux()
+    state_loss = aux.pop("group_loss")
+    aux = {name: aux[name].view(num_states, num_cand) for name in ("seq_logprobs", "p", "q", "u", "coef")}
+    aux["candidate_logits"] = aux.pop("seq_logprobs")
+    aux["state_loss"] = state_loss
+    return loss, aux
+
+
+def rows(x: Tensor) -> Tuple[Tensor, bool]:
+    """``[..., D]`` as a contiguous ``[M, D]`` matrix; True when that needed a copy."""
+    matrix = x.reshape(-1, x.shape[-1])
+    if matrix.is_contiguous():
+        return matrix, False
+    return matrix.contiguous(), True
+
+
+def linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy):
+    check.check_head(hidden, weight, bias)
+    chunk_size = check.check_chunk_size(chunk_size)
+    accum = check.check_grad_accum_dtype(grad_accum_dtype, weight.dtype)
+    check.check_tile_policy(tile_policy, TilePolicy)
+    policy = tile_policy or TilePolicy.for_device(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    if chunk_size is None:  # the tile budget, in rows of V
+        chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])
+    return flat, dict(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum)
