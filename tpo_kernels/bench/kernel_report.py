@@ -744,28 +744,23 @@ def main(argv=None) -> int:
     rows: List[KernelRow] = []
     notes: List[str] = []
     try:
-        workers = None
-        if not args.cuda_only:
-            import triton
+        import concurrent.futures
 
-            notes.append(f"Triton {triton.__version__}: kernels compiled as the launchers specialize them "
-                         f"(V in {args.vocab}, dtypes {','.join(args.dtype)}, H={args.hidden}); ptxas "
-                         f"{triton_tool('ptxas') or '(Triton default)'}")
-            workers = run_triton_workers  # started after the CUDA part is planned, so both run side by side
         cuda_rows: List[KernelRow] = []
-        if workers is not None and not args.triton_only:
-            import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            triton_future = None
+            if not args.cuda_only:  # Triton workers (one process per arch) run beside the CUDA part
+                import triton
 
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-                triton_future = pool.submit(workers, archs, args)
+                notes.append(f"Triton {triton.__version__}: kernels compiled as the launchers specialize them "
+                             f"(V in {args.vocab}, dtypes {','.join(args.dtype)}, H={args.hidden}); ptxas "
+                             f"{triton_tool('ptxas') or '(Triton default)'}")
+                triton_future = pool.submit(run_triton_workers, archs, args)
+            if not args.triton_only:
                 cuda_rows, cuda_notes = collect_cuda(archs, from_source=args.cuda_from_source, jobs=args.jobs)
+                notes += cuda_notes
+            if triton_future is not None:
                 rows += triton_future.result()
-            notes += cuda_notes
-        elif workers is not None:
-            rows += workers(archs, args)
-        else:
-            cuda_rows, cuda_notes = collect_cuda(archs, from_source=args.cuda_from_source, jobs=args.jobs)
-            notes += cuda_notes
         rows += cuda_rows
     except ReportError as exc:
         print(f"kernel_report: {exc}", file=sys.stderr)
