@@ -209,3 +209,141 @@ def test_cli_bench_needs_no_checkout(tmp_path):
     run = _load(work / "out")
     assert [r["status"] for r in run["results"]] == ["ok", "ok"], run["results"]
     assert run["meta"]["package"]["location"] == str(site / "tpo_kernels")
+
+
+# --------------------------------------------------------------------------- Zipf candidates
+
+
+def test_zipf_candidates_are_skewed_distinct_and_seeded():
+    cand = I.zipf_candidates(2048, 8, 32768, seed=5)
+    assert cand.shape == (2048, 8) and cand.dtype == torch.int64
+    assert int(cand.min()) >= 0 and int(cand.max()) < 32768
+    ordered = cand.sort(dim=1).values
+    assert not (ordered[:, 1:] == ordered[:, :-1]).any(), "candidates repeat within a state"
+    assert torch.equal(cand, I.zipf_candidates(2048, 8, 32768, seed=5))
+    stats = I.candidate_stats(cand)
+    uniform = I.candidate_stats(torch.randint(0, 32768, (2048, 8), generator=torch.Generator().manual_seed(0)))
+    # Zipf(1) over 32768 ids: the most frequent id has p ~ 1/11, so it sits in ~1/11 of the states
+    assert stats["max_pairs_per_id"] > 20 * uniform["max_pairs_per_id"]
+    assert stats["distinct_candidates"] < uniform["distinct_candidates"] / 2
+    with pytest.raises(ValueError, match="token cases only"):
+        I.make_logits_inputs({"G": 1, "K": 2, "T": 2, "V": 16}, torch.float32, "cpu", "zipf", 0)
+
+
+def test_zipf_variant_of_the_token_cases(tmp_path):
+    args = ["--case", "token", "--shape", "R=48,K=4,H=32,V=512", "--providers", "naive,tpo:cpu", "--variant", "dense,zipf",
+            "--mode", "full", "--no-isolate", "--no-plots", "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    run = _load(tmp_path)
+    assert {(r["provider"], r["variant"]) for r in run["results"]} == {
+        (p, v) for p in ("naive", "tpo:cpu") for v in ("dense", "zipf")}
+    assert all(r["status"] == "ok" for r in run["results"]), run["results"]
+    for r in run["results"]:
+        if r["role"] == "ours":
+            assert r["check_vs_reference"]["ok"], r
+        assert ("input_stats" in r) == (r["variant"] == "zipf")
+    stats = next(r["input_stats"] for r in run["results"] if r["variant"] == "zipf")
+    assert stats["candidate_pairs"] == 48 * 4 and stats["max_pairs_per_id"] > 1
+    assert "Zipf candidates:" in (tmp_path / "results.md").read_text()
+
+
+# --------------------------------------------------------------------------- calibration, kernel-only times, clocks
+
+
+def test_kernel_only_times_and_copy_calibration_on_cpu(tmp_path):
+    args = ["--case", "logits", "--shape", "G=2,K=4,T=8,V=512", "--providers", "naive,tpo:cpu,tpo:torch", "--mode",
+            "forward,full", "--variant", "dense,sparse90", "--no-isolate", "--no-plots", "--kernels", "--calibrate",
+            "--calibrate-bytes", str(8 << 20), "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    run = _load(tmp_path)
+    cal = run["calibration"]
+    assert cal["device"] == "cpu" and cal["buffer_bytes"] == 8 << 20
+    assert cal["copy"]["bytes"] == 2 * (8 << 20) and cal["copy"]["gbps"] > 0 and cal["read"]["gbps"] > 0
+    ours = [r for r in run["results"] if r["role"] == "ours"]
+    assert ours and all(r["status"] == "ok" for r in run["results"])
+    for r in ours:
+        # kernel-only stages sit on the full (fwd+bwd) result, next to its end-to-end time
+        assert ("kernel" in r) == (r["mode"] == "full"), r
+        if r["mode"] != "full":
+            continue
+        k = r["kernel"]
+        assert set(k) >= {"row_forward", "group", "row_backward", "total_s", "throughput"}, k
+        assert k["total_s"] == pytest.approx(sum(k[s]["median"] for s in ("row_forward", "group", "row_backward")))
+        assert k["throughput"]["unit"] == "GB/s" and k["throughput"]["vs_copy"] == pytest.approx(
+            k["throughput"]["value"] / cal["copy"]["gbps"])
+        assert r["throughput"]["vs_copy"] == pytest.approx(r["throughput"]["value"] / cal["copy"]["gbps"])
+    assert not any("kernel" in r for r in run["results"] if r["role"] != "ours")
+    md = (tmp_path / "results.md").read_text()
+    assert "## Kernel-only times next to the end-to-end call" in md and "of copy" in md
+    assert "copy-bandwidth calibration (same run, same device): copy" in md
+    # without --calibrate a CPU run says why there is no calibration, and no kernel-only times
+    assert bench_run.main(["--case", "logprobs", "--shape", "M=16,V=64", "--providers", "naive", "--mode", "full",
+                           "--no-isolate", "--no-plots", "--out", str(tmp_path / "plain")] + FAST) == 0
+    plain = _load(tmp_path / "plain")
+    assert plain["calibration"] == {"skipped": "off on a CPU unless --calibrate"}
+    assert "kernel" not in plain["results"][0]
+
+
+def test_bandwidth_targets_relative_to_the_copy_calibration():
+    row = {"case": "logits", "variant": "dense", "mode": "full", "dtype": "bf16", "shape": {"G": 1}, "status": "ok",
+           "provider": "tpo:cuda", "role": "ours", "time_s": {"median": 1.0}, "peak_bytes": 1, "extra_bytes": 0,
+           "throughput": {"value": 3000.0, "unit": "GB/s"}, "kernel": {"total_s": 0.9, "throughput": {"value": 3700.0, "unit": "GB/s"}}}
+    targets = [t for t in PR.PRESETS["logits-speedup-gpu"].targets if t.relative == "copy"]
+    assert [(t.metric, t.threshold) for t in targets] == [("kernel_throughput", 0.90), ("throughput", 0.80)]
+    ev = R.evaluate_targets(targets, [row], {"copy": {"gbps": 4000.0}})
+    assert [e["status"] for e in ev] == ["PASS", "FAIL"]
+    assert ev[0]["value"] == pytest.approx(0.925) and ev[1]["value"] == pytest.approx(0.75)
+    assert "measured copy bandwidth (4000 GB/s)" in ev[0]["formula"]
+    missing = R.evaluate_targets(targets, [row], None)
+    assert [e["status"] for e in missing] == ["not measured (no copy-bandwidth calibration in this run)"] * 2
+    # the GPU presets: the token level also with Zipf candidates
+    for name in ("token-level-speedup-gpu", "token-level-speedup-cpu"):
+        preset = PR.PRESETS[name]
+        assert preset.jobs[0].variants == ["dense", "zipf"]
+        assert {t.variant for t in preset.targets if t.metric == "time"} == {"dense", "zipf"}
+    assert "zipf" in C.CASES["token"].grids["cuda"][0].variants
+
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  *loop-ms*) while true; do echo "2026/01/01 00:00:00.000, 1980, 3201, 1980, 3201, 612.40, 700.00, 58, P0"; sleep 0.05; done ;;
+  *clocks_event_reasons*) echo "0x0000000000000000" ;;
+  *) echo "2026/01/01 00:00:00.000, 1755, 3201, 1980, 3201, 95.10, 700.00, 41, P0" ;;
+esac
+"""
+
+
+def test_clock_monitor_with_a_stand_in_nvidia_smi(tmp_path):
+    from tpo_kernels.bench import calibrate as CAL
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monitor = CAL.ClockMonitor("0", interval_ms=50, exe=str(smi)).start()
+    import time
+
+    time.sleep(0.6)
+    clocks = monitor.stop()
+    assert clocks["available"] and clocks["gpu"] == "0"
+    assert clocks["start"]["clocks.sm"] == 1755 and clocks["start"]["clock_event_reasons"] == "0x0000000000000000"
+    during = clocks["during"]
+    assert during["samples"] >= 2 and during["clocks.sm"] == {"min": 1980, "median": 1980, "max": 1980}
+    assert during["power.draw"]["max"] == pytest.approx(612.4) and during["pstates"] == ["P0"]
+    text = CAL.clocks_text(clocks)
+    assert "SM clock min/median/max 1980/1980/1980 MHz" in text and "limit 700.0 W" in text
+    # no nvidia-smi: the reason is recorded, nothing fails
+    absent = CAL.ClockMonitor("0", exe=None)
+    absent.exe, absent.reason = None, "nvidia-smi not found"
+    assert absent.start().stop() == {"available": False, "reason": "nvidia-smi not found"}
+    assert CAL.clocks_text({"available": False, "reason": "nvidia-smi not found"}) == "not recorded (nvidia-smi not found)"
+
+
+def test_nvidia_smi_device_id(monkeypatch):
+    from tpo_kernels.bench.calibrate import smi_gpu_id
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert smi_gpu_id(torch.device("cuda", 1)) == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234,MIG-abc")
+    assert smi_gpu_id(torch.device("cuda", 0)) == "GPU-1234" and smi_gpu_id(torch.device("cuda", 1)) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert smi_gpu_id(torch.device("cuda", 2)) == "2"

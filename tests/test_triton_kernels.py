@@ -31,6 +31,11 @@ from tpo_kernels.backends.triton import group_kernel, row_kernels  # noqa: E402
 REF = TorchBackend()
 
 FWD_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+# Group op, fp32. Under the interpreter the kernel's math is numpy's (correctly rounded): 1e-6.
+# Compiled for a GPU, Triton emits div.full.f32, sqrt.approx.f32 and ex2.approx.f32 (each within
+# about 2 ulp; ex2 also carries the rounding of x * log2(e)); these tests' inputs run through a
+# model of those errors stay below 6e-7 of (1 + |expected|), so the GPU tolerance is 5e-6.
+GROUP_TOL_FP32 = 1e-6 if triton_interpreter_enabled() else 5e-6
 GRAD_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -257,7 +262,7 @@ def test_group_targets_padded_contiguous(dtype):
     token_lp[t - 2 : t] = 0  # masked tail of completion 0
     scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 5.0], dtype=dtype, device=DEVICE)
     old = (torch.randn(n, generator=gen, dtype=dtype) - 2).to(DEVICE)
-    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    tol = 1e-12 if dtype == torch.float64 else GROUP_TOL_FP32
     backend = TritonBackend()
     for anchor in (True, False):
         for old_lp in (None, old):
@@ -297,7 +302,7 @@ def test_group_targets_group_ids_packed_variable_sizes(dtype):
     token_lp[19:] = 0
     scores = torch.tensor([1.0, -1.0, 3.0, 0.5, 2.0, 4.0], dtype=dtype, device=DEVICE)
     old = (torch.randn(6, generator=gen, dtype=dtype) - 3).to(DEVICE)
-    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    tol = 1e-12 if dtype == torch.float64 else GROUP_TOL_FP32
     for anchor, old_lp in ((True, None), (True, old), (False, None)):
         got = _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, tol)
         _check_group(layout, token_lp, scores, old_lp, 2.0, anchor, tol, block_t=1)

@@ -147,7 +147,7 @@ _register(Case(
     grids={
         "cpu": [GridPoint(_tok(1024, 8, 256, 32768), costly=("tpo:torch",))] + _pts(_tok(1024, 8, 256, 8192), _tok(2048, 8, 256, 32768)),
         "quick-cpu": _pts(_tok(256, 8, 256, 16384), _tok(256, 8, 256, 4096)),
-        "cuda": [GridPoint(_tok(8192, 8, 4096, 151936), costly=_GPU_COSTLY)]
+        "cuda": [GridPoint(_tok(8192, 8, 4096, 151936), ("dense", "zipf"), _GPU_COSTLY)]
         + _pts(*(_tok(8192, 8, 4096, v) for v in GPU_VOCABS if v != 151936), *(_tok(r, 8, 4096, 151936) for r in (4096, 16384)),
                _tok(8192, 16, 4096, 151936), _tok(8192, 8, 2048, 151936)),
         "quick-cuda": _pts(_tok(2048, 8, 2048, 151936), _tok(2048, 8, 2048, 32000)),

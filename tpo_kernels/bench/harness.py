@@ -6,6 +6,10 @@ then the timed region; the median is reported with min/max and the repetition co
 CPU: ``time.perf_counter``. CUDA: a pair of CUDA events around the timed region on the current
 stream, a 256 MiB buffer written before each repetition to flush L2, one synchronize at the end.
 
+Kernel-only times (``spec["kernels"]``, logits case, tpo_kernels providers): after the modes, the
+backend's row forward, group op and row backward alone on the same inputs (``kernel_times``),
+attached to the ``full`` result as ``kernel``.
+
 Memory (peak bytes over a baseline taken *before the inputs are allocated*, so the inputs and
 everything the computation allocates count):
 
@@ -37,6 +41,7 @@ from typing import Optional
 import torch
 
 from . import cases as C
+from . import kernel_times
 
 
 # --------------------------------------------------------------------------- RSS
@@ -238,14 +243,33 @@ def measure(spec: dict) -> list:
                 num_groups=inputs.num_groups,
             )
             result["extra_bytes"] = result["peak_bytes"] - result["input_bytes"] - result["kept_grad_bytes"]
+            if inputs.stats:
+                result["input_stats"] = inputs.stats
         except Exception as exc:  # recorded, the run goes on
             result.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
         results.append(result)
+    if spec.get("kernels"):
+        _kernel_only(case, provider, spec, device, inputs, timer, results)
     del runner, inputs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return results
+
+
+def _kernel_only(case, provider, spec, device, inputs, timer, results) -> None:
+    """Kernel-only stage times of the logits path (see ``kernel_times``), attached as ``kernel`` to
+    the ``full`` result (else the last measured mode) of a tpo_kernels provider."""
+    backend = kernel_times.backend_of(provider.name)
+    ok = [r for r in results if r.get("status") == "ok"]
+    if case.name != "logits" or backend is None or not ok:
+        return
+    target = next((r for r in ok if r["mode"] == "full"), ok[-1])
+    try:
+        stages = kernel_times.logits_stages(inputs, spec["shape"], backend, device)
+        target["kernel"] = kernel_times.measure_stages(stages, timer, spec)
+    except Exception as exc:  # recorded; the end-to-end figures stand
+        target["kernel"] = {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _prime(case, provider, spec, device, dtype):

@@ -92,6 +92,7 @@ def plan(args, device):
             jobs.append((device, job, points, not shapes_arg))
         title = ("quick" if args.quick else "default grid") + f" on {device.type}"
 
+    kernels_arg = getattr(args, "kernels", None)
     ordered = []
     for job_index, (dev, job, points, builtin_grid) in enumerate(jobs):
         case = C.CASES[job.case]
@@ -124,6 +125,9 @@ def plan(args, device):
                             "device": str(dev),
                             "seed": args.seed,
                             "check": prov.role != "floor",
+                            # kernel-only stage times next to the end-to-end call (GPU default)
+                            "kernels": bool((dev.type == "cuda" if kernels_arg is None else kernels_arg)
+                                            and job.case == "logits" and prov.role == "ours"),
                         }))
     ordered.sort(key=lambda pair: pair[0])
     specs = [spec for _, spec in ordered]

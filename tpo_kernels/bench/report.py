@@ -7,9 +7,10 @@ import json
 import math
 import os
 from collections import OrderedDict, defaultdict
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from . import cases as C
+from .calibrate import calibration_text, clocks_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from .presets import Target
@@ -25,9 +26,17 @@ def _key(r: dict, with_mode=True):
     return k + (r["mode"],) if with_mode else k
 
 
-def derive(results: List[dict]) -> None:
+def copy_gbps(calibration: Optional[dict]) -> Optional[float]:
+    """The measured copy bandwidth of the run (GB/s), or None."""
+    return ((calibration or {}).get("copy") or {}).get("gbps")
+
+
+def derive(results: List[dict], calibration: Optional[dict] = None) -> None:
     """Add throughput, tokens/s, ratios against every baseline of the same run and the check
-    against the reference provider (in place)."""
+    against the reference provider (in place). With a copy-bandwidth calibration, bandwidths
+    also get ``vs_copy`` (the fraction of the measured copy bandwidth); kernel-only stage times
+    (``kernel``) get their forward+backward bandwidth."""
+    copy = copy_gbps(calibration)
     by_key: Dict[tuple, List[dict]] = defaultdict(list)
     for r in results:
         if r.get("status") == "ok":
@@ -38,6 +47,14 @@ def derive(results: List[dict]) -> None:
             if case.throughput is not None:
                 value, unit = case.throughput(case.full_shape(r["shape"]), r["dtype"], r["mode"], t)
                 r["throughput"] = {"value": value, "unit": unit}
+                if copy and unit == "GB/s":
+                    r["throughput"]["vs_copy"] = value / copy
+            kernel = r.get("kernel")
+            if kernel and kernel.get("total_s") and case.throughput is not None:
+                value, unit = case.throughput(case.full_shape(r["shape"]), r["dtype"], "full", kernel["total_s"])
+                kernel["throughput"] = {"value": value, "unit": unit}
+                if copy and unit == "GB/s":
+                    kernel["throughput"]["vs_copy"] = value / copy
     for rows in by_key.values():
         for r in rows:
             vs = OrderedDict()
@@ -81,9 +98,13 @@ def _close(a, b, rtol, atol):
 # --------------------------------------------------------------------------- targets
 
 
-def evaluate_targets(targets: List["Target"], results: List[dict]) -> List[dict]:
+def evaluate_targets(targets: List["Target"], results: List[dict], calibration: Optional[dict] = None) -> List[dict]:
+    """Each target's verdict for every provider it concerns. A target with ``relative="copy"``
+    divides the measured value by the run's copy bandwidth (``calibration``); without one it is
+    'not measured'."""
     out = []
     ok_rows = [r for r in results if r.get("status") == "ok"]
+    copy = copy_gbps(calibration)
 
     def metric(r, name):
         if name == "time":
@@ -94,6 +115,8 @@ def evaluate_targets(targets: List["Target"], results: List[dict]) -> List[dict]
             return r["extra_bytes"]
         if name == "throughput":
             return r.get("throughput", {}).get("value")
+        if name == "kernel_throughput":
+            return ((r.get("kernel") or {}).get("throughput") or {}).get("value")
         raise ValueError(name)
 
     for t in targets:
@@ -116,12 +139,20 @@ def evaluate_targets(targets: List["Target"], results: List[dict]) -> List[dict]
             elif t.kind == "speedup":
                 value = metric(den, t.metric) / metric(n, t.metric)
                 formula = f"{t.metric}({t.den}) / {t.metric}({n['provider']})"
+            elif getattr(t, "relative", None) == "copy":
+                raw = metric(n, t.metric)
+                value = None if raw is None or not copy else raw / copy
+                formula = f"{t.metric}({n['provider']}) / measured copy bandwidth" + (f" ({copy:.0f} GB/s)" if copy else "")
             else:
                 raw = metric(n, t.metric)
                 value = None if raw is None else raw / t.scale
                 formula = f"{t.metric}({n['provider']})" + (f" in {t.unit}" if t.unit else "")
             if value is None:
                 status = "not measured"
+                if getattr(t, "relative", None) == "copy" and not copy:
+                    status = "not measured (no copy-bandwidth calibration in this run)"
+                elif t.metric == "kernel_throughput":
+                    status = "not measured (no kernel-only times)"
             else:
                 passed = {"<=": value <= t.threshold, "<": value < t.threshold, ">=": value >= t.threshold}[t.op]
                 status = "PASS" if passed else "FAIL"
@@ -185,6 +216,10 @@ def markdown(run: dict) -> str:
             f" (other processes on the machine slow CPU timings; each result in the JSON carries the load at its end)"
         )
     out.append(f"- memory: {meta['memory']}")
+    if "calibration" in run:
+        out.append(f"- copy-bandwidth calibration (same run, same device): {calibration_text(run.get('calibration'))}")
+    if "clocks" in run:
+        out.append(f"- GPU clocks and power during the run: {clocks_text(run.get('clocks'))}")
     out.append(
         "- columns: median time of the timed region; `peak` = peak memory over a baseline taken before the inputs "
         "existed (inputs included); `extra` = peak minus the inputs and the gradients a caller keeps (dH, dW); "
@@ -199,6 +234,7 @@ def markdown(run: dict) -> str:
             v = "n/a" if e["value"] is None else f"{e['value']:.3g}{(' ' + e['unit']) if e.get('unit') else ''}"
             out.append(f"| {e['status']} | {e.get('preset', '')} | {e['variant']} | {e['target']} ({e['op']} {e['threshold']:g}) | {e.get('formula', e['provider'])} | {v} |")
         out.append("")
+    out += _kernel_table(results)
     groups: Dict[tuple, List[dict]] = OrderedDict()
     for r in results:
         groups.setdefault((r["case"], r["dtype"], r["variant"]), []).append(r)
@@ -206,8 +242,12 @@ def markdown(run: dict) -> str:
         case = C.CASES[case_name]
         extra = ""
         tied = next((r for r in rows if r.get("num_groups")), None)
-        if variant != "dense" and tied:
+        if variant == "sparse90" and tied:
             extra = f", {tied['tied_groups']}/{tied['num_groups']} groups tied"
+        stats = next((r["input_stats"] for r in rows if r.get("input_stats")), None)
+        if variant == "zipf" and stats:
+            extra = (f", Zipf candidates: {stats['distinct_candidates']} distinct ids in {stats['candidate_pairs']} pairs, "
+                     f"the most frequent in {stats['max_pairs_per_id']}")
         out += [f"## {case_name}: {case.title} — {dtype}, {variant}{extra}", ""]
         out += [
             "| shape | provider | mode | median ms | peak MiB | extra MiB | throughput | speedup | memory | check |",
@@ -229,6 +269,8 @@ def markdown(run: dict) -> str:
                 continue
             thr = r.get("throughput")
             thr_s = f"{thr['value']:.3g} {thr['unit']}" if thr else f"{r['tokens_per_s']:.3g} tok/s"
+            if thr and thr.get("vs_copy") is not None:
+                thr_s += f" ({thr['vs_copy']:.0%} of copy)"
             out.append(
                 f"| {label} | {r['provider']} | {r['mode']} | {_fmt_ms(r['time_s']['median'])} | {_fmt_mib(r['peak_bytes'])} | "
                 f"{_fmt_mib(r['extra_bytes'])} | {thr_s} | {_vs(r, 'speedup', '.2f')} | {_vs(r, 'memory', '.2f')} | {_check(r)} |"
@@ -242,6 +284,38 @@ def markdown(run: dict) -> str:
     if run.get("plots"):
         out += ["## Plots", ""] + [f"- {p}" for p in run["plots"]] + [""]
     return "\n".join(out)
+
+
+def _kernel_table(results: List[dict]) -> List[str]:
+    rows = [r for r in results if r.get("status") == "ok" and r.get("kernel")]
+    if not rows:
+        return []
+    out = ["## Kernel-only times next to the end-to-end call", "",
+           "The backend's row forward, group op and row backward alone on the same inputs (`kernel_times`), "
+           "against the whole `tpo_loss` forward+backward; bandwidth for 3 passes over [M,V] (6*M*V bytes in bf16).", "",
+           "| case | shape | dtype | variant | provider | row fwd ms | group ms | row bwd ms | kernels ms | end-to-end ms | "
+           "kernels GB/s | end-to-end GB/s |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        k = r["kernel"]
+        label = C.shape_label(C.CASES[r["case"]].full_shape(r["shape"]))
+        if k.get("error"):
+            out.append(f"| {r['case']} | {label} | {r['dtype']} | {r['variant']} | {r['provider']} | error: "
+                       f"{k['error'][:120].replace('|', '/')} | | | | | | |")
+            continue
+
+        def bw(thr):
+            if not thr:
+                return "-"
+            text = f"{thr['value']:.4g}"
+            return text + (f" ({thr['vs_copy']:.0%} of copy)" if thr.get("vs_copy") is not None else "")
+
+        e2e = r.get("throughput") if r["mode"] == "full" else None
+        out.append(
+            f"| {r['case']} | {label} | {r['dtype']} | {r['variant']} | {r['provider']} | {_fmt_ms(k['row_forward']['median'])} | "
+            f"{_fmt_ms(k['group']['median'])} | {_fmt_ms(k['row_backward']['median'])} | {_fmt_ms(k['total_s'])} | "
+            f"{_fmt_ms(r['time_s']['median']) if r['mode'] == 'full' else '-'} | {bw(k.get('throughput'))} | {bw(e2e)} |")
+    return out + [""]
 
 
 # --------------------------------------------------------------------------- plots

@@ -53,6 +53,13 @@ def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per isolated measurement (default 900)")
     p.add_argument("--budget", type=float, help="stop starting new measurements after this many seconds")
     p.add_argument("--threads", type=int, help="torch.set_num_threads in each measurement")
+    p.add_argument("--kernels", dest="kernels", action="store_true", default=None,
+                   help="also time the logits path's kernels alone (row fwd, group op, row bwd); default on a GPU")
+    p.add_argument("--no-kernels", dest="kernels", action="store_false")
+    p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None,
+                   help="measure the copy bandwidth first (default on a GPU; on a CPU: memcpy bandwidth)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
+    p.add_argument("--calibrate-bytes", type=int, help="calibration buffer size (default: GPU max(1 GiB, 32x L2), CPU 256 MiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list", action="store_true", help="list cases, providers with availability, and presets; run nothing")
@@ -128,9 +135,6 @@ def main(argv=None) -> int:
 def _main(args, argv, device) -> int:
     import torch
 
-    from . import harness as H
-    from . import report as R
-
     specs, skipped, targets, title = plan(args, device)
     run_name = (("-".join(csv(args.preset))) if args.preset else ("quick" if args.quick else "default")) + f"-{device.type}"
     out_dir = os.path.abspath(args.out or os.path.join(DEFAULT_OUT, run_name))
@@ -177,6 +181,45 @@ def _main(args, argv, device) -> int:
         print(f"  skip {s['case']}/{s['provider']}: {s['reason']}", flush=True)
     meta["load_average_start"] = loadavg()
     t_start = time.perf_counter()
+    cal_device = torch.device("cuda") if use_cuda else device
+    monitor = None
+    if use_cuda:
+        from .calibrate import ClockMonitor, smi_gpu_id
+
+        monitor = ClockMonitor(smi_gpu_id(cal_device)).start()
+    try:
+        run["calibration"] = _calibrate(args, cal_device, timing)
+        _measure_all(args, specs, timing, isolate, run, json_path, t_start)
+    finally:
+        if monitor is not None:
+            from .calibrate import clocks_text
+
+            run["clocks"] = monitor.stop()
+            print(f"  GPU clocks and power during the run: {clocks_text(run['clocks'])}", flush=True)
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    meta["load_average_end"] = loadavg()
+    return _finish(run, targets, out_dir, args.no_plots)
+
+
+def _calibrate(args, device, timing) -> dict:
+    """The copy-bandwidth calibration of this run (``calibrate.copy_bandwidth``), or why not."""
+    wanted = args.calibrate if args.calibrate is not None else device.type == "cuda"
+    if not wanted:
+        return {"skipped": "off on a CPU unless --calibrate" if device.type != "cuda" else "--no-calibrate"}
+    from .calibrate import calibration_text, copy_bandwidth
+
+    try:
+        cal = copy_bandwidth(device, args.calibrate_bytes, reps=max(5, timing["min_reps"]))
+    except Exception as exc:  # recorded; targets relative to it then say 'not measured'
+        cal = {"skipped": f"calibration failed: {type(exc).__name__}: {exc}"}
+    print(f"  copy-bandwidth calibration: {calibration_text(cal)}", flush=True)
+    return cal
+
+
+def _measure_all(args, specs, timing, isolate, run, json_path, t_start) -> None:
+    from . import harness as H
+    from . import report as R
+
     for i, spec in enumerate(specs, 1):
         spec.update(timing)
         if args.threads:
@@ -201,16 +244,13 @@ def _main(args, argv, device) -> int:
             print(f"    [{time.perf_counter() - t0:.1f} s]", flush=True)
         run["results"].extend(rs)
         R.write_json(run, json_path)
-    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    meta["load_average_end"] = loadavg()
-    return _finish(run, targets, out_dir, args.no_plots)
 
 
 def _finish(run, targets, out_dir, no_plots) -> int:
     from . import report as R
 
-    R.derive(run["results"])
-    run["targets"] = R.evaluate_targets(targets, run["results"])
+    R.derive(run["results"], run.get("calibration"))
+    run["targets"] = R.evaluate_targets(targets, run["results"], run.get("calibration"))
     if not no_plots:
         run["plots"] = [os.path.basename(p) for p in R.plots(run, out_dir)]
     json_path, md_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")
@@ -241,6 +281,8 @@ def _rereport(args) -> int:
     for r in run["results"]:  # derived fields are recomputed
         for key in ("vs", "check_vs_reference", "throughput", "tokens_per_s"):
             r.pop(key, None)
+        if isinstance(r.get("kernel"), dict):
+            r["kernel"].pop("throughput", None)
     return _finish(run, targets, out_dir, args.no_plots)
 
 
