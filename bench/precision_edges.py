@@ -16,6 +16,8 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# This checkout's package, not whatever tpo_kernels is installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
@@ -339,7 +341,7 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--only", default="")
     args = parser.parse_args()
-    print(f"backends: {BACKENDS}")
+    print(f"tpo_kernels from {os.path.dirname(tk.__file__)}; backends: {BACKENDS}")
     start = time.time()
     for fn in (case_masked_entropy, case_masked_block_fused, case_entropy_offsets, case_confident, case_offsets,
                case_long_completions, case_neg_inf_label, case_score_spread, case_tiny_hyper, case_meta,
