@@ -281,6 +281,16 @@ def case_neg_inf_label():
         guarded("4 on-policy -inf candidate logit: loss", f"{b}/token", run_token)
 
 
+def exact_standardize(scores):
+    """u of float64 scores with exact rational mean and variance (only the sqrt rounds)."""
+    from fractions import Fraction
+    vals = [Fraction(float(v)) for v in scores]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    std = math.sqrt(var.numerator) / math.sqrt(var.denominator)
+    return torch.tensor([float((v - mean) / Fraction(std)) for v in vals], dtype=torch.float64)
+
+
 def case_score_spread():
     torch.manual_seed(7)
     n, t, v = 4, 3, 11
@@ -290,7 +300,7 @@ def case_score_spread():
     for name, scores in (("spread 1e-25", base * 1e-25), ("spread 1e-30 fp32", (base * 1e-30).float()),
                          ("spread 1e20", base * 1e20), ("spread 1e30 fp32", (base * 1e30).float()),
                          ("fp64 below fp32 res", 1.0 + base * 1e-12)):
-        ref_u = reference.standardize(scores.double())
+        ref_u = exact_standardize(scores.double())
         for b in BACKENDS:
             def run():
                 x = logits.clone().requires_grad_(True)

@@ -29,9 +29,10 @@ def token_logprobs(
 
 
 def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per token."""
+    """Entropy of softmax(logits / temperature) per token (0 log 0 = 0 at -inf logits)."""
     log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
-    return -(log_probs.exp() * log_probs).sum(-1)
+    probs = log_probs.exp()
+    return -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
 
 
 def selective_logprobs(
@@ -50,12 +51,18 @@ def selective_logprobs(
 
 
 def standardize(scores: Tensor) -> Tensor:
-    """Appendix A: (s - mean) / std with the population std; all zeros when the scores tie."""
+    """Appendix A: (s - mean) / std with the population std; all zeros when the scores tie.
+
+    u does not change when a constant is subtracted or the scores are scaled, so it is computed
+    from ``(s - min) / (max - min)``: the difference of nearby scores is exact, and nothing
+    underflows or overflows when squared (spreads of 1e-30 or 1e30 keep their u)."""
     if bool(scores.max() == scores.min()):
         return torch.zeros_like(scores)
-    mean = scores.sum() / scores.numel()
-    std = (((scores - mean) ** 2).sum() / scores.numel()).sqrt()
-    return (scores - mean) / std
+    shifted = scores - scores.min()
+    x = shifted / shifted.max()
+    mean = x.sum() / x.numel()
+    std = (((x - mean) ** 2).sum() / x.numel()).sqrt()
+    return (x - mean) / std
 
 
 def _sequence_slices(labels: Tensor, cu_seqlens: Optional[Tensor]) -> List[tuple]:
