@@ -15,6 +15,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,7 +30,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def _is_bool(value) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_ too
+    return isinstance(value, (bool, np.bool_))
 
 
 def _is_int(value) -> bool:
