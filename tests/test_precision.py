@@ -486,7 +486,8 @@ def _batch_vs_reference(backend, *, k=4, eta=1.0, temperature=1.0, anchor=True, 
 @pytest.mark.parametrize("eta", [1e-3, 1e-1, 1.0, 1e1, 1e3])
 def test_edge_eta_range(backend, eta):
     """eta 1e-3 .. 1e3 (q from one-hot to p_old): loss, p, q within 1e-5 (rel and abs), gradients
-    within 1e-6 of their largest entry, against float64."""
+    within 1e-6 of their largest entry, against float64 (at eta = 1e3, p - q ~ 1e-3 p: it is formed
+    in float64 before rounding, or the fp32 p and q would leave it 1e-4 off)."""
     (loss, aux, grad), (ref, ref_aux, ref_grad) = _batch_vs_reference(backend, eta=eta)
     torch.testing.assert_close(loss.double().cpu(), ref.detach().cpu(), rtol=1e-5, atol=1e-5)
     for name in ("p", "q", "u"):
@@ -497,14 +498,15 @@ def test_edge_eta_range(backend, eta):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("temperature", [0.1, 10.0])
 def test_edge_temperature(backend, temperature):
-    """Temperature 0.1 (|log p| up to ~100) and 10: token log-probs within 1e-5 relative, p and q
-    within 1e-5, gradients within 1e-5 of their largest entry."""
+    """Temperature 0.1 and 10: token log-probs within 1e-6 relative (|log p| reaches ~100 at 0.1,
+    where fp32 spacing is 8e-6), p and q within 1e-5 and gradients within 1e-4 of their largest
+    entry (sums of five such log-probs move p - q by ~1e-5 of p)."""
     (loss, aux, grad), (ref, ref_aux, ref_grad) = _batch_vs_reference(backend, temperature=temperature)
     torch.testing.assert_close(aux["token_logprobs"].double().cpu(), ref_aux["token_logprobs"].cpu(),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-6, atol=1e-6)
     for name in ("p", "q"):
         torch.testing.assert_close(aux[name].double().cpu(), ref_aux[name].cpu(), rtol=1e-5, atol=1e-5)
-    assert _err(grad, ref_grad) <= 1e-5 * float(ref_grad.abs().max())
+    assert _err(grad, ref_grad) <= 1e-4 * float(ref_grad.abs().max())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -584,8 +586,7 @@ def test_edge_more_than_2_31_elements_cpu_backend():
     gen = torch.Generator().manual_seed(13)
     pattern = (torch.randn(16, v, generator=gen) * 3).to(torch.float16)
     logits = torch.empty(m, v, dtype=torch.float16)
-    for start in range(0, m, 16):
-        logits[start:start + 16] = pattern[: min(16, m - start)]
+    logits[: m - 1].view(-1, 16, v).copy_(pattern.expand((m - 1) // 16, 16, v))
     logits[-1] = (torch.randn(v, generator=gen) * 3).to(torch.float16)
     labels = torch.randint(0, v, (m,), generator=gen)
     _row_check(CpuBackend(), logits, labels, rows=[0, m // 2, m - 1], inv_t=1.0 / 0.7)

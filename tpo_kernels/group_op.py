@@ -50,6 +50,10 @@ class GroupResult:
     p: Tensor  # [N] policy distribution within each group
     q: Tensor  # [N] target distribution within each group
     group_loss: Tensor  # [G] -sum q log p
+    # [N] p - q, the gradient of group_loss on ell, formed before p and q are rounded (when p ~ q,
+    # e.g. a large eta, the difference of the rounded fp32 values keeps only a few digits).
+    # None: p - q of the fields above.
+    coef: Optional[Tensor] = None
 
 
 def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
@@ -171,5 +175,5 @@ def group_targets(
     u, p, q, group_loss = dense_group_math(
         to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor
     )
-    results = (ell, from_dense(u), from_dense(p), from_dense(q), group_loss)
+    results = (ell, from_dense(u), from_dense(p), from_dense(q), group_loss, from_dense(p - q))
     return GroupResult(*(t.to(out_dtype) for t in results))

@@ -86,4 +86,4 @@ class CudaBackend(NativeBackend):
             anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
             group_loss=ptr(group_loss), **launch,
         )
-        return GroupResult(*(t.to(dtype) for t in (ell, u, p, q, group_loss)))
+        return GroupResult(*(t.to(dtype) for t in (ell, u, p, q, group_loss, p - q)))

@@ -177,4 +177,4 @@ def group_targets(
                 BLOCK_T=block_t,
                 num_warps=4,
             )
-    return GroupResult(*(t.to(out_dtype) for t in (ell, u, p, q, group_loss)))
+    return GroupResult(*(t.to(out_dtype) for t in (ell, u, p, q, group_loss, p - q)))
