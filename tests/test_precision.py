@@ -425,6 +425,24 @@ def test_defect7_meta_inputs_are_rejected_naming_the_argument(argument):
             call()
 
 
+@pytest.mark.parametrize("argument", ["mask", "group_ids", "cu_seqlens", "old_logprobs", "ref_logprobs", "bias"])
+def test_defect7_meta_optional_inputs_are_rejected_naming_the_argument(argument):
+    logits, labels, scores, hidden, weight, _ = _small_batch()
+    meta = torch.device("meta")
+    kw = {"mask": dict(mask=torch.ones(4, 3, device=meta), group_size=2),
+          "group_ids": dict(group_ids=torch.tensor([0, 0, 1, 1], device=meta)),
+          "old_logprobs": dict(old_logprobs=torch.zeros(4, device=meta), group_size=2),
+          "ref_logprobs": dict(ref_logprobs=torch.zeros(4, 3, device=meta), beta=0.1, group_size=2)}
+    with pytest.raises(ValueError, match=argument):
+        if argument == "cu_seqlens":
+            tk.tpo_loss(logits.view(12, 11), labels.view(12), scores, group_size=2,
+                        cu_seqlens=torch.tensor([0, 3, 6, 9, 12], device=meta))
+        elif argument == "bias":
+            tk.fused_linear_logprobs(hidden, weight, labels, bias=torch.zeros(11, device=meta))
+        else:
+            tk.tpo_loss(logits, labels, scores, **kw[argument])
+
+
 # ----------------------------------------------------------------------------- API consistency
 
 

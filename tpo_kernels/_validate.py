@@ -130,13 +130,19 @@ def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate)
 def check_tensor(name: str, x, device: Optional[torch.device] = None, reference: str = "") -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if device is not None:
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
+        reject_meta(name, x)
+    return x
+
+
+def reject_meta(name: str, x: Tensor) -> None:
+    """Meta tensors carry no data; every function reads values."""
     if x.device.type == "meta":
         raise ValueError(
             f"{name} is on the meta device (no data): the loss reads values; pass a tensor on a real device"
         )
-    if device is not None and x.device != device:
-        raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
-    return x
 
 
 def check_float_tensor(name: str, x, ndims: Tuple[int, ...]) -> Tensor:
@@ -156,6 +162,7 @@ def check_integer_dtype(name: str, x: Tensor) -> None:
 
 def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:
     check_float_tensor("logits", logits, ndims)
+    reject_meta("logits", logits)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension")
     return logits
@@ -164,6 +171,7 @@ def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:
 def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3)) -> None:
     """hidden ``[..., H]``, weight ``[V, H]`` with V >= 1, bias ``[V]``: one dtype, one device."""
     check_float_tensor("hidden", hidden, hidden_ndims)
+    reject_meta("hidden", hidden)
     check_float_tensor("weight", weight, (2,))
     if weight.shape[0] == 0:
         raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, H] with V > 0)")
@@ -262,6 +270,7 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_n
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     check_integer_dtype("cu_seqlens", cu_seqlens)
+    reject_meta("cu_seqlens", cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
