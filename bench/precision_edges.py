@@ -124,11 +124,12 @@ def case_masked_entropy():
     t_lp, t_ent, t_g = torch_fp32(logits, labels)
     base = max(err(t_ent, r_ent), err(t_g, r_g))
     for b in BACKENDS:
-        for name, fn in paths(b):
-            def run():
-                lp, ent, g = fn(logits, labels, b)
-                return dict(lp=err(lp, r_lp), H=err(ent, r_ent), grad=err(g, r_g))
-            guarded("1 masked(-inf) vocab: lp,H,grad", f"{b}/{name}", run, base)
+        # Logits path only: -inf hidden states times an identity head give NaN (-inf * 0) in the
+        # matmul itself; the fused-linear path gets its -inf from a bias in the next case.
+        def run():
+            lp, ent, g = logits_path(logits, labels, b)
+            return dict(lp=err(lp, r_lp), H=err(ent, r_ent), grad=err(g, r_g))
+        guarded("1 masked(-inf) vocab: lp,H,grad", f"{b}/logits", run, base)
 
 
 def case_masked_block_fused():
