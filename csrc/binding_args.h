@@ -136,8 +136,9 @@ inline RowForwardArgs row_forward_args(Kwargs& in) {
   a.logits = in.pointer<const void>("logits");
   a.labels = in.pointer<const int64_t>("labels");
   a.inv_temperature = in.real("inv_temperature");
-  a.lse = in.pointer<void>("lse");
-  a.target = in.pointer<void>("target");
+  a.row_max = in.pointer<void>("row_max");
+  a.log_sum = in.pointer<void>("log_sum");
+  a.logprob = in.pointer<void>("logprob");
   a.entropy = in.optional_pointer<void>("entropy");
   return a;
 }
@@ -150,7 +151,9 @@ inline RowBackwardArgs row_backward_args(Kwargs& in) {
   a.row_stride = in.integer("row_stride");
   a.logits = in.pointer<const void>("logits");
   a.labels = in.pointer<const int64_t>("labels");
-  a.lse = in.pointer<const void>("lse");
+  a.row_max = in.pointer<const void>("row_max");
+  a.log_sum = in.pointer<const void>("log_sum");
+  a.logprob = in.pointer<const void>("logprob");
   a.grad_logprob = in.pointer<const void>("grad_logprob");
   a.grad_entropy = in.optional_pointer<const void>("grad_entropy");
   a.entropy = in.optional_pointer<const void>("entropy");
@@ -188,15 +191,15 @@ inline GroupArgs group_args(Kwargs& in) {
   a.seq_len = in.pointer<const int64_t>("seq_len");
   a.group_offsets = in.pointer<const int64_t>("group_offsets");
   a.group_members = in.pointer<const int64_t>("group_members");
-  a.scores = in.pointer<const void>("scores");
-  a.old_seq_logprobs = in.optional_pointer<const void>("old_seq_logprobs");
+  a.scores = in.pointer<const double>("scores");
+  a.old_seq_logprobs = in.optional_pointer<const double>("old_seq_logprobs");
   a.eta = in.real("eta");
   a.anchor = in.flag("anchor");
-  a.seq_logprobs = in.pointer<void>("seq_logprobs");
-  a.u = in.pointer<void>("u");
-  a.p = in.pointer<void>("p");
-  a.q = in.pointer<void>("q");
-  a.group_loss = in.pointer<void>("group_loss");
+  a.seq_logprobs = in.pointer<double>("seq_logprobs");
+  a.u = in.pointer<double>("u");
+  a.p = in.pointer<double>("p");
+  a.q = in.pointer<double>("q");
+  a.group_loss = in.pointer<double>("group_loss");
   return a;
 }
 
@@ -255,8 +258,9 @@ inline void check_args(const RowForwardArgs& a, Ids ids) {
   if (a.rows == 0) return;
   check_pointer(a.logits, "logits");
   check_pointer(a.labels, "labels");
-  check_pointer(a.lse, "lse");
-  check_pointer(a.target, "target");
+  check_pointer(a.row_max, "row_max");
+  check_pointer(a.log_sum, "log_sum");
+  check_pointer(a.logprob, "logprob");
   if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
 }
 
@@ -269,7 +273,9 @@ inline void check_args(const RowBackwardArgs& a, Ids ids) {
   if (a.rows == 0) return;
   check_pointer(a.logits, "logits");
   check_pointer(a.labels, "labels");
-  check_pointer(a.lse, "lse");
+  check_pointer(a.row_max, "row_max");
+  check_pointer(a.log_sum, "log_sum");
+  check_pointer(a.logprob, "logprob");
   check_pointer(a.grad_logprob, "grad_logprob");
   check_pointer(a.out, "out");
   check(a.grad_entropy == nullptr || a.entropy != nullptr, "grad_entropy needs entropy");
@@ -324,12 +330,13 @@ inline void check_args(const GroupArgs& a) {
 // ---------------------------------------------------------------------------------------------
 
 constexpr const char* kRowForwardDoc =
-    "row_forward(*, dtype, rows, vocab, row_stride, logits, labels, inv_temperature, lse, target, "
-    "entropy=0): lse[r] = logsumexp(logits[r] * it), target[r] = logits[r, labels[r]] * it and "
-    "optionally the entropy; rows with labels[r] < 0 get 0 and are not read (csrc/tpo_abi.h).";
+    "row_forward(*, dtype, rows, vocab, row_stride, logits, labels, inv_temperature, row_max, "
+    "log_sum, logprob, entropy=0): row_max[r] = max logits[r], log_sum[r] = log sum exp((logits[r] "
+    "- row_max[r]) * it), logprob[r] = log softmax(logits[r] * it)[labels[r]] and optionally the "
+    "entropy; rows with labels[r] < 0 get 0 and are not read (csrc/tpo_abi.h).";
 constexpr const char* kRowBackwardDoc =
-    "row_backward(*, dtype, rows, vocab, row_stride, logits, labels, lse, grad_logprob, "
-    "grad_entropy=0, entropy=0, inv_temperature, out, out_row_stride): out[r, v] = it * "
+    "row_backward(*, dtype, rows, vocab, row_stride, logits, labels, row_max, log_sum, logprob, "
+    "grad_logprob, grad_entropy=0, entropy=0, inv_temperature, out, out_row_stride): out[r, v] = it * "
     "(g (onehot - p) - ge p (log p + H)); out may be logits (in place); rows with g == ge == 0 "
     "are zero-filled without reading logits (csrc/tpo_abi.h).";
 constexpr const char* kCandidateForwardDoc =

@@ -5,13 +5,19 @@
 // CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use: the bf16/fp16
 // conversions, exp, the online softmax, the gradient element and the candidate gather/scatter.
 //
-// Math, for one row z[0..V) of logits and inverse temperature it:
-//   x_v   = z_v * it
-//   lse   = logsumexp_v x_v               = m + log(s),  m = max x,  s = sum exp(x - m)
-//   H     = -sum p log p                  = log(s) - t / s,  t = sum exp(x - m) * (x - m)
-//   grad_v = it * (g * (onehot_v - p_v) - ge * p_v * (log p_v + H)),  p_v = exp(x_v - lse)
-// Tracking t relative to the running max keeps every term bounded (x - m <= 0), so the entropy
-// does not suffer the cancellation of lse - sum p x.
+// Math, for one row z[0..V) of raw logits, inverse temperature it and label y:
+//   m     = max_v z_v                    (raw, so z - m is exact for nearby logits)
+//   d_v   = (z_v - m) * it <= 0           tempered logit minus the tempered max
+//   s     = sum_v exp(d_v),  log_sum = log(s)         (lse = m * it + log_sum, never formed)
+//   log p_v = d_v - log_sum
+//   log p_y = -log1p(r / e_y) when r < e_y, else d_y - log_sum,   e_y = exp(d_y), r = s - e_y
+//             (r is summed without the label, so 1 - p_y = r / s keeps its relative accuracy
+//             for confident tokens, where s - e_y would cancel)
+//   H     = log_sum - t / s,  t = sum_v exp(d_v) d_v <= 0   (two non-negative terms)
+//   grad_v = it * (g * (onehot_v - p_v) - ge * p_v * (log p_v + H)),
+//            label entry: it * (-g * expm1(log p_y) - ge * p_y * (log p_y + H))
+// Forming z - m before scaling and keeping (m, log_sum) apart, rather than one fp32 lse, keeps
+// log-probs of logits with a large common offset as accurate as torch.log_softmax.
 #pragma once
 
 #include <stdint.h>
@@ -249,13 +255,18 @@ TPO_HD float acc_exp(float x) {
 TPO_HD double acc_exp(double x) { return exp(x); }
 TPO_HD float acc_log(float x) { return logf(x); }
 TPO_HD double acc_log(double x) { return log(x); }
+TPO_HD float acc_log1p(float x) { return log1pf(x); }
+TPO_HD double acc_log1p(double x) { return log1p(x); }
+TPO_HD float acc_expm1(float x) { return expm1f(x); }
+TPO_HD double acc_expm1(double x) { return expm1(x); }
 
 // ---------------------------------------------------------------------------------------------
 // Online softmax state
 // ---------------------------------------------------------------------------------------------
 
-// Summary of a set of tempered logits x: m = max, s = sum exp(x - m), t = sum exp(x - m)(x - m).
-// The empty set is m = -inf, s = t = 0. Elements equal to -inf contribute nothing.
+// Summary of a set of raw logits z at inverse temperature it: m = max z, s = sum exp((z - m) it),
+// t = sum exp((z - m) it) (z - m) it. The empty set is m = -inf, s = t = 0. Elements equal to
+// -inf contribute nothing; NaN is handled by the callers.
 template <class A>
 struct SoftmaxState {
   A m;
@@ -272,77 +283,110 @@ TPO_HD SoftmaxState<A> softmax_empty() {
   return st;
 }
 
-// Re-express a state relative to a new max m_new >= st.m:
-// sum e^(x-m_new) = c s,   sum e^(x-m_new)(x-m_new) = c (t + (m - m_new) s),  c = e^(m - m_new).
+// Re-express a state relative to a new max m_new >= st.m, with delta = (m - m_new) it <= 0:
+// sum e^(d - delta') = c s,   sum e^(...)(...) = c (t + delta s),   c = e^delta.
 template <class A>
-TPO_HD void softmax_rescale(SoftmaxState<A>& st, A m_new) {
+TPO_HD void softmax_rescale(SoftmaxState<A>& st, A m_new, A it) {
   if (st.m == m_new) return;
   if (st.s == A(0)) {  // empty (m = -inf): nothing to rescale, and -inf - m_new would poison t
     st.m = m_new;
     return;
   }
-  const A delta = st.m - m_new;
+  const A delta = (st.m - m_new) * it;
   const A c = acc_exp(delta);
   st.t = c * (st.t + delta * st.s);
   st.s = c * st.s;
   st.m = m_new;
 }
 
-// Combine two states (order-independent up to rounding).
+// Combine two states (order-independent up to rounding). A state without mass (s == 0) adds
+// nothing; its max does not matter (softmax_finish restores the label's).
 template <class A>
-TPO_HD SoftmaxState<A> softmax_merge(SoftmaxState<A> a, SoftmaxState<A> b) {
+TPO_HD SoftmaxState<A> softmax_merge(SoftmaxState<A> a, SoftmaxState<A> b, A it) {
   if (b.s == A(0)) return a;
   if (a.s == A(0)) return b;
   const A m = a.m > b.m ? a.m : b.m;
-  softmax_rescale(a, m);
-  softmax_rescale(b, m);
+  softmax_rescale(a, m, it);
+  softmax_rescale(b, m, it);
   a.s += b.s;
   a.t += b.t;
   return a;
 }
 
-// Add one element x (x <= st.m is the fast path: one exp, no rescale).
+// Add one raw logit z (z <= st.m is the fast path: one exp, no rescale).
 template <class A>
-TPO_HD void softmax_add(SoftmaxState<A>& st, A x) {
-  if (x > st.m) softmax_rescale(st, x);
-  if (!(x > neg_inf<A>())) return;  // -inf contributes exp(-inf) = 0 (NaN handled by callers)
-  const A d = x - st.m;
+TPO_HD void softmax_add(SoftmaxState<A>& st, A z, A it) {
+  if (z > st.m) softmax_rescale(st, z, it);
+  if (!(z > neg_inf<A>())) return;  // -inf contributes exp(-inf) = 0 (NaN handled by callers)
+  const A d = (z - st.m) * it;
   const A e = acc_exp(d);
   st.s += e;
   st.t += e * d;
 }
 
+// What the row forward returns for one row (see the math at the top).
 template <class A>
-TPO_HD A softmax_lse(const SoftmaxState<A>& st) {
-  return st.m + acc_log(st.s);  // empty row: -inf + log 0 = -inf
-}
+struct RowStats {
+  A row_max;
+  A log_sum;
+  A logprob;
+  A entropy;
+};
 
+// The row's statistics from the state of every element except the label's (`st` may or may not
+// have seen the label's value in its max) and the label's raw logit. A row whose logits are all
+// -inf has row_max = -inf and NaN log_sum / logprob / entropy (no distribution).
 template <class A>
-TPO_HD A softmax_entropy(const SoftmaxState<A>& st) {
-  return acc_log(st.s) - st.t / st.s;
+TPO_HD RowStats<A> softmax_finish(SoftmaxState<A> st, A z_label, A it) {
+  if (z_label > st.m) softmax_rescale(st, z_label, it);
+  const A d = (z_label - st.m) * it;
+  const A e = acc_exp(d);  // 0 for a -inf label
+  const A s = st.s + e;
+  RowStats<A> r;
+  r.row_max = st.m;
+  r.log_sum = s > A(0) ? acc_log(s) : A(quiet_nan_f());
+  // st.s is the rest of the mass, summed without the label: log(e / (e + rest)).
+  r.logprob = st.s < e ? -acc_log1p(st.s / e) : d - r.log_sum;
+  const A t = st.t + (e > A(0) ? e * d : A(0));  // 0, not 0 * -inf, for a -inf label
+  r.entropy = r.log_sum - t / s;
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward element
 // ---------------------------------------------------------------------------------------------
 
-// d out / d z_v for one element: it * (g (onehot - p) - ge p (log p + H)), with log_p = x - lse
-// and p = exp(log_p) supplied by the caller (so it can use a vector exp). The p log p term is
-// taken as 0 where p == 0 (its limit), so -inf logits give 0 rather than 0 * -inf = NaN.
+// log p_v = (z_v - m) it - log_sum for a raw logit z_v and the forward's row statistics.
 template <class A>
-TPO_HD A grad_element(A log_p, A p, A g, A ge, A entropy, bool is_label, A inv_t) {
-  A grad = -g * p;
-  if (is_label) grad += g;
+TPO_HD A log_prob(A z, A row_max, A log_sum, A it) {
+  return (z - row_max) * it - log_sum;
+}
+
+// d out / d z_v for a non-label element: it * (-g p - ge p (log p + H)), with log_p and
+// p = exp(log_p) supplied by the caller (so it can use a vector exp). The p log p term is taken
+// as 0 where p == 0 (its limit), so -inf logits give 0 rather than 0 * -inf = NaN.
+template <class A>
+TPO_HD A grad_element(A log_p, A p, A g, A ge, A entropy, A inv_t) {
   // Where p == 0 use -H for log p so the factor is exactly 0; selecting an operand rather than
   // a result keeps the arithmetic unconditional and the loop branch-free (vectorizable).
   const A safe_log_p = p > A(0) ? log_p : -entropy;
-  return (grad - ge * p * (safe_log_p + entropy)) * inv_t;
+  return (-g * p - ge * p * (safe_log_p + entropy)) * inv_t;
 }
 
-// The same without the one-hot term and with ge == 0, the common TPO case.
+// The same without the entropy term (ge == 0), the common TPO case.
 template <class A>
 TPO_HD A grad_element_nolabel(A p, A g, A inv_t) {
   return (-g * p) * inv_t;
+}
+
+// The label's entry from the forward's log-prob lp: g (1 - p) = -g expm1(lp), which keeps its
+// relative accuracy for confident tokens (1 - exp(lp) rounds to 0 in fp32 below 1 - p ~ 6e-8
+// and loses digits well before).
+template <class A>
+TPO_HD A grad_label(A lp, A g, A ge, A entropy, A inv_t) {
+  const A p = acc_exp(lp);
+  const A safe_lp = p > A(0) ? lp : -entropy;
+  return (-g * acc_expm1(lp) - ge * p * (safe_lp + entropy)) * inv_t;
 }
 
 // ---------------------------------------------------------------------------------------------

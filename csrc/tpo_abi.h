@@ -22,9 +22,15 @@ namespace tpo {
 // Element type codes. The Python side mirrors them in tpo_kernels/backends/native.py.
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
-// Row forward: for each row r with labels[r] >= 0, with x = logits[r, :] * inv_temperature,
-//   lse[r] = logsumexp(x),  target[r] = x[labels[r]],  entropy[r] = -sum softmax(x) log softmax(x).
-// Rows with labels[r] < 0 get 0 in every output and are never read.
+// Row forward: for each row r with labels[r] >= 0, with z = logits[r, :], y = labels[r] and
+// d = (z - max z) * inv_temperature (csrc/row_math.h has the math):
+//   row_max[r] = max z (untempered),  log_sum[r] = log sum exp(d),
+//   logprob[r] = log softmax(z * it)[y] (1 - p_y kept to full relative accuracy),
+//   entropy[r] = -sum softmax(z * it) log softmax(z * it).
+// The tempered logsumexp is row_max * it + log_sum; keeping the two apart keeps log-probs of
+// logits with a large common offset accurate. Rows with labels[r] < 0 get 0 in every output and
+// are never read. A row holding NaN (or +inf) gets NaN; a row of only -inf logits gets
+// row_max = -inf and NaN elsewhere.
 struct RowForwardArgs {
   int dtype;                 // element type of logits
   int64_t rows;
@@ -33,13 +39,16 @@ struct RowForwardArgs {
   const void* logits;        // [rows, vocab]
   const int64_t* labels;     // [rows]
   double inv_temperature;
-  void* lse;                 // [rows] compute dtype
-  void* target;              // [rows] compute dtype
+  void* row_max;             // [rows] compute dtype
+  void* log_sum;             // [rows] compute dtype
+  void* logprob;             // [rows] compute dtype
   void* entropy;             // [rows] compute dtype, optional
 };
 
-// Row backward: with p = exp(logits[r, :] * it - lse[r]), g = grad_logprob, ge = grad_entropy,
-//   out[r, v] = it * (g[r] (onehot(labels[r])[v] - p[v]) - ge[r] p[v] (log p[v] + entropy[r])).
+// Row backward: with the forward's row statistics, log p = (logits[r, :] - row_max[r]) * it -
+// log_sum[r], p = exp(log p), g = grad_logprob, ge = grad_entropy,
+//   out[r, v] = it * (g[r] (onehot(labels[r])[v] - p[v]) - ge[r] p[v] (log p[v] + entropy[r])),
+// where the label's entry takes log p from logprob[r] (its 1 - p as -expm1(logprob)).
 // out may be logits itself (in-place backward, then out_row_stride == row_stride). Rows with
 // g == ge == 0 are written as zeros without reading logits; labels[r] < 0 adds no one-hot term.
 struct RowBackwardArgs {
@@ -49,7 +58,9 @@ struct RowBackwardArgs {
   int64_t row_stride;
   const void* logits;        // [rows, vocab]
   const int64_t* labels;     // [rows]
-  const void* lse;           // [rows] compute dtype
+  const void* row_max;       // [rows] compute dtype
+  const void* log_sum;       // [rows] compute dtype
+  const void* logprob;       // [rows] compute dtype (read where labels[r] >= 0)
   const void* grad_logprob;  // [rows] compute dtype
   const void* grad_entropy;  // [rows] compute dtype, optional (absent: ge = 0)
   const void* entropy;       // [rows] compute dtype, required when grad_entropy is given
@@ -84,25 +95,27 @@ struct CandidateArgs {
 // The group op (layer 2), one group at a time: for the members n of group g,
 //   ell[n] = sum of token_logprobs over the member's rows, u = standardized scores (0 when all
 //   scores of the group tie), p = softmax(ell), q = softmax(base + u / eta) with base =
-//   old_seq_logprobs (ell when absent) if anchor, else 0, and group_loss[g] = -sum q log p.
-// Every value array has `dtype` (kFloat32 or kFloat64).
+//   old_seq_logprobs (ell when absent) if anchor, else 0, and group_loss[g] = -sum q log p
+//   (terms with q == 0 count 0: their limit, also when log p = -inf).
+// token_logprobs has `dtype` (kFloat32 or kFloat64); everything else, and all the arithmetic, is
+// float64 (sums over long completions and the [N]-sized group math lose digits in fp32).
 struct GroupArgs {
   int dtype;
   int64_t num_groups;
-  const void* token_logprobs;     // [M], 0 on rows outside every completion
+  const void* token_logprobs;     // [M] of dtype, 0 on rows outside every completion
   const int64_t* seq_start;       // [N] first row of each completion
   const int64_t* seq_len;         // [N]
   const int64_t* group_offsets;   // [G + 1]
   const int64_t* group_members;   // [N] completions listed group by group
-  const void* scores;             // [N]
-  const void* old_seq_logprobs;   // [N], optional (on-policy when absent)
+  const double* scores;           // [N]
+  const double* old_seq_logprobs; // [N], optional (on-policy when absent)
   double eta;
   bool anchor;
-  void* seq_logprobs;             // [N]
-  void* u;                        // [N]
-  void* p;                        // [N]
-  void* q;                        // [N]
-  void* group_loss;               // [G]
+  double* seq_logprobs;           // [N]
+  double* u;                      // [N]
+  double* p;                      // [N]
+  double* q;                      // [N]
+  double* group_loss;             // [G]
 };
 
 }  // namespace tpo

@@ -51,11 +51,18 @@ def isa(request):
 
 
 def forward(backend, logits, labels, it=1.0, with_entropy=True):
+    """``(stats [2, M], logprob, entropy | None)`` of the row-op contract."""
     return backend.row_forward(logits, labels, inv_temperature=it, with_entropy=with_entropy)
 
 
-def backward(backend, logits, labels, lse, g, out, it=1.0, ge=None, entropy=None):
-    backend.row_backward(logits, labels, lse, g, grad_entropy=ge, entropy=entropy, inv_temperature=it, out=out)
+def backward(backend, logits, labels, stats, lp, g, out, it=1.0, ge=None, entropy=None):
+    backend.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=entropy, inv_temperature=it,
+                         out=out)
+
+
+def lse_of(stats, it=1.0):
+    """The tempered logsumexp the row statistics stand for (float64)."""
+    return stats[0].double() * it + stats[1].double()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,22 +132,23 @@ def test_float_to_16bit_rounds_to_nearest_even(fmt):
 def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
     logits, labels = make_rows(29, 5003, dtype, skip=(4, 17))
     it = 1.0 / temperature
-    lse, target, entropy = forward(cpu_backend(), logits, labels, it)
-    t_lse, t_target, t_entropy = forward(TORCH, logits, labels, it)
+    stats, lp, entropy = forward(cpu_backend(), logits, labels, it)
+    t_stats, t_lp, t_entropy = forward(TORCH, logits, labels, it)
     acc = compute_dtype(dtype)
-    assert lse.dtype == target.dtype == entropy.dtype == acc
-    torch.testing.assert_close(lse, t_lse, **fwd_tol(dtype))
-    torch.testing.assert_close(target, t_target, rtol=0, atol=0)
+    assert stats.dtype == lp.dtype == entropy.dtype == acc
+    torch.testing.assert_close(stats[0], t_stats[0], rtol=0, atol=0)  # the max is exact
+    torch.testing.assert_close(stats[1], t_stats[1], **fwd_tol(dtype))
+    torch.testing.assert_close(lp, t_lp, **fwd_tol(dtype))
     torch.testing.assert_close(entropy, t_entropy, **ent_tol(dtype))
     r_lse, r_target, r_entropy = reference_rows(logits, labels, it)
-    torch.testing.assert_close(lse.double(), r_lse, **fwd_tol(dtype))
-    torch.testing.assert_close(target.double(), r_target, **fwd_tol(dtype))
-    # Against float64 math the entropy is tight too (the torch backend's form cancels).
+    keep = labels >= 0
+    torch.testing.assert_close(lse_of(stats, it)[keep], r_lse[keep], **fwd_tol(dtype))
+    torch.testing.assert_close(lp.double(), r_target - r_lse, **fwd_tol(dtype))
     torch.testing.assert_close(entropy.double(), r_entropy, **fwd_tol(dtype))
-    # Without entropy: same lse / target, no entropy tensor.
-    lse2, target2, none = forward(cpu_backend(), logits, labels, it, with_entropy=False)
+    # Without entropy: same statistics and log-probs, no entropy tensor.
+    stats2, lp2, none = forward(cpu_backend(), logits, labels, it, with_entropy=False)
     assert none is None
-    assert torch.equal(lse2, lse) and torch.equal(target2, target)
+    assert torch.equal(stats2, stats) and torch.equal(lp2, lp)
 
 
 @needs_cpu
@@ -148,8 +156,8 @@ def test_row_forward_skipped_rows_are_zero_and_not_read():
     logits, labels = make_rows(8, 300, torch.float32, skip=(1, 6))
     logits[1] = float("nan")
     logits[6] = float("inf")
-    lse, target, entropy = forward(cpu_backend(), logits, labels)
-    for t in (lse, target, entropy):
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    for t in (stats[0], stats[1], lp, entropy):
         assert t[1].item() == 0.0 and t[6].item() == 0.0
         assert torch.isfinite(t).all()
 
@@ -163,14 +171,17 @@ def test_row_forward_masked_vocab_and_nan(isa):
     labels[1] = 9_500
     logits[2] = float("-inf")  # a fully masked row
     logits[3, 7] = float("nan")  # NaN must propagate, not vanish
-    lse, target, entropy = forward(cpu_backend(), logits, labels)
-    r_lse, _, r_entropy = reference_rows(logits, labels, 1.0)
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
+    lse = lse_of(stats)
     for r in (0, 1):
         assert abs(lse[r].item() - r_lse[r].item()) < 1e-5
-        assert abs(entropy[r].item() - r_entropy[r].item()) < 1e-4
-    assert lse[2].item() == float("-inf")
-    assert torch.isnan(lse[3]) and torch.isnan(entropy[3])
-    assert torch.isfinite(lse[4]) and torch.isfinite(entropy[4])
+        assert abs(lp[r].item() - (r_target[r] - r_lse[r]).item()) < 1e-5
+        assert abs(entropy[r].item() - r_entropy[r].item()) < 1e-6
+    assert stats[0, 2].item() == float("-inf")  # no distribution: max -inf, the rest NaN
+    assert torch.isnan(lp[2])
+    assert torch.isnan(stats[1, 3]) and torch.isnan(lp[3]) and torch.isnan(entropy[3])
+    assert torch.isfinite(stats[:, 4]).all() and torch.isfinite(entropy[4])
 
 
 @needs_cpu
@@ -178,15 +189,17 @@ def test_row_forward_masked_vocab_and_nan(isa):
 def test_large_rows(dtype, isa):
     # Odd vocab over many chunks, large logits range.
     logits, labels = make_rows(16, 131_072 + 7, dtype, scale=8.0, skip=(3,))
-    lse, target, entropy = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
     r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
-    torch.testing.assert_close(lse.double(), r_lse, rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(entropy.double(), r_entropy, rtol=1e-5, atol=1e-4)
+    keep = labels >= 0
+    torch.testing.assert_close(lse_of(stats)[keep], r_lse[keep], rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(lp.double(), r_target - r_lse, rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), r_entropy, rtol=1e-5, atol=1e-5)
     g = torch.randn(16)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, lse, g, out)
+    backward(cpu_backend(), logits, labels, stats, lp, g, out)
     ref = torch.empty_like(logits)
-    backward(TORCH, logits, labels, lse, g, ref)
+    backward(TORCH, logits, labels, stats, lp, g, ref)
     torch.testing.assert_close(out, ref, **grad_tol(dtype))
 
 
@@ -201,7 +214,7 @@ def test_large_rows(dtype, isa):
 def test_row_backward_matches_torch(dtype, with_entropy, isa):
     logits, labels = make_rows(23, 2051, dtype, skip=(2,))
     it = 1.0 / 0.8
-    lse, _, entropy = forward(TORCH, logits, labels, it)
+    stats, lp, entropy = forward(TORCH, logits, labels, it)
     acc = compute_dtype(dtype)
     g = torch.randn(23, dtype=acc)
     g[[5, 9]] = 0.0
@@ -211,9 +224,9 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
         ge[11] = 0.0
     ent = entropy if with_entropy else None
     got = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, lse, g, got, it, ge, ent)
+    backward(cpu_backend(), logits, labels, stats, lp, g, got, it, ge, ent)
     want = torch.empty_like(logits)
-    backward(TORCH, logits, labels, lse, g, want, it, ge, ent)
+    backward(TORCH, logits, labels, stats, lp, g, want, it, ge, ent)
     torch.testing.assert_close(got, want, **grad_tol(dtype))
     assert (got[5] == 0).all()
 
@@ -222,27 +235,27 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_backward_in_place_equals_out_of_place(dtype, isa):
     logits, labels = make_rows(12, 4099, dtype, skip=(7,))
-    lse, _, entropy = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
     acc = compute_dtype(dtype)
     g, ge = torch.randn(12, dtype=acc), torch.randn(12, dtype=acc)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, lse, g, out, ge=ge, entropy=entropy)
+    backward(cpu_backend(), logits, labels, stats, lp, g, out, ge=ge, entropy=entropy)
     buffer = logits.clone()
-    backward(cpu_backend(), buffer, labels, lse, g, buffer, ge=ge, entropy=entropy)
-    assert torch.equal(buffer, out)  # the label's logit is read before it is overwritten
+    backward(cpu_backend(), buffer, labels, stats, lp, g, buffer, ge=ge, entropy=entropy)
+    assert torch.equal(buffer, out)  # the label's entry comes from lp, not the overwritten logit
 
 
 @needs_cpu
 def test_zero_signal_rows_written_without_reading():
     logits, labels = make_rows(6, 999, torch.float32)
     logits[2] = float("nan")  # g == ge == 0 on this row: must not be read
-    lse, _, entropy = forward(TORCH, logits, labels)
+    stats, lp, entropy = forward(TORCH, logits, labels)
     g = torch.randn(6)
     ge = torch.randn(6)
     g[2] = 0.0
     ge[2] = 0.0
     out = torch.full_like(logits, 123.0)
-    backward(cpu_backend(), logits, labels, lse, g, out, ge=ge, entropy=entropy)
+    backward(cpu_backend(), logits, labels, stats, lp, g, out, ge=ge, entropy=entropy)
     assert (out[2] == 0).all()
     assert torch.isfinite(out).all()
 
@@ -250,11 +263,11 @@ def test_zero_signal_rows_written_without_reading():
 @needs_cpu
 def test_backward_negative_label_has_no_onehot():
     logits, labels = make_rows(4, 100, torch.float64)
-    lse, _, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
+    stats, lp, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
     labels[1] = -1
     g = torch.ones(4, dtype=torch.float64)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, lse, g, out)
+    backward(cpu_backend(), logits, labels, stats, lp, g, out)
     p = torch.softmax(logits[1], dim=0)
     torch.testing.assert_close(out[1], -p)
 
@@ -264,9 +277,9 @@ def test_masked_vocab_gradient_is_finite():
     logits, labels = make_rows(3, 500, torch.float32)
     logits[:, ::2] = float("-inf")
     labels[:] = 1
-    lse, _, entropy = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, lse, torch.ones(3), out, ge=torch.ones(3), entropy=entropy)
+    backward(cpu_backend(), logits, labels, stats, lp, torch.ones(3), out, ge=torch.ones(3), entropy=entropy)
     assert torch.isfinite(out).all()
     assert (out[:, ::2] == 0).all()
 
@@ -278,19 +291,19 @@ def test_gradcheck_float64():
     class RowLogprob(torch.autograd.Function):
         @staticmethod
         def forward(ctx, logits, labels, it):
-            lse, target, entropy = backend.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
-            ctx.save_for_backward(logits, labels, lse, entropy)
+            stats, lp, entropy = backend.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+            ctx.save_for_backward(logits, labels, stats, lp, entropy)
             ctx.it = it
-            return target - lse, entropy
+            return lp, entropy
 
         @staticmethod
         def backward(ctx, g, ge):
-            logits, labels, lse, entropy = ctx.saved_tensors
+            logits, labels, stats, lp, entropy = ctx.saved_tensors
             skipped = labels < 0  # never read in forward: no gradient (as the orchestration does)
             g, ge = torch.where(skipped, 0.0, g), torch.where(skipped, 0.0, ge)
             out = torch.empty_like(logits)
             backend.row_backward(
-                logits, labels, lse, g, grad_entropy=ge, entropy=entropy, inv_temperature=ctx.it, out=out
+                logits, labels, stats, lp, g, grad_entropy=ge, entropy=entropy, inv_temperature=ctx.it, out=out
             )
             return out, None, None
 
@@ -303,27 +316,27 @@ def test_gradcheck_float64():
 @needs_cpu
 def test_non_contiguous_inputs():
     base, labels = make_rows(10, 1200, torch.float32)
-    lse_ref, target_ref, ent_ref = forward(TORCH, base, labels)
+    stats_ref, lp_ref, ent_ref = forward(TORCH, base, labels)
     # Row-strided view (stride(0) > V): used as is. Transposed copy: needs .contiguous().
     wide = torch.randn(10, 1500)
     wide[:, :1200] = base
     strided = wide[:, :1200]
     transposed = base.t().contiguous().t()
     for view in (strided, transposed):
-        lse, target, ent = forward(cpu_backend(), view, labels)
-        torch.testing.assert_close(lse, lse_ref, **fwd_tol(torch.float32))
-        torch.testing.assert_close(target, target_ref)
+        stats, lp, ent = forward(cpu_backend(), view, labels)
+        torch.testing.assert_close(stats, stats_ref, **fwd_tol(torch.float32))
+        torch.testing.assert_close(lp, lp_ref, **fwd_tol(torch.float32))
         torch.testing.assert_close(ent, ent_ref, **ent_tol(torch.float32))
     g = torch.randn(10)
     want = torch.empty_like(base)
-    backward(TORCH, base, labels, lse_ref, g, want)
+    backward(TORCH, base, labels, stats_ref, lp_ref, g, want)
     # In place into each view: the result lands in the view itself.
     for view in (wide.clone()[:, :1200], base.t().contiguous().t()):
-        backward(cpu_backend(), view, labels, lse_ref, g, view)
+        backward(cpu_backend(), view, labels, stats_ref, lp_ref, g, view)
         torch.testing.assert_close(view, want, **grad_tol(torch.float32))
     # Per-row inputs of other dtypes / layouts are converted.
     out = torch.empty(10, 2400)[:, ::2]
-    backward(cpu_backend(), base, labels.int(), lse_ref.double(), g[None, :].t(), out)
+    backward(cpu_backend(), base, labels.int(), stats_ref.double(), lp_ref.double(), g[None, :].t(), out)
     torch.testing.assert_close(out, want, **grad_tol(torch.float32))
 
 
@@ -390,10 +403,10 @@ def test_rejects_out_of_range_ids():
     bad[2] = 50
     with pytest.raises(ValueError, match=r"labels\[2\] = 50"):
         forward(cpu_backend(), logits, bad, with_entropy=False)
-    lse, _, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
+    stats, lp, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
     before = logits.clone()
     with pytest.raises(ValueError, match="labels"):
-        backward(cpu_backend(), logits, bad, lse, torch.ones(4), logits)
+        backward(cpu_backend(), logits, bad, stats, lp, torch.ones(4), logits)
     assert torch.equal(logits, before)  # nothing written
     cand = torch.randint(0, 50, (4, 3))
     cand[1, 2] = -1
@@ -410,7 +423,7 @@ def _row_forward_kwargs():
     out = torch.empty(4)
     keep = (x, lab, out)  # the caller holds these while the addresses are used
     kwargs = dict(dtype=0, rows=4, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
-                  inv_temperature=1.0, lse=out.data_ptr(), target=out.data_ptr())
+                  inv_temperature=1.0, row_max=out.data_ptr(), log_sum=out.data_ptr(), logprob=out.data_ptr())
     return keep, kwargs
 
 
@@ -435,7 +448,7 @@ def test_binding_rejects_bad_arguments():
             ext.row_forward(**{**good, **change})
     # Keyword arguments only, each named like its csrc/tpo_abi.h field, each of its type.
     for kwargs, message in [
-        ({k: v for k, v in good.items() if k != "lse"}, "missing required keyword argument 'lse'"),
+        ({k: v for k, v in good.items() if k != "log_sum"}, "missing required keyword argument 'log_sum'"),
         ({**good, "entropyy": 0}, "unexpected keyword argument 'entropyy'"),
         ({**good, "rows": 4.0}, "rows must be an int"),
         ({**good, "dtype": True}, "dtype must be an int"),
@@ -451,11 +464,12 @@ def test_binding_rejects_bad_arguments():
     x, lab, out = keep
     with pytest.raises(ValueError, match="out_row_stride"):
         ext.row_backward(dtype=0, rows=4, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
-                         lse=out.data_ptr(), grad_logprob=out.data_ptr(), inv_temperature=1.0,
-                         out=x.data_ptr(), out_row_stride=4)
+                         row_max=out.data_ptr(), log_sum=out.data_ptr(), logprob=out.data_ptr(),
+                         grad_logprob=out.data_ptr(), inv_temperature=1.0, out=x.data_ptr(), out_row_stride=4)
     with pytest.raises(ValueError, match="grad_entropy needs entropy"):
         ext.row_backward(dtype=0, rows=4, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
-                         lse=out.data_ptr(), grad_logprob=out.data_ptr(), grad_entropy=out.data_ptr(),
+                         row_max=out.data_ptr(), log_sum=out.data_ptr(), logprob=out.data_ptr(),
+                         grad_logprob=out.data_ptr(), grad_entropy=out.data_ptr(),
                          inv_temperature=1.0, out=x.data_ptr(), out_row_stride=8)
     with pytest.raises(ValueError, match="num_candidates"):
         ext.candidate_forward(dtype=0, rows=4, vocab=8, row_stride=8, candidates=lab.data_ptr(), num_candidates=-1,
@@ -470,10 +484,13 @@ def test_binding_rejects_bad_arguments():
         forward(cpu_backend(), x, lab.float(), with_entropy=False)
     with pytest.raises(ValueError, match="one per row"):
         forward(cpu_backend(), x, lab[:3], with_entropy=False)
+    stats = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="grad_entropy needs the forward's entropy"):
-        backward(cpu_backend(), x, lab, out, out, torch.empty_like(x), ge=out)
+        backward(cpu_backend(), x, lab, stats, out, out, torch.empty_like(x), ge=out)
     with pytest.raises(ValueError, match="out must have the logits' shape"):
-        backward(cpu_backend(), x, lab, out, out, torch.empty(4, 9))
+        backward(cpu_backend(), x, lab, stats, out, out, torch.empty(4, 9))
+    with pytest.raises(ValueError, match=r"stats must be \[2, rows\]"):
+        backward(cpu_backend(), x, lab, out, out, out, torch.empty_like(x))
     with pytest.raises(ValueError, match=r"candidates must be \[4, K\]"):
         cpu_backend().candidate_forward(x, lab, inv_temperature=1.0)
     with pytest.raises(ValueError, match="CPU tensors|cpu"):
@@ -487,9 +504,9 @@ def test_binding_rejects_bad_arguments():
 def test_empty_inputs():
     logits = torch.empty(0, 10)
     labels = torch.empty(0, dtype=torch.int64)
-    lse, target, entropy = forward(cpu_backend(), logits, labels)
-    assert lse.shape == target.shape == entropy.shape == (0,)
-    backward(cpu_backend(), logits, labels, lse, lse, logits)
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    assert stats.shape == (2, 0) and lp.shape == entropy.shape == (0,)
+    backward(cpu_backend(), logits, labels, stats, lp, lp, logits)
 
 
 @needs_cpu
@@ -521,8 +538,8 @@ def test_faster_than_eager():
     def native():
         x = base.clone()
         t0 = time.perf_counter()
-        lse, _, _ = forward(cpu_backend(), x, labels, with_entropy=False)
-        backward(cpu_backend(), x, labels, lse, g, x)
+        stats, lp, _ = forward(cpu_backend(), x, labels, with_entropy=False)
+        backward(cpu_backend(), x, labels, stats, lp, g, x)
         return time.perf_counter() - t0
 
     eager_s = sorted(eager() for _ in range(3))[1]

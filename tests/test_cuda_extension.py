@@ -37,7 +37,7 @@ def test_binding_rejects_bad_arguments_before_launching():
     x = torch.randn(4, 8)  # host memory: nothing may be launched on it
     lab = torch.zeros(4, dtype=torch.int64)
     good = dict(dtype=0, rows=0, vocab=8, row_stride=8, logits=x.data_ptr(), labels=lab.data_ptr(),
-                inv_temperature=1.0, lse=1, target=1, device=0, stream=0)
+                inv_temperature=1.0, row_max=1, log_sum=1, logprob=1, device=0, stream=0)
     CUDA_EXTENSION.row_forward(**good)  # no rows: checked, nothing to launch
     for change, message in [
         ({"rows": 4, "logits": 0}, "null"),
@@ -88,10 +88,10 @@ def test_row_forward_backward_match_torch(dtype, vocab):
     logits, labels = make_rows(33, vocab, dtype, device="cuda", skip=(3,))
     it = 1.0 / 0.7
     be = cuda_backend()
-    lse, target, entropy = be.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
-    t_lse, t_target, t_entropy = TORCH.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
-    torch.testing.assert_close(lse, t_lse, **fwd_tol(dtype))
-    torch.testing.assert_close(target, t_target, **fwd_tol(dtype))
+    stats, lp, entropy = be.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    t_stats, t_lp, t_entropy = TORCH.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    torch.testing.assert_close(stats, t_stats, **fwd_tol(dtype))
+    torch.testing.assert_close(lp, t_lp, **fwd_tol(dtype))
     torch.testing.assert_close(entropy, t_entropy, **ent_tol(dtype))
     acc = compute_dtype(dtype)
     g = torch.randn(33, dtype=acc, device="cuda")
@@ -100,12 +100,12 @@ def test_row_forward_backward_match_torch(dtype, vocab):
     for ge_arg in (None, ge):
         kwargs = dict(grad_entropy=ge_arg, entropy=t_entropy, inv_temperature=it)
         want = torch.empty_like(logits)
-        TORCH.row_backward(logits, labels, t_lse, g, **kwargs, out=want)
+        TORCH.row_backward(logits, labels, t_stats, t_lp, g, **kwargs, out=want)
         got = torch.empty_like(logits)
-        be.row_backward(logits, labels, t_lse, g, **kwargs, out=got)
+        be.row_backward(logits, labels, t_stats, t_lp, g, **kwargs, out=got)
         torch.testing.assert_close(got, want, **grad_tol(dtype))
         in_place = logits.clone()
-        be.row_backward(in_place, labels, t_lse, g, **kwargs, out=in_place)
+        be.row_backward(in_place, labels, t_stats, t_lp, g, **kwargs, out=in_place)
         assert torch.equal(in_place, got)
 
 
@@ -117,15 +117,16 @@ def test_misaligned_rows_and_zero_rows(dtype):
     logits = storage.view(-1)[1 : 1 + 17 * 4097].view(17, 4097)
     labels = torch.randint(0, 4097, (17,), device="cuda")
     logits[4] = float("nan")  # zero-signal row: never read
-    lse, _, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
-    got_lse, _, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    stats, lp, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    got_stats, got_lp, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
     keep = torch.arange(17, device="cuda") != 4
-    torch.testing.assert_close(got_lse[keep], lse[keep], **fwd_tol(dtype))
+    torch.testing.assert_close(got_stats[:, keep], stats[:, keep], **fwd_tol(dtype))
+    torch.testing.assert_close(got_lp[keep], lp[keep], **fwd_tol(dtype))
     g = torch.randn(17, device="cuda")
     g[4] = 0.0
     want = torch.empty_like(logits)
-    TORCH.row_backward(logits, labels, lse, g, inv_temperature=1.0, out=want)
-    cuda_backend().row_backward(logits, labels, lse, g, inv_temperature=1.0, out=logits)  # in place
+    TORCH.row_backward(logits, labels, stats, lp, g, inv_temperature=1.0, out=want)
+    cuda_backend().row_backward(logits, labels, stats, lp, g, inv_temperature=1.0, out=logits)  # in place
     torch.testing.assert_close(logits[keep], want[keep], **grad_tol(dtype))
     assert (logits[4] == 0).all()
 
@@ -135,9 +136,9 @@ def test_skipped_rows_and_invalid_labels_are_not_read():
     logits, labels = make_rows(6, 777, torch.float32, device="cuda", skip=(2,))
     logits[2] = float("nan")
     labels[4] = 777  # out of range: never dereferenced, reported as NaN
-    lse, target, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
-    assert lse[2].item() == target[2].item() == entropy[2].item() == 0.0
-    assert torch.isnan(lse[4]) and torch.isnan(target[4])
+    stats, lp, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    assert stats[0, 2].item() == stats[1, 2].item() == lp[2].item() == entropy[2].item() == 0.0
+    assert torch.isnan(stats[1, 4]) and torch.isnan(lp[4])
 
 
 @needs_cuda
@@ -216,7 +217,8 @@ def test_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
     with torch.cuda.stream(side):
-        lse, _, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+        stats, lp, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
     side.synchronize()
-    t_lse, _, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
-    torch.testing.assert_close(lse, t_lse, **fwd_tol(torch.bfloat16))
+    t_stats, t_lp, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    torch.testing.assert_close(stats, t_stats, **fwd_tol(torch.bfloat16))
+    torch.testing.assert_close(lp, t_lp, **fwd_tol(torch.bfloat16))

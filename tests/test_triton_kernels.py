@@ -79,22 +79,22 @@ def test_row_forward_matches_torch(dtype, vocab, block_v):
     logits = _logits(rows, vocab, dtype)
     labels = _labels(rows, vocab, skipped=(2,))
     for inv_t, entropy in ((1.0, True), (1.0 / 0.7, True), (1.0 / 0.7, False)):
-        lse, target, ent = row_kernels.row_forward(logits, labels,
+        stats, lp, ent = row_kernels.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=entropy,
-                                                   block_v=block_v)
-        ref_lse, ref_target, ref_ent = REF.row_forward(logits, labels,
+                                                 block_v=block_v)
+        ref_stats, ref_lp, ref_ent = REF.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=entropy)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        assert lse.dtype == target.dtype == acc
+        assert stats.dtype == lp.dtype == acc and stats.shape == (2, rows)
         tol = FWD_TOL[dtype]
-        _close(lse, ref_lse, tol)
-        _close(target, ref_target, tol)
+        _close(stats, ref_stats, tol)
+        _close(lp, ref_lp, tol)
         if entropy:
             assert ent.dtype == acc
             _close(ent, ref_ent, tol)
         else:
             assert ent is None
-        assert lse[2] == 0 and target[2] == 0
+        assert (stats[:, 2] == 0).all() and lp[2] == 0
 
 
 def test_row_forward_skipped_rows_are_not_read():
@@ -103,10 +103,10 @@ def test_row_forward_skipped_rows_are_not_read():
     poisoned = logits.clone()
     poisoned[0] = float("nan")
     poisoned[3] = float("nan")
-    lse, target, ent = row_kernels.row_forward(poisoned, labels,
+    stats, lp, ent = row_kernels.row_forward(poisoned, labels,
         inv_temperature=1.0, with_entropy=True, block_v=8)
-    ref_lse, ref_target, ref_ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
-    for out, ref in ((lse, ref_lse), (target, ref_target), (ent, ref_ent)):
+    ref_stats, ref_lp, ref_ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    for out, ref in ((stats[0], ref_stats[0]), (stats[1], ref_stats[1]), (lp, ref_lp), (ent, ref_ent)):
         assert torch.equal(out[[0, 3]], torch.zeros(2, device=DEVICE))
         _close(out, ref, 1e-5)
 
@@ -119,14 +119,14 @@ def test_row_forward_handles_minus_inf_logits():
     logits[0, :16] = float("-inf")
     logits[1, ::3] = float("-inf")
     labels = torch.tensor([20, 1], device=DEVICE)
-    lse, target, ent = row_kernels.row_forward(logits, labels,
+    stats, lp, ent = row_kernels.row_forward(logits, labels,
         inv_temperature=1.3, with_entropy=True, block_v=8)
     z = logits.double() * 1.3
     ref_lse = torch.logsumexp(z, dim=1)
     p = torch.softmax(z, dim=1)
     ref_ent = -torch.where(p > 0, p * torch.log_softmax(z, dim=1), 0.0).sum(dim=1)
-    _close(lse.double(), ref_lse, 1e-5)
-    _close(target.double(), z[[0, 1], labels], 1e-5)
+    _close(stats[0].double() * 1.3 + stats[1].double(), ref_lse, 1e-5)
+    _close(lp.double(), torch.log_softmax(z, dim=1)[[0, 1], labels], 1e-5)
     _close(ent.double(), ref_ent, 1e-5)
     assert torch.isfinite(ent).all()
 
@@ -160,24 +160,24 @@ def test_row_backward_matches_torch(dtype, with_entropy):
     # row 2: label skipped but its g is nonzero (no one-hot term); row 4: zero-signal row
     labels = _labels(rows, vocab, skipped=(2,))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    lse, _, ent = REF.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True)
-    lse[2] = torch.logsumexp(logits[2].to(acc) * inv_t, dim=0)  # a real lse for the skipped row
+    # Real statistics for the skipped row too (its label stands in as 0 in the forward).
+    stats, lp, ent = REF.row_forward(logits, labels.clamp(min=0), inv_temperature=inv_t, with_entropy=True)
     g, ge = _grads(rows, acc, zero_rows=(4,))
     if not with_entropy:
         ge, ent = None, None
     expected = torch.empty_like(logits)
-    REF.row_backward(logits, labels, lse, g,
+    REF.row_backward(logits, labels, stats, lp, g,
         grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=expected)
 
     out = torch.empty_like(logits)
-    row_kernels.row_backward(logits, labels, lse, g,
+    row_kernels.row_backward(logits, labels, stats, lp, g,
         grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=out, block_v=16)
     _close(out.to(acc), expected.to(acc), GRAD_TOL[dtype])
     assert torch.equal(out[4], torch.zeros_like(out[4]))
 
     # In place: the logits buffer becomes its own gradient.
     inplace = logits.clone()
-    row_kernels.row_backward(inplace, labels, lse, g,
+    row_kernels.row_backward(inplace, labels, stats, lp, g,
         grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=inplace, block_v=16)
     assert torch.equal(inplace, out)
 
@@ -186,22 +186,22 @@ def test_row_backward_zero_rows_are_not_read():
     rows, vocab = 5, 21
     logits = _logits(rows, vocab, torch.float32)
     labels = _labels(rows, vocab)
-    lse, _, ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
     g, ge = _grads(rows, torch.float32, zero_rows=(1, 3))
     ge[0] = 0.0  # row 0: only the log-prob gradient
     g[2] = 0.0  # row 2: only the entropy gradient (still active)
     poisoned = logits.clone()
     poisoned[[1, 3]] = float("nan")
     expected = torch.empty_like(logits)
-    REF.row_backward(logits, labels, lse, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=expected)
+    REF.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=expected)
     out = torch.full_like(logits, 7.0)
-    row_kernels.row_backward(poisoned, labels, lse, g,
+    row_kernels.row_backward(poisoned, labels, stats, lp, g,
         grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=out, block_v=8)
     assert torch.equal(out[[1, 3]], torch.zeros(2, vocab, device=DEVICE))
     _close(out, expected, 1e-5)
     # Without an entropy gradient, g == 0 alone marks a row as zero-signal.
     out = torch.full_like(logits, 7.0)
-    row_kernels.row_backward(poisoned, labels, lse, g,
+    row_kernels.row_backward(poisoned, labels, stats, lp, g,
         grad_entropy=None, entropy=None, inv_temperature=1.0, out=out, block_v=8)
     assert torch.equal(out[[1, 2, 3]], torch.zeros(3, vocab, device=DEVICE))
     assert torch.isfinite(out).all()
@@ -211,17 +211,17 @@ def test_row_backward_through_the_backend_is_deterministic():
     logits = _logits(4, 40, torch.bfloat16)
     labels = _labels(4, 40)
     backend = TritonBackend()
-    lse, _, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
     g, ge = _grads(4, torch.float32)
     first, second = torch.empty_like(logits), torch.empty_like(logits)
-    backend.row_backward(logits, labels, lse, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=first)
-    backend.row_backward(logits, labels, lse, g,
+    backend.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=first)
+    backend.row_backward(logits, labels, stats, lp, g,
         grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=second)
     assert torch.equal(first, second)
 
 
 def test_gradient_of_logprob_matches_autograd_float64():
-    # End to end on the row ops: d/dz of sum_r g_r * (target_r - lse_r) + ge_r * H_r.
+    # End to end on the row ops: d/dz of sum_r g_r * logprob_r + ge_r * H_r.
     rows, vocab, inv_t = 3, 13, 1.0 / 0.9
     logits = _logits(rows, vocab, torch.float64).requires_grad_(True)
     labels = _labels(rows, vocab)
@@ -232,10 +232,10 @@ def test_gradient_of_logprob_matches_autograd_float64():
     objective = (g * log_p.gather(1, labels[:, None]).squeeze(1)).sum() + (ge * entropy).sum()
     (expected,) = torch.autograd.grad(objective, logits)
     with torch.no_grad():
-        lse, _, ent = row_kernels.row_forward(logits, labels,
+        stats, lp, ent = row_kernels.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=True, block_v=4)
         out = torch.empty_like(logits)
-        row_kernels.row_backward(logits, labels, lse, g,
+        row_kernels.row_backward(logits, labels, stats, lp, g,
             grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=out, block_v=4)
     _close(out, expected, 1e-12)
 
@@ -337,29 +337,32 @@ _COMPILE_SCRIPT = textwrap.dedent(
         for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
             ACC = tl.float64 if acc == "fp64" else tl.float32
             for flag in (False, True):
-                sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "lse_ptr": "*" + acc,
-                       "target_ptr": "*" + acc, "entropy_ptr": "*" + acc, "row_stride": "i64",
+                sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "row_max_ptr": "*" + acc,
+                       "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
+                       "entropy_ptr": "*" + acc, "row_stride": "i64",
                        "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
-                       "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr"}
+                       "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
+                       "ACCURATE_MATH": "constexpr"}
                 build(rk._row_forward_kernel, sig,
-                      {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096}, arch)
+                      {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096, "ACCURATE_MATH": True}, arch)
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
-                       "lse_ptr": "*" + acc, "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
+                       "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
+                       "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
                        "entropy_ptr": "*" + acc, "logits_row_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
-                       "ACC": "constexpr", "BLOCK_V": "constexpr"}
+                       "ACC": "constexpr", "BLOCK_V": "constexpr", "ACCURATE_MATH": "constexpr"}
                 build(rk._row_backward_kernel, sig,
-                      {"HAS_ENTROPY_GRAD": flag, "ACC": ACC, "BLOCK_V": 4096}, arch)
+                      {"HAS_ENTROPY_GRAD": flag, "ACC": ACC, "BLOCK_V": 4096, "ACCURATE_MATH": True}, arch)
                 names = ["token_logprobs_ptr", "seq_start_ptr", "seq_len_ptr", "group_offsets_ptr",
                          "group_members_ptr", "scores_ptr", "old_ptr", "ell_ptr", "u_ptr",
                          "p_ptr", "q_ptr", "group_loss_ptr"]
-                sig = {n: "*i64" if n in names[1:5] else "*" + acc for n in names}
-                sig.update({n: "fp32" for n in ("eta_hi", "eta_mid", "eta_lo")})
-                sig.update({n: "constexpr" for n in ("HAS_OLD", "ANCHOR", "ACC", "BLOCK_K",
-                                                     "BLOCK_T")})
+                sig = {n: "*i64" if n in names[1:5] else "*fp64" for n in names}
+                sig["token_logprobs_ptr"] = "*" + acc
+                sig.update({n: "fp32" for n in ("inv_eta_hi", "inv_eta_mid", "inv_eta_lo")})
+                sig.update({n: "constexpr" for n in ("HAS_OLD", "ANCHOR", "BLOCK_K", "BLOCK_T")})
                 build(gk._group_targets_kernel, sig, {"HAS_OLD": flag, "ANCHOR": not flag,
-                      "ACC": ACC, "BLOCK_K": 8, "BLOCK_T": 256}, arch)
+                      "BLOCK_K": 8, "BLOCK_T": 256}, arch)
     print("compiled")
     """
 )

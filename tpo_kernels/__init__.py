@@ -11,6 +11,7 @@ Public API::
     fused_linear_logprobs(hidden, weight, labels, ...)           same without materialized logits
     TPOLoss, FusedLinearTPOLoss, TokenTPOLoss, FusedLinearTokenTPOLoss   nn.Module forms
     backend_status()                                             which backends run here
+    check(...)                                                   numerical self-check on this machine
     reference                                                    plain-PyTorch ground truth
 """
 
@@ -30,11 +31,15 @@ from .functional import (
 from .modules import FusedLinearTokenTPOLoss, FusedLinearTPOLoss, TokenTPOLoss, TPOLoss
 from .ops import TilePolicy
 
+# The function, bound after its module (tpo_kernels.check) is imported, so the name stays the function.
+from .check import check  # noqa: E402
+
 __all__ = [
     "__version__",
     "Backend",
     "TilePolicy",
     "backend_status",
+    "check",
     "reference",
     "tpo_loss",
     "tpo_loss_from_logprobs",

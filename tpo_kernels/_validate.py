@@ -11,9 +11,11 @@ never out-of-bounds memory access: the native backends re-check ids at their poi
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,30 +29,54 @@ REDUCTIONS = ("mean", "sum", "none")
 # ----------------------------------------------------------------------------- scalars
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A Python int or any other integral number (NumPy integers), but not a bool."""
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def _is_real(value) -> bool:
+    """A Python int/float or any other real number (NumPy scalars), but not a bool."""
+    return isinstance(value, numbers.Real) and not _is_bool(value)
 
 
 def check_int(name: str, value, minimum: int) -> int:
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
+# Kernels take 1 / temperature and 1 / eta as float32 scalars (Triton types float arguments as
+# fp32, and fp32 is the compute dtype of every input but fp64): both reciprocals must be finite
+# there, or every logit / target turns into inf and the results into NaN.
+_MIN_POSITIVE = 1.0 / float(torch.finfo(torch.float32).max)
+
+
 def check_positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A finite number > 0 whose reciprocal is finite in float32 (temperature, eta)."""
+    if not _is_real(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return float(value)
+    if 1.0 / value > float(torch.finfo(torch.float32).max):
+        raise ValueError(
+            f"{name} must be at least {_MIN_POSITIVE:.4g} (its reciprocal must be finite in float32, "
+            f"the precision the kernels take it in), got {value}"
+        )
+    return value
 
 
 def check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
+    if not _is_bool(value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
+    return bool(value)
 
 
 def check_reduction(reduction) -> str:
@@ -60,15 +86,19 @@ def check_reduction(reduction) -> str:
 
 
 def check_ignore_index(ignore_index) -> int:
+    """An integral id (a float, even -100.0, is rejected by every function alike)."""
     if not _is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    return ignore_index
+    return int(ignore_index)
 
 
 def check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+    if not _is_real(beta):
+        raise TypeError(f"beta must be a number, got {type(beta).__name__}")
+    beta = float(beta)
+    if not math.isfinite(beta) or beta < 0:
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
-    return float(beta)
+    return beta
 
 
 @dataclass(frozen=True)
@@ -125,9 +155,19 @@ def check_tile_policy(tile_policy, policy_type: type) -> None:
 def check_tensor(name: str, x, device: Optional[torch.device] = None, reference: str = "") -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
+    if device is not None:
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
+        reject_meta(name, x)
     return x
+
+
+def reject_meta(name: str, x: Tensor) -> None:
+    """Meta tensors carry no data; every function reads values."""
+    if x.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device (no data): the loss reads values; pass a tensor on a real device"
+        )
 
 
 def check_float_tensor(name: str, x, ndims: Tuple[int, ...]) -> Tensor:
@@ -147,6 +187,7 @@ def check_integer_dtype(name: str, x: Tensor) -> None:
 
 def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:
     check_float_tensor("logits", logits, ndims)
+    reject_meta("logits", logits)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension")
     return logits
@@ -156,6 +197,7 @@ def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3), sam
     """hidden ``[..., H]``, weight ``[V, H]`` with V >= 1, bias ``[V]`` in the weight's dtype, one
     device. Hidden states may have another float dtype than the head unless ``same_dtype``."""
     check_float_tensor("hidden", hidden, hidden_ndims)
+    reject_meta("hidden", hidden)
     check_float_tensor("weight", weight, (2,))
     if weight.shape[0] == 0:
         raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, H] with V > 0)")
@@ -183,6 +225,7 @@ def check_chunk_size(chunk_size) -> Optional[int]:
         return None
     if not _is_int(chunk_size):
         raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    chunk_size = int(chunk_size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 (a budget of chunk_size * V logits per tile), got {chunk_size}")
     return chunk_size
@@ -238,8 +281,8 @@ class PreparedBatch:
     token_shape: Tuple[int, ...]  # labels.shape: (N, T) padded or (M,) packed
     labels: Tensor  # [M] int64, -1 on rows that do not count (masked, ignore_index, outside)
     layout: BatchLayout
-    scores: Tensor  # [N] compute dtype
-    old_seq_logprobs: Optional[Tensor]  # [N] or None (on-policy)
+    scores: Tensor  # [N] float64
+    old_seq_logprobs: Optional[Tensor]  # [N] float64, or None (on-policy)
     beta: float
     ref_logprobs: Optional[Tensor]  # [M] compute dtype, 0 where not counted; None when beta == 0
 
@@ -253,6 +296,7 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_n
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     check_integer_dtype("cu_seqlens", cu_seqlens)
+    reject_meta("cu_seqlens", cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
@@ -266,29 +310,34 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_n
     return cu_seqlens
 
 
-def _check_groups(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str):
+def _check_groups(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str) -> Optional[int]:
+    """The checked ``group_size`` as a Python int (None with ``group_ids``)."""
     if (group_size is None) == (group_ids is None):
         raise ValueError("pass exactly one of group_size (K contiguous completions per prompt) or group_ids [N]")
     if group_size is not None:
         if not _is_int(group_size):
             raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        group_size = int(group_size)
         if group_size < 1 or num_seqs % group_size != 0:
             raise ValueError(f"group_size must be >= 1 and divide the number of completions N={num_seqs}, got {group_size}")
-        return
+        return group_size
     check_tensor("group_ids", group_ids, device, input_name)
     check_integer_dtype("group_ids", group_ids)
     if tuple(group_ids.shape) != (num_seqs,):
         raise ValueError(f"group_ids must have shape [N]=({num_seqs},), got {tuple(group_ids.shape)}")
+    return None
 
 
 def check_scores(scores, shape: Tuple[int, ...], device: torch.device, input_name: str,
                  acc: torch.dtype, validate: bool, what: str) -> Tensor:
+    """Scores as float64 whatever ``acc``: the group math standardizes them in float64 (fp32 would
+    lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution)."""
     check_tensor("scores", scores, device, input_name)
     if scores.dtype == torch.bool or scores.dtype.is_complex:
         raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
     if tuple(scores.shape) != shape:
         raise ValueError(f"scores must have {what}, got {tuple(scores.shape)}")
-    scores = scores.to(acc).contiguous()
+    scores = scores.to(torch.float64).contiguous()
     if validate and not bool(torch.isfinite(scores).all()):
         raise ValueError("scores must be finite (found NaN or inf)")
     return scores
@@ -351,7 +400,7 @@ def prepare_batch(
         raise ValueError(f"labels must be [N, T] (padded) or [M] (packed), got shape {token_shape}")
     if num_seqs == 0:
         raise ValueError("the batch holds no completion (N == 0)")
-    _check_groups(group_size, group_ids, num_seqs, device, input_name)
+    group_size = _check_groups(group_size, group_ids, num_seqs, device, input_name)
     layout = build_layout(
         num_tokens,
         device,
@@ -378,14 +427,15 @@ def prepare_batch(
                 cu_seqlens=cu_seqlens, group_size=group_size, group_ids=group_ids, members=counted_seqs,
             )
 
-    # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion.
+    # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion,
+    # in float64 like the group math (sums over long completions lose digits in fp32).
     old_seq = None
     if old_logprobs is not None:
         _check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) == token_shape:
-            old_seq = segment_sum(torch.where(valid, old_logprobs.reshape(-1).to(acc), 0.0), layout)
+            old_seq = segment_sum(torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0), layout)
         elif tuple(old_logprobs.shape) == (num_seqs,):
-            old_seq = old_logprobs.to(acc).contiguous()
+            old_seq = old_logprobs.to(torch.float64).contiguous()
         else:
             raise ValueError(
                 f"old_logprobs must be per token {token_shape} or per completion ({num_seqs},), got {tuple(old_logprobs.shape)}"
@@ -415,7 +465,7 @@ def prepare_batch(
 def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, acc: torch.dtype,
                        candidates, scores, old_logprobs, input_name: str, validate: bool):
     """Checked token-level inputs: ``(candidates int64 [R, K], scores, old_logprobs | None)``,
-    the float ones in ``acc``."""
+    the float ones in float64 (the group math's dtype)."""
     if num_states == 0:
         raise ValueError(f"{input_name} holds no state (R == 0)")
     check_tensor("candidates", candidates, device, input_name)
@@ -438,7 +488,7 @@ def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, a
             raise ValueError(
                 f"old_logprobs must have the shape of candidates {shape}, got {tuple(old_logprobs.shape)}"
             )
-        old_logprobs = old_logprobs.to(acc).contiguous()
+        old_logprobs = old_logprobs.to(torch.float64).contiguous()  # for the float64 group math
         if validate and not bool(torch.isfinite(old_logprobs).all()):
             raise ValueError("old_logprobs must be finite (found NaN or inf)")
     return candidates.to(torch.int64).contiguous(), scores, old_logprobs

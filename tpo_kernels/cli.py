@@ -1,6 +1,9 @@
-"""Command line: ``tpo-kernels {status,demo,bench}`` (also ``python -m tpo_kernels ...``).
+"""Command line: ``tpo-kernels {status,demo,bench,check}`` (also ``python -m tpo_kernels ...``).
 
 * ``status``: which backends run here, and why the others do not.
+* ``check``:  numerical self-check of every backend and path on this device, dtype and shapes
+  (:mod:`tpo_kernels.check`): a table of errors against tolerances, JSON on request, exit status
+  1 on any failure.
 * ``demo``:   a tiny end-to-end TPO step (loss, p, q, backward) on whatever device is present,
   checked against the plain-PyTorch reference; takes seconds.
 * ``bench``:  the benchmark harness, ``tpo_kernels.bench``; all further arguments go to it
@@ -97,6 +100,50 @@ def _bench(argv: List[str]) -> int:
     return bench_main(argv)
 
 
+def _check(args) -> int:
+    from tpo_kernels.check import check
+
+    def split(value):
+        return [x.strip() for x in value.split(",") if x.strip()] if value else None
+
+    try:
+        report = check(device=args.device, dtype=args.dtype, backends=split(args.backends), paths=split(args.paths),
+                       N=args.N, K=args.K, T=args.T, V=args.V, H=args.H, temperature=args.temperature,
+                       eta=args.eta, gradcheck=not args.no_gradcheck, edge_cases=not args.no_edge_cases,
+                       long_tokens=args.long_tokens, seed=args.seed)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"tpo-kernels check: {exc}", file=sys.stderr)
+        return 2
+    if args.json == "-":
+        print(report.to_json(indent=1))
+    else:
+        print(report.table())
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(report.to_json(indent=1))
+    return 0 if report.passed else 1
+
+
+def _add_check_parser(sub) -> None:
+    chk = sub.add_parser("check", help="numerical self-check of every backend and path here (exit 1 on a failure)")
+    chk.add_argument("--device", help="cpu or cuda (default: cuda if present)")
+    chk.add_argument("--dtype", default="float32", help="input dtype: float32, bfloat16, float16, float64")
+    chk.add_argument("--backends", help="comma-separated backends (default: every one that runs here)")
+    chk.add_argument("--paths", help="comma-separated public functions (default: all six)")
+    chk.add_argument("-N", type=int, default=8, help="completions (default 8)")
+    chk.add_argument("-K", type=int, default=4, help="group size, also candidates per state (default 4)")
+    chk.add_argument("-T", type=int, default=16, help="tokens per completion (default 16)")
+    chk.add_argument("-V", type=int, default=256, help="vocabulary size (default 256)")
+    chk.add_argument("-H", type=int, default=64, help="hidden size of the fused-linear paths (default 64)")
+    chk.add_argument("--temperature", type=float, default=0.7)
+    chk.add_argument("--eta", type=float, default=0.5)
+    chk.add_argument("--no-gradcheck", action="store_true", help="skip the float64 gradcheck section")
+    chk.add_argument("--no-edge-cases", action="store_true", help="skip the edge-case section")
+    chk.add_argument("--long-tokens", type=int, help="length of the long-completion edge case (default 32768)")
+    chk.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': print JSON only)")
+    chk.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after "bench" belongs to the harness
@@ -109,7 +156,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--backend", default="auto", help="auto, torch, cpu, triton, cuda")
     demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="benchmarks against eager PyTorch and other baselines (tpo-kernels bench --help)")
+    _add_check_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check(args)
     if args.command == "status":
         return _status(args)
     if args.command == "demo":

@@ -15,6 +15,14 @@ values can differ from them in the last bit, which would turn a tie into u = +-1
 go through the same softmax, so a tied on-policy group gets ``q == p`` bit for bit and
 ``p - q == 0`` exactly: its tokens carry no gradient and the backward can skip them.
 
+Precision: ``ell`` and everything after it are computed in float64 whatever the token dtype
+(a 32k-token completion has ``|ell| ~ 1e5``, where fp32 spacing is 0.008, enough to move p by
+1e-3); the results are returned in the token log-probs' dtype. Scores are standardized from
+``(s - min s) / (max s - min s)`` (halved first so the difference cannot overflow), so spreads
+from 1e-300 to 1e300 and float64 scores closer than fp32 resolution keep their u. Loss terms
+with ``q == 0`` count 0 (their limit), so a member with ``log p = -inf`` (a ``-inf`` label logit)
+that the target also gives 0 leaves the loss finite.
+
 This module holds the portable PyTorch group op (every backend's default; the Triton and CUDA
 backends fuse it into one kernel with the same contract) and :class:`GroupObjective`, the group
 stage every loss runs: group op, reduction over groups and the optional k3 KL term. Everything
@@ -42,6 +50,10 @@ class GroupResult:
     p: Tensor  # [N] policy distribution within each group
     q: Tensor  # [N] target distribution within each group
     group_loss: Tensor  # [G] -sum q log p
+    # [N] p - q, the gradient of group_loss on ell, formed before p and q are rounded (when p ~ q,
+    # e.g. a large eta, the difference of the rounded fp32 values keeps only a few digits).
+    # None: p - q of the fields above.
+    coef: Optional[Tensor] = None
 
 
 def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
@@ -79,28 +91,41 @@ def group_sum(seq_values: Tensor, layout: BatchLayout) -> Tensor:
     return dense.sum(dim=1)
 
 
+def standardize_dense(scores: Tensor, valid: Tensor) -> Tensor:
+    """u = (s - mean) / std (population std) per row of a dense ``[G, K]`` layout, 0 for a row
+    whose scores tie (``max == min``) and at invalid slots. Computed from ``x = (s/2 - min/2) /
+    (max/2 - min/2)`` in ``[0, 1]``: halving is exact and keeps the difference finite, the
+    difference of nearby scores is exact, and the scale-free x neither underflows nor overflows
+    when squared. Use float64."""
+    s_max = torch.where(valid, scores, float("-inf")).amax(dim=1, keepdim=True)
+    s_min = torch.where(valid, scores, float("inf")).amin(dim=1, keepdim=True)
+    tied = s_max == s_min
+    shifted = torch.where(valid, scores * 0.5 - torch.where(tied, 0.0, s_min) * 0.5, 0.0)
+    spread = shifted.amax(dim=1, keepdim=True)
+    flat = tied | (spread == 0)  # a spread lost to subnormal halving counts as a tie
+    x = shifted / torch.where(flat, 1.0, spread)
+    count = valid.sum(dim=1, keepdim=True).to(scores.dtype)
+    mean = x.sum(dim=1, keepdim=True) / count
+    centered = torch.where(valid, x - mean, 0.0)
+    std = torch.sqrt((centered * centered).sum(dim=1, keepdim=True) / count)
+    return torch.where(flat | ~valid, 0.0, centered / torch.where(flat, 1.0, std))
+
+
 def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], valid: Optional[Tensor],
                      eta: float, anchor: bool):
     """The group math on a dense ``[G, K]`` layout (``valid`` marks real members; None = all).
-    Returns ``(u, p, q, group_loss)``."""
+    Returns ``(u, p, q, group_loss)`` in the inputs' dtype (float64 in :func:`group_targets`)."""
     neg_inf = float("-inf")
     if valid is None:
         valid = torch.ones_like(scores, dtype=torch.bool)
-    count = valid.sum(dim=1, keepdim=True).to(scores.dtype)
-    mean = torch.where(valid, scores, 0.0).sum(dim=1, keepdim=True) / count
-    centered = torch.where(valid, scores - mean, 0.0)
-    std = torch.sqrt((centered * centered).sum(dim=1, keepdim=True) / count)
-    s_max = torch.where(valid, scores, neg_inf).amax(dim=1, keepdim=True)
-    s_min = torch.where(valid, scores, float("inf")).amin(dim=1, keepdim=True)
-    tied = s_max == s_min
-    u = torch.where(tied | ~valid, 0.0, centered / torch.where(tied, 1.0, std))
-
+    u = standardize_dense(scores, valid)
     policy = torch.where(valid, ell, neg_inf)
     log_p = torch.log_softmax(policy, dim=1)
     p = torch.softmax(policy, dim=1)
     base = (ell if old_ell is None else old_ell) if anchor else torch.zeros_like(ell)
     q = torch.softmax(torch.where(valid, base + u / eta, neg_inf), dim=1)
-    group_loss = -torch.where(valid, q * log_p, 0.0).sum(dim=1)
+    # q == 0 terms are 0 (their limit), not 0 * -inf when log p = -inf.
+    group_loss = -(q * torch.where(valid & (q > 0), log_p, 0.0)).sum(dim=1)
     return u, p, q, group_loss
 
 
@@ -114,9 +139,11 @@ def group_targets(
     anchor: bool,
 ) -> GroupResult:
     """The portable group op: flat ``[M]`` token log-probs (0 on rows that do not count) ->
-    :class:`GroupResult`. Not differentiable by itself: the autograd rule lives with the
-    ``tpo_kernels::group_targets`` op (:mod:`tpo_kernels.ops.group`)."""
-    ell = segment_sum(token_logprobs, layout)
+    :class:`GroupResult` in the token log-probs' dtype, computed in float64. Not differentiable by
+    itself: the autograd rule lives with the ``tpo_kernels::group_targets`` op
+    (:mod:`tpo_kernels.ops.group`)."""
+    out_dtype = token_logprobs.dtype
+    ell = segment_sum(token_logprobs.to(torch.float64), layout)
     scores = scores.to(ell.dtype)
     old = None if old_seq_logprobs is None else old_seq_logprobs.to(ell.dtype)
     g, kmax = layout.num_groups, layout.max_group_size
@@ -148,4 +175,5 @@ def group_targets(
     u, p, q, group_loss = dense_group_math(
         to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor
     )
-    return GroupResult(ell, from_dense(u), from_dense(p), from_dense(q), group_loss)
+    results = (ell, from_dense(u), from_dense(p), from_dense(q), group_loss, from_dense(p - q))
+    return GroupResult(*(t.to(out_dtype) for t in results))

@@ -29,9 +29,10 @@ def token_logprobs(
 
 
 def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per token."""
+    """Entropy of softmax(logits / temperature) per token (0 log 0 = 0 at -inf logits)."""
     log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
-    return -(log_probs.exp() * log_probs).sum(-1)
+    probs = log_probs.exp()
+    return -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
 
 
 def selective_logprobs(
@@ -50,12 +51,18 @@ def selective_logprobs(
 
 
 def standardize(scores: Tensor) -> Tensor:
-    """Appendix A: (s - mean) / std with the population std; all zeros when the scores tie."""
+    """Appendix A: (s - mean) / std with the population std; all zeros when the scores tie.
+
+    u does not change when a constant is subtracted or the scores are scaled, so it is computed
+    from ``(s - min) / (max - min)``: the difference of nearby scores is exact, and nothing
+    underflows or overflows when squared (spreads of 1e-30 or 1e30 keep their u)."""
     if bool(scores.max() == scores.min()):
         return torch.zeros_like(scores)
-    mean = scores.sum() / scores.numel()
-    std = (((scores - mean) ** 2).sum() / scores.numel()).sqrt()
-    return (scores - mean) / std
+    shifted = scores - scores.min()
+    x = shifted / shifted.max()
+    mean = x.sum() / x.numel()
+    std = (((x - mean) ** 2).sum() / x.numel()).sqrt()
+    return (x - mean) / std
 
 
 def _sequence_slices(labels: Tensor, cu_seqlens: Optional[Tensor]) -> List[tuple]:
@@ -124,7 +131,8 @@ def tpo_loss(
         else:
             q = torch.softmax(u / eta, dim=0)
         q = q.detach()
-        group_losses.append(-(q * log_p).sum())  # Eq. 3
+        # Eq. 3; a term with q == 0 is 0 (its limit), also where log p = -inf (a -inf label logit).
+        group_losses.append(-(q * torch.where(q > 0, log_p, torch.zeros_like(log_p))).sum())
         ps[idx], qs[idx], us[idx] = log_p.detach().exp(), q, u
     group_loss = torch.stack(group_losses)
 
@@ -175,9 +183,11 @@ def token_tpo_loss(
     anchor: bool = True,
     temperature: float = 1.0,
     reduction: str = "mean",
+    return_aux: bool = False,
 ):
     """Token-level TPO by the book (DESIGN.md section 1, paper Sec. 3.4). Same arguments as
-    :func:`tpo_kernels.token_tpo_loss`.
+    :func:`tpo_kernels.token_tpo_loss` (``return_aux``: also ``[R, K]`` ``p``, ``q``, ``u`` and the
+    tempered ``candidate_logits``).
 
     Full-vocab log-probs, gathered at the K candidates of each state (a repeated id is gathered
     twice: two members); then Eq. 1-3 per state with the candidate log-probs as the group logits.
@@ -185,7 +195,7 @@ def token_tpo_loss(
     log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
     cand_logprobs = log_probs.gather(1, candidates)
     dtype = cand_logprobs.dtype
-    state_losses = []
+    state_losses, ps, qs, us = [], [], [], []
     for r in range(cand_logprobs.shape[0]):
         u = standardize(scores[r].to(dtype))
         log_p = torch.log_softmax(cand_logprobs[r], dim=0)  # Eq. 1 over the K candidates
@@ -194,10 +204,20 @@ def token_tpo_loss(
             q = torch.softmax(torch.log_softmax(old, dim=0) + u / eta, dim=0)
         else:
             q = torch.softmax(u / eta, dim=0)
-        state_losses.append(-(q.detach() * log_p).sum())  # Eq. 3
+        q = q.detach()
+        state_losses.append(-(q * torch.where(q > 0, log_p, torch.zeros_like(log_p))).sum())  # Eq. 3
+        ps.append(log_p.detach().exp())
+        qs.append(q)
+        us.append(u)
     state_loss = torch.stack(state_losses)
     if reduction == "mean":
-        return state_loss.mean()
-    if reduction == "sum":
-        return state_loss.sum()
-    return state_loss
+        loss = state_loss.mean()
+    elif reduction == "sum":
+        loss = state_loss.sum()
+    else:
+        loss = state_loss
+    if not return_aux:
+        return loss
+    aux = {"candidate_logits": (logits.to(dtype) / temperature).gather(1, candidates).detach(),
+           "p": torch.stack(ps), "q": torch.stack(qs), "u": torch.stack(us), "state_loss": state_loss.detach()}
+    return loss, aux

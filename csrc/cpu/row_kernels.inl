@@ -24,20 +24,20 @@ inline void prefetch_range(const T* begin, const T* end) {
   for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
-// max_i z_i (NaNs ignored here, flagged in nan_seen).
+// max_i z_i of the raw logits (NaNs ignored here, flagged in nan_seen).
 template <class T, class A>
-A chunk_max(const T* x, int64_t n, A it, int& nan_seen) {
+A chunk_max(const T* x, int64_t n, int& nan_seen) {
   A m = neg_inf<A>();
 #pragma omp simd reduction(max : m) reduction(| : nan_seen)
   for (int64_t i = 0; i < n; ++i) {
-    const A z = Elem<T>::load(x[i]) * it;
+    const A z = Elem<T>::load(x[i]);
     m = z > m ? z : m;
     nan_seen |= (z != z);
   }
   return m;
 }
 
-// s += sum exp(z - ref), t += sum exp(z - ref)(z - ref) (when with_t).
+// With d = (z - ref) * it: s += sum exp(d), t += sum exp(d) d (when with_t).
 template <class T, class A>
 void chunk_sums(const T* x, int64_t n, A it, A ref, bool with_t, A& s_acc, A& t_acc) {
   const A ninf = neg_inf<A>();
@@ -45,32 +45,44 @@ void chunk_sums(const T* x, int64_t n, A it, A ref, bool with_t, A& s_acc, A& t_
   if (with_t) {
 #pragma omp simd reduction(+ : s, t)
     for (int64_t i = 0; i < n; ++i) {
-      const A d = Elem<T>::load(x[i]) * it - ref;
+      const A d = (Elem<T>::load(x[i]) - ref) * it;
       const A e = acc_exp(d);
       s += e;
       t += e * (d > ninf ? d : A(0));  // e = 0 where d = -inf: 0, not 0 * -inf
     }
   } else {
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += acc_exp(Elem<T>::load(x[i]) * it - ref);
+    for (int64_t i = 0; i < n; ++i) s += acc_exp((Elem<T>::load(x[i]) - ref) * it);
   }
   s_acc += s;
   t_acc += t;
 }
 
+// The sums of [begin, end) of one chunk, leaving out the label's column (summed separately by
+// softmax_finish, so that 1 - p_label never comes from a cancelling difference).
+template <class T, class A>
+void chunk_sums_without(const T* x, int64_t begin, int64_t end, int64_t skip, A it, A ref,
+                        bool with_t, A& s_acc, A& t_acc) {
+  if (skip >= begin && skip < end) {
+    chunk_sums(x + begin, skip - begin, it, ref, with_t, s_acc, t_acc);
+    chunk_sums(x + skip + 1, end - skip - 1, it, ref, with_t, s_acc, t_acc);
+  } else {
+    chunk_sums(x + begin, end - begin, it, ref, with_t, s_acc, t_acc);
+  }
+}
+
 template <class T>
-void forward_row(const T* row, int64_t vocab, acc_t<T> it, int64_t label, acc_t<T>* lse,
-                 acc_t<T>* target, acc_t<T>* entropy) {
+RowStats<acc_t<T>> forward_row(const T* row, int64_t vocab, acc_t<T> it, int64_t label,
+                               bool with_t) {
   using A = acc_t<T>;
   const A ninf = neg_inf<A>();
-  const bool with_t = entropy != nullptr;
   SoftmaxState<A> state = softmax_empty<A>();
   int nan_seen = 0;
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
     const T* x = row + c0;
     SoftmaxState<A> chunk;
-    chunk.m = chunk_max(x, n, it, nan_seen);
+    chunk.m = chunk_max<T, A>(x, n, nan_seen);
     if (!(chunk.m > ninf)) continue;  // all -inf (or NaN, flagged above): contributes nothing
     chunk.s = A(0);
     chunk.t = A(0);
@@ -79,14 +91,17 @@ void forward_row(const T* row, int64_t vocab, acc_t<T> it, int64_t label, acc_t<
     const int64_t step = next_n > 0 ? std::max<int64_t>(1, next_n * kSubChunk / n) : 0;
     for (int64_t i0 = 0, p0 = 0; i0 < n; i0 += kSubChunk, p0 += step) {
       if (p0 < next_n) prefetch_range(next + p0, next + std::min(next_n, p0 + step));
-      chunk_sums(x + i0, std::min(kSubChunk, n - i0), it, chunk.m, with_t, chunk.s, chunk.t);
+      chunk_sums_without(x, i0, std::min(n, i0 + kSubChunk), label - c0, it, chunk.m, with_t,
+                         chunk.s, chunk.t);
     }
-    state = softmax_merge(state, chunk);
+    state = softmax_merge(state, chunk, it);
   }
-  const A nan = A(quiet_nan_f());
-  *lse = nan_seen ? nan : softmax_lse(state);
-  *target = Elem<T>::load(row[label]) * it;
-  if (entropy != nullptr) *entropy = nan_seen ? nan : softmax_entropy(state);
+  RowStats<A> r = softmax_finish(state, Elem<T>::load(row[label]), it);
+  if (nan_seen) {
+    const A nan = A(quiet_nan_f());
+    r.row_max = r.log_sum = r.logprob = r.entropy = nan;
+  }
+  return r;
 }
 
 template <class T>
@@ -94,8 +109,9 @@ void forward_rows(const RowForwardArgs& a) {
   using A = acc_t<T>;
   const T* base = static_cast<const T*>(a.logits);
   const int64_t* labels = a.labels;
-  A* lse = static_cast<A*>(a.lse);
-  A* target = static_cast<A*>(a.target);
+  A* row_max = static_cast<A*>(a.row_max);
+  A* log_sum = static_cast<A*>(a.log_sum);
+  A* logprob = static_cast<A*>(a.logprob);
   A* entropy = static_cast<A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
   const int64_t rows = a.rows;
@@ -103,44 +119,43 @@ void forward_rows(const RowForwardArgs& a) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t label = labels[r];
     if (label < 0) {  // skipped row: outputs 0, logits never read
-      lse[r] = A(0);
-      target[r] = A(0);
+      row_max[r] = log_sum[r] = logprob[r] = A(0);
       if (entropy != nullptr) entropy[r] = A(0);
       continue;
     }
-    forward_row<T>(base + r * a.row_stride, a.vocab, it, label, lse + r, target + r,
-                   entropy != nullptr ? entropy + r : nullptr);
+    const RowStats<A> st = forward_row<T>(base + r * a.row_stride, a.vocab, it, label,
+                                          entropy != nullptr);
+    row_max[r] = st.row_max;
+    log_sum[r] = st.log_sum;
+    logprob[r] = st.logprob;
+    if (entropy != nullptr) entropy[r] = st.entropy;
   }
 }
 
 template <class T>
-void backward_row(const T* x, T* out, int64_t vocab, acc_t<T> it, int64_t label, acc_t<T> lse,
-                  acc_t<T> g, acc_t<T> ge, acc_t<T> ent) {
+void backward_row(const T* x, T* out, int64_t vocab, acc_t<T> it, int64_t label, acc_t<T> m,
+                  acc_t<T> log_sum, acc_t<T> lp, acc_t<T> g, acc_t<T> ge, acc_t<T> ent) {
   using A = acc_t<T>;
   if (g == A(0) && ge == A(0)) {  // zero-signal row: write zeros, never read the logits
     memset(static_cast<void*>(out), 0, static_cast<size_t>(vocab) * sizeof(T));
     return;
   }
-  // Read the label's logit before the loop, which may overwrite it (in-place backward).
-  const A label_log_p = label >= 0 ? Elem<T>::load(x[label]) * it - lse : A(0);
   if (ge == A(0)) {
 #pragma omp simd
     for (int64_t v = 0; v < vocab; ++v) {
-      const A p = acc_exp(Elem<T>::load(x[v]) * it - lse);
+      const A p = acc_exp(log_prob(Elem<T>::load(x[v]), m, log_sum, it));
       out[v] = Elem<T>::store(grad_element_nolabel(p, g, it));
     }
   } else {
 #pragma omp simd
     for (int64_t v = 0; v < vocab; ++v) {
-      const A log_p = Elem<T>::load(x[v]) * it - lse;
+      const A log_p = log_prob(Elem<T>::load(x[v]), m, log_sum, it);
       const A p = acc_exp(log_p);
-      out[v] = Elem<T>::store(grad_element(log_p, p, g, ge, ent, false, it));
+      out[v] = Elem<T>::store(grad_element(log_p, p, g, ge, ent, it));
     }
   }
-  if (label >= 0) {
-    const A p = acc_exp(label_log_p);
-    out[label] = Elem<T>::store(grad_element(label_log_p, p, g, ge, ent, true, it));
-  }
+  // The label's entry from the forward's log-prob (never from the overwritten logits).
+  if (label >= 0) out[label] = Elem<T>::store(grad_label(lp, g, ge, ent, it));
 }
 
 template <class T>
@@ -148,7 +163,9 @@ void backward_rows(const RowBackwardArgs& a) {
   using A = acc_t<T>;
   const T* base = static_cast<const T*>(a.logits);
   T* out = static_cast<T*>(a.out);
-  const A* lse = static_cast<const A*>(a.lse);
+  const A* row_max = static_cast<const A*>(a.row_max);
+  const A* log_sum = static_cast<const A*>(a.log_sum);
+  const A* logprob = static_cast<const A*>(a.logprob);
   const A* g = static_cast<const A*>(a.grad_logprob);
   const A* ge = static_cast<const A*>(a.grad_entropy);
   const A* ent = static_cast<const A*>(a.entropy);
@@ -158,8 +175,9 @@ void backward_rows(const RowBackwardArgs& a) {
   for (int64_t r = 0; r < rows; ++r) {
     const A ge_r = ge != nullptr ? ge[r] : A(0);
     const A ent_r = (ge_r != A(0) && ent != nullptr) ? ent[r] : A(0);
-    backward_row<T>(base + r * a.row_stride, out + r * a.out_row_stride, a.vocab, it,
-                    a.labels[r], lse[r], g[r], ge_r, ent_r);
+    const int64_t label = a.labels[r];
+    backward_row<T>(base + r * a.row_stride, out + r * a.out_row_stride, a.vocab, it, label,
+                    row_max[r], log_sum[r], label >= 0 ? logprob[r] : A(0), g[r], ge_r, ent_r);
   }
 }
 

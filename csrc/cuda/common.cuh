@@ -81,20 +81,21 @@ __device__ __forceinline__ SoftmaxState<A> shfl_state(const SoftmaxState<A>& st,
   return other;
 }
 
-// Merge every thread's online-softmax state; the result is valid in all threads.
+// Merge every thread's online-softmax state (inverse temperature it); the result is valid in all
+// threads.
 template <int kBlock, class A>
-__device__ SoftmaxState<A> block_merge_states(SoftmaxState<A> st, SoftmaxState<A>* scratch) {
+__device__ SoftmaxState<A> block_merge_states(SoftmaxState<A> st, SoftmaxState<A>* scratch, A it) {
   constexpr int kWarps = kBlock / 32;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) st = softmax_merge(st, shfl_state(st, offset));
+  for (int offset = 16; offset > 0; offset >>= 1) st = softmax_merge(st, shfl_state(st, offset), it);
   __syncthreads();
   if (lane == 0) scratch[warp] = st;
   __syncthreads();
   st = scratch[0];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) st = softmax_merge(st, scratch[w]);
+  for (int w = 1; w < kWarps; ++w) st = softmax_merge(st, scratch[w], it);
   return st;
 }
 

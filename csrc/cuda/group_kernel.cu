@@ -4,9 +4,12 @@
 // -sum q log p (GroupArgs in tpo_abi.h).
 //
 // Matches tpo_kernels.group_op.group_targets: ties are detected as max(s) == min(s) (u = 0), the
-// std is the population std, and p and q go through the same block_softmax code, so a tied
-// on-policy group gets q == p bit for bit (its gradient p - q is exactly 0). Every reduction has
-// a fixed shape and order, so results are bitwise reproducible run to run.
+// std is the population std of x = (s/2 - min/2) / spread (exact differences of nearby scores, no
+// overflow or underflow), p and q go through the same block_softmax code, so a tied on-policy
+// group gets q == p bit for bit (its gradient p - q is exactly 0), and loss terms with q == 0
+// count 0. Token log-probs are read in their dtype (T); every sum and all the group math run in
+// double, into double outputs (fp32 sums over long completions are off by 1e-3 in p). Every
+// reduction has a fixed shape and order, so results are bitwise reproducible run to run.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -45,54 +48,70 @@ __device__ SoftmaxStats<A> block_softmax(const A* values, const int64_t* members
   return stats;
 }
 
-template <class A>
+template <class T>
 __global__ void __launch_bounds__(kGroupBlock)
-    group_targets_kernel(const A* __restrict__ token_logprobs, const int64_t* __restrict__ seq_start,
+    group_targets_kernel(const T* __restrict__ token_logprobs, const int64_t* __restrict__ seq_start,
                          const int64_t* __restrict__ seq_len,
                          const int64_t* __restrict__ group_offsets,
-                         const int64_t* __restrict__ group_members, const A* __restrict__ scores,
-                         const A* __restrict__ old_seq_logprobs, A eta, bool anchor, A* ell,
-                         A* u, A* p, A* q, A* __restrict__ group_loss) {
+                         const int64_t* __restrict__ group_members,
+                         const double* __restrict__ scores,
+                         const double* __restrict__ old_seq_logprobs, double eta, bool anchor,
+                         double* ell, double* u, double* p, double* q,
+                         double* __restrict__ group_loss) {
+  using A = double;
   __shared__ A scratch[kGroupBlock / 32];
   const int64_t group = blockIdx.x;
   const int64_t begin = group_offsets[group];
   const int64_t count = group_offsets[group + 1] - begin;
   const int64_t* members = group_members + begin;
 
-  // 1. ell[n] = sum of the member's token log-probs (masked tokens hold 0).
+  // 1. ell[n] = sum of the member's token log-probs (masked tokens hold 0), in double.
   for (int64_t j = 0; j < count; ++j) {
     const int64_t n = members[j];
-    const A* tokens = token_logprobs + seq_start[n];
+    const T* tokens = token_logprobs + seq_start[n];
     const int64_t len = seq_len[n];
     A partial = A(0);
-    for (int64_t t = threadIdx.x; t < len; t += kGroupBlock) partial += tokens[t];
+    for (int64_t t = threadIdx.x; t < len; t += kGroupBlock) partial += static_cast<A>(tokens[t]);
     const A total = block_reduce<kGroupBlock>(partial, SumOp<A>(), scratch);
     if (threadIdx.x == 0) ell[n] = total;
   }
   __syncthreads();  // ell of every member visible to the whole block
 
-  // 2. u = (s - mean) / std, population std; 0 for the whole group when all scores tie.
-  A local_sum = A(0), local_max = neg_inf<A>(), local_min = -neg_inf<A>();
+  // 2. u = (x - mean) / std of x = (s/2 - min/2) / spread, population std; 0 for the whole group
+  //    when all scores tie.
+  A local_max = neg_inf<A>(), local_min = -neg_inf<A>();
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const A s = scores[members[j]];
-    local_sum += s;
     local_max = s > local_max ? s : local_max;
     local_min = s < local_min ? s : local_min;
   }
-  const A n_members = static_cast<A>(count);
-  const A mean = block_reduce<kGroupBlock>(local_sum, SumOp<A>(), scratch) / n_members;
   const A s_max = block_reduce<kGroupBlock>(local_max, MaxOp<A>(), scratch);
   const A s_min = block_reduce<kGroupBlock>(local_min, MinOp<A>(), scratch);
+  const bool tied = s_max == s_min;
+  const A half_min = tied ? A(0) : s_min * A(0.5);
+  A local_spread = A(0);
+  for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
+    const A d = scores[members[j]] * A(0.5) - half_min;
+    local_spread = d > local_spread ? d : local_spread;
+  }
+  const A spread = block_reduce<kGroupBlock>(local_spread, MaxOp<A>(), scratch);
+  const bool flat = tied || spread == A(0);
+  const A scale = flat ? A(1) : spread;
+  A local_sum = A(0);
+  for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
+    local_sum += (scores[members[j]] * A(0.5) - half_min) / scale;
+  }
+  const A n_members = static_cast<A>(count);
+  const A mean = block_reduce<kGroupBlock>(local_sum, SumOp<A>(), scratch) / n_members;
   A local_sq = A(0);
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
-    const A c = scores[members[j]] - mean;
+    const A c = (scores[members[j]] * A(0.5) - half_min) / scale - mean;
     local_sq += c * c;
   }
   const A std_dev = sqrt(block_reduce<kGroupBlock>(local_sq, SumOp<A>(), scratch) / n_members);
-  const bool tied = s_max == s_min;
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const int64_t n = members[j];
-    u[n] = tied ? A(0) : (scores[n] - mean) / std_dev;
+    u[n] = flat ? A(0) : ((scores[n] * A(0.5) - half_min) / scale - mean) / std_dev;
     // The softmax input of q, staged in q[] (overwritten by q below).
     const A base = old_seq_logprobs != nullptr ? old_seq_logprobs[n] : ell[n];
     q[n] = anchor ? base + u[n] / eta : u[n] / eta;
@@ -108,7 +127,7 @@ __global__ void __launch_bounds__(kGroupBlock)
     const int64_t n = members[j];
     const A pn = acc_exp(ell[n] - ps.max) / ps.sum;
     const A qn = acc_exp(q[n] - qs.max) / qs.sum;
-    local_loss += qn * (ell[n] - log_p_norm);
+    if (qn > A(0)) local_loss += qn * (ell[n] - log_p_norm);  // q == 0: 0, not 0 * -inf
     p[n] = pn;
     q[n] = qn;  // same thread read q[n] just above: no race
   }
@@ -116,15 +135,13 @@ __global__ void __launch_bounds__(kGroupBlock)
   if (threadIdx.x == 0) group_loss[group] = -loss;
 }
 
-template <class A>
+template <class T>
 void launch_group_targets(const GroupArgs& a, cudaStream_t stream) {
   for_grid_chunks(a.num_groups, [&](int64_t start, int64_t count) {
-    group_targets_kernel<A><<<static_cast<unsigned>(count), kGroupBlock, 0, stream>>>(
-        static_cast<const A*>(a.token_logprobs), a.seq_start, a.seq_len, a.group_offsets + start,
-        a.group_members, static_cast<const A*>(a.scores),
-        static_cast<const A*>(a.old_seq_logprobs), static_cast<A>(a.eta), a.anchor,
-        static_cast<A*>(a.seq_logprobs), static_cast<A*>(a.u), static_cast<A*>(a.p),
-        static_cast<A*>(a.q), static_cast<A*>(a.group_loss) + start);
+    group_targets_kernel<T><<<static_cast<unsigned>(count), kGroupBlock, 0, stream>>>(
+        static_cast<const T*>(a.token_logprobs), a.seq_start, a.seq_len, a.group_offsets + start,
+        a.group_members, a.scores, a.old_seq_logprobs, a.eta, a.anchor, a.seq_logprobs, a.u, a.p,
+        a.q, a.group_loss + start);
   });
 }
 

@@ -19,13 +19,15 @@ namespace {
 // Row forward
 // ---------------------------------------------------------------------------------------------
 
-// kEntropy: also accumulate t = sum e^(x-m)(x-m) (skipped when no entropy is requested).
+// kEntropy: also accumulate t = sum e^d d (skipped when no entropy is requested). Every column but
+// the label's is summed into the per-thread state (raw max m, d = (z - m) it); softmax_finish adds
+// the label's own mass, so 1 - p_label never comes from a cancelling difference.
 template <class T, int kBlock, bool kEntropy>
 __global__ void __launch_bounds__(kBlock)
     row_forward_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                        const int64_t* __restrict__ labels, acc_t<T> it,
-                       acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ target,
-                       acc_t<T>* __restrict__ entropy) {
+                       acc_t<T>* __restrict__ row_max, acc_t<T>* __restrict__ log_sum,
+                       acc_t<T>* __restrict__ logprob, acc_t<T>* __restrict__ entropy) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   __shared__ SoftmaxState<A> scratch[kBlock / 32];
@@ -34,8 +36,9 @@ __global__ void __launch_bounds__(kBlock)
   if (label < 0 || label >= vocab) {  // skipped row (0) / invalid label (NaN): never read
     if (threadIdx.x == 0) {
       const A value = label < 0 ? A(0) : A(quiet_nan_f());
-      lse[row] = value;
-      target[row] = value;
+      row_max[row] = value;
+      log_sum[row] = value;
+      logprob[row] = value;
       if (entropy != nullptr) entropy[row] = value;
     }
     return;
@@ -48,46 +51,52 @@ __global__ void __launch_bounds__(kBlock)
   const int64_t head = aligned_head<T>(x, vocab);
   const int64_t num_packs = (vocab - head) / N;
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
-    const A z = Elem<T>::load(x[i]) * it;
+    const A z = Elem<T>::load(x[i]);
     nan_seen |= (z != z);
-    softmax_add(st, z);
+    if (i != label) softmax_add(st, z, it);
   }
   const uint4* packs = reinterpret_cast<const uint4*>(x + head);
   for (int64_t j = threadIdx.x; j < num_packs; j += kBlock) {
     Pack<T> pk;
     pk.raw = __ldg(packs + j);  // read-only for the whole kernel: non-coherent path is fine
+    const int64_t base = head + j * N;
     A z[N];
     A pack_max = ninf;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      z[k] = Elem<T>::load(pk.v[k]) * it;
+      z[k] = Elem<T>::load(pk.v[k]);
       pack_max = z[k] > pack_max ? z[k] : pack_max;
       nan_seen |= (z[k] != z[k]);
     }
     // One rescale per pack (rare once the running max settles), then N exps against it.
-    if (pack_max > st.m) softmax_rescale(st, pack_max);
+    if (pack_max > st.m) softmax_rescale(st, pack_max, it);
     if (!(st.m > ninf)) continue;  // everything so far is -inf
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const A d = z[k] - st.m;
-      const A e = acc_exp(d);
+      const A d = (z[k] - st.m) * it;
+      const A e = base + k == label ? A(0) : acc_exp(d);  // the label's mass is added apart
       st.s += e;
       if (kEntropy) st.t += e * (d > ninf ? d : A(0));  // e = 0 where d = -inf
     }
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
-    const A z = Elem<T>::load(x[i]) * it;
+    const A z = Elem<T>::load(x[i]);
     nan_seen |= (z != z);
-    softmax_add(st, z);
+    if (i != label) softmax_add(st, z, it);
   }
 
-  st = block_merge_states<kBlock>(st, scratch);
+  st = block_merge_states<kBlock>(st, scratch, it);
   nan_seen = __syncthreads_or(nan_seen);
   if (threadIdx.x == 0) {
-    const A nan = A(quiet_nan_f());
-    lse[row] = nan_seen ? nan : softmax_lse(st);
-    target[row] = Elem<T>::load(x[label]) * it;
-    if (kEntropy) entropy[row] = nan_seen ? nan : softmax_entropy(st);
+    RowStats<A> r = softmax_finish(st, Elem<T>::load(x[label]), it);
+    if (nan_seen) {
+      const A nan = A(quiet_nan_f());
+      r.row_max = r.log_sum = r.logprob = r.entropy = nan;
+    }
+    row_max[row] = r.row_max;
+    log_sum[row] = r.log_sum;
+    logprob[row] = r.logprob;
+    if (kEntropy) entropy[row] = r.entropy;
   }
 }
 
@@ -95,27 +104,27 @@ __global__ void __launch_bounds__(kBlock)
 // Row backward
 // ---------------------------------------------------------------------------------------------
 
-// One element of the gradient; kEntropy = false is the ge == 0 specialization (TPO's case).
+// One element of the gradient; kEntropy = false is the ge == 0 specialization (TPO's case). The
+// label's entry is the row's precomputed grad_label (from the forward's log-prob).
 template <class A, bool kEntropy>
-__device__ __forceinline__ A backward_element(A z, int64_t idx, int64_t label, A lse, A g, A ge,
-                                              A ent, A it) {
-  const A log_p = z * it - lse;
+__device__ __forceinline__ A backward_element(A z, int64_t idx, int64_t label, A label_grad,
+                                              A m, A log_sum, A g, A ge, A ent, A it) {
+  const A log_p = log_prob(z, m, log_sum, it);
   const A p = acc_exp(log_p);
-  if (kEntropy) return grad_element(log_p, p, g, ge, ent, idx == label, it);
-  A grad = -g * p;
-  if (idx == label) grad += g;
-  return grad * it;
+  const A grad = kEntropy ? grad_element(log_p, p, g, ge, ent, it) : grad_element_nolabel(p, g, it);
+  return idx == label ? label_grad : grad;
 }
 
 template <class T, int kBlock, bool kEntropy>
 __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, int64_t head,
-                                             int64_t num_packs, int64_t label, acc_t<T> lse,
-                                             acc_t<T> g, acc_t<T> ge, acc_t<T> ent, acc_t<T> it) {
+                                             int64_t num_packs, int64_t label, acc_t<T> label_grad,
+                                             acc_t<T> m, acc_t<T> log_sum, acc_t<T> g,
+                                             acc_t<T> ge, acc_t<T> ent, acc_t<T> it) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
-    o[i] = Elem<T>::store(
-        backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, lse, g, ge, ent, it));
+    o[i] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, label_grad,
+                                                        m, log_sum, g, ge, ent, it));
   }
   // Plain (coherent) loads: out may alias the logits (in-place backward). Each pack is read and
   // then written by the same thread, so aliasing is safe.
@@ -127,14 +136,14 @@ __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, in
     const int64_t base = head + j * N;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      pk.v[k] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(pk.v[k]), base + k,
-                                                             label, lse, g, ge, ent, it));
+      pk.v[k] = Elem<T>::store(backward_element<A, kEntropy>(
+          Elem<T>::load(pk.v[k]), base + k, label, label_grad, m, log_sum, g, ge, ent, it));
     }
     out_packs[j] = pk.raw;
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
-    o[i] = Elem<T>::store(
-        backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, lse, g, ge, ent, it));
+    o[i] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, label_grad,
+                                                        m, log_sum, g, ge, ent, it));
   }
 }
 
@@ -142,7 +151,8 @@ template <class T, int kBlock>
 __global__ void __launch_bounds__(kBlock)
     row_backward_kernel(const T* logits, T* out, int64_t vocab, int64_t row_stride,
                         int64_t out_row_stride, const int64_t* __restrict__ labels,
-                        const acc_t<T>* __restrict__ lse,
+                        const acc_t<T>* __restrict__ row_max, const acc_t<T>* __restrict__ log_sum,
+                        const acc_t<T>* __restrict__ logprob,
                         const acc_t<T>* __restrict__ grad_logprob,
                         const acc_t<T>* __restrict__ grad_entropy,
                         const acc_t<T>* __restrict__ entropy, acc_t<T> it) {
@@ -171,12 +181,16 @@ __global__ void __launch_bounds__(kBlock)
     num_packs = 0;
   }
   const int64_t label = labels[row];
-  const A l = lse[row];
+  const A m = row_max[row];
+  const A ls = log_sum[row];
+  const A ent = ge != A(0) ? entropy[row] : A(0);
+  const A label_grad = label >= 0 ? grad_label(logprob[row], g, ge, ent, it) : A(0);
   if (ge != A(0)) {
-    const A ent = entropy[row];
-    backward_row<T, kBlock, true>(x, o, vocab, head, num_packs, label, l, g, ge, ent, it);
+    backward_row<T, kBlock, true>(x, o, vocab, head, num_packs, label, label_grad, m, ls, g, ge,
+                                  ent, it);
   } else {
-    backward_row<T, kBlock, false>(x, o, vocab, head, num_packs, label, l, g, A(0), A(0), it);
+    backward_row<T, kBlock, false>(x, o, vocab, head, num_packs, label, label_grad, m, ls, g,
+                                   A(0), A(0), it);
   }
 }
 
@@ -227,8 +241,9 @@ template <class T>
 void launch_row_forward(const RowForwardArgs& a, cudaStream_t stream) {
   using A = acc_t<T>;
   const T* logits = static_cast<const T*>(a.logits);
-  A* lse = static_cast<A*>(a.lse);
-  A* target = static_cast<A*>(a.target);
+  A* row_max = static_cast<A*>(a.row_max);
+  A* log_sum = static_cast<A*>(a.log_sum);
+  A* logprob = static_cast<A*>(a.logprob);
   A* entropy = static_cast<A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
   with_row_block<T>(a.vocab, [&](auto block) {
@@ -238,11 +253,11 @@ void launch_row_forward(const RowForwardArgs& a, cudaStream_t stream) {
       if (entropy != nullptr) {
         row_forward_kernel<T, kBlock, true><<<grid, kBlock, 0, stream>>>(
             logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it,
-            lse + start, target + start, entropy + start);
+            row_max + start, log_sum + start, logprob + start, entropy + start);
       } else {
         row_forward_kernel<T, kBlock, false><<<grid, kBlock, 0, stream>>>(
             logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it,
-            lse + start, target + start, nullptr);
+            row_max + start, log_sum + start, logprob + start, nullptr);
       }
     });
   });
@@ -253,7 +268,9 @@ void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
   using A = acc_t<T>;
   const T* logits = static_cast<const T*>(a.logits);
   T* out = static_cast<T*>(a.out);
-  const A* lse = static_cast<const A*>(a.lse);
+  const A* row_max = static_cast<const A*>(a.row_max);
+  const A* log_sum = static_cast<const A*>(a.log_sum);
+  const A* logprob = static_cast<const A*>(a.logprob);
   const A* g = static_cast<const A*>(a.grad_logprob);
   const A* ge = static_cast<const A*>(a.grad_entropy);
   const A* ent = static_cast<const A*>(a.entropy);
@@ -263,7 +280,8 @@ void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
     for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
       row_backward_kernel<T, kBlock><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
           logits + start * a.row_stride, out + start * a.out_row_stride, a.vocab, a.row_stride,
-          a.out_row_stride, a.labels + start, lse + start, g + start,
+          a.out_row_stride, a.labels + start, row_max + start, log_sum + start, logprob + start,
+          g + start,
           ge != nullptr ? ge + start : nullptr, ent != nullptr ? ent + start : nullptr, it);
     });
   });

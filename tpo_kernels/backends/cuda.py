@@ -59,8 +59,9 @@ class CudaBackend(NativeBackend):
         anchor: bool,
     ) -> GroupResult:
         """The fused group op (contract: :func:`tpo_kernels.group_op.group_targets`), one block
-        per group. Takes float32 / float64 token log-probs on a CUDA device; not differentiable
-        by itself (the autograd rule lives with the op that calls it)."""
+        per group, in float64 (results cast to the token dtype). Takes float32 / float64 token
+        log-probs on a CUDA device; not differentiable by itself (the autograd rule lives with the
+        op that calls it)."""
         launch = self._launch_args(token_logprobs, "token_logprobs")
         dtype, dev = token_logprobs.dtype, token_logprobs.device
         if dtype not in (torch.float32, torch.float64):
@@ -70,14 +71,15 @@ class CudaBackend(NativeBackend):
         def index(t: Tensor) -> Tensor:
             return t.to(device=dev, dtype=torch.int64).contiguous()
 
+        f64 = torch.float64
         tokens = token_logprobs.reshape(-1).contiguous()
         seq_start, seq_len = index(layout.seq_start), index(layout.seq_len)
         offsets, members = index(layout.group_offsets), index(layout.group_members)
-        s = per_row(scores, n, dtype, dev, "scores")
-        old = per_row(old_seq_logprobs, n, dtype, dev, "old_seq_logprobs")
+        s = per_row(scores, n, f64, dev, "scores")
+        old = per_row(old_seq_logprobs, n, f64, dev, "old_seq_logprobs")
         # Completions outside every group (no counted token) keep 0.
-        ell, u, p, q = (torch.zeros(n, dtype=dtype, device=dev) for _ in range(4))
-        group_loss = torch.empty(g, dtype=dtype, device=dev)
+        ell, u, p, q = (torch.zeros(n, dtype=f64, device=dev) for _ in range(4))
+        group_loss = torch.empty(g, dtype=f64, device=dev)
         self.extension.group_targets(
             dtype=DTYPE_CODES[dtype], num_groups=g, token_logprobs=ptr(tokens),
             seq_start=ptr(seq_start), seq_len=ptr(seq_len), group_offsets=ptr(offsets),
@@ -85,4 +87,4 @@ class CudaBackend(NativeBackend):
             anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
             group_loss=ptr(group_loss), **launch,
         )
-        return GroupResult(ell, u, p, q, group_loss)
+        return GroupResult(*(t.to(dtype) for t in (ell, u, p, q, group_loss, p - q)))

@@ -3,22 +3,32 @@ candidate ops of token-level TPO and, optionally, a fused group op (layer 2).
 
 Row ops (``M`` rows of a ``[M, V]`` logits matrix; tensors first, settings keyword-only):
 
-* ``row_forward(logits, labels, *, inv_temperature, with_entropy) -> (lse, target, entropy | None)``
+* ``row_forward(logits, labels, *, inv_temperature, with_entropy) -> (stats, logprob, entropy | None)``
 
-  ``lse[r] = logsumexp_v(logits[r, v] * inv_temperature)``,
-  ``target[r] = logits[r, labels[r]] * inv_temperature`` (the token log-prob is
-  ``target - lse``) and ``entropy[r] = -sum_v p log p`` of the tempered softmax, in the compute
-  dtype (float64 for float64 logits, float32 otherwise). Rows with ``labels[r] < 0`` are skipped:
-  their outputs are 0 and the row is never read.
+  With ``z = logits[r]`` and ``d = (z - max z) * inv_temperature``: ``stats`` is ``[2, M]``,
+  ``stats[0, r] = max z`` (untempered) and ``stats[1, r] = log sum_v exp(d_v)``, so that the
+  tempered logsumexp is ``stats[0] * inv_t + stats[1]`` (never formed: one fp32 lse of logits
+  with a large common offset loses the digits a log-prob needs); ``logprob[r] = log
+  softmax(z * inv_t)[labels[r]]``, computed so that ``1 - p`` keeps its relative accuracy for
+  confident tokens (the label's mass ``e_y`` and the rest ``r`` summed apart: ``-log1p(r / e_y)``
+  when ``r < e_y``); ``entropy[r] = -sum_v p log p`` of the tempered softmax, as ``log_sum - t / s``
+  with ``t = sum exp(d) d`` (no cancellation; ``0 log 0 = 0`` at ``-inf`` logits). All in the
+  compute dtype (float64 for float64 logits, float32 otherwise). Rows with ``labels[r] < 0`` are
+  skipped: their outputs are 0 and the row is never read. A NaN (or ``+inf``) logit makes the
+  row's log_sum, logprob and entropy NaN; a row of only ``-inf`` logits has ``stats[0] = -inf``
+  and NaN log-prob and entropy (there is no distribution).
 
-* ``row_backward(logits, labels, lse, grad_logprob, *, grad_entropy=None, entropy=None,
-  inv_temperature, out)``
+* ``row_backward(logits, labels, stats, logprob, grad_logprob, *, grad_entropy=None,
+  entropy=None, inv_temperature, out)``
 
-  Writes ``out[r, v] = inv_t * (g[r] * (onehot(labels[r])[v] - p[v])
-  - ge[r] * p[v] * (log p[v] + entropy[r]))`` with ``p = exp(logits * inv_t - lse)``,
-  ``g = grad_logprob`` and ``ge = grad_entropy`` (None: zero). ``out`` has the logits' dtype and
-  shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and ``ge == 0``
-  are written as zeros without reading the logits; ``labels[r] < 0`` adds no one-hot term.
+  Writes ``out[r, v] = inv_t * (g[r] * (onehot(labels[r])[v] - p[v]) - ge[r] * p[v] * (log p[v]
+  + entropy[r]))`` with ``log p = (logits - stats[0]) * inv_t - stats[1]``, ``g = grad_logprob``
+  and ``ge = grad_entropy`` (None: zero); the label's entry takes ``log p`` from ``logprob`` and
+  ``1 - p`` as ``-expm1(logprob)``. ``p log p`` is 0 where ``p == 0``. ``out`` has the logits'
+  dtype and shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and
+  ``ge == 0`` are written as zeros without reading the logits; ``labels[r] < 0`` adds no one-hot
+  term. The statistics may come from a wider row than ``logits`` (the fused-linear path passes
+  a vocabulary block with the statistics of the whole row and block-local labels).
 
 Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each):
 
@@ -36,7 +46,9 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
   weight rows are summed in a fixed order.
 
 Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None, eta,
-anchor) -> GroupResult`` (see :mod:`tpo_kernels.group_op`).
+anchor) -> GroupResult`` (see :mod:`tpo_kernels.group_op`): the sequence sums and the
+``[N]``-sized group math run in float64 (``scores`` and ``old_seq_logprobs`` arrive in float64),
+the results come back in the dtype of the token log-probs.
 
 The base class supplies PyTorch implementations of the candidate ops
 (:mod:`tpo_kernels.backends.candidates`) and of the group op; a backend overrides what it has
@@ -76,7 +88,8 @@ class Backend:
         self,
         logits: Tensor,
         labels: Tensor,
-        lse: Tensor,
+        stats: Tensor,
+        logprob: Tensor,
         grad_logprob: Tensor,
         *,
         grad_entropy: Optional[Tensor] = None,

@@ -128,20 +128,21 @@ class NativeBackend(Backend):
         rows = x.shape[0]
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
-        lse = torch.empty(rows, dtype=acc, device=x.device)
-        target = torch.empty(rows, dtype=acc, device=x.device)
+        stats = torch.empty(2, rows, dtype=acc, device=x.device)
+        logprob = torch.empty(rows, dtype=acc, device=x.device)
         entropy = torch.empty(rows, dtype=acc, device=x.device) if with_entropy else None
         self.extension.row_forward(
             **matrix_args(x), logits=ptr(x), labels=ptr(lab), inv_temperature=float(inv_temperature),
-            lse=ptr(lse), target=ptr(target), entropy=ptr(entropy), **launch,
+            row_max=ptr(stats[0]), log_sum=ptr(stats[1]), logprob=ptr(logprob), entropy=ptr(entropy), **launch,
         )
-        return lse, target, entropy
+        return stats, logprob, entropy
 
     def row_backward(
         self,
         logits: Tensor,
         labels: Tensor,
-        lse: Tensor,
+        stats: Tensor,
+        logprob: Tensor,
         grad_logprob: Tensor,
         *,
         grad_entropy: Optional[Tensor] = None,
@@ -158,7 +159,11 @@ class NativeBackend(Backend):
         rows = x.shape[0]
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
-        lse_v = per_row(lse, rows, acc, x.device, "lse")
+        if stats.dim() != 2 or stats.shape[0] != 2:
+            raise ValueError(f"stats must be [2, rows] (row_max; log_sum), got shape {tuple(stats.shape)}")
+        row_max = per_row(stats[0], rows, acc, x.device, "stats[0] (row_max)")
+        log_sum = per_row(stats[1], rows, acc, x.device, "stats[1] (log_sum)")
+        lp = per_row(logprob, rows, acc, x.device, "logprob")
         g = per_row(grad_logprob, rows, acc, x.device, "grad_logprob")
         ge = per_row(grad_entropy, rows, acc, x.device, "grad_entropy")
         ent = None
@@ -176,9 +181,9 @@ class NativeBackend(Backend):
             target = torch.empty_like(x)
             direct = False
         self.extension.row_backward(
-            **matrix_args(x), logits=ptr(x), labels=ptr(lab), lse=ptr(lse_v), grad_logprob=ptr(g),
-            grad_entropy=ptr(ge), entropy=ptr(ent), inv_temperature=float(inv_temperature),
-            out=ptr(target), out_row_stride=row_stride(target), **launch,
+            **matrix_args(x), logits=ptr(x), labels=ptr(lab), row_max=ptr(row_max), log_sum=ptr(log_sum),
+            logprob=ptr(lp), grad_logprob=ptr(g), grad_entropy=ptr(ge), entropy=ptr(ent),
+            inv_temperature=float(inv_temperature), out=ptr(target), out_row_stride=row_stride(target), **launch,
         )
         if not direct:
             out.copy_(target)

@@ -120,7 +120,7 @@ class DataParallelGroups:
             "p": result.p[mine].detach(),
             "q": result.q[mine].detach(),
             "u": result.u[mine].detach(),
-            "coef": ((result.p - result.q)[mine] * weight).detach(),
+            "coef": (result.coef[mine] * weight).detach(),
             "group_loss": result.group_loss.detach(),
             "seq_offset": mine.start,
         }

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..ops.linear import TiledLinearHead, TilePolicy
+from ..ops.linear import TiledLinearHead, TilePolicy, merge_blocks
 
 from .collectives import _check_group, all_gather_stacked, all_reduce_sum
 
@@ -104,21 +104,25 @@ def vocab_shard(name: str, x, group, start, dim: int = -1) -> Tuple[Tensor, Opti
     return x, VocabShard(group, explicit[rank], size, vocab)
 
 
-def _merge_partials(lse: Tensor, target: Tensor, entropy: Optional[Tensor], counted: Tensor,
-                    shard: VocabShard) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Per-token ``(lse, target, entropy | None)`` over the whole vocabulary from every rank's
-    shard partials: one all-gather of ``[C, M]``, merged in rank order. ``target`` is 0 on
-    ranks that do not own the label, so its sum is the owner's value exactly."""
-    parts = [lse, target] if entropy is None else [lse, target, lse - entropy]  # S_r = sum_v p_v z_v
+def _merge_partials(stats: Tensor, logprob: Tensor, entropy: Optional[Tensor], owned: Tensor, counted: Tensor,
+                    shard: VocabShard, inv_temperature: float) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Per-token ``(stats [2, M], logprob, entropy | None)`` over the whole vocabulary from every
+    rank's shard summary (row max, log-sum, label log-prob where the shard owns the label,
+    entropy): one all-gather of ``[C, M]``, merged in rank order with the same exact block merge
+    the fused-linear path uses across vocabulary blocks, so every rank gets the same bits."""
+    parts = [stats[0], stats[1], logprob, owned.to(stats.dtype)] + ([] if entropy is None else [entropy])
     gathered = all_gather_stacked(torch.stack(parts), shard.group, "partials")  # [P, C, M]
-    shard_lse = gathered[:, 0]
-    merged = torch.logsumexp(shard_lse, dim=0)
-    merged_target = gathered[:, 1].sum(dim=0)
-    merged_entropy = None
-    if entropy is not None:
-        merged_entropy = merged - (torch.exp(shard_lse - merged) * gathered[:, 2]).sum(dim=0)
-        merged_entropy = torch.where(counted, merged_entropy, 0.0)
-    return torch.where(counted, merged, 0.0), torch.where(counted, merged_target, 0.0), merged_entropy
+
+    def summary(rank):
+        g = gathered[rank]
+        return g[0], g[1], g[2], (None if entropy is None else g[4]), g[3] != 0
+
+    row = summary(0)
+    for rank in range(1, gathered.shape[0]):
+        row = merge_blocks(row, summary(rank), inv_temperature)
+    merged_stats = torch.stack([torch.where(counted, row[0], 0.0), torch.where(counted, row[1], 0.0)])
+    merged_entropy = None if entropy is None else torch.where(counted, row[3], 0.0)
+    return merged_stats, torch.where(counted, row[2], 0.0), merged_entropy
 
 
 def _shard_labels(labels: Tensor, shard: VocabShard) -> Tuple[Tensor, Tensor]:
@@ -137,26 +141,25 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         owned, local = _shard_labels(labels, shard)
         # Every counted row is read (label 0 stands in when another shard owns it).
         read_labels = torch.where(counted, torch.where(owned, local, 0), -1)
-        lse, target, entropy = backend_by_key(key).row_forward(
+        stats, logprob, entropy = backend_by_key(key).row_forward(
             logits, read_labels, inv_temperature=inv_temperature, with_entropy=with_entropy
         )
-        target = torch.where(owned, target, 0.0)
-        lse, target, entropy = _merge_partials(lse, target, entropy, counted, shard)
+        stats, logprob, entropy = _merge_partials(stats, logprob, entropy, owned, counted, shard, inv_temperature)
         grad_labels = torch.where(owned, local, -1)
-        ctx.save_for_backward(logits, grad_labels, counted, lse, entropy if with_entropy else None)
+        ctx.save_for_backward(logits, grad_labels, counted, stats, logprob, entropy if with_entropy else None)
         ctx.settings = (inv_temperature, with_entropy, inplace_backward, key)
-        return target - lse, entropy if with_entropy else lse.new_empty(0)
+        return logprob, entropy if with_entropy else logprob.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, grad_labels, counted, lse, entropy = ctx.saved_tensors
+        logits, grad_labels, counted, stats, logprob, entropy = ctx.saved_tensors
         inv_temperature, with_entropy, inplace_backward, key = ctx.settings
-        grad_logprobs = torch.where(counted, grad_logprobs.to(lse.dtype), 0.0)
+        grad_logprobs = torch.where(counted, grad_logprobs.to(stats.dtype), 0.0)
         if with_entropy and grad_entropy is not None:
-            grad_entropy = torch.where(counted, grad_entropy.to(lse.dtype), 0.0)
+            grad_entropy = torch.where(counted, grad_entropy.to(stats.dtype), 0.0)
         else:
             grad_entropy = entropy = None
-        args = (grad_labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature, key)
+        args = (grad_labels, stats, logprob, grad_logprobs, grad_entropy, entropy, inv_temperature, key)
         if inplace_backward:
             torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
             grad = logits
@@ -184,27 +187,28 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
                 grad_accum_dtype, key):
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
                                policy, vocab_offset=shard.start)
-        lse, target, entropy = head.forward(with_entropy)
-        lse, target, entropy = _merge_partials(lse, target, entropy, labels >= 0, shard)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy if with_entropy else None)
+        stats, logprob, entropy = head.forward(with_entropy)
+        owned, _ = _shard_labels(labels, shard)
+        stats, logprob, entropy = _merge_partials(stats, logprob, entropy, owned, labels >= 0, shard, inv_temperature)
+        ctx.save_for_backward(hidden, weight, bias, labels, stats, logprob, entropy if with_entropy else None)
         ctx.settings = (shard, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key)
-        return target - lse, entropy if with_entropy else lse.new_empty(0)
+        return logprob, entropy if with_entropy else logprob.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, stats, logprob, entropy = ctx.saved_tensors
         shard, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key = ctx.settings
         counted = labels >= 0
-        grad_logprobs = torch.where(counted, grad_logprobs.to(lse.dtype), 0.0)
+        grad_logprobs = torch.where(counted, grad_logprobs.to(stats.dtype), 0.0)
         if with_entropy and grad_entropy is not None:
-            grad_entropy = torch.where(counted, grad_entropy.to(lse.dtype), 0.0)
+            grad_entropy = torch.where(counted, grad_entropy.to(stats.dtype), 0.0)
         else:
             grad_entropy = entropy = None
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
                                policy, vocab_offset=shard.start)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grad_hidden, grad_weight, grad_bias = head.backward(lse, grad_logprobs, grad_entropy, entropy, needs,
-                                                            grad_accum_dtype)
+        grad_hidden, grad_weight, grad_bias = head.backward(stats, logprob, grad_logprobs, grad_entropy, entropy,
+                                                            needs, grad_accum_dtype)
         if grad_hidden is not None:  # every shard's contribution to dH
             all_reduce_sum(grad_hidden, shard.group, "hidden_grad")
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None

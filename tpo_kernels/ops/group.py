@@ -2,9 +2,10 @@
 :class:`GroupObjective`, the group stage (group op, reduction, KL term) shared by every loss.
 
 Forward: the backend's group op (:func:`tpo_kernels.group_op.group_targets` or a fused kernel)
-from flat token log-probs to ``(seq_logprobs, u, p, q, group_loss)``. Backward: q is a constant
-of the loss, so ``d group_loss[g] / d ell[i] = p[i] - q[i]`` for the members of g, and every
-token of completion i receives ``d ell[i]`` (the token sums are linear). A tied on-policy group
+from flat token log-probs to ``(seq_logprobs, u, p, q, group_loss, coef)``. Backward: q is a
+constant of the loss, so ``d group_loss[g] / d ell[i] = p[i] - q[i]`` (``coef``, formed by the
+group op in float64 before rounding) for the members of g, and every token of completion i
+receives ``d ell[i]`` (the token sums are linear). A tied on-policy group
 has ``p == q`` bit for bit, so its tokens get exactly zero.
 """
 
@@ -39,7 +40,7 @@ def _group_targets(
     eta: float,
     anchor: bool,
     backend: str,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     layout = BatchLayout.from_op_args(
         seq_start, seq_len, token_seq, seq_group, group_offsets, group_members, num_groups,
         max_seq_len, max_group_size, group_size, padded_len,
@@ -47,7 +48,8 @@ def _group_targets(
     result = backend_by_key(backend).group_targets(
         token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor
     )
-    return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss)
+    coef = result.p - result.q if result.coef is None else result.coef
+    return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss, coef)
 
 
 @_group_targets.register_fake
@@ -56,18 +58,18 @@ def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, g
       eta, anchor, backend):
     n = seq_start.shape[0]
     per_seq = [token_logprobs.new_empty(n) for _ in range(4)]
-    return (*per_seq, token_logprobs.new_empty(num_groups))
+    return (*per_seq, token_logprobs.new_empty(num_groups), token_logprobs.new_empty(n))
 
 
 def _setup_context(ctx, inputs, output):
     token_seq, seq_group = inputs[3], inputs[4]
-    _, _, p, q, _ = output
-    ctx.save_for_backward(p, q, token_seq, seq_group)
+    coef = output[5]
+    ctx.save_for_backward(coef, token_seq, seq_group)
 
 
-def _backward(ctx, grad_seq_logprobs, grad_u, grad_p, grad_q, grad_group_loss):
-    p, q, token_seq, seq_group = ctx.saved_tensors
-    grad_seq = (p - q) * grad_group_loss[seq_group]  # materialized: zeros when the loss is unused
+def _backward(ctx, grad_seq_logprobs, grad_u, grad_p, grad_q, grad_group_loss, grad_coef):
+    coef, token_seq, seq_group = ctx.saved_tensors
+    grad_seq = coef * grad_group_loss[seq_group]  # coef = p - q
     if grad_seq_logprobs is not None:
         grad_seq = grad_seq + grad_seq_logprobs
     inside = token_seq >= 0
@@ -150,7 +152,7 @@ class GroupObjective:
             "p": p,
             "q": q,
             "u": r.u.detach(),
-            "coef": (p - q) * self.loss_weight(),
+            "coef": r.coef.detach() * self.loss_weight(),
             "group_loss": r.group_loss.detach(),
             "kl_q_p": group_sum(q_log_q - torch.where(q > 0, q * log_p, 0.0), self.layout),
             "entropy_p": -group_sum(torch.where(p > 0, p * log_p, 0.0), self.layout),

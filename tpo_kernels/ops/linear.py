@@ -2,11 +2,12 @@
 ``z = hidden @ weight.T (+ bias)`` without ever materializing the ``[tokens, vocab]`` logits.
 
 Logits exist one tile at a time (a block of tokens times a block of the vocabulary, at most
-``chunk_size * V`` entries). The forward keeps, per token, the tempered logsumexp and target
-logit (and entropy on request), merged exactly across vocabulary blocks. The backward receives a
+``chunk_size * V`` entries). The forward keeps, per token, the row statistics of the row ops
+(max and log-sum), the label's log-prob and, on request, the entropy, merged across vocabulary
+blocks with bounded terms only (:func:`merge_blocks`). The backward receives a
 per-token gradient ``g`` (and ``ge`` for entropies), recomputes the logits of the tokens with a
 nonzero one only, tile by tile, turns them in place into ``dz`` with the backend's row backward
-(the forward's logsumexp covers the whole vocabulary, so a block's softmax is exact) and applies
+(the forward's statistics cover the whole vocabulary, so a block's softmax is exact) and applies
 the chain rule of the linear layer::
 
     dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .._dtypes import compute_dtype
@@ -78,6 +80,40 @@ def _add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor) 
         out[rows] += product
     else:  # distinct rows: every entry gets exactly one addition, so the result is deterministic
         out.index_add_(0, rows, product)
+
+
+def merge_blocks(a: tuple, b: tuple, inv_temperature: float) -> tuple:
+    """Merge the row summaries of two disjoint vocabulary ranges.
+
+    A summary is ``(row_max, log_sum, logprob, entropy | None, has_label)`` per row, as the row
+    ops return them for a block (``logprob`` meaningful where ``has_label``). With ``c = (row_max -
+    m) * it + log_sum`` each range's log-mass relative to the common max ``m``, the merged
+    ``log_sum`` is ``logaddexp(c_a, c_b)``, the label's log-prob moves by ``-softplus(c_other -
+    c_own)`` (both terms <= 0: no cancellation, and ``1 - p`` of a confident token keeps its
+    relative accuracy), and the entropy is the mixture's, ``sum_k w_k (H_k - log w_k)`` with
+    ``w_k = exp(c_k - log_sum)``: non-negative terms only (the ``lse - sum p z`` form cancels
+    catastrophically for large logits). A range of only ``-inf`` logits (``row_max == -inf``, e.g.
+    a masked block) adds nothing; a label inside it has log-prob ``-inf``.
+    """
+    neg_inf = float("-inf")
+    m_a, ls_a, lp_a, h_a, in_a = a
+    m_b, ls_b, lp_b, h_b, in_b = b
+    empty_a, empty_b = m_a == neg_inf, m_b == neg_inf
+    m = torch.maximum(m_a, m_b)
+    shift = torch.where(m == neg_inf, 0.0, m)
+    c_a = torch.where(empty_a, neg_inf, (m_a - shift) * inv_temperature + ls_a)
+    c_b = torch.where(empty_b, neg_inf, (m_b - shift) * inv_temperature + ls_b)
+    log_sum = torch.logaddexp(c_a, c_b)
+    lp_a = torch.where(empty_a, neg_inf, lp_a)
+    lp_b = torch.where(empty_b, neg_inf, lp_b)
+    log_w_a = -F.softplus(c_b - c_a)  # log of range a's share of the mass
+    log_w_b = -F.softplus(c_a - c_b)
+    logprob = torch.where(in_b, lp_b + log_w_b, lp_a + log_w_a)
+    entropy = None
+    if h_a is not None:
+        mixed = torch.exp(log_w_a) * (h_a - log_w_a) + torch.exp(log_w_b) * (h_b - log_w_b)
+        entropy = torch.where(empty_b, h_a, torch.where(empty_a, h_b, mixed))
+    return m, log_sum, logprob, entropy, in_a | in_b
 
 
 class TiledLinearHead:
@@ -146,47 +182,40 @@ class TiledLinearHead:
         return max(1, logits_budget // vocab_block), vocab_block
 
     def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """Per-row ``(lse, target, entropy | None)`` of the tempered logits, in the compute dtype;
-        0 on rows that do not count (their logits are never computed).
+        """Per-row ``(stats [2, M], logprob, entropy | None)`` of the tempered logits, as the row
+        ops define them, in the compute dtype; 0 on rows that do not count (their logits are never
+        computed).
 
-        Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' partial
-        results merge exactly: ``lse = logaddexp`` over blocks, the target logit comes from the
-        block holding the label, and the entropy from ``S = sum_v p_v z_v`` (``H = lse - S``),
-        where block ``b`` contributes ``exp(lse_b - lse) * (lse_b - H_b)``."""
+        Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
+        merge with :func:`merge_blocks`."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
-        lse = self.hidden.new_zeros(num_rows, dtype=compute_dtype(self.dtype))
-        target = torch.zeros_like(lse)
-        entropy = torch.zeros_like(lse) if with_entropy else None
+        stats = self.hidden.new_zeros(2, num_rows, dtype=compute_dtype(self.dtype))
+        logprob = torch.zeros_like(stats[0])
+        entropy = torch.zeros_like(stats[0]) if with_entropy else None
         counted = self.labels >= 0
         num_counted = int(counted.sum())
         token_block, vocab_block = self._tile(num_counted, self.weight.dtype)
         buffer = self._buffer(min(token_block, num_counted), vocab_block)
         for rows in self._row_chunks(counted, token_block):
             h_rows, labels = self.hidden[rows], self.labels[rows]
+            row = None
             for start in range(0, vocab_size, vocab_block):
                 logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
                 local = labels - (self.vocab_offset + start)
                 inside = (local >= 0) & (local < logits.shape[1])
-                # Every row is read: a label outside the block stands in as 0, its target unused.
-                block_lse, block_target, block_entropy = self.backend.row_forward(
+                # Every row is read: a label outside the block stands in as 0, its log-prob unused.
+                block_stats, block_lp, block_entropy = self.backend.row_forward(
                     logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
                     with_entropy=with_entropy,
                 )
-                block_target = torch.where(inside, block_target, 0.0)
-                block_sum = block_lse - block_entropy if with_entropy else None  # S_b
-                if start == 0:
-                    row_lse, row_target, row_sum = block_lse, block_target, block_sum
-                    continue
-                merged = torch.logaddexp(row_lse, block_lse)
-                if with_entropy:
-                    row_sum = row_sum * torch.exp(row_lse - merged) + block_sum * torch.exp(block_lse - merged)
-                row_lse, row_target = merged, row_target + block_target
-            lse[rows], target[rows] = row_lse, row_target
+                block = (block_stats[0], block_stats[1], block_lp, block_entropy, inside)
+                row = block if row is None else merge_blocks(row, block, self.inv_temperature)
+            stats[0, rows], stats[1, rows], logprob[rows] = row[0], row[1], row[2]
             if with_entropy:
-                entropy[rows] = row_lse - row_sum
-        return lse, target, entropy
+                entropy[rows] = row[3]
+        return stats, logprob, entropy
 
-    def backward(self, lse: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
+    def backward(self, stats: Tensor, logprob: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
                  entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool],
                  grad_accum_dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
@@ -225,7 +254,8 @@ class TiledLinearHead:
                 block_weight = self._block_weight(vocab) if need_hidden else None
                 for rows in chunks:
                     h_rows = hidden[rows]
-                    dlogits = self._block_grad(h_rows, rows, vocab, buffer, lse, grad_logprob, grad_entropy, entropy)
+                    dlogits = self._block_grad(h_rows, rows, vocab, buffer, stats, logprob, grad_logprob,
+                                               grad_entropy, entropy)
                     if need_hidden:
                         _add_product(grad_hidden, rows, dlogits, block_weight)
                     if need_weight:
@@ -240,14 +270,15 @@ class TiledLinearHead:
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
 
-    def _block_grad(self, h_rows, rows, vocab: slice, buffer, lse, grad_logprob, grad_entropy, entropy) -> Tensor:
+    def _block_grad(self, h_rows, rows, vocab: slice, buffer, stats, logprob, grad_logprob, grad_entropy,
+                    entropy) -> Tensor:
         """dz for one tile (token rows x vocabulary block), written in place over the recomputed
         logits in the buffer."""
         dlogits = self._logits(h_rows, vocab, buffer)
         labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(
-            dlogits, labels, lse[rows], grad_logprob[rows],
+            dlogits, labels, stats[:, rows], logprob[rows], grad_logprob[rows],
             grad_entropy=None if grad_entropy is None else grad_entropy[rows],
             entropy=None if entropy is None else entropy[rows],
             inv_temperature=self.inv_temperature, out=dlogits,
@@ -268,10 +299,10 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
                      inv_temperature: float, with_entropy: bool, chunk_size: int, min_tile_tokens: int,
                      accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend)
-    lse, target, entropy = head.forward(with_entropy)
+    stats, logprob, entropy = head.forward(with_entropy)
     if entropy is None:
-        entropy = lse.new_empty(0)
-    return target - lse, entropy, lse
+        entropy = logprob.new_empty(0)
+    return logprob, entropy, stats
 
 
 @_linear_logprobs.register_fake
@@ -279,25 +310,25 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
       accum_bytes, grad_accum_dtype, backend):
     rows, acc = hidden.shape[0], compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
     return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
-            hidden.new_empty(rows, dtype=acc))
+            hidden.new_empty(2, rows, dtype=acc))
 
 
 @torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, lse: Tensor,
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
     inv_temperature: float, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
     grad_accum_dtype: torch.dtype, needs_hidden: bool, needs_weight: bool, needs_bias: bool, backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend)
-    grads = head.backward(lse, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
+    grads = head.backward(stats, logprobs, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
                           grad_accum_dtype)
     # A custom op returns tensors only: an empty one stands for "not requested".
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
 
 
 @_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature,
+def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature,
       chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, needs_hidden, needs_weight, needs_bias, backend):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
@@ -307,25 +338,25 @@ def _(hidden, weight, bias, labels, lse, grad_logprobs, grad_entropy, entropy, i
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens,
      accum_bytes, grad_accum_dtype, backend) = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    logprobs, entropy, stats = output
+    ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype)
     ctx.with_entropy, ctx.has_bias, ctx.backend = with_entropy, bias is not None, backend
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
-    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
+    hidden, weight, bias, labels, stats, logprobs, entropy = ctx.saved_tensors
     skipped = labels < 0  # rows that do not count have no gradient
     if grad_logprobs is None:
-        grad_logprobs = torch.zeros_like(lse)
-    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(lse.dtype))
+        grad_logprobs = torch.zeros_like(logprobs)
+    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(stats.dtype))
     if ctx.with_entropy and grad_entropy is not None:
-        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))
+        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(stats.dtype))
     else:
         grad_entropy = entropy = None
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-    grads = _linear_logprobs_backward(hidden, weight, bias, labels, lse, grad_logprobs, grad_entropy,
+    grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
                                       entropy, *ctx.settings, *needs, ctx.backend)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
     return (*grads, None, None, None, None, None, None, None, None)

@@ -1,9 +1,11 @@
 """``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix,
 as a custom op whose backward is the backend's fused row backward.
 
-Forward (row op of the backend): ``lp[r] = z[r, y_r] / tau - logsumexp(z[r] / tau)`` and, on
-request, the entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative
-(those rows are never read). Backward, with ``p = softmax(z / tau)``::
+Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
+entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
+never read). The row statistics (max and log-sum, see the row-op contract in
+:mod:`tpo_kernels.backends.interface`) and ``lp`` itself are kept for the backward. Backward,
+with ``p = softmax(z / tau)``::
 
     dz[r, v] = (g[r] * (onehot(y_r)[v] - p[v]) - ge[r] * p[v] * (log p[v] + H[r])) / tau
 
@@ -26,73 +28,73 @@ from ..backends import backend_by_key
 @torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
 def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool,
               inplace_backward: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    lse, target, entropy = backend_by_key(backend).row_forward(
+    stats, logprob, entropy = backend_by_key(backend).row_forward(
         logits, labels, inv_temperature=inv_temperature, with_entropy=with_entropy
     )
     if entropy is None:
-        entropy = lse.new_empty(0)
-    return target - lse, entropy, lse
+        entropy = logprob.new_empty(0)
+    return logprob, entropy, stats
 
 
 @_logprobs.register_fake
 def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend):
     rows, acc = logits.shape[0], compute_dtype(logits.dtype)
     return (logits.new_empty(rows, dtype=acc), logits.new_empty(rows if with_entropy else 0, dtype=acc),
-            logits.new_empty(rows, dtype=acc))
+            logits.new_empty(2, rows, dtype=acc))
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
-def _logprobs_backward(logits: Tensor, labels: Tensor, lse: Tensor, grad_logprobs: Tensor,
+def _logprobs_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
                        grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
                        inv_temperature: float, backend: str) -> Tensor:
     out = torch.empty_like(logits)
     backend_by_key(backend).row_backward(
-        logits, labels, lse, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
+        logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
         inv_temperature=inv_temperature, out=out,
     )
     return out
 
 
 @_logprobs_backward.register_fake
-def _(logits, labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
+def _(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward_", mutates_args=("logits",))
-def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, lse: Tensor, grad_logprobs: Tensor,
-                               grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
+def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor,
+                               grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
                                inv_temperature: float, backend: str) -> None:
     backend_by_key(backend).row_backward(
-        logits, labels, lse, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
+        logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
         inv_temperature=inv_temperature, out=logits,
     )
 
 
 @_logprobs_backward_inplace.register_fake
-def _(logits, labels, lse, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
+def _(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
     return None
 
 
 def _setup_context(ctx, inputs, output):
     logits, labels, inv_temperature, with_entropy, inplace_backward, backend = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(logits, labels, lse, entropy)
+    logprobs, entropy, stats = output
+    ctx.save_for_backward(logits, labels, stats, logprobs, entropy)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
-    logits, labels, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
+    logits, labels, stats, logprobs, entropy = ctx.saved_tensors
     skipped = labels < 0  # rows that were never read have no gradient
     if grad_logprobs is None:
-        grad_logprobs = torch.zeros_like(lse)
-    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(lse.dtype))
+        grad_logprobs = torch.zeros_like(logprobs)
+    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(stats.dtype))
     if ctx.with_entropy and grad_entropy is not None:
-        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(lse.dtype))
+        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(stats.dtype))
     else:
         grad_entropy = entropy = None
-    args = (labels, lse, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
+    args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)
         return logits, None, None, None, None, None

@@ -8,9 +8,13 @@ For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:grou
     q      = softmax(ell_old + u / eta)  (anchor; on-policy ell_old = ell), softmax(u / eta) if not
     loss_g = -sum_i q[i] log p[i]
 
-Members sit in the lanes of a ``BLOCK_K`` vector. The token sums walk a ``[BLOCK_K, BLOCK_T]``
-tile along the sequences in a fixed order and reduce it once at the end: deterministic, no
-atomics. Padded and packed layouts both carry ``seq_start``/``seq_len``, so one code path
+Everything after the token loads runs in float64 (the sums over long completions and the
+``[N]``-sized math lose digits in fp32; see :mod:`tpo_kernels.group_op`), written to float64
+outputs that the wrapper casts to the token dtype. Scores are standardized from
+``(s/2 - min/2) / (max/2 - min/2)`` as in :func:`tpo_kernels.group_op.standardize_dense`; loss
+terms with ``q == 0`` count 0. Members sit in the lanes of a ``BLOCK_K`` vector. The token sums
+walk a ``[BLOCK_K, BLOCK_T]`` tile along the sequences in a fixed order and reduce it once at
+the end: deterministic, no atomics. Padded and packed layouts both carry ``seq_start``/``seq_len``, so one code path
 serves both. p and q come out of the same softmax routine, so a tied on-policy group (u = 0,
 q's input equal to p's bit for bit) gets ``p == q`` exactly.
 """
@@ -22,7 +26,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..._dtypes import compute_dtype
 from ...group_op import GroupResult
 from ...layout import BatchLayout
 from .row_kernels import device_guard, scalar_from_parts, split_scalar
@@ -52,12 +55,11 @@ def _group_targets_kernel(
     p_ptr,
     q_ptr,
     group_loss_ptr,
-    eta_hi,
-    eta_mid,
-    eta_lo,
+    inv_eta_hi,
+    inv_eta_mid,
+    inv_eta_lo,
     HAS_OLD: tl.constexpr,
     ANCHOR: tl.constexpr,
-    ACC: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -73,44 +75,49 @@ def _group_targets_kernel(
     length = tl.load(seq_len_ptr + member, mask=valid, other=0)
     longest = tl.max(length, axis=0)
     steps = tl.arange(0, BLOCK_T)
-    partial = tl.zeros([BLOCK_K, BLOCK_T], dtype=ACC)
+    partial = tl.zeros([BLOCK_K, BLOCK_T], dtype=tl.float64)
     for offset in range(0, longest, BLOCK_T):
         t = offset + steps
         in_seq = valid[:, None] & (t[None, :] < length[:, None])
         rows = start[:, None] + t[None, :]
-        partial += tl.load(token_logprobs_ptr + rows, mask=in_seq, other=0.0).to(ACC)
+        partial += tl.load(token_logprobs_ptr + rows, mask=in_seq, other=0.0).to(tl.float64)
     ell = tl.sum(partial, axis=1)
 
-    # u: standardized scores, population std; an all-tied group gets u = 0.
-    scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(ACC)
-    count = size.to(ACC)
-    mean = tl.sum(tl.where(valid, scores, 0.0), axis=0) / count
-    centered = tl.where(valid, scores - mean, 0.0)
+    # u: standardized scores, population std; an all-tied group gets u = 0. From x = (s/2 -
+    # min/2) / spread in [0, 1]: exact differences of nearby scores, no overflow or underflow.
+    scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(tl.float64)
+    count = size.to(tl.float64)
+    s_max = tl.max(tl.where(valid, scores, float("-inf")), axis=0)
+    s_min = tl.min(tl.where(valid, scores, float("inf")), axis=0)
+    tied = s_max == s_min
+    shifted = tl.where(valid, scores * 0.5 - tl.where(tied, 0.0, s_min) * 0.5, 0.0)
+    spread = tl.max(shifted, axis=0)
+    flat = tied | (spread == 0)
+    x = shifted / tl.where(flat, 1.0, spread)
+    mean = tl.sum(x, axis=0) / count
+    centered = tl.where(valid, x - mean, 0.0)
     std = tl.sqrt(tl.sum(centered * centered, axis=0) / count)
-    tied = tl.max(tl.where(valid, scores, float("-inf")), axis=0) == tl.min(
-        tl.where(valid, scores, float("inf")), axis=0
-    )
-    u = tl.where(valid, centered / tl.where(tied, 1.0, std), 0.0)
-    u = tl.where(tied, 0.0, u)
+    u = tl.where(valid, centered / tl.where(flat, 1.0, std), 0.0)
+    u = tl.where(flat, 0.0, u)
 
-    eta = scalar_from_parts(eta_hi, eta_mid, eta_lo, ACC)
+    inv_eta = scalar_from_parts(inv_eta_hi, inv_eta_mid, inv_eta_lo, tl.float64)
     p, log_p = _masked_softmax(ell, valid)
     if ANCHOR:
         if HAS_OLD:
-            base = tl.load(old_ptr + member, mask=valid, other=0.0).to(ACC)
+            base = tl.load(old_ptr + member, mask=valid, other=0.0).to(tl.float64)
         else:
             base = ell  # on-policy: p_old = p
-        q, _ = _masked_softmax(base + u / eta, valid)
+        q, _ = _masked_softmax(base + u * inv_eta, valid)
     else:
-        q, _ = _masked_softmax(u / eta, valid)
-    group_loss = -tl.sum(q * tl.where(valid, log_p, 0.0), axis=0)  # invalid lanes: q = 0
+        q, _ = _masked_softmax(u * inv_eta, valid)
+    # Invalid lanes and q == 0 count 0 (the limit, not 0 * -inf where log p = -inf).
+    group_loss = -tl.sum(q * tl.where(q > 0, log_p, 0.0), axis=0)
 
-    out_ty = ell_ptr.dtype.element_ty
-    tl.store(ell_ptr + member, ell.to(out_ty), mask=valid)
-    tl.store(u_ptr + member, u.to(out_ty), mask=valid)
-    tl.store(p_ptr + member, p.to(out_ty), mask=valid)
-    tl.store(q_ptr + member, q.to(out_ty), mask=valid)
-    tl.store(group_loss_ptr + group, group_loss.to(out_ty))
+    tl.store(ell_ptr + member, ell, mask=valid)
+    tl.store(u_ptr + member, u, mask=valid)
+    tl.store(p_ptr + member, p, mask=valid)
+    tl.store(q_ptr + member, q, mask=valid)
+    tl.store(group_loss_ptr + group, group_loss)
 
 
 def _tile_sizes(layout: BatchLayout, block_t: Optional[int]):
@@ -137,18 +144,17 @@ def group_targets(
     ``block_t`` overrides the token tile width (tests use it to force several tiles)."""
     device = token_logprobs.device
     out_dtype = token_logprobs.dtype
-    acc = compute_dtype(out_dtype)
     n, g = layout.num_seqs, layout.num_groups
 
     def zeros(size):  # completions outside every group keep 0
-        return torch.zeros(size, dtype=out_dtype, device=device)
+        return torch.zeros(size, dtype=torch.float64, device=device)
 
     ell, u, p, q, group_loss = zeros(n), zeros(n), zeros(n), zeros(n), zeros(g)
     if g > 0:
         token_logprobs = token_logprobs.contiguous()
-        scores = scores.contiguous()
+        scores = scores.to(torch.float64).contiguous()
         has_old = old_seq_logprobs is not None
-        old = old_seq_logprobs.contiguous() if has_old else scores  # placeholder when unused
+        old = old_seq_logprobs.to(torch.float64).contiguous() if has_old else scores  # placeholder when unused
         block_k, block_t = _tile_sizes(layout, block_t)
         with device_guard(token_logprobs):
             _group_targets_kernel[(g,)](
@@ -164,12 +170,11 @@ def group_targets(
                 p,
                 q,
                 group_loss,
-                *split_scalar(eta),
+                *split_scalar(1.0 / eta),
                 HAS_OLD=has_old,
                 ANCHOR=bool(anchor),
-                ACC=tl.float64 if acc == torch.float64 else tl.float32,
                 BLOCK_K=block_k,
                 BLOCK_T=block_t,
                 num_warps=4,
             )
-    return GroupResult(ell, u, p, q, group_loss)
+    return GroupResult(*(t.to(out_dtype) for t in (ell, u, p, q, group_loss, p - q)))

@@ -1,22 +1,34 @@
-"""Triton row ops (layer 1): per-row logsumexp / target logit / entropy, and the row backward.
+"""Triton row ops (layer 1): per-row statistics, label log-prob and entropy, and the row backward.
 
 One program per row of the ``[M, V]`` logits on a 1-D grid (grid dim 0 takes up to 2**31 - 1
 programs). Row offsets are int64 because ``row * stride`` can exceed 2**31. Each program walks
 the vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64 for fp64 logits).
 
-Forward, per row with tempered logits ``z = x * inv_t`` (online, one read of the row)::
+Forward, per row with raw logits ``z``, label ``y`` and ``d = (z - m) * inv_t`` relative to the
+running raw max ``m`` (online, one read of the row)::
 
-    m   running max;   s = sum_v exp(z_v - m);   w = sum_v exp(z_v - m) * z_v
-    when a chunk raises the max to m', both sums are rescaled by exp(m - m')
-    (s and w are kept per lane and reduced once at the end)
-    lse = m + log(s);  entropy = lse - w / s   (= -sum p log p, since log p = z - lse)
+    s = sum_{v != y} exp(d_v);   t = sum_{v != y} exp(d_v) * d_v      (per lane)
+    when a chunk raises the max, both are rescaled: with delta = (m - m') * inv_t,
+    s <- exp(delta) s,  t <- exp(delta) (t + delta s)
+    then the label: e_y = exp(d_y), log_sum = log(s + e_y),
+    log p_y = -log1p(s / e_y) if s < e_y else d_y - log_sum,
+    entropy = log_sum - (t + e_y d_y) / (s + e_y)
 
-Backward, per row with ``p = exp(z - lse)``::
+Summing the label apart keeps ``1 - p_y`` accurate for confident tokens; ``z - m`` before the
+scale and ``(m, log_sum)`` kept apart keep log-probs accurate for logits with a large common
+offset; ``t`` relative to the max keeps the entropy free of cancellation (see csrc/row_math.h,
+the same math).
+
+Backward, per row with ``log p = (z - m) * inv_t - log_sum``::
 
     out_v = inv_t * (g * (onehot_v - p_v) - ge * p_v * (log p_v + entropy))
 
+where the label's entry takes ``log p_y`` from the forward and ``1 - p_y = -expm1(log p_y)``.
 Rows with ``g == 0`` and ``ge == 0`` are zero-filled without reading the logits. Every chunk is
 loaded before it is stored by the same program, so ``out`` may alias ``logits``.
+
+``log1p`` / ``expm1`` come from libdevice when compiled; the interpreter (no libdevice) uses
+Kahan's forms over its exact numpy ``exp`` / ``log``.
 """
 
 from typing import Optional, Tuple
@@ -25,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from ..._dtypes import compute_dtype
 from .. import triton_interpreter_enabled
@@ -49,12 +62,39 @@ def scalar_from_parts(hi, mid, lo, ACC: tl.constexpr):
     return tl.cast(hi, ACC) + (tl.cast(mid, ACC) + tl.cast(lo, ACC))
 
 
+def use_libdevice() -> bool:
+    """The ACCURATE_MATH constexpr of the kernels: libdevice when compiled, not interpreted."""
+    return not triton_interpreter_enabled()
+
+
+@triton.jit
+def log1p(x, ACCURATE_MATH: tl.constexpr):
+    if ACCURATE_MATH:
+        return libdevice.log1p(x)
+    else:
+        u = 1.0 + x
+        den = tl.where(u == 1.0, 1.0, u - 1.0)
+        return tl.where(u == 1.0, x, tl.log(u) * (x / den))
+
+
+@triton.jit
+def expm1(x, ACCURATE_MATH: tl.constexpr):
+    if ACCURATE_MATH:
+        return libdevice.expm1(x)
+    else:
+        u = tl.exp(x)
+        log_u = tl.log(tl.where(u == 1.0, 2.0, u))
+        out = (u - 1.0) * (x / tl.where(u == 1.0, 1.0, log_u))
+        return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, out))
+
+
 @triton.jit
 def _row_forward_kernel(
     logits_ptr,
     labels_ptr,
-    lse_ptr,
-    target_ptr,
+    row_max_ptr,
+    log_sum_ptr,
+    logprob_ptr,
     entropy_ptr,
     row_stride,
     vocab,
@@ -64,6 +104,7 @@ def _row_forward_kernel(
     WITH_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -72,34 +113,46 @@ def _row_forward_kernel(
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         cols = tl.arange(0, BLOCK_V)
         run_max = tl.full([], float("-inf"), ACC)
-        # Per-lane partial sums, reduced once after the loop: the only cross-warp reduction
-        # per chunk is the max. lane_sum = exp(z - run_max); lane_wsum = exp(z - run_max) * z.
+        # Per-lane partial sums over every column but the label's, reduced once after the loop:
+        # the only cross-warp reduction per chunk is the max. lane_sum = exp(d), lane_t = exp(d) d.
         lane_sum = tl.zeros([BLOCK_V], dtype=ACC)
-        lane_wsum = tl.zeros([BLOCK_V], dtype=ACC)
+        lane_t = tl.zeros([BLOCK_V], dtype=ACC)
         for start in range(0, vocab, BLOCK_V):
             idx = start + cols
-            z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC) * scale
+            z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC)
             new_max = tl.maximum(run_max, tl.max(z, axis=0))
-            # Shift by 0 while every logit seen is -inf, so exp() never sees (-inf) - (-inf).
+            # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
             shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(ACC)
-            rescale = tl.exp(run_max - shift)  # one scalar exp per chunk
-            e = tl.exp(z - shift)
-            lane_sum = lane_sum * rescale + e
+            delta = (run_max - shift) * scale  # <= 0; -inf while nothing was seen
+            rescale = tl.exp(delta)  # one scalar exp per chunk
+            d = (z - shift) * scale
+            e = tl.where(idx == label, 0.0, tl.exp(d))  # the label's mass is added apart
             if WITH_ENTROPY:
-                # e == 0 covers masked lanes and -inf logits; zero their z so e * z is not NaN.
-                lane_wsum = lane_wsum * rescale + e * tl.where(e > 0, z, 0.0)
+                # t relative to the new max: exp(delta) (t + delta s); e == 0 (masked lanes, -inf
+                # logits, the label) adds 0, not 0 * -inf.
+                lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
+                lane_t += e * tl.where(e > 0, d, 0.0)
+            lane_sum = lane_sum * rescale + e
             run_max = new_max
-        total = tl.sum(lane_sum, axis=0)
-        lse = run_max + tl.log(total)
-        target = tl.load(row_ptr + label).to(ACC) * scale
-        tl.store(lse_ptr + row, lse)
-        tl.store(target_ptr + row, target)
+        rest = tl.sum(lane_sum, axis=0)
+        shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
+        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale
+        e_y = tl.exp(d_y)
+        total = rest + e_y
+        log_sum = tl.log(total)
+        # log(e_y / (e_y + rest)): -log1p(rest / e_y) keeps 1 - p_y accurate when the label dominates.
+        confident = -log1p(rest / tl.where(e_y > 0, e_y, 1.0), ACCURATE_MATH)
+        tl.store(row_max_ptr + row, run_max)
+        tl.store(log_sum_ptr + row, log_sum)
+        tl.store(logprob_ptr + row, tl.where(rest < e_y, confident, d_y - log_sum))
         if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, lse - tl.sum(lane_wsum, axis=0) / total)
+            t = tl.sum(lane_t, axis=0) + tl.where(e_y > 0, e_y * d_y, 0.0)
+            tl.store(entropy_ptr + row, log_sum - t / total)
     else:
         # Skipped row (ignored label): outputs are 0 and the row is never read.
-        tl.store(lse_ptr + row, tl.full([], 0.0, ACC))
-        tl.store(target_ptr + row, tl.full([], 0.0, ACC))
+        tl.store(row_max_ptr + row, tl.full([], 0.0, ACC))
+        tl.store(log_sum_ptr + row, tl.full([], 0.0, ACC))
+        tl.store(logprob_ptr + row, tl.full([], 0.0, ACC))
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, tl.full([], 0.0, ACC))
 
@@ -109,7 +162,9 @@ def _row_backward_kernel(
     logits_ptr,
     out_ptr,
     labels_ptr,
-    lse_ptr,
+    row_max_ptr,
+    log_sum_ptr,
+    logprob_ptr,
     grad_ptr,
     grad_entropy_ptr,
     entropy_ptr,
@@ -122,6 +177,7 @@ def _row_backward_kernel(
     HAS_ENTROPY_GRAD: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.load(grad_ptr + row).to(ACC)
@@ -135,21 +191,27 @@ def _row_backward_kernel(
     if active:
         in_row = logits_ptr + row * logits_row_stride
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
-        lse = tl.load(lse_ptr + row).to(ACC)
+        row_max = tl.load(row_max_ptr + row).to(ACC)
+        log_sum = tl.load(log_sum_ptr + row).to(ACC)
         label = tl.load(labels_ptr + row)  # < 0: no one-hot term (never equals a column)
+        lp = tl.load(logprob_ptr + row).to(ACC)
+        # The label's entry: g (1 - p_y) = -g expm1(log p_y), accurate for confident tokens.
+        label_grad = -g * expm1(lp, ACCURATE_MATH)
         if HAS_ENTROPY_GRAD:
             entropy = tl.load(entropy_ptr + row).to(ACC)
+            p_y = tl.exp(lp)
+            label_grad = label_grad - ge * p_y * (tl.where(p_y > 0, lp, -entropy) + entropy)
         for start in range(0, vocab, BLOCK_V):
             idx = start + cols
             in_vocab = idx < vocab
-            x = tl.load(in_row + idx, mask=in_vocab, other=0.0).to(ACC)
-            log_p = x * scale - lse
+            x = tl.load(in_row + idx, mask=in_vocab, other=float("-inf")).to(ACC)
+            log_p = (x - row_max) * scale - log_sum
             p = tl.exp(log_p)
             grad = -g * p
-            grad = tl.where(idx == label, grad + g, grad)  # g * (onehot - p)
             if HAS_ENTROPY_GRAD:
-                # d(-sum p log p)/dz_v = -p_v (log p_v + H)
-                grad = grad - ge * p * (log_p + entropy)
+                # d(-sum p log p)/dz_v = -p_v (log p_v + H); 0 where p_v == 0 (not 0 * -inf)
+                grad = grad - ge * p * (tl.where(p > 0, log_p, -entropy) + entropy)
+            grad = tl.where(idx == label, label_grad, grad)
             tl.store(out_row + idx, (grad * scale).to(out_ptr.dtype.element_ty), mask=in_vocab)
     else:
         # Zero-signal row: write zeros, never touch the logits.
@@ -200,14 +262,15 @@ def row_forward(
     with_entropy: bool,
     block_v: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``(lse, target, entropy | None)`` per row, in the compute dtype (see backends contract)."""
+    """``(stats [2, M], logprob, entropy | None)`` per row, in the compute dtype (see the
+    backends contract)."""
     rows, vocab = logits.shape
     acc = compute_dtype(logits.dtype)
-    lse = torch.empty(rows, dtype=acc, device=logits.device)
-    target = torch.empty(rows, dtype=acc, device=logits.device)
+    stats = torch.empty(2, rows, dtype=acc, device=logits.device)
+    logprob = torch.empty(rows, dtype=acc, device=logits.device)
     entropy = torch.empty(rows, dtype=acc, device=logits.device) if with_entropy else None
     if rows == 0:
-        return lse, target, entropy
+        return stats, logprob, entropy
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
@@ -216,24 +279,27 @@ def row_forward(
         _row_forward_kernel[(rows,)](
             logits,
             labels,
-            lse,
-            target,
-            entropy if with_entropy else lse,  # placeholder pointer, unused without entropy
+            stats[0],
+            stats[1],
+            logprob,
+            entropy if with_entropy else logprob,  # placeholder pointer, unused without entropy
             logits.stride(0),
             vocab,
             *split_scalar(inv_temperature),
             WITH_ENTROPY=bool(with_entropy),
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
+            ACCURATE_MATH=use_libdevice(),
             num_warps=_num_warps(block),
         )
-    return lse, target, entropy
+    return stats, logprob, entropy
 
 
 def row_backward(
     logits: Tensor,
     labels: Tensor,
-    lse: Tensor,
+    stats: Tensor,
+    logprob: Tensor,
     grad_logprob: Tensor,
     *,
     grad_entropy: Optional[Tensor] = None,
@@ -255,7 +321,8 @@ def row_backward(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
-    lse = lse.contiguous()
+    row_max, log_sum = stats[0].contiguous(), stats[1].contiguous()
+    logprob = logprob.contiguous()
     grad_logprob = grad_logprob.contiguous()
     has_ge = grad_entropy is not None
     if has_ge:
@@ -267,10 +334,12 @@ def row_backward(
             logits,
             target,
             labels,
-            lse,
+            row_max,
+            log_sum,
+            logprob,
             grad_logprob,
             grad_entropy if has_ge else grad_logprob,  # placeholders, unused without ge
-            entropy if has_ge else lse,
+            entropy if has_ge else logprob,
             logits.stride(0),
             target.stride(0),
             vocab,
@@ -278,6 +347,7 @@ def row_backward(
             HAS_ENTROPY_GRAD=has_ge,
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
+            ACCURATE_MATH=use_libdevice(),
             num_warps=_num_warps(block),
         )
     if target is not out:
