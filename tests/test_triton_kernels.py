@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from tpo_kernels.backends import get_backend
+from tpo_kernels.backends import get_backend, triton_interpreter_enabled
 from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.group_op import group_targets as torch_group_targets
 from tpo_kernels.layout import build_layout
