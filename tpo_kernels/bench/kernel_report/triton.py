@@ -47,10 +47,10 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
             def row_ops(backend, dt=dt, acc=acc, vocab=vocab, entropy=False):
                 logits = torch.randn(2, vocab).to(dt)
                 labels = torch.tensor([1, vocab - 1])
-                lse, _, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
+                stats, logprob, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
                 g = torch.ones(2, dtype=acc)
-                backend.row_backward(logits, labels, lse, g, grad_entropy=g if entropy else None, entropy=ent,
-                                     inv_temperature=1.0, out=logits)
+                backend.row_backward(logits, labels, stats, logprob, g, grad_entropy=g if entropy else None,
+                                     entropy=ent, inv_temperature=1.0, out=logits)
 
             out.append(Scenario(f"row fwd+bwd V={vocab}", name, row_ops))
             out.append(Scenario(f"row fwd+bwd V={vocab} entropy", name,
