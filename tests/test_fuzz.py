@@ -31,7 +31,7 @@ import tpo_kernels as tk
 FUNCTIONS = ("tpo_loss", "fused_linear_tpo_loss", "token_tpo_loss", "fused_linear_token_tpo_loss",
              "selective_logprobs", "fused_linear_logprobs")
 BACKENDS = [b for b in ("torch", "cpu") if tk.backend_status()[b] == "available"]
-FUZZ = settings(max_examples=160, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
