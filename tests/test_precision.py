@@ -52,7 +52,7 @@ PATHS = ["logits", "linear"]
 
 def _err(actual, expected):
     """Max |actual - expected| (equal infinities count 0; a NaN where expected is not: inf)."""
-    a, b = actual.double().cpu(), expected.double().cpu()
+    a, b = actual.detach().double().cpu(), expected.detach().double().cpu()
     if torch.isnan(a).any() and not torch.isnan(b).any():
         return math.inf
     diff = torch.where(a == b, 0.0, (a - b).abs())

@@ -48,7 +48,8 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
 Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None, eta,
 anchor) -> GroupResult`` (see :mod:`tpo_kernels.group_op`): the sequence sums and the
 ``[N]``-sized group math run in float64 (``scores`` and ``old_seq_logprobs`` arrive in float64),
-the results come back in the dtype of the token log-probs.
+the results come back in the dtype of the token log-probs, with ``coef = p - q`` formed before
+the rounding (``None`` lets the caller take the difference of the rounded p and q).
 
 The base class supplies PyTorch implementations of the candidate ops
 (:mod:`tpo_kernels.backends.candidates`) and of the group op; a backend overrides what it has
