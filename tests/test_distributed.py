@@ -138,9 +138,9 @@ def test_training_matches_single_process(wrapper):
 @pytest.mark.parametrize("world", [2, 3])
 def test_collective_bytes(world):
     """Item 1 moves O(N): a 5-int64 size record, [max N_r, C] floats, max N_r int64 group ids,
-    the same for any T, V, H, and nothing in the backward. Item 2 moves O(M): [2, M] fp32
-    partials (3 rows with entropy) and, in the backward, the [M, H] dH all-reduce; nothing
-    depends on V."""
+    the same for any T, V, H, and nothing in the backward. Item 2 moves O(M): [4, M] fp32
+    partials (row max, log-sum, label log-prob, owner flag; 5 rows with entropy) and, in the
+    backward, the [M, H] dH all-reduce; nothing depends on V."""
     for rank, result in enumerate(_case(world, "bytes")):
         stats = result["bytes"]
         dp_small, dp_large = stats["dp_small"], stats["dp_large"]
@@ -156,9 +156,9 @@ def test_collective_bytes(world):
             vp = stats[name]
             m, h = vp["tokens"], vp["hidden"]
             assert vp["forward"] == [("all_gather", "vocab_shards", 16, world * 16),
-                                     ("all_gather", "partials", 2 * m * 4, world * 2 * m * 4)], vp["forward"]
+                                     ("all_gather", "partials", 4 * m * 4, world * 4 * m * 4)], vp["forward"]
             assert vp["backward"] == [("all_reduce", "hidden_grad", m * h * 4)], vp["backward"]
-            assert vp["entropy"] == [("all_gather", "vocab_shards", 16), ("all_gather", "partials", 3 * m * 4)]
+            assert vp["entropy"] == [("all_gather", "vocab_shards", 16), ("all_gather", "partials", 5 * m * 4)]
         if rank == 0:
             print(f"\n{world} ranks, bytes per rank: " + "; ".join(
                 f"{k}: fwd {[r[1:3] for r in v['forward']]} bwd {[r[1:] for r in v['backward']]}"
