@@ -151,13 +151,30 @@ class Policy(nn.Module):
             new_cache.append(kv)
         return self.ln_f(x), new_cache
 
-    def completion_hidden(self, prompts: Tensor, completions: Tensor) -> Tensor:
-        """Hidden states ``[N, H, d]`` of the positions that predict the ``H`` completion tokens
-        (the separator and the completion's first ``H-1`` tokens), for training."""
+    def completion_hidden(self, prompts: Tensor, completions: Tensor, k: int = 1) -> Tensor:
+        """Hidden states ``[B*k, H, d]`` of the positions that predict the ``H`` completion tokens
+        (the separator and the completion's first ``H-1`` tokens), for training.
+
+        ``prompts [B, H]``, ``completions [B*k, H]`` (the ``k`` of prompt ``b`` contiguous). The
+        shared prefix (prompt and separator) is encoded once per prompt and its keys / values
+        repeated ``k`` times (gradients sum over the copies), so training costs
+        ``B*(H+1) + B*k*(H-1)`` token positions instead of ``B*k*2H``; the result equals the plain
+        forward of the ``B*k`` full sequences."""
         h = self.horizon
         sep = prompts.new_full((prompts.shape[0], 1), SEP)
-        tokens = torch.cat([prompts, sep, completions[:, :-1]], dim=1)
-        hidden, _ = self.hidden(tokens)
+        prefix, cache = self.hidden(torch.cat([prompts, sep], dim=1))
+        first = prefix[:, -1:].repeat_interleave(k, 0)
+        if h == 1:
+            return first
+        cache = [(kk.repeat_interleave(k, 0), vv.repeat_interleave(k, 0)) for kk, vv in cache]
+        rest, _ = self.hidden(completions[:, :-1], start=h + 1, cache=cache)
+        return torch.cat([first, rest], dim=1)
+
+    def completion_hidden_unshared(self, prompts: Tensor, completions: Tensor) -> Tensor:
+        """:meth:`completion_hidden` the plain way, on ``prompts`` repeated to ``[B*k, H]``."""
+        h = self.horizon
+        sep = prompts.new_full((prompts.shape[0], 1), SEP)
+        hidden, _ = self.hidden(torch.cat([prompts, sep, completions[:, :-1]], dim=1))
         return hidden[:, h:]
 
     @torch.no_grad()
@@ -333,7 +350,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
         weight = policy.head.weight
         losses, extra = [], {}
         for epoch in range(spec.epochs):
-            hidden = policy.completion_hidden(prompts_rep, completions)
+            hidden = policy.completion_hidden(prompts, completions, k)
             if epoch == 0:  # the rollout snapshot's per-token log-probs, from the first forward
                 with torch.no_grad():
                     old_lp = tpo_kernels.fused_linear_logprobs(hidden.detach(), weight.detach(), completions)

@@ -24,6 +24,10 @@ def _median_curve(curves: List[List[float]]) -> List[float]:
     return out
 
 
+def _load(values) -> str:
+    return "?" if not values else ", ".join(f"{v:.2f}" for v in values)
+
+
 def markdown(results: dict) -> str:
     """The results table (and the settings it was run with) as Markdown."""
     from .reverse_copy import summarize  # noqa: WPS433 (local: keeps this module importable alone)
@@ -63,7 +67,7 @@ def markdown(results: dict) -> str:
         lines.append(
             f"Time: {min(spe):.3f}–{max(spe):.3f} s per episode per run ({cfg['jobs']} runs in parallel, "
             f"{cfg['threads']} thread(s) each; {machine.get('cpu_count')} CPUs, load average "
-            f"{machine.get('loadavg')} at the start, {machine.get('loadavg_end')} at the end); "
+            f"{_load(machine.get('loadavg'))} at the start, {_load(machine.get('loadavg_end'))} at the end); "
             f"wall {results.get('wall_seconds', 0):.0f} s.")
     lines.append(f"Command: `python -m tpo_kernels.bench.reverse_copy {' '.join(cfg.get('argv', []))}`".rstrip() + "")
     return "\n".join(lines) + "\n"
