@@ -36,6 +36,7 @@ def markdown(results: dict) -> str:
     rows = results.get("summary") or summarize(results)
     window, threshold = cfg["final_window"], cfg["threshold"]
     spe = [r["seconds_per_episode"] for r in results["runs"]]
+    cpe = [r["cpu_seconds_per_episode"] for r in results["runs"] if r.get("cpu_seconds_per_episode")]
     lines = [
         f"# Reverse copy, terminal reward: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
         f"{cfg['epochs']} epochs/batch, {cfg['episodes']} episodes",
@@ -65,10 +66,12 @@ def markdown(results: dict) -> str:
         lines.append(f"Muon runs: AdamW lr {cfg['muon_adamw_lr']:g} on the non-2-D parameters.")
     if spe:
         lines.append(
-            f"Time: {min(spe):.3f}–{max(spe):.3f} s per episode per run ({cfg['jobs']} runs in parallel, "
+            f"Time: {min(spe):.3f}–{max(spe):.3f} s per episode per run, wall"
+            + (f" ({min(cpe):.3f}–{max(cpe):.3f} s of process CPU time)" if cpe else "")
+            + f"; {cfg['jobs']} runs in parallel, "
             f"{cfg['threads']} thread(s) each; {machine.get('cpu_count')} CPUs, load average "
-            f"{_load(machine.get('loadavg'))} at the start, {_load(machine.get('loadavg_end'))} at the end); "
-            f"wall {results.get('wall_seconds', 0):.0f} s.")
+            f"{_load(machine.get('loadavg'))} at the start, {_load(machine.get('loadavg_end'))} at the end; "
+            f"total wall {results.get('wall_seconds', 0):.0f} s.")
     lines.append(f"Command: `python -m tpo_kernels.bench.reverse_copy {' '.join(cfg.get('argv', []))}`".rstrip() + "")
     return "\n".join(lines) + "\n"
 
