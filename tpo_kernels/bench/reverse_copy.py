@@ -331,7 +331,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
     k, b = spec.group, spec.batch
 
     curves: Dict[str, list] = {key: [] for key in (
-        "error", "reward", "informative_groups", "loss_first", "loss_last", "kl_last", "seconds")}
+        "error", "reward", "informative_groups", "entropy", "loss_first", "loss_last", "kl_last", "seconds")}
     greedy = {"episode": [], "error": []}
 
     def greedy_error() -> float:
@@ -353,7 +353,8 @@ def train_run(spec: RunSpec, log=print) -> dict:
             hidden = policy.completion_hidden(prompts, completions, k)
             if epoch == 0:  # the rollout snapshot's per-token log-probs, from the first forward
                 with torch.no_grad():
-                    old_lp = tpo_kernels.fused_linear_logprobs(hidden.detach(), weight.detach(), completions)
+                    old_lp, entropy = tpo_kernels.fused_linear_logprobs(
+                        hidden.detach(), weight.detach(), completions, return_entropy=True)
             if spec.method == "tpo":
                 loss, extra = tpo_objective(hidden, weight, completions, rewards, k, old_lp, spec.eta)
             elif spec.method == "grpo":
@@ -371,6 +372,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
         curves["error"].append(1.0 - reward)
         curves["reward"].append(reward)
         curves["informative_groups"].append(informative)
+        curves["entropy"].append(float(entropy.mean()))  # rollout policy, nats per token
         curves["loss_first"].append(losses[0])
         curves["loss_last"].append(losses[-1])
         curves["kl_last"].append(extra.get("kl"))
@@ -382,7 +384,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
             elapsed = time.perf_counter() - start
             kl = f" kl {extra['kl']:.3g}" if "kl" in extra else ""
             log(f"[{spec.name}] ep {episode:4d}/{spec.episodes} reward {reward:.3f} error {1 - reward:.3f} "
-                f"informative {informative:.2f} loss {losses[0]:.4g}->{losses[-1]:.4g}{kl} "
+                f"informative {informative:.2f} entropy {curves['entropy'][-1]:.3f} loss {losses[0]:.4g}->{losses[-1]:.4g}{kl} "
                 f"{elapsed / episode:.3f} s/ep wall, {(time.process_time() - cpu_start) / episode:.3f} s/ep CPU "
                 f"({elapsed:.0f} s)")
     total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
