@@ -32,9 +32,9 @@ every 2-D weight -- the attention / MLP matrices, the embeddings and the output 
 AdamW on the rest: LayerNorm gains and biases, linear biases). Weight decay 0 everywhere.
 
 Metric: exact-match error of an episode = the fraction of its ``B*K`` sampled completions with any
-wrong token (= 1 - mean reward), the quantity the paper plots. A greedy-decoding error on a fixed
-set of prompts (all ``2**H`` when that is at most 512) is also recorded every ``--eval-every``
-episodes.
+wrong token (= 1 - mean reward), the quantity the paper plots. The greedy-decoding error of the same
+rollout policy on a fixed set of prompts (all ``2**H`` when that is at most 512) is also recorded
+every ``--eval-every`` episodes, and once more after the last update.
 
 Run ``python -m tpo_kernels.bench.reverse_copy --help`` for the flags; the outputs (``results.json``
 with every curve, ``results.md`` with the table, ``reverse-copy.png``) go to ``--out``.
@@ -345,6 +345,9 @@ def train_run(spec: RunSpec, log=print) -> dict:
         t0 = time.perf_counter()
         prompts = torch.randint(0, DATA_TOKENS, (b, spec.horizon), generator=data_gen)
         completions = policy.sample(prompts, k, data_gen)
+        if spec.eval_every and (episode % spec.eval_every == 0 or episode == spec.episodes):
+            greedy["episode"].append(episode)  # the rollout policy of this episode, before its update
+            greedy["error"].append(greedy_error())
         prompts_rep = prompts.repeat_interleave(k, 0)
         rewards = exact_match(completions, prompts_rep)
         weight = policy.head.weight
@@ -377,9 +380,6 @@ def train_run(spec: RunSpec, log=print) -> dict:
         curves["loss_last"].append(losses[-1])
         curves["kl_last"].append(extra.get("kl"))
         curves["seconds"].append(time.perf_counter() - t0)
-        if spec.eval_every and (episode % spec.eval_every == 0 or episode == spec.episodes):
-            greedy["episode"].append(episode)
-            greedy["error"].append(greedy_error())
         if spec.log_every and (episode % spec.log_every == 0 or episode == spec.episodes):
             elapsed = time.perf_counter() - start
             kl = f" kl {extra['kl']:.3g}" if "kl" in extra else ""
@@ -388,6 +388,8 @@ def train_run(spec: RunSpec, log=print) -> dict:
                 f"{elapsed / episode:.3f} s/ep wall, {(time.process_time() - cpu_start) / episode:.3f} s/ep CPU "
                 f"({elapsed:.0f} s)")
     total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if spec.eval_every:
+        greedy["after_training"] = greedy_error()  # the policy after the last update
     # wall time depends on the machine's load; process CPU time (all threads) much less so
     return {**asdict(spec), "name": spec.name, "curves": curves, "greedy": greedy,
             "seconds_total": total, "seconds_per_episode": total / spec.episodes,

@@ -43,8 +43,8 @@ def markdown(results: dict) -> str:
         "",
         f"Final error: mean sampled exact-match error (% of the B*K completions with any wrong token) over "
         f"the last {window} episodes. First ep ≤{100 * threshold:.0f}%: first episode whose sampled error is "
-        f"at most {100 * threshold:.0f}% (— never). Greedy: exact-match error of greedy decoding on the fixed "
-        f"evaluation prompts at the last episode.",
+        f"at most {100 * threshold:.0f}% (— never). Greedy: exact-match error of greedy decoding, on fixed "
+        f"evaluation prompts, by the rollout policy of the last episode.",
         "",
         "| optimizer (lr) | method | median final error % | per-seed final error % | first ep ≤"
         f"{100 * threshold:.0f}% per seed | greedy error % per seed |",
