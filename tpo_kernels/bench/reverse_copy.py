@@ -60,6 +60,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 METHODS = ("tpo", "grpo")
+# tpo_ref: the same TPO objective in plain PyTorch on materialized logits (no tpo_kernels), to tell
+# the kernels apart from the method when a result needs explaining. Not run unless asked for.
+EXTRA_METHODS = ("tpo_ref",)
 OPTIMIZERS = ("adamw", "muon")
 # Documented default learning rates (see README-section.md for the pilot runs behind them).
 DEFAULT_LR = {"adamw": 1e-4, "muon": 1e-3}
@@ -218,6 +221,22 @@ def tpo_objective(hidden: Tensor, weight: Tensor, completions: Tensor, rewards: 
     return loss, {}
 
 
+def tpo_reference_objective(hidden: Tensor, weight: Tensor, completions: Tensor, rewards: Tensor, k: int,
+                            old_logprobs: Tensor, eta: float = 1.0):
+    """The TPO objective of :func:`tpo_objective` in plain PyTorch (README math, no tpo_kernels):
+    ``ell`` summed token log-probs, ``p = softmax(ell)`` per group, ``u`` the z-scored rewards
+    (population std, 0 for tied groups), ``q = softmax(ell_old + u / eta)`` held fixed,
+    ``L = -sum q log p``, mean over groups."""
+    logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    ell = logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1).sum(1).view(-1, k)
+    s = rewards.view(-1, k)
+    std = s.std(1, unbiased=False, keepdim=True)
+    u = torch.where(std > 0, (s - s.mean(1, keepdim=True)) / std.clamp_min(1e-30), torch.zeros_like(s))
+    q = torch.softmax(old_logprobs.sum(1).view(-1, k) + u / eta, dim=1)
+    loss = -(q * torch.log_softmax(ell, dim=1)).sum(1).mean()
+    return loss, {}
+
+
 def group_zscore(rewards: Tensor, k: int, eps: float = 1e-4) -> Tensor:
     """GRPO advantages: ``(s - mean) / (std + eps)`` within each group of ``k`` (sample std)."""
     s = rewards.view(-1, k)
@@ -326,12 +345,14 @@ def train_run(spec: RunSpec, log=print) -> dict:
     torch.manual_seed(spec.seed)
     policy = Policy(spec.horizon, spec.d_model, spec.n_layers, spec.n_heads)
     opt = make_optimizer(policy, spec.optimizer, spec.lr, spec.muon_adamw_lr)
+    params = list(policy.parameters())
     data_gen = torch.Generator().manual_seed(10_000 + spec.seed)  # prompts and samples
     eval_set = eval_prompts(spec.horizon, torch.Generator().manual_seed(99))
     k, b = spec.group, spec.batch
 
     curves: Dict[str, list] = {key: [] for key in (
-        "error", "reward", "informative_groups", "entropy", "loss_first", "loss_last", "kl_last", "seconds")}
+        "error", "reward", "informative_groups", "entropy", "loss_first", "loss_last", "kl_last", "grad_norm", "update_norm",
+        "seconds")}
     greedy = {"episode": [], "error": []}
 
     def greedy_error() -> float:
@@ -351,6 +372,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
         prompts_rep = prompts.repeat_interleave(k, 0)
         rewards = exact_match(completions, prompts_rep)
         weight = policy.head.weight
+        before = [p.detach().clone() for p in params]
         losses, extra = [], {}
         for epoch in range(spec.epochs):
             hidden = policy.completion_hidden(prompts, completions, k)
@@ -360,15 +382,21 @@ def train_run(spec: RunSpec, log=print) -> dict:
                         hidden.detach(), weight.detach(), completions, return_entropy=True)
             if spec.method == "tpo":
                 loss, extra = tpo_objective(hidden, weight, completions, rewards, k, old_lp, spec.eta)
+            elif spec.method == "tpo_ref":
+                loss, extra = tpo_reference_objective(hidden, weight, completions, rewards, k, old_lp, spec.eta)
             elif spec.method == "grpo":
                 loss, extra = grpo_objective(hidden, weight, completions, rewards, k, old_lp, spec.clip_eps,
                                              spec.beta)
             else:
-                raise ValueError(f"unknown method {spec.method!r} (choose from {METHODS})")
+                raise ValueError(f"unknown method {spec.method!r} (choose from {METHODS + EXTRA_METHODS})")
             opt.zero_grad()
             loss.backward()
+            if epoch == 0:
+                grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None)))
             opt.step()
             losses.append(float(loss.detach()))
+        with torch.no_grad():
+            update_norm = float(torch.sqrt(sum(((p.double() - q.double()) ** 2).sum() for p, q in zip(params, before))))
         groups = rewards.view(b, k)
         informative = float(((groups.max(1).values - groups.min(1).values) > 0).float().mean())
         reward = float(rewards.mean())
@@ -379,12 +407,15 @@ def train_run(spec: RunSpec, log=print) -> dict:
         curves["loss_first"].append(losses[0])
         curves["loss_last"].append(losses[-1])
         curves["kl_last"].append(extra.get("kl"))
+        curves["grad_norm"].append(grad_norm)  # of the first epoch's loss (on the rollout snapshot)
+        curves["update_norm"].append(update_norm)  # parameter change over the episode's epochs
         curves["seconds"].append(time.perf_counter() - t0)
         if spec.log_every and (episode % spec.log_every == 0 or episode == spec.episodes):
             elapsed = time.perf_counter() - start
             kl = f" kl {extra['kl']:.3g}" if "kl" in extra else ""
             log(f"[{spec.name}] ep {episode:4d}/{spec.episodes} reward {reward:.3f} error {1 - reward:.3f} "
-                f"informative {informative:.2f} entropy {curves['entropy'][-1]:.3f} loss {losses[0]:.4g}->{losses[-1]:.4g}{kl} "
+                f"informative {informative:.2f} entropy {curves['entropy'][-1]:.3f} |g| {grad_norm:.2g} "
+                f"|dw| {update_norm:.2g} loss {losses[0]:.4g}->{losses[-1]:.4g}{kl} "
                 f"{elapsed / episode:.3f} s/ep wall, {(time.process_time() - cpu_start) / episode:.3f} s/ep CPU "
                 f"({elapsed:.0f} s)")
     total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -469,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", "-H", type=int, default=7, help="prompt / completion length H")
     p.add_argument("--episodes", type=int, default=300, help="episodes (rollout batches) per run")
     p.add_argument("--seeds", default="3", help="a count N (seeds 0..N-1) or a comma-separated list ('0,4,7', '5,')")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: tpo, grpo")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: tpo, grpo (and tpo_ref: TPO in plain PyTorch, no kernels, for cross-checks)")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: adamw, muon")
     p.add_argument("--lr-adamw", type=float, default=DEFAULT_LR["adamw"], help="AdamW learning rate")
     p.add_argument("--lr-muon", type=float, default=DEFAULT_LR["muon"], help="Muon learning rate (2-D weights)")
@@ -540,8 +571,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     methods, optimizers = _csv(args.methods), _csv(args.optimizers)
     for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r} (choose from {', '.join(METHODS)})")
+        if m not in METHODS + EXTRA_METHODS:
+            raise SystemExit(f"unknown method {m!r} (choose from {', '.join(METHODS + EXTRA_METHODS)})")
     for o in optimizers:
         if o not in OPTIMIZERS:
             raise SystemExit(f"unknown optimizer {o!r} (choose from {', '.join(OPTIMIZERS)})")

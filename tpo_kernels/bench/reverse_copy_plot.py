@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-COLORS = {"tpo": "tab:brown", "grpo": "tab:cyan"}
-LABELS = {"tpo": "TPO (tpo_kernels fused-linear)", "grpo": "GRPO (clip + k3 KL)"}
+COLORS = {"tpo": "tab:brown", "grpo": "tab:cyan", "tpo_ref": "tab:olive"}
+LABELS = {"tpo": "TPO (tpo_kernels fused-linear)", "grpo": "GRPO (clip + k3 KL)",
+          "tpo_ref": "TPO (plain PyTorch reference)"}
 
 
 def _pct(x: Optional[float]) -> str:
