@@ -227,7 +227,7 @@ def tpo_reference_objective(hidden: Tensor, weight: Tensor, completions: Tensor,
     ``ell`` summed token log-probs, ``p = softmax(ell)`` per group, ``u`` the z-scored rewards
     (population std, 0 for tied groups), ``q = softmax(ell_old + u / eta)`` held fixed,
     ``L = -sum q log p``, mean over groups."""
-    logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    logp = torch.log_softmax(hidden @ weight.t(), dim=-1)
     ell = logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1).sum(1).view(-1, k)
     s = rewards.view(-1, k)
     std = s.std(1, unbiased=False, keepdim=True)
@@ -248,7 +248,7 @@ def grpo_objective(hidden: Tensor, weight: Tensor, completions: Tensor, rewards:
     """GRPO as commonly implemented, written independently of tpo_kernels: clipped ratio surrogate
     on sequence log-probs with group z-scored advantages, plus ``beta`` times the k3 estimate of
     KL(policy || rollout snapshot), averaged over tokens then completions."""
-    logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    logp = torch.log_softmax(hidden @ weight.t(), dim=-1)
     token_lp = logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1)  # [N, H]
     adv = group_zscore(rewards, k)
     ratio = torch.exp(token_lp.sum(1) - old_logprobs.sum(1))
@@ -317,6 +317,7 @@ class RunSpec:
     beta: float = 0.04
     clip_eps: float = 0.2
     muon_adamw_lr: Optional[float] = None
+    head_dtype: str = "float32"
     threads: int = 1
     eval_every: int = 50
     log_every: int = 25
@@ -371,11 +372,13 @@ def train_run(spec: RunSpec, log=print) -> dict:
             greedy["error"].append(greedy_error())
         prompts_rep = prompts.repeat_interleave(k, 0)
         rewards = exact_match(completions, prompts_rep)
-        weight = policy.head.weight
+        head_dtype = getattr(torch, spec.head_dtype)
         before = [p.detach().clone() for p in params]
         losses, extra = [], {}
         for epoch in range(spec.epochs):
-            hidden = policy.completion_hidden(prompts, completions, k)
+            # the output layer (and with it the loss) runs in --head-dtype; gradients flow back in fp32
+            hidden = policy.completion_hidden(prompts, completions, k).to(head_dtype)
+            weight = policy.head.weight.to(head_dtype)
             if epoch == 0:  # the rollout snapshot's per-token log-probs, from the first forward
                 with torch.no_grad():
                     old_lp, entropy = tpo_kernels.fused_linear_logprobs(
@@ -512,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eta", type=float, default=1.0, help="TPO target temperature")
     p.add_argument("--beta", type=float, default=0.04, help="GRPO k3 KL weight (to the rollout snapshot)")
     p.add_argument("--clip-eps", type=float, default=0.2, help="GRPO ratio clip")
+    p.add_argument("--head-dtype", default="float32", choices=("float32", "float64"),
+                   help="dtype of the output layer and the loss (float64: a numerical-precision check)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (torch.set_num_threads)")
     p.add_argument("--jobs", type=int, default=None,
                    help="runs in parallel processes (default: the CPU count; 1 = in this process)")
@@ -580,7 +585,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     lrs = {"adamw": args.lr_adamw, "muon": args.lr_muon}
     specs = [RunSpec(method=m, optimizer=o, seed=s, lr=lrs[o], horizon=args.horizon, episodes=args.episodes,
                      batch=args.batch, group=args.group, epochs=args.epochs, eta=args.eta, beta=args.beta,
-                     clip_eps=args.clip_eps, muon_adamw_lr=args.muon_adamw_lr, threads=args.threads,
+                     clip_eps=args.clip_eps, muon_adamw_lr=args.muon_adamw_lr, head_dtype=args.head_dtype,
+                     threads=args.threads,
                      eval_every=args.eval_every, log_every=args.log_every)
              for o in optimizers for s in seeds for m in methods]
     jobs = args.jobs or min(len(specs), os.cpu_count() or 1)
