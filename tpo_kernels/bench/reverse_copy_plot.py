@@ -113,7 +113,7 @@ def plot(results: dict, path: str) -> Optional[str]:
         ax.legend(fontsize=8, loc="lower left")
     axes[0][0].set_ylabel("exact-match error (sampled)")
     fig.suptitle(f"Reverse copy, terminal reward: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
-                 f"{cfg['epochs']} epochs per batch (thin: seeds, thick: median)", fontsize=10)
+                 f"{cfg['epochs']} epochs per batch\n(thin: one line per seed, thick: median over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
