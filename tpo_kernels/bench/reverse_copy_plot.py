@@ -1,0 +1,120 @@
+"""Report of the reverse-copy benchmark (:mod:`tpo_kernels.bench.reverse_copy`): the Markdown table
+and the PNG of exact-match error against episode (median over seeds and per-seed lines, one panel
+per optimizer). Both are built from ``results.json`` alone, so ``--report DIR`` can rebuild them."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+COLORS = {"tpo": "tab:brown", "grpo": "tab:cyan", "tpo_ref": "tab:olive"}
+LABELS = {"tpo": "TPO (tpo_kernels fused-linear)", "grpo": "GRPO (clip + k3 KL)",
+          "tpo_ref": "TPO (plain PyTorch reference)"}
+
+
+def _pct(x: Optional[float]) -> str:
+    return "—" if x is None else f"{100 * x:.1f}"
+
+
+def _median_curve(curves: List[List[float]]) -> List[float]:
+    n = min(len(c) for c in curves)
+    out = []
+    for i in range(n):
+        col = sorted(c[i] for c in curves)
+        m = len(col)
+        out.append(col[m // 2] if m % 2 else 0.5 * (col[m // 2 - 1] + col[m // 2]))
+    return out
+
+
+def _load(values) -> str:
+    return "?" if not values else ", ".join(f"{v:.2f}" for v in values)
+
+
+def markdown(results: dict) -> str:
+    """The results table (and the settings it was run with) as Markdown."""
+    from .reverse_copy import summarize  # noqa: WPS433 (local: keeps this module importable alone)
+
+    cfg, machine = results["config"], results.get("machine", {})
+    rows = results.get("summary") or summarize(results)
+    window, threshold = cfg["final_window"], cfg["threshold"]
+    spe = [r["seconds_per_episode"] for r in results["runs"]]
+    cpe = [r["cpu_seconds_per_episode"] for r in results["runs"] if r.get("cpu_seconds_per_episode")]
+    lines = [
+        f"# Reverse copy, terminal reward: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
+        f"{cfg['epochs']} epochs/batch, {cfg['episodes']} episodes",
+        "",
+        f"Final error: mean sampled exact-match error (% of the B*K completions with any wrong token) over "
+        f"the last {window} episodes. First ep ≤{100 * threshold:.0f}%: first episode whose sampled error is "
+        f"at most {100 * threshold:.0f}% (— never). Greedy: exact-match error of greedy decoding, on fixed "
+        f"evaluation prompts, by the rollout policy of the last episode.",
+        "",
+        "| optimizer (lr) | method | median final error % | per-seed final error % | first ep ≤"
+        f"{100 * threshold:.0f}% per seed | greedy error % per seed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        per_seed = ", ".join(_pct(x) for x in r["final_error"])
+        firsts = ", ".join("—" if x is None else str(x) for x in r["first_episode_at_threshold"])
+        greedy = ", ".join(_pct(x) for x in r["greedy_final_error"])
+        lines.append(f"| {r['optimizer']} ({r['lr']:g}) | {r['method']} | **{_pct(r['median_final_error'])}** | "
+                     f"{per_seed} | {firsts} | {greedy} |")
+    lines += [
+        "",
+        f"Seeds {cfg['seeds']} (a seed fixes the initial weights, prompts and sampling stream; the same "
+        f"seed gives both methods the same initial model). TPO: eta {cfg['eta']}, anchored. "
+        f"GRPO: clip {cfg['clip_eps']}, k3 KL beta {cfg['beta']} to the rollout snapshot.",
+    ]
+    if cfg.get("muon_adamw_lr") is not None:
+        lines.append(f"Muon runs: AdamW lr {cfg['muon_adamw_lr']:g} on the non-2-D parameters.")
+    if spe:
+        lines.append(
+            f"Time: {min(spe):.3f}–{max(spe):.3f} s per episode per run, wall"
+            + (f" ({min(cpe):.3f}–{max(cpe):.3f} s of process CPU time)" if cpe else "")
+            + f"; {cfg['jobs']} runs in parallel, "
+            f"{cfg['threads']} thread(s) each; {machine.get('cpu_count')} CPUs, load average "
+            f"{_load(machine.get('loadavg'))} at the start, {_load(machine.get('loadavg_end'))} at the end; "
+            f"total wall {results.get('wall_seconds', 0):.0f} s.")
+    lines.append(f"Command: `python -m tpo_kernels.bench.reverse_copy {' '.join(cfg.get('argv', []))}`".rstrip() + "")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> Optional[str]:
+    """Exact-match error against episode: one panel per optimizer, per-seed lines (thin) and the
+    median over seeds (thick) per method. Returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the plot (pip install matplotlib)")
+        return None
+    cfg = results["config"]
+    optimizers = cfg["optimizers"]
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(6.2 * len(optimizers), 4.3), squeeze=False,
+                             sharey=True)
+    for ax, optimizer in zip(axes[0], optimizers):
+        for method in cfg["methods"]:
+            runs = [r for r in results["runs"] if r["method"] == method and r["optimizer"] == optimizer]
+            if not runs:
+                continue
+            color = COLORS.get(method, None)
+            for r in runs:
+                err = r["curves"]["error"]
+                ax.plot(range(1, len(err) + 1), err, color=color, alpha=0.35, lw=0.7)
+            med = _median_curve([r["curves"]["error"] for r in runs])
+            ax.plot(range(1, len(med) + 1), med, color=color, lw=2.2,
+                    label=f"{LABELS.get(method, method)}: median of {len(runs)} seeds")
+        lr = cfg["lrs"][optimizer]
+        ax.set_title(f"{optimizer} (lr {lr:g})")
+        ax.set_xlabel("episode")
+        ax.set_ylim(-0.02, 1.02)
+        ax.axhline(cfg["threshold"], color="gray", lw=0.6, ls=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+    axes[0][0].set_ylabel("exact-match error (sampled)")
+    fig.suptitle(f"Reverse copy, terminal reward: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
+                 f"{cfg['epochs']} epochs per batch\n(thin: one line per seed, thick: median over seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
