@@ -13,7 +13,7 @@ import tpo_kernels
 from tpo_kernels import cli
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.check import PATHS, CheckReport
+from tpo_kernels.selfcheck import PATHS, CheckReport
 
 SMALL = dict(N=4, K=2, T=6, V=48, H=16)
 

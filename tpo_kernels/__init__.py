@@ -31,8 +31,7 @@ from .functional import (
 from .modules import FusedLinearTokenTPOLoss, FusedLinearTPOLoss, TokenTPOLoss, TPOLoss
 from .ops import TilePolicy
 
-# The function, bound after its module (tpo_kernels.check) is imported, so the name stays the function.
-from .check import check  # noqa: E402
+from .selfcheck import check
 
 __all__ = [
     "__version__",

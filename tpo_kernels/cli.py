@@ -2,7 +2,7 @@
 
 * ``status``: which backends run here, and why the others do not.
 * ``check``:  numerical self-check of every backend and path on this device, dtype and shapes
-  (:mod:`tpo_kernels.check`): a table of errors against tolerances, JSON on request, exit status
+  (:mod:`tpo_kernels.selfcheck`): a table of errors against tolerances, JSON on request, exit status
   1 on any failure.
 * ``demo``:   a tiny end-to-end TPO step (loss, p, q, backward) on whatever device is present,
   checked against the plain-PyTorch reference; takes seconds.
@@ -101,7 +101,7 @@ def _bench(argv: List[str]) -> int:
 
 
 def _check(args) -> int:
-    from tpo_kernels.check import check
+    from tpo_kernels.selfcheck import check
 
     def split(value):
         return [x.strip() for x in value.split(",") if x.strip()] if value else None

@@ -1,0 +1,171 @@
+"""Numerical self-check of the TPO losses on this machine: ``tpo_kernels.check(...)`` and
+``tpo-kernels check``.
+
+On the chosen device, dtype and shapes, for every backend that runs there (or the ones asked for)
+and every public function ("path"), it runs
+
+1. **gradcheck**: float64 ``torch.autograd.gradcheck`` (fast mode) of the path on small shapes;
+2. **reference**: the path at the chosen shapes and dtype against :mod:`tpo_kernels.reference`
+   evaluated in float64 on the same (rounded) inputs: the loss, token and sequence log-probs,
+   entropies, p, q and every gradient;
+3. **edge cases**: the numerical edges the kernels are built for (fp32 inputs, small shapes):
+   masked (-inf) vocabularies, confident tokens, logits with a large common offset, large logits
+   at a low temperature (entropy), long completions, a -inf label logit on-policy, scores of
+   extreme spread, exact ties;
+
+and returns a :class:`CheckReport`: one row per quantity with its max absolute and relative error,
+the tolerance and pass/fail. ``report.table()`` prints it, ``report.to_json()`` serializes it,
+``report.passed`` is the verdict (the command exits non-zero on any failure).
+
+Tolerances, and why (``eps``: unit roundoff of the compute dtype, 2^-24 for fp32 and 2^-53 for
+fp64; ``eps_in``: of the input dtype; ``S``: the largest spread ``(max z - min z) / tau`` of a row
+of tempered logits; ``V``, ``T``, ``H``: vocabulary, tokens per completion, hidden size):
+
+* **token** (token log-probs, entropies, candidate logits): ``abs <= 16 eps (S + log V + 1)``. A
+  log-prob is ``(z_y - max z) / tau - log sum exp(...)``: two terms of magnitude ``<= S`` and
+  ``<= log V``, each a few roundings from exact (exp and log within 2 ulp, the V-term sum within
+  ~log2 V ulp in the kernels' tree/lane order); 16 ulps of the largest term leave a margin of
+  ~10x over what the kernels reach. The fused-linear paths add the logits' own error: the
+  matmul's fp32 accumulation (``H eps |h| |W|``) and, for bf16/fp16 inputs, one rounding of each
+  logit to the input dtype (``eps_in |z|``), which is what the model's own lm_head does.
+* **sequence** (sequence log-probs, p, q, the loss): ``abs <= T * token``: the sum of T token
+  errors bounds the error of a sequence log-prob (summed in float64); p and q move by at most the
+  spread of those errors and the loss by at most their size.
+* **gradient**: elementwise ``|err| <= k * M + w * sequence / tau``, where ``M`` is the magnitude
+  the entry is computed from (``|dL/dz|`` for logits gradients; ``|dL/dz| @ |W|`` and friends for
+  the hidden, weight and bias gradients of the fused-linear paths, the classical matmul bound),
+  ``k = token-relative error (16 eps (S + log V + 1)) + one rounding to the gradient's dtype +
+  n eps`` for a sum of n terms, and ``w * sequence / tau`` the error the group coefficient ``p - q``
+  passes on (w = 1 / groups for the mean).
+* **fp64** inputs use the same formulas with fp64's eps (about 1e-13 here).
+* edge cases state their own tolerance (e.g. "1% of the true-class gradient", issue 11's bar, or
+  "1e-6 absolute", issue 10's entropy bar) in the row's note.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from ..backends import Backend, backend_status, get_backend, triton_interpreter_enabled
+from .report import CheckReport, PATHS, _DTYPES, _Rows
+from .inputs import _make_inputs
+from .paths import _REFERENCE_RUNNERS, _gradcheck
+from .edges import _EDGE_CASES, _edge_long
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _resolve(backends, device) -> List[Backend]:
+    if backends is None:
+        chosen = []
+        for name, state in backend_status().items():
+            if state != "available":
+                continue
+            backend = get_backend(name, device) if _runs_on(name, device) else None
+            if backend is not None:
+                chosen.append(backend)
+        return chosen
+    if isinstance(backends, (str, Backend)):
+        backends = [backends]
+    return [get_backend(b, device) for b in backends]
+
+
+def _runs_on(name: str, device) -> bool:
+    try:
+        get_backend(name, device)
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+def check(
+    *,
+    device: Union[str, torch.device, None] = None,
+    dtype: Union[str, torch.dtype] = torch.float32,
+    backends: Optional[Sequence[Union[str, Backend]]] = None,
+    paths: Optional[Sequence[str]] = None,
+    N: int = 8,
+    K: int = 4,
+    T: int = 16,
+    V: int = 256,
+    H: int = 64,
+    temperature: float = 0.7,
+    eta: float = 0.5,
+    gradcheck: bool = True,
+    edge_cases: bool = True,
+    long_tokens: Optional[int] = None,
+    seed: int = 0,
+) -> CheckReport:
+    """Check every backend and path numerically on this machine; see the module docstring.
+
+    Args:
+        device: where to run (default: CUDA when present, else CPU).
+        dtype: input dtype of the reference section (float32, bfloat16, float16, float64; a name
+            works too). Gradcheck runs in float64 and the edge cases in float32 whatever it is.
+        backends: names or :class:`~tpo_kernels.backends.Backend` instances (default: every backend
+            that runs on ``device``).
+        paths: a subset of :data:`PATHS` (default: all six public functions).
+        N, K, T, V, H: completions, group size (also candidates per state), tokens per
+            completion, vocabulary and hidden size of the reference section (token-level paths use
+            ``N * T`` states with K candidates each).
+        temperature, eta: the hyper-parameters of the reference section.
+        gradcheck, edge_cases: run those sections.
+        long_tokens: completion length of the long-completion edge case (default 32768; 1024
+            under the Triton interpreter, which runs one Python program per row).
+        seed: of the random inputs.
+    """
+    start = time.perf_counter()
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"dtype must be float32, bfloat16, float16 or float64, got {dtype}")
+    paths = tuple(PATHS if paths is None else paths)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise ValueError(f"paths must be among {PATHS}, got {unknown}")
+    for name, value in (("N", N), ("K", K), ("T", T), ("V", V), ("H", H)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if N % K:
+        raise ValueError(f"K must divide N (groups of K completions), got N={N}, K={K}")
+    chosen = _resolve(backends, device)
+    if not chosen:
+        raise RuntimeError(f"no backend runs on {device} here: {backend_status()}")
+    report = CheckReport(device=str(device), dtype=str(dtype).replace("torch.", ""),
+                         shapes=dict(N=N, K=K, T=T, V=V, H=H), backends=[b.name for b in chosen])
+    inputs = _make_inputs(device, dtype, N, K, T, V, H, temperature, eta, seed)
+    for backend in chosen:
+        for path in paths:
+            if gradcheck:
+                rows = _Rows(report, "gradcheck", backend.name, path)
+                _gradcheck(rows, backend, path, device)
+            rows = _Rows(report, "reference", backend.name, path)
+            try:
+                _REFERENCE_RUNNERS[path](rows, backend, inputs)
+            except Exception as exc:  # a crash is a failed check, reported like one
+                rows.error("runs", exc)
+        if edge_cases:
+            rows = _Rows(report, "edge", backend.name, "fp32")
+            tokens = long_tokens
+            if tokens is None:
+                tokens = 1024 if backend.name == "triton" and device.type == "cpu" and triton_interpreter_enabled() else 32768
+            for case in _EDGE_CASES + (lambda r, b, d: _edge_long(r, b, d, tokens),):
+                try:
+                    case(rows, backend, device)
+                except Exception as exc:
+                    rows.error(getattr(case, "__name__", "edge case").replace("_edge_", ""), exc)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+__all__ = ["PATHS", "CheckReport", "CheckRow", "check"]
+
+
+__all__ = ["PATHS", "CheckReport", "check"]
