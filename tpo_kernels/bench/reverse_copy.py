@@ -4,13 +4,14 @@ The task is the sparse-reward transformer experiment of the TPO paper (arXiv 260
 a prompt is a uniformly random binary string ``x`` of length ``H``; the policy reads ``x`` and a
 separator and must emit ``reversed(x)``. The reward is 1 only when the whole completion matches
 exactly, else 0 (sparse, terminal). At initialization a completion is right with probability
-``2**-H``, so at ``H = 7`` fewer than 7% of groups of ``K = 8`` contain any success at all.
+``2**-H``, so at ``H = 7`` about 6% of the groups of ``K = 8`` contain any success at all.
 
 Policy: a small causal transformer in plain PyTorch (d_model 64, 2 layers, 4 heads, pre-norm,
 learned positions, final LayerNorm, a bias-free output layer over the 2 data tokens; the input
 vocabulary is the 2 data tokens plus the separator). Each episode samples ``B`` prompts and ``K``
 completions per prompt (all ``B*K`` in one batched autoregressive pass with a key/value cache),
-scores them, and takes ``epochs`` full-batch gradient steps on that one batch. The rollout policy is
+scores them, and takes ``epochs`` full-batch gradient steps on that one batch (the shared prompt is
+encoded once per group in training too, see :meth:`Policy.completion_hidden`). The rollout policy is
 frozen as a snapshot: its per-token log-probs are computed once, with
 :func:`tpo_kernels.fused_linear_logprobs` on the last hidden states of the first epoch's forward
 (the parameters have not moved yet), so the first epoch is exactly on-policy and old log-probs matter
@@ -46,13 +47,12 @@ import argparse
 import concurrent.futures as futures
 import datetime as _dt
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -64,7 +64,7 @@ METHODS = ("tpo", "grpo")
 # the kernels apart from the method when a result needs explaining. Not run unless asked for.
 EXTRA_METHODS = ("tpo_ref",)
 OPTIMIZERS = ("adamw", "muon")
-# Documented default learning rates (see README-section.md for the pilot runs behind them).
+# Documented default learning rates (bench/results/reverse-copy/: the recorded runs and a Muon lr pilot).
 DEFAULT_LR = {"adamw": 1e-4, "muon": 1e-3}
 
 
