@@ -1,0 +1,236 @@
+"""A sequence-level batch (padded or packed, groups by size or id) and token-level candidates,
+checked and described as flat rows plus a layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..group_op import segment_sum
+from ..layout import BatchLayout, build_layout
+from .scalars import _is_int, check_beta
+from .tensors import check_integer_dtype, check_tensor, prepare_labels, reject_meta
+
+
+# ----------------------------------------------------------------------------- sequence batches
+
+
+@dataclass
+class PreparedBatch:
+    token_shape: Tuple[int, ...]  # labels.shape: (N, T) padded or (M,) packed
+    labels: Tensor  # [M] int64, -1 on rows that do not count (masked, ignore_index, outside)
+    layout: BatchLayout
+    scores: Tensor  # [N] float64
+    old_seq_logprobs: Optional[Tensor]  # [N] float64, or None (on-policy)
+    beta: float
+    ref_logprobs: Optional[Tensor]  # [M] compute dtype, 0 where not counted; None when beta == 0
+
+    @property
+    def valid(self) -> Tensor:
+        return self.labels >= 0
+
+
+def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_name: str,
+                      validate: bool) -> Tensor:
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    check_integer_dtype("cu_seqlens", cu_seqlens)
+    reject_meta("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    if validate:
+        broken = (cu_seqlens[0] != 0) | (cu_seqlens[1:] < cu_seqlens[:-1]).any() | (cu_seqlens[-1] > num_tokens)
+        if bool(broken):
+            raise ValueError(
+                f"cu_seqlens must start at 0, be non-decreasing and end at most at M={num_tokens} "
+                f"(the rows of {input_name}); got {cu_seqlens.tolist()[:8]}..."
+            )
+    return cu_seqlens
+
+
+def _check_groups(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str) -> Optional[int]:
+    """The checked ``group_size`` as a Python int (None with ``group_ids``)."""
+    if (group_size is None) == (group_ids is None):
+        raise ValueError("pass exactly one of group_size (K contiguous completions per prompt) or group_ids [N]")
+    if group_size is not None:
+        if not _is_int(group_size):
+            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        group_size = int(group_size)
+        if group_size < 1 or num_seqs % group_size != 0:
+            raise ValueError(f"group_size must be >= 1 and divide the number of completions N={num_seqs}, got {group_size}")
+        return group_size
+    check_tensor("group_ids", group_ids, device, input_name)
+    check_integer_dtype("group_ids", group_ids)
+    if tuple(group_ids.shape) != (num_seqs,):
+        raise ValueError(f"group_ids must have shape [N]=({num_seqs},), got {tuple(group_ids.shape)}")
+    return None
+
+
+def check_scores(scores, shape: Tuple[int, ...], device: torch.device, input_name: str,
+                 acc: torch.dtype, validate: bool, what: str) -> Tensor:
+    """Scores as float64 whatever ``acc``: the group math standardizes them in float64 (fp32 would
+    lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution)."""
+    check_tensor("scores", scores, device, input_name)
+    if scores.dtype == torch.bool or scores.dtype.is_complex:
+        raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
+    if tuple(scores.shape) != shape:
+        raise ValueError(f"scores must have {what}, got {tuple(scores.shape)}")
+    scores = scores.to(torch.float64).contiguous()
+    if validate and not bool(torch.isfinite(scores).all()):
+        raise ValueError("scores must be finite (found NaN or inf)")
+    return scores
+
+
+def _check_mask(mask, token_shape, device: torch.device, input_name: str, validate: bool) -> Tensor:
+    check_tensor("mask", mask, device, input_name)
+    if tuple(mask.shape) != token_shape:
+        raise ValueError(f"mask must have the shape of labels {token_shape}, got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask.reshape(-1)
+    if validate and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("mask must hold only 0 and 1 (or be a bool tensor)")
+    return mask.reshape(-1) != 0
+
+
+def _check_float_values(name: str, x, device, input_name: str) -> None:
+    check_tensor(name, x, device, input_name)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor, got {x.dtype}")
+
+
+def prepare_batch(
+    token_shape: Tuple[int, ...],
+    vocab_size: int,
+    device: torch.device,
+    acc: torch.dtype,
+    labels,
+    scores,
+    *,
+    group_size=None,
+    group_ids=None,
+    cu_seqlens=None,
+    mask=None,
+    ignore_index=-100,
+    old_logprobs=None,
+    ref_logprobs=None,
+    beta=0.0,
+    input_name: str = "logits",
+    validate: bool = True,
+) -> PreparedBatch:
+    """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout."""
+    token_shape = tuple(token_shape)
+    if len(token_shape) == 2:
+        if cu_seqlens is not None:
+            raise ValueError(
+                f"cu_seqlens is for packed inputs ({input_name} [M, ...], labels [M]); got padded labels {token_shape}"
+            )
+        num_seqs, num_tokens = token_shape[0], token_shape[0] * token_shape[1]
+    elif len(token_shape) == 1:
+        if cu_seqlens is None:
+            raise ValueError(
+                f"packed inputs ({input_name} [M, ...], labels [M]) need cu_seqlens [N+1]; "
+                "for padded inputs pass labels of shape [N, T]"
+            )
+        num_tokens = token_shape[0]
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, device, num_tokens, input_name, validate)
+        num_seqs = cu_seqlens.numel() - 1
+    else:
+        raise ValueError(f"labels must be [N, T] (padded) or [M] (packed), got shape {token_shape}")
+    if num_seqs == 0:
+        raise ValueError("the batch holds no completion (N == 0)")
+    group_size = _check_groups(group_size, group_ids, num_seqs, device, input_name)
+    layout = build_layout(
+        num_tokens,
+        device,
+        padded_shape=token_shape if len(token_shape) == 2 else None,
+        cu_seqlens=cu_seqlens,
+        group_size=group_size,
+        group_ids=group_ids,
+    )
+    counted = layout.token_seq >= 0
+    if mask is not None:
+        counted = counted & _check_mask(mask, token_shape, device, input_name, validate)
+    flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
+                                 mask=counted)
+    scores = check_scores(scores, (num_seqs,), device, input_name, acc, validate, f"shape [N]=({num_seqs},)")
+    valid = flat_labels >= 0
+    if validate:
+        # Completions with no counted token (e.g. truncated and masked) are left out of their group.
+        counted_seqs = segment_sum(valid.to(torch.int64), layout) > 0
+        if not bool(counted_seqs.any()):
+            raise ValueError("no completion has a counted token (all masked or ignore_index)")
+        if not bool(counted_seqs.all()):
+            layout = build_layout(
+                num_tokens, device, padded_shape=token_shape if len(token_shape) == 2 else None,
+                cu_seqlens=cu_seqlens, group_size=group_size, group_ids=group_ids, members=counted_seqs,
+            )
+
+    # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion,
+    # in float64 like the group math (sums over long completions lose digits in fp32).
+    old_seq = None
+    if old_logprobs is not None:
+        _check_float_values("old_logprobs", old_logprobs, device, input_name)
+        if tuple(old_logprobs.shape) == token_shape:
+            old_seq = segment_sum(torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0), layout)
+        elif tuple(old_logprobs.shape) == (num_seqs,):
+            old_seq = old_logprobs.to(torch.float64).contiguous()
+        else:
+            raise ValueError(
+                f"old_logprobs must be per token {token_shape} or per completion ({num_seqs},), got {tuple(old_logprobs.shape)}"
+            )
+        if validate and not bool(torch.isfinite(old_seq).all()):
+            raise ValueError("old_logprobs must be finite at counted tokens")
+
+    # KL-to-reference (k3) term.
+    beta = check_beta(beta)
+    ref_flat = None
+    if beta > 0:
+        if ref_logprobs is None:
+            raise ValueError("beta > 0 needs ref_logprobs (per-token log-probs under the reference policy)")
+        _check_float_values("ref_logprobs", ref_logprobs, device, input_name)
+        if tuple(ref_logprobs.shape) != token_shape:
+            raise ValueError(f"ref_logprobs must have the shape of labels {token_shape}, got {tuple(ref_logprobs.shape)}")
+        ref_flat = torch.where(valid, ref_logprobs.reshape(-1).to(acc), 0.0)
+        if validate and not bool(torch.isfinite(ref_flat).all()):
+            raise ValueError("ref_logprobs must be finite at counted tokens")
+
+    return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat)
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, acc: torch.dtype,
+                       candidates, scores, old_logprobs, input_name: str, validate: bool):
+    """Checked token-level inputs: ``(candidates int64 [R, K], scores, old_logprobs | None)``,
+    the float ones in float64 (the group math's dtype)."""
+    if num_states == 0:
+        raise ValueError(f"{input_name} holds no state (R == 0)")
+    check_tensor("candidates", candidates, device, input_name)
+    check_integer_dtype("candidates", candidates)
+    if candidates.dim() != 2 or candidates.shape[0] != num_states or candidates.shape[1] == 0:
+        raise ValueError(
+            f"candidates must have shape [R, K] with R={num_states} (the rows of {input_name}) and "
+            f"K >= 1, got {tuple(candidates.shape)}"
+        )
+    shape = tuple(candidates.shape)
+    if validate:
+        out_of_range = (candidates < 0) | (candidates >= vocab_size)
+        if bool(out_of_range.any()):
+            found = candidates[out_of_range][0].item()
+            raise ValueError(f"candidates must hold token ids in [0, {vocab_size}); found {found}")
+    scores = check_scores(scores, shape, device, input_name, acc, validate, f"the shape of candidates {shape}")
+    if old_logprobs is not None:
+        _check_float_values("old_logprobs", old_logprobs, device, input_name)
+        if tuple(old_logprobs.shape) != shape:
+            raise ValueError(
+                f"old_logprobs must have the shape of candidates {shape}, got {tuple(old_logprobs.shape)}"
+            )
+        old_logprobs = old_logprobs.to(torch.float64).contiguous()  # for the float64 group math
+        if validate and not bool(torch.isfinite(old_logprobs).all()):
+            raise ValueError("old_logprobs must be finite (found NaN or inf)")
+    return candidates.to(torch.int64).contiguous(), scores, old_logprobs

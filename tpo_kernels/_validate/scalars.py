@@ -1,0 +1,138 @@
+"""Checks of scalar arguments and the loss settings."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Tuple
+
+import numpy as np
+import torch
+
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# ----------------------------------------------------------------------------- scalars
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def _is_int(value) -> bool:
+    """A Python int or any other integral number (NumPy integers), but not a bool."""
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def _is_real(value) -> bool:
+    """A Python int/float or any other real number (NumPy scalars), but not a bool."""
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+# Kernels take 1 / temperature and 1 / eta as float32 scalars (Triton types float arguments as
+# fp32, and fp32 is the compute dtype of every input but fp64): both reciprocals must be finite
+# there, or every logit / target turns into inf and the results into NaN.
+_MIN_POSITIVE = 1.0 / float(torch.finfo(torch.float32).max)
+
+
+def check_positive(name: str, value) -> float:
+    """A finite number > 0 whose reciprocal is finite in float32 (temperature, eta)."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if 1.0 / value > float(torch.finfo(torch.float32).max):
+        raise ValueError(
+            f"{name} must be at least {_MIN_POSITIVE:.4g} (its reciprocal must be finite in float32, "
+            f"the precision the kernels take it in), got {value}"
+        )
+    return value
+
+
+def check_flag(name: str, value) -> bool:
+    if not _is_bool(value):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_reduction(reduction) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+def check_ignore_index(ignore_index) -> int:
+    """An integral id (a float, even -100.0, is rejected by every function alike)."""
+    if not _is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return int(ignore_index)
+
+
+def check_beta(beta) -> float:
+    if not _is_real(beta):
+        raise TypeError(f"beta must be a number, got {type(beta).__name__}")
+    beta = float(beta)
+    if not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+    return beta
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The checked hyper-parameters every TPO loss takes."""
+
+    eta: float
+    anchor: bool
+    inv_temperature: float
+    reduction: str
+    return_aux: bool
+    validate: bool
+    return_entropy: bool = False
+
+
+def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False) -> LossSettings:
+    settings = LossSettings(
+        eta=check_positive("eta", eta),
+        anchor=check_flag("anchor", anchor),
+        inv_temperature=1.0 / check_positive("temperature", temperature),
+        reduction=check_reduction(reduction),
+        return_aux=check_flag("return_aux", return_aux),
+        validate=check_flag("validate", validate),
+        return_entropy=check_flag("return_entropy", return_entropy),
+    )
+    if settings.return_entropy and not settings.return_aux:
+        raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
+    return settings
+
+
+def check_backend_arg(backend, names: Tuple[str, ...], backend_type: type) -> None:
+    """``backend`` is "auto", a backend name or a Backend instance."""
+    if isinstance(backend, backend_type):
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or a tpo_kernels Backend, got {type(backend).__name__}")
+    if backend != "auto" and backend not in names:
+        raise ValueError(f"backend must be 'auto' or one of {names} (or a Backend instance), got {backend!r}")
+
+
+def check_backend_device(name: str, supported: bool, device: torch.device) -> None:
+    if not supported:
+        raise ValueError(f"backend {name!r} does not run on {device.type} tensors")
+
+
+def check_tile_policy(tile_policy, policy_type: type) -> None:
+    if tile_policy is not None and not isinstance(tile_policy, policy_type):
+        raise TypeError(f"tile_policy must be a TilePolicy or None, got {type(tile_policy).__name__}")
