@@ -327,6 +327,26 @@ def _machine() -> dict:
             "cpu_count": os.cpu_count(), "loadavg": load, "muon": hasattr(torch.optim, "Muon")}
 
 
+def _rounded(obj, digits: int = 6):
+    """Floats to ``digits`` significant digits (curves are noisy far above that), recursively."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}")
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v, digits) for v in obj]
+    return obj
+
+
+def dump_json(results: dict, f) -> None:
+    """``results.json``: floats to 6 significant digits, one line per run (compact, still diffable)."""
+    results = _rounded(results)
+    head = {k: v for k, v in results.items() if k != "runs"}
+    text = json.dumps(head, indent=1)[:-2]  # drop the closing brace, append the runs
+    runs = ",\n  ".join(json.dumps(r, separators=(",", ":")) for r in results.get("runs", []))
+    f.write(text + (',\n "runs": [\n  ' + runs + "\n ]\n}\n"))
+
+
 def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
     """results.json, results.md and (with matplotlib) reverse-copy.png in ``out``."""
     from . import reverse_copy_plot as rp  # namespace-package relative import works too
@@ -335,7 +355,7 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
     results["summary"] = summarize(results)
     paths = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
     with open(paths[0], "w") as f:
-        json.dump(results, f, indent=1)
+        dump_json(results, f)
     with open(paths[1], "w") as f:
         f.write(rp.markdown(results))
     if plot:

@@ -73,7 +73,9 @@ def markdown(results: dict) -> str:
             f"{cfg['threads']} thread(s) each; {machine.get('cpu_count')} CPUs, load average "
             f"{_load(machine.get('loadavg'))} at the start, {_load(machine.get('loadavg_end'))} at the end; "
             f"total wall {results.get('wall_seconds', 0):.0f} s.")
-    lines.append(f"Command: `python -m tpo_kernels.bench.reverse_copy {' '.join(cfg.get('argv', []))}`".rstrip() + "")
+    lines.append(f"Command: `python -m tpo_kernels.bench.reverse_copy {' '.join(cfg.get('argv', []))}`")
+    if results.get("note"):
+        lines.append(f"Note: {results['note']}.")
     return "\n".join(lines) + "\n"
 
 
