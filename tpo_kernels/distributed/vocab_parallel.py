@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..backends import backend_by_key
 from ..ops.linear import TiledLinearHead, TilePolicy, merge_blocks
+from ..ops.logprobs import row_gradients
 
 from .collectives import _check_group, all_gather_stacked, all_reduce_sum
 
@@ -154,11 +155,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, grad_labels, counted, stats, logprob, entropy = ctx.saved_tensors
         inv_temperature, with_entropy, inplace_backward, key = ctx.settings
-        grad_logprobs = torch.where(counted, grad_logprobs.to(stats.dtype), 0.0)
-        if with_entropy and grad_entropy is not None:
-            grad_entropy = torch.where(counted, grad_entropy.to(stats.dtype), 0.0)
-        else:
-            grad_entropy = entropy = None
+        grad_logprobs, grad_entropy, entropy = row_gradients(counted, logprob, entropy, grad_logprobs, grad_entropy,
+                                                             with_entropy)
         args = (grad_labels, stats, logprob, grad_logprobs, grad_entropy, entropy, inv_temperature, key)
         if inplace_backward:
             torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
@@ -199,11 +197,8 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, stats, logprob, entropy = ctx.saved_tensors
         shard, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key = ctx.settings
         counted = labels >= 0
-        grad_logprobs = torch.where(counted, grad_logprobs.to(stats.dtype), 0.0)
-        if with_entropy and grad_entropy is not None:
-            grad_entropy = torch.where(counted, grad_entropy.to(stats.dtype), 0.0)
-        else:
-            grad_entropy = entropy = None
+        grad_logprobs, grad_entropy, entropy = row_gradients(counted, logprob, entropy, grad_logprobs, grad_entropy,
+                                                             with_entropy)
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
                                policy, vocab_offset=shard.start)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import Backend, backend_by_key
+from .logprobs import row_gradients
 
 _ROW_ALIGN = 16  # tile rows (the default chunk_size is a multiple of this)
 # Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
@@ -347,14 +348,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
     hidden, weight, bias, labels, stats, logprobs, entropy = ctx.saved_tensors
-    skipped = labels < 0  # rows that do not count have no gradient
-    if grad_logprobs is None:
-        grad_logprobs = torch.zeros_like(logprobs)
-    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(stats.dtype))
-    if ctx.with_entropy and grad_entropy is not None:
-        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(stats.dtype))
-    else:
-        grad_entropy = entropy = None
+    grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
+                                                         ctx.with_entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
                                       entropy, *ctx.settings, *needs, ctx.backend)

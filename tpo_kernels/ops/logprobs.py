@@ -84,16 +84,23 @@ def _setup_context(ctx, inputs, output):
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
-    logits, labels, stats, logprobs, entropy = ctx.saved_tensors
-    skipped = labels < 0  # rows that were never read have no gradient
+def row_gradients(counted: Tensor, logprobs: Tensor, entropy: Optional[Tensor], grad_logprobs: Optional[Tensor],
+                  grad_entropy: Optional[Tensor], with_entropy: bool):
+    """The incoming per-row gradients as a row backward takes them: zero on rows that do not
+    count (they were never read), in the compute dtype; ``(grad_logprobs, grad_entropy, entropy)``
+    with the last two None when no entropy gradient arrives."""
     if grad_logprobs is None:
         grad_logprobs = torch.zeros_like(logprobs)
-    grad_logprobs = torch.where(skipped, 0.0, grad_logprobs.to(stats.dtype))
-    if ctx.with_entropy and grad_entropy is not None:
-        grad_entropy = torch.where(skipped, 0.0, grad_entropy.to(stats.dtype))
-    else:
-        grad_entropy = entropy = None
+    grad_logprobs = torch.where(counted, grad_logprobs.to(logprobs.dtype), 0.0)
+    if not with_entropy or grad_entropy is None:
+        return grad_logprobs, None, None
+    return grad_logprobs, torch.where(counted, grad_entropy.to(logprobs.dtype), 0.0), entropy
+
+
+def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
+    logits, labels, stats, logprobs, entropy = ctx.saved_tensors
+    grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
+                                                         ctx.with_entropy)
     args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)
