@@ -1,17 +1,13 @@
 """Token-level TPO: token_tpo_loss and fused_linear_token_tpo_loss against
 reference.token_tpo_loss (full-vocab log_softmax, gather, Eq. 1-3 with autograd), gradcheck,
-exact zeros for tied states, determinism, no [R, V] tensor on the fused-linear path, and the
-Triton candidate kernels (under the interpreter on CPU). Bad inputs: see test_validation.py.
+exact zeros for tied states, determinism, and no [R, V] tensor on the fused-linear path, on every
+backend with candidate ops of its own. The Triton candidate kernels op by op:
+test_candidate_kernels.py. Bad inputs: see test_validation.py.
 
 Tolerances: float64 inputs are compared at 1e-10 (everything is computed in float64); float32
 at 1e-5; bf16 inputs are compared with a float64 reference run on the same (bf16-rounded)
 values, at 1e-5 for the loss (fp32 math) and 2e-2 for gradients rounded to bf16 on output.
 """
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -21,14 +17,14 @@ from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
 from tpo_kernels.backends import Backend
 from tpo_kernels.layout import pair_runs
 
-from _backends import DEVICE, backend_params, needs_triton, needs_triton_nvidia_compiler
+from _backends import DEVICE, backend_params, needs_triton
 from _dispatch import OutputSizes
 
 # Backends whose own candidate ops run the logits path on CPU tensors; the Triton candidate
 # kernels come in as "triton-kernels" (see the logits_backend fixture).
 LOGITS_BACKENDS = backend_params("torch", "cpu")
-# Backends with candidate linear ops of their own (the fused-linear path).
-LINEAR_BACKENDS = backend_params("torch", "triton")
+# Backends with candidate linear ops of their own (the fused-linear path; cuda's are Triton's).
+LINEAR_BACKENDS = backend_params("torch", "triton", "cuda")
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 2e-2)}
 
@@ -353,136 +349,3 @@ def test_torch_weight_gradient_sums_pairs_in_order():
     torch.testing.assert_close(dbias, expected_b, rtol=1e-12, atol=1e-12)
     expected_h = torch.einsum("rk,rkh->rh", grad, weight[cands])
     torch.testing.assert_close(dhidden, expected_h, rtol=1e-12, atol=1e-12)
-
-
-# ----------------------------------------------------------------------------- Triton kernels
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_triton_candidate_kernels_match_default_ops(dtype):
-    from tpo_kernels.backends.triton import candidate_kernels
-
-    default = Backend()
-    gen = torch.Generator().manual_seed(12)
-    num_states, num_cand, vocab = 5, 6, 1500  # > one BLOCK_V chunk under the interpreter
-    logits = torch.randn(num_states, vocab, generator=gen).to(dtype).to(DEVICE)
-    cands = torch.randint(0, vocab, (num_states, num_cand), generator=gen)
-    cands[0, 3] = cands[0, 1]
-    cands[1] = 1499
-    cands = cands.to(DEVICE)
-    for inv_t in (1.0, 1 / 0.7):
-        got = candidate_kernels.candidate_forward(logits, cands, inv_temperature=inv_t)
-        assert torch.equal(got, default.candidate_forward(logits, cands, inv_temperature=inv_t))
-        grad = torch.randn(num_states, num_cand, generator=gen, dtype=got.dtype).to(DEVICE)
-        out = torch.full_like(logits, float("nan"))
-        expected = torch.empty_like(logits)
-        candidate_kernels.candidate_backward(grad, cands, inv_temperature=inv_t, out=out)
-        default.candidate_backward(grad, cands, inv_temperature=inv_t, out=expected)
-        if dtype in (torch.float32, torch.float64) or DEVICE.type == "cuda":
-            assert torch.equal(out, expected)
-        else:  # the interpreter's float -> bf16/fp16 cast may round differently: one output ulp
-            tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
-            torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
-            assert torch.equal(out == 0, expected == 0)
-
-
-@needs_triton
-def test_triton_candidate_backward_into_strided_out():
-    from tpo_kernels.backends.triton import candidate_kernels
-
-    cands = torch.tensor([[1, 1, 4], [0, 2, 3]], device=DEVICE)
-    grad = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], device=DEVICE)
-    out = torch.full((5, 2), float("nan"), device=DEVICE).T  # [2, 5], column stride 2
-    candidate_kernels.candidate_backward(grad, cands, inv_temperature=0.5, out=out)
-    expected = torch.tensor([[0.0, 1.5, 0.0, 0.0, 1.5], [2.0, 0.0, 2.5, 3.0, 0.0]], device=DEVICE)
-    assert torch.equal(out, expected)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_triton_linear_kernels_match_torch_ops(dtype):
-    from tpo_kernels.backends.triton import candidate_kernels
-
-    gen = torch.Generator().manual_seed(13)
-    # H > one BLOCK_H tile and K > BLOCK_K lanes are not needed for coverage of the loops'
-    # masks; H = 40 exercises a partial tile.
-    hidden, weight, bias, cands, _ = _linear_inputs(
-        dtype, True, gen, num_states=5, num_cand=3, hidden_size=40
-    )
-    hidden, weight, bias, cands = (t.to(DEVICE) for t in (hidden, weight, bias, cands))
-    got = candidate_kernels.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=0.8)
-    expected = candidate_ops.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=0.8)
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
-    grad = torch.randn(cands.shape, generator=gen, dtype=dtype).to(DEVICE)
-    runs = pair_runs(cands)
-    for with_hidden, with_weight, with_bias in ((True, True, True), (False, False, True), (True, False, False)):
-        flags = dict(runs=runs, with_hidden=with_hidden, with_weight=with_weight, with_bias=with_bias)
-        got = candidate_kernels.candidate_linear_backward(grad, hidden, weight, cands, **flags)
-        expected = candidate_ops.candidate_linear_backward(grad, hidden, weight, cands, **flags)
-        for a, b in zip(got, expected):
-            assert (a is None) == (b is None)
-            if a is not None:
-                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-
-
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from tpo_kernels.backends.triton import candidate_kernels as ck
-
-    def build(fn, sig, constexprs, arch, num_warps):
-        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-
-    for arch in (80, 90):
-        for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
-            build(ck._candidate_gather_kernel,
-                  {"logits_ptr": "*" + dt, "candidates_ptr": "*i64", "scale_ptr": "*" + acc,
-                   "out_ptr": "*" + acc, "row_stride": "i64", "num_cand": "i32", "BLOCK_K": "constexpr"},
-                  {"BLOCK_K": 8}, arch, 1)
-            build(ck._candidate_scatter_kernel,
-                  {"grad_ptr": "*" + acc, "candidates_ptr": "*i64", "scale_ptr": "*" + acc,
-                   "out_ptr": "*" + dt, "out_row_stride": "i64", "vocab": "i32", "num_cand": "i32",
-                   "BLOCK_V": "constexpr"},
-                  {"BLOCK_V": 4096}, arch, 8)
-            build(ck._candidate_dot_kernel,
-                  {"hidden_ptr": "*" + dt, "weight_ptr": "*" + dt, "bias_ptr": "*" + dt,
-                   "candidates_ptr": "*i64", "scale_ptr": "*" + acc, "out_ptr": "*" + acc,
-                   "hidden_row_stride": "i64", "weight_row_stride": "i64", "num_cand": "i32",
-                   "hidden_size": "i32", "HAS_BIAS": "constexpr", "BLOCK_K": "constexpr",
-                   "BLOCK_H": "constexpr"},
-                  {"HAS_BIAS": True, "BLOCK_K": 8, "BLOCK_H": 512}, arch, 8)
-            build(ck._candidate_dot_hidden_grad_kernel,
-                  {"grad_ptr": "*" + acc, "weight_ptr": "*" + dt, "candidates_ptr": "*i64",
-                   "dhidden_ptr": "*" + dt, "weight_row_stride": "i64", "num_cand": "i32",
-                   "hidden_size": "i32", "BLOCK_K": "constexpr", "BLOCK_H": "constexpr"},
-                  {"BLOCK_K": 8, "BLOCK_H": 512}, arch, 8)
-            for has_weight in (False, True):
-                build(ck._candidate_dot_weight_grad_kernel,
-                      {"grad_ptr": "*" + acc, "hidden_ptr": "*" + dt, "pair_order_ptr": "*i64",
-                       "run_offsets_ptr": "*i64", "run_tokens_ptr": "*i64", "dweight_ptr": "*" + dt,
-                       "dbias_ptr": "*" + dt, "hidden_row_stride": "i64", "num_cand": "i32",
-                       "hidden_size": "i32", "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr",
-                       "BLOCK_H": "constexpr"},
-                      {"HAS_WEIGHT": has_weight, "HAS_BIAS": True, "BLOCK_H": 1024}, arch, 4)
-    print("compiled")
-    """
-)
-
-
-@needs_triton_nvidia_compiler
-def test_candidate_kernels_compile_for_sm80_and_sm90():
-    """The interpreter accepts programs the compiler may reject: compile the kernels to cubins
-    (no GPU needed) with the interpreter off."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
-

@@ -2,22 +2,43 @@
 current CUDA stream through raw device pointers (no torch C++ ABI involved).
 
 Row ops: one block per row, 16-byte loads, fp32 accumulation (fp64 for fp64 logits). The group
-op is one block per group (``csrc/cuda/group_kernel.cu``). Candidate ops are deterministic (one
-thread per row). The tensor preparation shared with the CPU backend lives in :mod:`.native`;
-every extension call gets the ``device`` and ``stream`` keywords from
+op is one block per group (``csrc/cuda/group_kernel.cu``). The candidate ops of the logits path
+are deterministic (one thread per row). The tensor preparation shared with the CPU backend lives
+in :mod:`.native`; every extension call gets the ``device`` and ``stream`` keywords from
 :meth:`CudaBackend._launch_args`.
+
+The fused-linear candidate ops (token-level TPO from hidden states) have no CUDA kernels: they
+are the Triton backend's kernels when Triton is usable in this process, else the PyTorch
+defaults (:func:`linear_candidate_ops`), so that ``backend="auto"``, which picks this backend on
+a GPU, runs the token-level path as a handful of fused launches rather than chunked PyTorch.
+Either way their results follow the backend contract (deterministic; weight rows summed in a
+fixed order), and they are tested as the Triton and PyTorch ops.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from types import ModuleType
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..group_op import GroupResult
 from ..layout import BatchLayout
+from . import _reason
+from . import candidates as torch_candidate_ops
 from .native import DTYPE_CODES, NativeBackend, per_row, ptr
+
+
+def linear_candidate_ops(triton_unavailable: Optional[str]) -> ModuleType:
+    """The module whose ``candidate_linear_forward`` / ``candidate_linear_backward`` the cuda
+    backend runs, given the Triton backend's ``unavailable_reason()``: the Triton kernels when it
+    is None, else the PyTorch defaults."""
+    if triton_unavailable is None:
+        from .triton import candidate_kernels  # noqa: PLC0415 - imports Triton
+
+        return candidate_kernels
+    return torch_candidate_ops
 
 
 class CudaBackend(NativeBackend):
@@ -47,6 +68,23 @@ class CudaBackend(NativeBackend):
             raise ValueError(f"the cuda backend needs CUDA tensors, got {what} on {t.device}")
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         return dict(device=index, stream=torch.cuda.current_stream(index).cuda_stream)
+
+    def candidate_linear_forward(
+        self, hidden: Tensor, weight: Tensor, candidates: Tensor, *, bias: Optional[Tensor] = None,
+        inv_temperature: float,
+    ) -> Tensor:
+        return linear_candidate_ops(_reason("triton")).candidate_linear_forward(
+            hidden, weight, candidates, bias=bias, inv_temperature=inv_temperature
+        )
+
+    def candidate_linear_backward(
+        self, grad: Tensor, hidden: Tensor, weight: Tensor, candidates: Tensor, *,
+        runs: Optional[Tuple[Tensor, Tensor, Tensor]], with_hidden: bool, with_weight: bool, with_bias: bool,
+    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        return linear_candidate_ops(_reason("triton")).candidate_linear_backward(
+            grad, hidden, weight, candidates, runs=runs, with_hidden=with_hidden, with_weight=with_weight,
+            with_bias=with_bias,
+        )
 
     def group_targets(
         self,

@@ -6,11 +6,12 @@ Logits path (the candidate-op contract of :mod:`tpo_kernels.backends`)::
     forward   cand[r, k] = logits[r, y[r, k]] * inv_t                         (compute dtype)
     backward  out[r, :]  = 0;  out[r, y[r, k]] += grad[r, k] * inv_t  for k = 0, 1, ..., K-1
 
-The backward accumulates each chunk of a row in registers: starting from 0 it adds, k by k in
-ascending order, ``grad[r, k] * inv_t`` to the lane whose column is ``y[r, k]``, then stores the
-chunk once (cast to the output dtype). Duplicated candidates therefore sum in ascending k order,
+The backward zero-fills ``out`` (one fill, any strides) and then writes K values per row: lane k
+of the row's program sums ``grad[r, j] * inv_t`` over every j with ``y[r, j] == y[r, k]``, j in
+ascending order from 0 (K * K work per row, independent of V), and only the first lane holding an
+id stores it (cast to the output dtype). Duplicated candidates therefore sum in ascending k order,
 bit for bit like the PyTorch default (on CPU the Triton interpreter's cast to bf16/fp16 may round
-the last bit differently), and no program reads what another wrote.
+the last bit differently), and no two lanes write one element.
 
 Fused-linear path (``h`` [R, H], ``W`` [V, H], optional bias ``b`` [V]; ``g`` is the gradient of
 the loss w.r.t. the untempered candidate logit ``z[r, k] = h[r] . W[y[r, k]] + b[y[r, k]]``)::
@@ -20,11 +21,11 @@ the loss w.r.t. the untempered candidate logit ``z[r, k] = h[r] . W[y[r, k]] + b
     dW[v]     = sum over pairs (r, k) with y[r, k] == v of g[r, k] * h[r]     (0 for other rows)
     db[v]     = sum over the same pairs of g[r, k]
 
-dW and db are deterministic without atomics: the (r, k) pairs are stably sorted by token id, and
-one program per (token, column block) sums its token's run of pairs sequentially in ascending
-(r, k) order, in the compute dtype.
+dW and db are deterministic without atomics: the (r, k) pairs are stably sorted by token id and
+each token's run is cut into fixed segments summed in parallel, then combined in a fixed order
+(:mod:`.candidate_weight_grad`), in the compute dtype.
 
-One program per state (or per token for dW) on a 1-D grid dimension; row offsets are int64.
+One program per state on a 1-D grid; row offsets are int64.
 Scale factors travel as 1-element tensors in the compute dtype, so fp64 runs keep inv_t exact.
 Only long-standing ``tl`` APIs are used (Triton 3.x).
 """
@@ -37,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._dtypes import compute_dtype
-from .. import triton_interpreter_enabled
+from .candidate_weight_grad import num_warps, weight_grad
 from .row_kernels import device_guard
 
 
@@ -58,20 +59,25 @@ def _candidate_gather_kernel(
 
 @triton.jit
 def _candidate_scatter_kernel(
-    grad_ptr, candidates_ptr, scale_ptr, out_ptr, out_row_stride, vocab, num_cand, BLOCK_V: tl.constexpr
+    grad_ptr, candidates_ptr, scale_ptr, out_ptr, out_row_stride, out_col_stride, num_cand, BLOCK_K: tl.constexpr
 ):
+    # ``out`` is already zero. Lane k sums grad[r, j] * inv_t over every j with y[r, j] == y[r, k],
+    # in ascending j (K * K work per row, not V * K); only the first lane holding an id stores it.
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr)
-    cols = tl.arange(0, BLOCK_V)
-    out_row = out_ptr + row * out_row_stride
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + cols
-        acc = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
-        for k in range(0, num_cand):  # ascending k: duplicates accumulate in a fixed order
-            token = tl.load(candidates_ptr + row * num_cand + k)
-            g = tl.load(grad_ptr + row * num_cand + k) * scale
-            acc = tl.where(idx == token, acc + g, acc)
-        tl.store(out_row + idx, acc.to(out_ptr.dtype.element_ty), mask=idx < vocab)
+    lanes = tl.arange(0, BLOCK_K)
+    cand_row = candidates_ptr + row * num_cand
+    grad_row = grad_ptr + row * num_cand
+    for start in range(0, num_cand, BLOCK_K):
+        k = start + lanes
+        ids = tl.load(cand_row + k, mask=k < num_cand, other=-1)
+        acc = tl.zeros([BLOCK_K], dtype=grad_ptr.dtype.element_ty)
+        first = k < num_cand
+        for j in range(0, num_cand):
+            same = ids == tl.load(cand_row + j)
+            acc = tl.where(same, acc + tl.load(grad_row + j) * scale, acc)
+            first = first & ~(same & (j < k))
+        tl.store(out_ptr + row * out_row_stride + ids * out_col_stride, acc.to(out_ptr.dtype.element_ty), mask=first)
 
 
 @triton.jit
@@ -144,54 +150,8 @@ def _candidate_dot_hidden_grad_kernel(
         tl.store(dhidden_ptr + row * hidden_size + c, dh.to(dhidden_ptr.dtype.element_ty), mask=in_h)
 
 
-@triton.jit
-def _candidate_dot_weight_grad_kernel(
-    grad_ptr,
-    hidden_ptr,
-    pair_order_ptr,
-    run_offsets_ptr,
-    run_tokens_ptr,
-    dweight_ptr,
-    dbias_ptr,
-    hidden_row_stride,
-    num_cand,
-    hidden_size,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    run = tl.program_id(0)
-    block = tl.program_id(1)
-    acc_ty = grad_ptr.dtype.element_ty
-    first = tl.load(run_offsets_ptr + run)
-    end = tl.load(run_offsets_ptr + run + 1)
-    token = tl.load(run_tokens_ptr + run)
-    c = block * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_h = c < hidden_size
-    dw = tl.zeros([BLOCK_H], dtype=acc_ty)
-    db = tl.full([], 0.0, acc_ty)
-    for j in range(first, end):  # this token's (r, k) pairs in ascending order
-        pair = tl.load(pair_order_ptr + j)
-        g = tl.load(grad_ptr + pair)
-        if HAS_WEIGHT:
-            state = pair // num_cand
-            h = tl.load(hidden_ptr + state * hidden_row_stride + c, mask=in_h, other=0.0).to(acc_ty)
-            dw += g * h
-        db += g
-    if HAS_WEIGHT:
-        tl.store(dweight_ptr + token * hidden_size + c, dw.to(dweight_ptr.dtype.element_ty), mask=in_h)
-    if HAS_BIAS:
-        if block == 0:
-            tl.store(dbias_ptr + token, db.to(dbias_ptr.dtype.element_ty))
-
-
 def _scale(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((1,), value, dtype=dtype, device=device)  # a fill, no host-to-device copy
-
-
-def _block_v(vocab: int) -> int:
-    cap = 1024 if triton_interpreter_enabled() else 4096
-    return min(triton.next_power_of_2(max(vocab, 1)), cap)
 
 
 def _block_k(num_cand: int) -> int:
@@ -201,10 +161,6 @@ def _block_k(num_cand: int) -> int:
 def _block_h(hidden_size: int, block_k: int) -> int:
     # Keep a [BLOCK_K, BLOCK_H] tile at about 4096 elements (fp32 registers on a GPU).
     return max(16, min(triton.next_power_of_2(max(hidden_size, 1)), 4096 // block_k))
-
-
-def _num_warps(tile: int) -> int:
-    return 8 if tile >= 4096 else 4 if tile >= 1024 else 2 if tile >= 256 else 1
 
 
 def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
@@ -233,29 +189,27 @@ def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: fl
 
 
 def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor) -> None:
-    """``out`` (``[R, V]``) becomes zero except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``
-    (ascending k), accumulated in ``grad_cand``'s dtype and cast to ``out``'s once per element."""
-    rows, vocab = out.shape
-    if rows == 0:
+    """``out`` (``[R, V]``, any strides) becomes zero except ``out[r, candidates[r, k]] +=
+    grad_cand[r, k] * inv_t`` (ascending k), accumulated in ``grad_cand``'s dtype and cast to
+    ``out``'s once per element: one fill, then K stores per row."""
+    rows, num_cand = candidates.shape
+    out.zero_()
+    if rows == 0 or num_cand == 0:
         return
-    target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
     candidates = candidates.contiguous()
     grad_cand = grad_cand.contiguous()
-    block_v = _block_v(vocab)
     with device_guard(out):
         _candidate_scatter_kernel[(rows,)](
             grad_cand,
             candidates,
             _scale(inv_temperature, grad_cand.dtype, out.device),
-            target,
-            target.stride(0),
-            vocab,
-            candidates.shape[1],
-            BLOCK_V=block_v,
-            num_warps=_num_warps(block_v),
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_cand,
+            BLOCK_K=_block_k(num_cand),
+            num_warps=1,
         )
-    if target is not out:
-        out.copy_(target)
 
 
 def candidate_linear_forward(
@@ -286,7 +240,7 @@ def candidate_linear_forward(
             HAS_BIAS=bias is not None,
             BLOCK_K=block_k,
             BLOCK_H=block_h,
-            num_warps=_num_warps(block_k * block_h),
+            num_warps=num_warps(block_k * block_h),
         )
     return out
 
@@ -332,26 +286,8 @@ def candidate_linear_backward(
                 hidden_size,
                 BLOCK_K=block_k,
                 BLOCK_H=block_h,
-                num_warps=_num_warps(block_k * block_h),
+                num_warps=num_warps(block_k * block_h),
             )
         if with_weight or with_bias:
-            order, run_tokens, run_offsets = runs
-            block = min(triton.next_power_of_2(max(hidden_size, 1)), 1024)
-            col_blocks = triton.cdiv(hidden_size, block) if with_weight else 1  # db alone: one block
-            _candidate_dot_weight_grad_kernel[(run_tokens.numel(), max(col_blocks, 1))](
-                grad,
-                hidden,
-                order,
-                run_offsets,
-                run_tokens,
-                dweight if with_weight else grad,  # placeholder pointers when not requested
-                dbias if with_bias else grad,
-                hidden.stride(0),
-                num_cand,
-                hidden_size,
-                HAS_WEIGHT=with_weight,
-                HAS_BIAS=with_bias,
-                BLOCK_H=block,
-                num_warps=_num_warps(block),
-            )
+            weight_grad(grad, hidden, candidates, runs, dweight, dbias)
     return dhidden, dweight, dbias

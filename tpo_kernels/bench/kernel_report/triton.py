@@ -65,13 +65,14 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
             out.append(Scenario(f"candidate gather/scatter K={num_cand} V={vocab}", name, candidates))
 
         def linear(backend, dt=dt, acc=acc, bias=False):
-            rows_w = 64  # the weight's row count does not enter the specialization
-            h = torch.randn(4, hidden).to(dt)
+            rows_w, states = 64, 24  # the weight's row count does not enter the specialization
+            h = torch.randn(states, hidden).to(dt)
             w = torch.randn(rows_w, hidden).to(dt)
             b = torch.randn(rows_w).to(dt) if bias else None
-            cand = torch.randint(0, rows_w, (4, num_cand))
+            cand = torch.randint(0, rows_w, (states, num_cand))
+            cand[:, : num_cand // 2] = 5  # one token's run longer than a weight-gradient segment
             backend.candidate_linear_forward(h, w, cand, bias=b, inv_temperature=1.0)
-            backend.candidate_linear_backward(torch.ones(4, num_cand, dtype=acc), h, w, cand, runs=pair_runs(cand),
+            backend.candidate_linear_backward(torch.ones(states, num_cand, dtype=acc), h, w, cand, runs=pair_runs(cand),
                                               with_hidden=True, with_weight=True, with_bias=bias)
 
         out.append(Scenario(f"candidate linear K={num_cand} H={hidden}", name, linear))
