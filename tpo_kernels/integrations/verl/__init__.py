@@ -33,10 +33,13 @@ The batching contract, and where it is enforced:
   of K, when a data-parallel rank's share of the mini-batch is not, and when a block of K rows
   has advantages that do not sum to zero (not one group, or an estimator that is not
   group-relative; a check that catches most reorderings, not all).
-* verl 0.9.1's trainer balances sequence lengths over data-parallel ranks before the advantage
-  step, which splits groups when the actor has more than one data-parallel rank: the estimator
-  then refuses the batch. With one data-parallel rank the order is kept. Groups split over ranks
-  (``process_group``, see :mod:`tpo_kernels.distributed`) are not wired into verl yet.
+* verl 0.9.1 does not promise that order. Its (v1) trainer balances sequence lengths over
+  data-parallel ranks before the advantage step, which splits groups when the actor has more
+  than one data-parallel rank (with one, the order is kept), and its replay buffer lists the
+  responses in the order its transfer queue holds them. The estimator refuses such a batch.
+  Groups split over ranks (``process_group``, see :mod:`tpo_kernels.distributed`) are not wired
+  into verl. Tested against verl's registries, config classes and call signatures, not in an
+  end-to-end verl run.
 
 The loss is anchored on ``old_log_prob`` (verl's proximal policy: ``p_old``); tied groups then
 get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only. Scaling: with
