@@ -23,7 +23,7 @@ def _batching(config, num_rows: int) -> Tuple[int, Optional[float]]:
         raise ValueError("config: the TPO policy loss needs verl's actor config (rollout_n, batching settings)")
     group_size = config.get("rollout_n", None)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"config.rollout_n must be the number of responses per prompt (an int >= 1), got {group_size!r}")
+        raise ValueError(f"config.rollout_n must be the number of responses per prompt (int >= 1), got {group_size!r}")
     if config.get("use_dynamic_bsz", False):
         raise ValueError(
             "config.use_dynamic_bsz: dynamic batch sizes regroup rows by token count and split TPO groups; "
@@ -120,7 +120,7 @@ def tpo_policy_loss(
         raise ValueError(f"log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
     for name, tensor in (("old_log_prob", old_log_prob), ("advantages", advantages), ("response_mask", response_mask)):
         if tensor.shape != log_prob.shape:
-            raise ValueError(f"{name} must have the shape of log_prob {tuple(log_prob.shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(f"{name} must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(tensor.shape)}")
     group_size, scale = _batching(config, log_prob.shape[0])
     mask = response_mask.bool()
     scores = _scores(advantages.detach(), mask, group_size)
