@@ -392,9 +392,10 @@ def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
         group_ids=(torch.arange(num_rows) // 4)[kept], eta=0.7, temperature=0.8,
     )
     assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
-    assert out["group_index"].unique().tolist() == [0, 2]
-    entropy = reference.token_entropy(logits[kept], temperature=0.8)
-    assert torch.allclose(out["token_entropy"].double()[out["mask"]], entropy[mask[kept]], atol=1e-4)
+    assert out["kept"].tolist() == kept.tolist()
+    assert out["aux"]["group_loss"].numel() == 2  # group 1 has no counted completion: left out
+    entropy = reference.token_entropy(logits, temperature=0.8)
+    assert torch.allclose(out["aux"]["token_entropy"].double()[mask], entropy[mask], atol=1e-4)
     out["loss"].backward()
     assert hidden_all.grad[1].abs().sum() == 0 and hidden_all.grad[4:8].abs().sum() == 0
     assert hidden_all.grad[0].abs().sum() > 0 and head.weight.grad.abs().sum() > 0

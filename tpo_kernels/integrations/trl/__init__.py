@@ -57,8 +57,8 @@ Metrics, logged through TRL's metrics (averaged over processes and logging steps
 ``tpo/entropy_p`` and ``tpo/entropy_q`` (mean over groups of the entropy, in nats, of the group
 distributions p and q), ``tpo/frac_zero_signal_groups`` (groups whose scores tie or that have at
 most one counted completion: no reward signal), ``tpo/frac_excluded_completions``,
-``tpo/token_entropy`` (mean over counted tokens of the policy's tempered token entropy; a second
-vocabulary pass under ``no_grad``, off with ``tpo_log_token_entropy=False``) and, when
+``tpo/token_entropy`` (mean over counted tokens of the policy's tempered token entropy, from the
+loss's own vocabulary pass; off with ``tpo_log_token_entropy=False``) and, when
 ``beta > 0``, ``tpo/kl_k3`` (mean over counted tokens of the k3 KL to the reference).
 
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,

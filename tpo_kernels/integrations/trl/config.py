@@ -23,8 +23,8 @@ class TargetPOConfig(GRPOConfig):
             False uses ``q = softmax(u / eta)``.
         tpo_backend: tpo_kernels backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"cpu"`` or
             ``"torch"``.
-        tpo_log_token_entropy: log ``tpo/token_entropy`` (costs a second vocabulary pass without
-            gradient over the micro-batch).
+        tpo_log_token_entropy: log ``tpo/token_entropy`` (computed in the loss's own vocabulary
+            pass, not a second one).
 
     ``per_device_train_batch_size`` must be a multiple of ``num_generations`` (each micro-batch
     holds whole groups); ``beta``, ``temperature``, ``cast_lm_head_to_fp32`` and the batching fields
@@ -45,7 +45,7 @@ class TargetPOConfig(GRPOConfig):
     )
     tpo_log_token_entropy: bool = field(
         default=True,
-        metadata={"help": "Log tpo/token_entropy (a second vocabulary pass without gradient)."},
+        metadata={"help": "Log tpo/token_entropy (computed in the loss's vocabulary pass)."},
     )
     # GRPO's default multiplies its KL term by a differentiable importance ratio; TPO's KL term is the
     # plain k3 estimator of tpo_kernels, so the default here is False (True is refused when beta != 0).

@@ -9,7 +9,7 @@ from typing import Any, Dict
 import torch
 from torch import Tensor
 
-from ...functional import fused_linear_logprobs, fused_linear_tpo_loss
+from ...functional import fused_linear_tpo_loss
 
 
 def _logit_multiplier(text_config) -> float:
@@ -84,42 +84,31 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], multiplier: flo
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
     ``group_size``, ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
     ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32`` and ``token_entropy``.
-    Returns ``loss``, ``aux`` (tpo_kernels' aux of the counted rows, or None), ``kept`` ([N] bool),
-    ``group_index`` (original group of each kept row), ``labels``, ``mask``, ``ref_logprobs`` of the
-    kept rows, and ``token_entropy`` (or None).
+    Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
+    completion has a counted token), ``kept`` ([N] bool: completions with a counted token), and
+    ``labels``, ``mask``, ``ref_logprobs`` on the hidden states' device.
+
+    Completions without a counted token are left out of their group by tpo_kernels itself.
     """
     labels, mask, scores = request["labels"], request["mask"], request["scores"]
-    num_rows, length = labels.shape
-    group_size = request["group_size"]
+    length = labels.shape[1]
     hidden = hidden_all[:, -length - 1 : -1]  # position t predicts completion token t
     hidden, weight, bias = _head_tensors(hidden, head, request["cast_lm_head_to_fp32"])
     if multiplier <= 0:
         raise ValueError(f"the model's logit multiplier must be > 0 to fold it into the temperature, got {multiplier}")
-    temperature = request["temperature"] / multiplier
     device = hidden.device
     labels, mask, scores = labels.to(device), mask.to(device), scores.to(device)
     old, ref = request["old_logprobs"], request["ref_logprobs"]
-    group_index = torch.arange(num_rows, device=device) // group_size
-    # API gap: tpo_kernels raises on a completion with no counted token (TRL's
-    # mask_truncated_completions makes them routinely). Leave such rows out of the call and name
-    # the groups of the others with group_ids: no mass, no gradient, for those completions.
+    ref = None if ref is None else ref.to(device)
     kept = mask.any(dim=1)
-    out: Dict[str, Any] = {"kept": kept, "aux": None, "token_entropy": None}
+    out: Dict[str, Any] = {"kept": kept, "labels": labels, "mask": mask, "ref_logprobs": ref}
+    if not bool(kept.any()):
+        # tpo_kernels refuses a batch without any counted token; return a differentiable zero
+        # connected to every parameter the loss would touch, so that DDP / FSDP see them all.
+        zero = hidden.sum() * 0.0 + weight.sum() * 0.0
+        out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
+        return out
     with torch.autocast(device.type, enabled=False):
-        if not bool(kept.any()):
-            # Still a differentiable zero connected to every parameter the loss would touch.
-            zero = hidden.sum() * 0.0 + weight.sum() * 0.0
-            out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, group_index=group_index[:0])
-            out.update(labels=labels[:0], mask=mask[:0], ref_logprobs=None)
-            return out
-        grouping: Dict[str, Any] = {"group_size": group_size}
-        if not bool(kept.all()):
-            rows = kept.nonzero().squeeze(1)
-            hidden, labels, mask, scores = hidden[rows], labels[rows], mask[rows], scores[rows]
-            old = None if old is None else old[rows]
-            ref = None if ref is None else ref[rows]
-            group_index = group_index[rows]
-            grouping = {"group_ids": group_index}
         loss, aux = fused_linear_tpo_loss(
             hidden,
             weight,
@@ -127,29 +116,17 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], multiplier: flo
             scores,
             bias=bias,
             mask=mask,
+            group_size=request["group_size"],
             old_logprobs=None if old is None else old.to(device),
-            ref_logprobs=None if ref is None else ref.to(device),
+            ref_logprobs=ref,
             beta=request["beta"],
             eta=request["eta"],
             anchor=request["anchor"],
-            temperature=temperature,
+            temperature=request["temperature"] / multiplier,
             reduction="mean",
             backend=request["backend"],
             return_aux=True,
-            **grouping,
+            return_entropy=request["token_entropy"],
         )
-        if request["token_entropy"]:
-            # Second vocabulary pass, without gradient: the TPO forward does not return token entropy yet.
-            with torch.no_grad():
-                _, entropy = fused_linear_logprobs(
-                    hidden.detach(),
-                    weight.detach(),
-                    labels.masked_fill(~mask, -100),
-                    bias=None if bias is None else bias.detach(),
-                    temperature=temperature,
-                    return_entropy=True,
-                    backend=request["backend"],
-                )
-            out["token_entropy"] = entropy
-    out.update(loss=loss, aux=aux, group_index=group_index, labels=labels, mask=mask, ref_logprobs=ref)
+    out.update(loss=loss, aux=aux)
     return out

@@ -161,29 +161,24 @@ class TargetPOTrainer(GRPOTrainer):
         loss = out["loss"].detach().float()
         device = loss.device
         num_rows = request["labels"].shape[0]
-        num_groups = num_rows // request["group_size"]
+        group_size = request["group_size"]
+        num_groups = num_rows // group_size
         zero = torch.zeros((), device=device)
         kept_groups = kl_qp = entropy_p = entropy_q = signal_groups = zero
         token_entropy = num_tokens = k3 = zero
         aux = out["aux"]
         if aux is not None:
-            _, groups = torch.unique(out["group_index"], return_inverse=True)
-            count = int(groups.max()) + 1
-            p, q, u = aux["p"].float(), aux["q"].float(), aux["u"].float()
-            log_p = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))
-
-            def per_group(values: Tensor) -> Tensor:
-                return torch.zeros(count, device=device).index_add_(0, groups, values)
-
-            kept_groups = torch.tensor(float(count), device=device)
-            kl_qp = per_group(torch.xlogy(q, q) - q * log_p).sum()
-            entropy_p = -per_group(torch.xlogy(p, p)).sum()
-            entropy_q = -per_group(torch.xlogy(q, q)).sum()
-            signal_groups = (per_group((u != 0).float()) > 0).float().sum()
+            # Per-group metrics of the groups with a counted completion; rows are contiguous groups,
+            # and a left-out completion has u = 0.
+            kept_groups = torch.tensor(float(aux["group_loss"].numel()), device=device)
+            kl_qp = aux["kl_q_p"].float().sum()
+            entropy_p = aux["entropy_p"].float().sum()
+            entropy_q = aux["entropy_q"].float().sum()
+            signal_groups = (aux["u"] != 0).view(num_groups, group_size).any(dim=1).float().sum()
             mask = out["mask"]
             num_tokens = mask.sum().float()
-            if out["token_entropy"] is not None:
-                token_entropy = (out["token_entropy"].float() * mask).sum()
+            if request["token_entropy"]:
+                token_entropy = (aux["token_entropy"].float() * mask).sum()
             if request["beta"] != 0.0:
                 diff = out["ref_logprobs"].float() - aux["token_logprobs"].float()
                 k3 = ((torch.exp(diff) - diff - 1.0) * mask).sum()

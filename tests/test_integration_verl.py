@@ -1,0 +1,259 @@
+"""tpo_kernels.integrations.verl: the "tpo" policy loss and advantage estimator.
+
+The functions are checked with verl-shaped tensors ([B, T] log-probs, right-padded response masks,
+rewards on the last response token, uids as an object array) against
+``tpo_kernels.reference.tpo_loss`` on the logits the log-probs come from. When verl is installed
+(CI installs verl 0.9.1), the last tests go through verl's own registries and config classes.
+"""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import numpy as np
+import pytest
+import torch
+
+from tpo_kernels import reference
+from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+K, GROUPS, T, V = 4, 3, 6, 11
+B = K * GROUPS
+
+
+def rollout(dtype=torch.float64, seed=0):
+    """A verl-shaped batch: logits (the policy's), responses, right-padded response mask, old
+    log-probs of a nearby policy, token-level rewards on the last response token, uids. Group 1
+    ties (no reward signal)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64)
+    responses = torch.randint(0, V, (B, T), generator=gen)
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = torch.arange(T) < lengths.unsqueeze(1)
+    rewards = torch.randint(0, 3, (B,), generator=gen).to(torch.float64)
+    rewards[K : 2 * K] = 1.0
+    token_rewards = torch.zeros(B, T, dtype=dtype)
+    token_rewards[torch.arange(B), lengths - 1] = rewards.to(dtype)
+    old_logits = logits + 0.1 * torch.randn(B, T, V, generator=gen, dtype=torch.float64)
+    old_log_prob = reference.token_logprobs(old_logits, responses).masked_fill(~mask, 0.0).to(dtype)
+    uids = np.array([f"prompt-{b // K}" for b in range(B)], dtype=object)
+    return dict(logits=logits, responses=responses, mask=mask, rewards=rewards, token_rewards=token_rewards,
+                old_log_prob=old_log_prob, uids=uids)
+
+
+def actor_config(**overrides):
+    """The fields of verl's ActorConfig the loss reads (a dict has the same ``.get``)."""
+    config = dict(rollout_n=K, use_dynamic_bsz=False, shuffle=False, ppo_micro_batch_size_per_gpu=B,
+                  global_batch_info={})
+    config.update(overrides)
+    return config
+
+
+def policy_inputs(batch, dtype=torch.float64):
+    """(logits leaf, log_prob, the loss's keyword arguments) with advantages from the tpo estimator."""
+    logits = batch["logits"].clone().requires_grad_()
+    log_prob = reference.token_logprobs(logits, batch["responses"]).to(dtype)
+    advantages, _ = compute_tpo_outcome_advantage(batch["token_rewards"], batch["mask"].to(dtype), batch["uids"])
+    kwargs = dict(old_log_prob=batch["old_log_prob"], log_prob=log_prob, advantages=advantages,
+                  response_mask=batch["mask"])
+    return logits, log_prob, kwargs
+
+
+def expected_loss(batch, keep=None, **settings):
+    """reference.tpo_loss on the policy logits with the raw rewards as scores (mean over groups),
+    leaving out the rows not in ``keep``."""
+    keep = torch.ones(B, dtype=torch.bool) if keep is None else keep
+    logits = batch["logits"].clone().requires_grad_()
+    labels = batch["responses"].masked_fill(~batch["mask"], -100)
+    anchor = settings.get("anchor", True)
+    loss = reference.tpo_loss(logits[keep], labels[keep], batch["rewards"][keep],
+                              group_ids=(torch.arange(B) // K)[keep],
+                              old_logprobs=batch["old_log_prob"].double()[keep] if anchor else None, **settings)
+    return loss, torch.autograd.grad(loss, logits)[0]
+
+
+# fp64: rounding only (the estimator's u is re-standardized); fp32 log-probs and advantages.
+TOLERANCES = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("eta,anchor", [(1.0, True), (0.5, False)])
+def test_policy_loss_matches_reference(dtype, eta, anchor):
+    batch = rollout(dtype)
+    logits, _, kwargs = policy_inputs(batch, dtype)
+    loss, metrics = tpo_policy_loss(**kwargs, loss_agg_mode="token-mean", config=actor_config(), eta=eta, anchor=anchor)
+    want, want_grad = expected_loss(batch, eta=eta, anchor=anchor)
+    torch.testing.assert_close(loss.double(), want, **TOLERANCES[dtype])
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad, **TOLERANCES[dtype])
+    assert metrics["actor/tpo_frac_zero_signal_groups"] == pytest.approx(1 / GROUPS)
+
+
+@pytest.mark.parametrize("dp_size,global_batch_size", [(1, B), (2, 2 * B), (2, 4 * B)])
+def test_global_batch_info_scales_to_the_mean_over_the_mini_batch(dp_size, global_batch_size):
+    """sum of the micro-batch's group losses * dp_size / (global groups): micro-batch gradients
+    add up and data-parallel ranks average, so the mini-batch step averages over every group."""
+    batch = rollout()
+    _, _, kwargs = policy_inputs(batch)
+    info = dict(dp_size=dp_size, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=global_batch_size)
+    loss, _ = tpo_policy_loss(**kwargs, config=actor_config(global_batch_info=info))
+    want, _ = expected_loss(batch, reduction="sum")
+    torch.testing.assert_close(loss, want * dp_size * K / global_batch_size, rtol=1e-9, atol=1e-11)
+
+
+def test_policy_loss_gradcheck():
+    batch = rollout()
+    _, log_prob, kwargs = policy_inputs(batch)
+    kwargs.pop("log_prob")
+    leaf = log_prob.detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda lp: tpo_policy_loss(log_prob=lp, config=actor_config(), **kwargs)[0],
+                                    (leaf,))
+
+
+def test_response_without_counted_token_is_left_out_of_its_group():
+    batch = rollout()
+    batch["mask"][5] = False
+    logits, _, kwargs = policy_inputs(batch)
+    loss, _ = tpo_policy_loss(**kwargs, config=actor_config())
+    keep = torch.arange(B) != 5
+    want, want_grad = expected_loss(batch, keep=keep)
+    grad = torch.autograd.grad(loss, logits)[0]
+    torch.testing.assert_close(loss, want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-11)
+    assert torch.equal(grad[5], torch.zeros_like(grad[5]))
+
+
+def test_estimator_writes_the_group_standardized_score_on_every_counted_token():
+    batch = rollout()
+    mask = batch["mask"].to(torch.float64)
+    advantages, returns = compute_tpo_outcome_advantage(batch["token_rewards"], mask, batch["uids"])
+    u = torch.cat([reference.standardize(batch["rewards"][g * K : (g + 1) * K]) for g in range(GROUPS)])
+    torch.testing.assert_close(advantages, u.unsqueeze(1) * mask, rtol=1e-12, atol=1e-12)
+    assert torch.equal(advantages[K : 2 * K], torch.zeros(K, T, dtype=torch.float64))  # the tied group
+    assert returns is advantages
+
+
+# -- the batching contract: refusals -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("uids,match", [
+    (["a", "a", "b", "b", "a", "a"], "one run"),  # a group in two runs (reordered batch)
+    (["a", "a", "a", "b", "b", "c"], "sizes"),  # groups of unequal size
+])
+def test_estimator_refuses_groups_that_are_not_contiguous_runs(uids, match):
+    rewards = torch.rand(len(uids), 3)
+    with pytest.raises(ValueError, match=f"index.*{match}"):
+        compute_tpo_outcome_advantage(rewards, torch.ones(len(uids), 3), np.array(uids, dtype=object))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(rollout_n=None), "config.rollout_n"),
+    (dict(use_dynamic_bsz=True), "config.use_dynamic_bsz"),
+    (dict(shuffle=True), "config.shuffle"),
+    (dict(ppo_micro_batch_size_per_gpu=6), "config.ppo_micro_batch_size_per_gpu"),
+    (dict(rollout_n=5, ppo_micro_batch_size_per_gpu=None), "log_prob: a micro-batch of 12"),
+    (dict(global_batch_info=dict(dp_size=2, global_batch_size=12)), "config.global_batch_info"),
+    (dict(global_batch_info=dict(dp_size=2, global_batch_size=None)), "config.global_batch_info"),
+])
+def test_policy_loss_refuses_batching_that_splits_groups(overrides, match):
+    _, _, kwargs = policy_inputs(rollout())
+    with pytest.raises(ValueError, match=match):
+        tpo_policy_loss(**kwargs, config=actor_config(**overrides))
+
+
+def test_policy_loss_refuses_a_reordered_micro_batch():
+    batch = rollout()
+    _, _, kwargs = policy_inputs(batch)
+    order = torch.arange(B)
+    order[[1, K + 3, 2 * K + 1]] = order[[K + 3, 2 * K + 1, 1]]  # rows moved across groups
+    kwargs = {name: value[order] for name, value in kwargs.items()}
+    with pytest.raises(ValueError, match="advantages: a block of rollout_n = 4 .* not centered"):
+        tpo_policy_loss(**kwargs, config=actor_config())
+
+
+def test_policy_loss_refuses_per_token_advantages_and_importance_weights():
+    _, _, kwargs = policy_inputs(rollout())
+    gae_like = dict(kwargs, advantages=torch.randn(B, T, dtype=torch.float64))
+    with pytest.raises(ValueError, match="advantages: TPO needs one score per response"):
+        tpo_policy_loss(**gae_like, config=actor_config())
+    with pytest.raises(ValueError, match="rollout_is_weights"):
+        tpo_policy_loss(**kwargs, config=actor_config(), rollout_is_weights=torch.ones(B, T))
+    with pytest.raises(ValueError, match="config"):
+        tpo_policy_loss(**kwargs, config=None)
+
+
+# -- through verl's registries (verl installed) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verl_core():
+    return pytest.importorskip("verl.trainer.ppo.core_algos")
+
+
+def test_registry_loss_called_as_verl_calls_it(verl_core):
+    """verl 0.9.1's ppo_loss (verl/workers/utils/losses.py) fills config.global_batch_info and
+    calls the registered loss with these keywords."""
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    batch = rollout(torch.float32)
+    logits, _, kwargs = policy_inputs(batch, torch.float32)
+    config = ActorConfig(strategy="fsdp", rollout_n=K, ppo_micro_batch_size_per_gpu=B,
+                         policy_loss=PolicyLossConfig(loss_mode="tpo"))
+    config.global_batch_info.update(dp_size=1, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=B,
+                                    loss_scale_factor=None)
+    policy_loss_fn = verl_core.get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+    loss, metrics = policy_loss_fn(**kwargs, loss_agg_mode=config.loss_agg_mode, config=config,
+                                   rollout_is_weights=None)
+    want, want_grad = expected_loss(batch)
+    torch.testing.assert_close(loss.double(), want, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad, **TOLERANCES[torch.float32])
+    assert all(name.startswith("actor/") and isinstance(value, float) for name, value in metrics.items())
+
+
+def test_registry_estimator_called_as_verl_calls_it(verl_core):
+    """verl 0.9.1's compute_advantage (trainer/ppo/ray_trainer.py) calls a registered estimator
+    with these keywords; verl's own grpo advantages feed the same TPO loss up to rounding."""
+    from verl.trainer.config import AlgoConfig
+
+    batch = rollout(torch.float32)
+    mask = batch["mask"].to(torch.float32)
+    estimator = verl_core.get_adv_estimator_fn("tpo")
+    advantages, _ = estimator(token_level_rewards=batch["token_rewards"], response_mask=mask,
+                              config=AlgoConfig(adv_estimator="tpo"), index=batch["uids"])
+    grpo, _ = verl_core.compute_grpo_outcome_advantage(batch["token_rewards"], mask, batch["uids"])
+    _, _, kwargs = policy_inputs(batch, torch.float32)
+    losses = [tpo_policy_loss(**dict(kwargs, advantages=a), config=actor_config())[0] for a in (advantages, grpo)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    want, _ = expected_loss(batch)
+    torch.testing.assert_close(losses[0].double(), want, **TOLERANCES[torch.float32])
+
+
+def test_register_adds_a_loss_with_other_settings(verl_core):
+    from tpo_kernels.integrations.verl import register
+
+    register("tpo_test_eta_half", eta=0.5, anchor=False)
+    fn = verl_core.get_policy_loss_fn("tpo_test_eta_half")
+    assert isinstance(fn, functools.partial) and fn.keywords == dict(eta=0.5, anchor=False, backend="auto")
+    with pytest.raises(ValueError, match="eta"):
+        register("tpo_bad", eta=0.0)
+
+
+def test_verl_loads_the_plugin_entry_point_declared_in_pyproject(verl_core):
+    """``import verl`` loads every ``verl.plugins`` entry point (in each process, Ray workers
+    included); loading ours in a fresh interpreter registers "tpo" for both registries."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"]["verl.plugins"]
+    assert declared == {"tpo_kernels": "tpo_kernels.integrations.verl"}
+    script = (
+        "from importlib.metadata import EntryPoint\n"
+        f"EntryPoint('tpo_kernels', {declared['tpo_kernels']!r}, 'verl.plugins').load()\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss\n"
+        "assert core_algos.get_policy_loss_fn('tpo').func is tpo_policy_loss\n"
+        "assert core_algos.get_adv_estimator_fn('tpo') is compute_tpo_outcome_advantage\n"
+    )
+    env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none")  # only the entry point under test registers
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=True, timeout=300)
