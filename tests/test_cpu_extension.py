@@ -80,11 +80,13 @@ def math_op(op, x, out_dtype):
 def test_exp2_f32_is_accurate():
     """The host exp2 of the vocabulary loops: about 1 ulp over its whole range (the device uses
     ex2.approx, 2^-22 relative)."""
-    x = torch.cat([torch.linspace(-125.0, 127.99, 2_000_001), torch.randn(500_000) * 10, torch.rand(500_000) - 0.5])
+    x = torch.cat([torch.linspace(-125.0, 127.99, 2_000_001), torch.randn(500_000) * 10,
+                   torch.rand(500_000) - 0.5])
     y = math_op("exp2_f32", x, torch.float32).double()
     ref = torch.exp2(x.double())
     assert ((y - ref).abs() / ref).max().item() < 1.5e-7  # about 1 ulp of float32
-    special = torch.tensor([float("nan"), float("-inf"), float("inf"), -126.0, -1000.0, 128.0, 1000.0, 0.0, -1.0])
+    special = torch.tensor([float("nan"), float("-inf"), float("inf"), -126.0, -1000.0, 128.0, 1000.0, 0.0,
+                            -1.0])
     out = math_op("exp2_f32", special, torch.float32)
     assert torch.isnan(out[0])
     assert out[1:].tolist() == [0.0, float("inf"), 0.0, 0.0, float("inf"), float("inf"), 1.0, 0.5]

@@ -132,6 +132,38 @@ def test_misaligned_rows_and_zero_rows(dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["head", "label", "alone_in_a_masked_row", "remainder_pack", "tail"])
+def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where):
+    """No NaN flag in the kernel: the bad logit reaches the sums (2^(NaN - m), 2^(inf - inf)) in
+    every part of a row (unaligned head, 4-pack groups, single-pack remainder, tail, the label's
+    own column) and no max, rescale or block merge makes them finite again."""
+    n = 16 // torch.tensor([], dtype=dtype).element_size()
+    head = n - 1  # rows start one element past a 16-byte boundary
+    vocab = head + 562 * n + 1  # 562 packs (128 threads: 4 x 128 in groups, 50 single) and a tail
+    storage, _ = make_rows(1, 3 * vocab + 1, dtype, device="cuda")
+    logits = storage.view(-1)[1 : 1 + 3 * vocab].view(3, vocab)
+    labels = torch.randint(0, vocab, (3,), device="cuda")
+    labels[0] = head + 100 * n + 3
+    column = {"head": 0, "label": head + 100 * n + 3, "alone_in_a_masked_row": head + 130 * n + 5,
+              "remainder_pack": head + 540 * n + 2, "tail": vocab - 1}[where]
+    if where == "alone_in_a_masked_row":  # the bad logit's thread sees nothing finite
+        label_logit = logits[0, labels[0]].clone()
+        logits[0] = float("-inf")
+        logits[0, labels[0]] = label_logit
+    logits[0, column] = value
+    stats, lp, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    for name, t in (("row_max", stats[0]), ("log_sum", stats[1]), ("logprob", lp), ("entropy", entropy)):
+        assert torch.isnan(t[0]), name
+        assert torch.isfinite(t[1:]).all(), name
+    t_stats, t_lp, t_entropy = TORCH.row_forward(logits[1:], labels[1:], inv_temperature=1.0, with_entropy=True)
+    torch.testing.assert_close(stats[:, 1:], t_stats, **fwd_tol(dtype))
+    torch.testing.assert_close(lp[1:], t_lp, **fwd_tol(dtype))
+    torch.testing.assert_close(entropy[1:], t_entropy, **ent_tol(dtype))
+
+
+@needs_cuda
 def test_skipped_rows_and_invalid_labels_are_not_read():
     logits, labels = make_rows(6, 777, torch.float32, device="cuda", skip=(2,))
     logits[2] = float("nan")

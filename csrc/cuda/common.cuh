@@ -141,7 +141,9 @@ __device__ SoftmaxState<A> block_merge_states(SoftmaxState<A> st, SoftmaxState<A
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) st = softmax_merge(st, shfl_state(st, offset), it2);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    st = softmax_merge(st, shfl_state(st, offset), it2);
+  }
   __syncthreads();
   if (lane == 0) scratch[warp] = st;
   __syncthreads();

@@ -1,8 +1,8 @@
 // CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter.
 // One block per row for the vocab-sized passes: 16-byte loads where the row is aligned (scalar
 // head/tail otherwise), several packs in flight per thread, per-thread online softmax in base 2
-// in the accumulation type (fp32; fp64 for fp64 logits), warp-shuffle + shared-memory merge. The per-element arithmetic
-// is the shared row_math.h, the same code the CPU extension runs.
+// in the accumulation type (fp32; fp64 for fp64 logits), warp-shuffle + shared-memory merge. The
+// per-element arithmetic is the shared row_math.h, the same code the CPU extension runs.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -182,7 +182,9 @@ __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, in
       A z[N];
       unpack(pk[u], z);
 #pragma unroll
-      for (int k = 0; k < N; ++k) pk[u].v[k] = Elem<T>::store(backward_element<A, kEntropy>(z[k], c));
+      for (int k = 0; k < N; ++k) {
+        pk[u].v[k] = Elem<T>::store(backward_element<A, kEntropy>(z[k], c));
+      }
       out_packs[j + u * kBlock] = pk[u].raw;
     }
   }
