@@ -70,6 +70,27 @@ def test_binding_rejects_bad_arguments_before_launching():
             CUDA_EXTENSION.group_targets(**group, **{extra: 1})
 
 
+@needs_cuda_extension
+def test_row_kernel_pack_loops_are_short_enough_to_be_bound_by_memory():
+    """Common-path SASS instructions per 16-byte pack of the built kernels' main loops (sm_90),
+    every dtype and variant: at most 72 for bf16/fp16 and 40 for fp32 (measured 49-66 and 21-35),
+    below the ~100 at which an H100/H200 becomes bound by instruction issue, with several packs
+    loaded per iteration (the previous kernels, one pack and 150-250 / 70-130 instructions per
+    pack, fail)."""
+    from tpo_kernels.bench.kernel_report.loops import binary_loops
+
+    loops = binary_loops(CUDA_EXTENSION.__file__, "90")
+    found = {(l.kernel, l.dtype, l.variant) for l in loops}
+    for kernel in ("row_forward_kernel", "row_backward_kernel"):
+        for dtype in ("fp32", "bf16", "fp16"):
+            for variant in ("plain", "entropy"):
+                assert (kernel, dtype, variant) in found
+    for l in loops:
+        budget = 40 if l.dtype == "fp32" else 72
+        assert l.common_per_pack <= budget, (l.kernel, l.dtype, l.variant, l.common_per_pack)
+        assert l.packs >= 4, (l.kernel, l.dtype, l.variant)  # several packs loaded before use
+
+
 def test_group_op_rejects_host_tensors():
     layout = build_layout(6, torch.device("cpu"), padded_shape=(2, 3), group_size=2)
     with pytest.raises(ValueError, match="CUDA tensors, got token_logprobs on cpu"):
