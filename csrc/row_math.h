@@ -3,7 +3,7 @@
 // Everything here is a plain inline function usable on both sides: TPO_HD expands to
 // `__host__ __device__ __forceinline__` under nvcc and to `inline` for the host compiler, so the
 // CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use: the bf16/fp16
-// conversions, exp, the online softmax, the gradient element and the candidate gather/scatter.
+// conversions, exp2, the online softmax, the gradient element and the candidate gather/scatter.
 //
 // Math, for one row z[0..V) of raw logits, inverse temperature it and label y:
 //   m     = max_v z_v                    (raw, so z - m is exact for nearby logits)
