@@ -64,10 +64,10 @@ void math_elementwise(const std::string& op, uintptr_t in, uintptr_t out, int64_
   if (count == 0) return;
   tpo::binding::check_pointer(reinterpret_cast<const void*>(in), "in");
   tpo::binding::check_pointer(reinterpret_cast<const void*>(out), "out");
-  if (op == "exp_f32") {
+  if (op == "exp2_f32") {
     const float* x = reinterpret_cast<const float*>(in);
     float* y = reinterpret_cast<float*>(out);
-    for (int64_t i = 0; i < count; ++i) y[i] = tpo::exp_f32(x[i]);
+    for (int64_t i = 0; i < count; ++i) y[i] = tpo::exp2_f32(x[i]);
   } else if (op == "float_to_bf16" || op == "float_to_half") {
     const float* x = reinterpret_cast<const float*>(in);
     uint16_t* y = reinterpret_cast<uint16_t*>(out);
@@ -100,7 +100,7 @@ PYBIND11_MODULE(_C_cpu, m) {
   m.def("candidate_backward", &candidate_backward, tpo::binding::kCandidateBackwardDoc);
   m.def("math_elementwise", &math_elementwise, py::arg("op"), py::arg("in"), py::arg("out"),
         py::arg("count"),
-        "Apply a row_math.h helper element-wise (testing aid): exp_f32 (f32 -> f32), "
+        "Apply a row_math.h helper element-wise (testing aid): exp2_f32 (f32 -> f32), "
         "float_to_bf16 / float_to_half (f32 -> 16-bit pattern), bf16_to_float / half_to_float.");
   m.def("max_threads", &tpo::cpu::max_threads, "OpenMP threads used by the row ops.");
   m.def("isa", &tpo::cpu::isa_name, "Instruction set of the row kernels in use.");

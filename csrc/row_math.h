@@ -3,12 +3,13 @@
 // Everything here is a plain inline function usable on both sides: TPO_HD expands to
 // `__host__ __device__ __forceinline__` under nvcc and to `inline` for the host compiler, so the
 // CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use: the bf16/fp16
-// conversions, exp, the online softmax, the gradient element and the candidate gather/scatter.
+// conversions, exp2, the online softmax, the gradient element and the candidate gather/scatter.
 //
 // Math, for one row z[0..V) of raw logits, inverse temperature it and label y:
 //   m     = max_v z_v                    (raw, so z - m is exact for nearby logits)
 //   d_v   = (z_v - m) * it <= 0           tempered logit minus the tempered max
 //   s     = sum_v exp(d_v),  log_sum = log(s)         (lse = m * it + log_sum, never formed)
+//           (the vocabulary loops form exp(d_v) as exp2((z_v - m) it2), it2 = it log2(e))
 //   log p_v = d_v - log_sum
 //   log p_y = -log1p(r / e_y) when r < e_y, else d_y - log_sum,   e_y = exp(d_y), r = s - e_y
 //             (r is summed without the label, so 1 - p_y = r / s keeps its relative accuracy
@@ -203,36 +204,61 @@ inline auto visit_dtype(int dtype, F&& f) -> decltype(f(TypeTag<float>())) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// exp
+// exp2 / exp / log
 // ---------------------------------------------------------------------------------------------
 
-// exp(x) for float, branch-free so the host compiler can vectorize loops that call it.
-// n = round(x / ln2), r = x - n ln2 (Cody-Waite split: ln2_hi has 9 significant bits, so n*ln2_hi
-// is exact for |n| <= 128), exp(r) by its degree-7 Taylor polynomial (truncation error
-// |r|^8/8! < 6e-9 relative for |r| <= ln2/2), then scaled by 2^n built from the exponent bits.
-// Max error about 1.2 ulp (< 1.1e-7 relative) on [-86, 88.7] (tests/test_cpu_extension.py
-// checks it).
-// Results below exp(-86) (< 5e-38) flush to 0; NaN propagates; -inf -> 0; +inf -> inf.
-// Out-of-range x is not clamped before the polynomial; the garbage it produces there is replaced
-// by the masks at the end.
-TPO_HD float exp_f32(float x) {
-  const float lo = -86.0f;
-  const float hi = 88.72283f;
+// The vocabulary-sized loops work in base 2: with it2 = it * log2(e) (the "base-2 inverse
+// temperature", rounded once on the host from the float64 temperature), exp((z - m) it) =
+// exp2((z - m) it2), so each element costs one subtract, one multiply and one exp2, and on the
+// device that exp2 is a single MUFU.EX2 instruction.
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
+template <class A>
+TPO_HD A lowest();  // the most negative finite value
+template <>
+TPO_HD float lowest<float>() {
+  return bits_float(0xff7fffffu);
+}
+template <>
+TPO_HD double lowest<double>() {
+  return -1.7976931348623157e308;
+}
+
+// x, or lowest() where x is -inf or NaN: max(x, lowest) without a branch. Multiplying a
+// possibly -inf exponent by its exp2 (which is 0 there) then gives 0, not 0 * -inf = NaN.
+TPO_HD float floor_finite(float x) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(x, lowest<float>());  // one FMNMX; fmaxf(NaN, y) = y
+#else
+  return x > lowest<float>() ? x : lowest<float>();  // vectorizes to a max
+#endif
+}
+TPO_HD double floor_finite(double x) { return x > lowest<double>() ? x : lowest<double>(); }
+
+// 2^x for float on the host, branch-free so that the host compiler can vectorize loops that call
+// it. n = round(x) (the 1.5 * 2^23 trick), r = x - n in [-1/2, 1/2] (exact), 2^r = exp(r ln2)
+// by its degree-7 Taylor polynomial in r (coefficients ln2^k / k!; truncation < 6e-9 relative),
+// scaled by 2^n built from the exponent bits as 2 * 2^(n-1), valid for n in [-125, 128].
+// Max error about 1 ulp (< 1.5e-7 relative) on [-125, 128] (tests/test_cpu_extension.py checks
+// it). Below -125 the result flushes to 0 (results < 2^-125, far below anything the row sums
+// resolve); NaN propagates; -inf -> 0; +inf and x >= 128 -> inf. Out-of-range x is not clamped
+// before the polynomial; the masks at the end replace what it produces there.
+TPO_HD float exp2_f32(float x) {
+  const float lo = -125.0f;
+  const float hi = 128.0f;
   const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float shifted = x * 1.44269504088896341f + round_magic;
+  const float shifted = x + round_magic;
   const float n = shifted - round_magic;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440054690583e-4f;
-  float poly = 1.0f / 5040.0f;
-  poly = poly * r + 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
+  const float r = x - n;
+  float poly = 1.5252733804059840e-5f;  // ln2^7 / 7!
+  poly = poly * r + 1.5403530393381609e-4f;  // ln2^6 / 6!
+  poly = poly * r + 1.3333558146428443e-3f;  // ln2^5 / 5!
+  poly = poly * r + 9.6181291076284772e-3f;  // ln2^4 / 4!
+  poly = poly * r + 5.5504108664821580e-2f;  // ln2^3 / 3!
+  poly = poly * r + 2.4022650695910071e-1f;  // ln2^2 / 2!
+  poly = poly * r + 6.9314718055994531e-1f;  // ln2
   poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  // In range, the low bits of `shifted` hold n; 2^n is built as 2 * 2^(n-1), which keeps the
-  // biased exponent n + 126 in [1, 254] for n in [-124, 128].
   const uint32_t n_bits = float_bits(shifted) - float_bits(round_magic);
   const float scale = bits_float((n_bits + 126u) << 23);
   const float y = (poly + poly) * scale;
@@ -240,18 +266,26 @@ TPO_HD float exp_f32(float x) {
   // turn them into branches (it would then refuse to vectorize). NaN compares false both ways
   // and flows through.
   const uint32_t y_bits = select_bits(x < lo, 0u, float_bits(y));
-  return bits_float(select_bits(x > hi, 0x7f800000u, y_bits));
+  return bits_float(select_bits(x >= hi, 0x7f800000u, y_bits));
 }
 
-// exp / log in the accumulation type: float -> the accurate-library-grade versions of each side,
-// double -> the libm / CUDA double versions.
-TPO_HD float acc_exp(float x) {
+// 2^x in the accumulation type. float on the device: ex2.approx.ftz.f32, one MUFU.EX2, max
+// relative error 2^-22 (PTX ISA), results below 2^-126 flushed to 0; on the host exp2_f32
+// (about 1 ulp). double: the accurate exp2 of libm / CUDA.
+TPO_HD float acc_exp2(float x) {
 #if defined(__CUDA_ARCH__)
-  return expf(x);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
-  return exp_f32(x);
+  return exp2_f32(x);
 #endif
 }
+TPO_HD double acc_exp2(double x) { return exp2(x); }
+
+// Natural exp / log in the accumulation type, for the per-row (not per-element) steps: the
+// accurate library versions of each side.
+TPO_HD float acc_exp(float x) { return expf(x); }
 TPO_HD double acc_exp(double x) { return exp(x); }
 TPO_HD float acc_log(float x) { return logf(x); }
 TPO_HD double acc_log(double x) { return log(x); }
@@ -260,13 +294,24 @@ TPO_HD double acc_log1p(double x) { return log1p(x); }
 TPO_HD float acc_expm1(float x) { return expm1f(x); }
 TPO_HD double acc_expm1(double x) { return expm1(x); }
 
+// it2 = it * log2(e) in the accumulation type, rounded once from the float64 inverse temperature
+// (host side; every kernel of a call gets the same value).
+template <class A>
+inline A base2_scale(double inv_temperature) {
+  return static_cast<A>(inv_temperature * kLog2e);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Online softmax state
 // ---------------------------------------------------------------------------------------------
 
-// Summary of a set of raw logits z at inverse temperature it: m = max z, s = sum exp((z - m) it),
-// t = sum exp((z - m) it) (z - m) it. The empty set is m = -inf, s = t = 0. Elements equal to
-// -inf contribute nothing; NaN is handled by the callers.
+// Summary of a set of raw logits z at base-2 inverse temperature it2: m = max(lowest, max z)
+// (a finite reference, so that z - m is -inf, never NaN, for z = -inf), d2 = (z - m) it2,
+// s = sum 2^d2 = sum exp((z - m) it), t = sum 2^d2 d2 (base-2 units: the natural sum is ln2 t).
+// The empty set is m = lowest, s = t = 0. Elements equal to -inf contribute nothing. NaN is not
+// flagged: max ignores it, but 2^(NaN - m) = NaN makes s (and t) NaN, and every rescale, merge
+// and finish below keeps a NaN s NaN, so the row's log_sum, logprob and entropy come out NaN.
+// A +inf element does the same through inf - inf.
 template <class A>
 struct SoftmaxState {
   A m;
@@ -277,23 +322,23 @@ struct SoftmaxState {
 template <class A>
 TPO_HD SoftmaxState<A> softmax_empty() {
   SoftmaxState<A> st;
-  st.m = neg_inf<A>();
+  st.m = lowest<A>();
   st.s = A(0);
   st.t = A(0);
   return st;
 }
 
-// Re-express a state relative to a new max m_new >= st.m, with delta = (m - m_new) it <= 0:
-// sum e^(d - delta') = c s,   sum e^(...)(...) = c (t + delta s),   c = e^delta.
+// Re-express a state relative to a new max m_new >= st.m, with delta = (m - m_new) it2 <= 0:
+// sum 2^(d2 + delta) = c s,   sum 2^(...)(...) = c (t + delta s),   c = 2^delta.
 template <class A>
-TPO_HD void softmax_rescale(SoftmaxState<A>& st, A m_new, A it) {
+TPO_HD void softmax_rescale(SoftmaxState<A>& st, A m_new, A it2) {
   if (st.m == m_new) return;
-  if (st.s == A(0)) {  // empty (m = -inf): nothing to rescale, and -inf - m_new would poison t
+  if (st.s == A(0)) {  // no mass yet: nothing to rescale (and delta may be -inf)
     st.m = m_new;
     return;
   }
-  const A delta = (st.m - m_new) * it;
-  const A c = acc_exp(delta);
+  const A delta = (st.m - m_new) * it2;
+  const A c = acc_exp2(delta);
   st.t = c * (st.t + delta * st.s);
   st.s = c * st.s;
   st.m = m_new;
@@ -302,26 +347,25 @@ TPO_HD void softmax_rescale(SoftmaxState<A>& st, A m_new, A it) {
 // Combine two states (order-independent up to rounding). A state without mass (s == 0) adds
 // nothing; its max does not matter (softmax_finish restores the label's).
 template <class A>
-TPO_HD SoftmaxState<A> softmax_merge(SoftmaxState<A> a, SoftmaxState<A> b, A it) {
+TPO_HD SoftmaxState<A> softmax_merge(SoftmaxState<A> a, SoftmaxState<A> b, A it2) {
   if (b.s == A(0)) return a;
   if (a.s == A(0)) return b;
   const A m = a.m > b.m ? a.m : b.m;
-  softmax_rescale(a, m, it);
-  softmax_rescale(b, m, it);
+  softmax_rescale(a, m, it2);
+  softmax_rescale(b, m, it2);
   a.s += b.s;
   a.t += b.t;
   return a;
 }
 
-// Add one raw logit z (z <= st.m is the fast path: one exp, no rescale).
+// Add one raw logit z (z <= st.m is the fast path: one exp2, no rescale).
 template <class A>
-TPO_HD void softmax_add(SoftmaxState<A>& st, A z, A it) {
-  if (z > st.m) softmax_rescale(st, z, it);
-  if (!(z > neg_inf<A>())) return;  // -inf contributes exp(-inf) = 0 (NaN handled by callers)
-  const A d = (z - st.m) * it;
-  const A e = acc_exp(d);
+TPO_HD void softmax_add(SoftmaxState<A>& st, A z, A it2) {
+  if (z > st.m) softmax_rescale(st, z, it2);
+  const A d2 = (z - st.m) * it2;
+  const A e = acc_exp2(d2);
   st.s += e;
-  st.t += e * d;
+  st.t += e * floor_finite(d2);
 }
 
 // What the row forward returns for one row (see the math at the top).
@@ -334,20 +378,22 @@ struct RowStats {
 };
 
 // The row's statistics from the state of every element except the label's (`st` may or may not
-// have seen the label's value in its max) and the label's raw logit. A row whose logits are all
-// -inf has row_max = -inf and NaN log_sum / logprob / entropy (no distribution).
+// have seen the label's value in its max) and the label's raw logit, at inverse temperature it
+// (the label's terms use the natural base: they are computed once per row). A row whose logits
+// are all -inf has row_max = -inf and NaN log_sum / logprob / entropy (no distribution); a row
+// with a NaN or +inf logit has all four NaN.
 template <class A>
-TPO_HD RowStats<A> softmax_finish(SoftmaxState<A> st, A z_label, A it) {
-  if (z_label > st.m) softmax_rescale(st, z_label, it);
+TPO_HD RowStats<A> softmax_finish(SoftmaxState<A> st, A z_label, A it, A it2) {
+  if (z_label > st.m) softmax_rescale(st, z_label, it2);
   const A d = (z_label - st.m) * it;
   const A e = acc_exp(d);  // 0 for a -inf label
   const A s = st.s + e;
   RowStats<A> r;
-  r.row_max = st.m;
+  r.row_max = s > A(0) ? st.m : (s == A(0) ? neg_inf<A>() : A(quiet_nan_f()));
   r.log_sum = s > A(0) ? acc_log(s) : A(quiet_nan_f());
   // st.s is the rest of the mass, summed without the label: log(e / (e + rest)).
   r.logprob = st.s < e ? -acc_log1p(st.s / e) : d - r.log_sum;
-  const A t = st.t + (e > A(0) ? e * d : A(0));  // 0, not 0 * -inf, for a -inf label
+  const A t = A(kLn2) * st.t + e * floor_finite(d);  // natural units
   r.entropy = r.log_sum - t / s;
   return r;
 }
@@ -356,27 +402,52 @@ TPO_HD RowStats<A> softmax_finish(SoftmaxState<A> st, A z_label, A it) {
 // Backward element
 // ---------------------------------------------------------------------------------------------
 
-// log p_v = (z_v - m) it - log_sum for a raw logit z_v and the forward's row statistics.
+// The per-row constants of the backward, so that an element costs a subtract, an FMA, an exp2
+// and one or two multiplies:
+//   log2 p_v = (z_v - m) it2 - ls2,   ls2 = log_sum log2(e)
+//   grad_v   = it (-g p - ge p (log p + H)) = p (a + b log2 p),
+//              a = -it (g + ge H),  b = -it ge ln2          (b = 0 without the entropy term)
 template <class A>
-TPO_HD A log_prob(A z, A row_max, A log_sum, A it) {
-  return (z - row_max) * it - log_sum;
+struct GradRow {
+  A m;
+  A ls2;
+  A it2;
+  A a;
+  A b;
+};
+
+// The constants from the forward's row statistics (computed in double on the host or once per
+// row on the device: ls2 keeps the digits of log_sum).
+template <class A>
+TPO_HD GradRow<A> grad_row(A row_max, A log_sum, A g, A ge, A entropy, A it, A it2) {
+  GradRow<A> c;
+  c.m = row_max;
+  c.ls2 = A(static_cast<double>(log_sum) * kLog2e);
+  c.it2 = it2;
+  c.a = -it * (g + ge * entropy);
+  c.b = -it * ge * A(kLn2);
+  return c;
 }
 
-// d out / d z_v for a non-label element: it * (-g p - ge p (log p + H)), with log_p and
-// p = exp(log_p) supplied by the caller (so it can use a vector exp). The p log p term is taken
-// as 0 where p == 0 (its limit), so -inf logits give 0 rather than 0 * -inf = NaN.
 template <class A>
-TPO_HD A grad_element(A log_p, A p, A g, A ge, A entropy, A inv_t) {
-  // Where p == 0 use -H for log p so the factor is exactly 0; selecting an operand rather than
-  // a result keeps the arithmetic unconditional and the loop branch-free (vectorizable).
-  const A safe_log_p = p > A(0) ? log_p : -entropy;
-  return (-g * p - ge * p * (safe_log_p + entropy)) * inv_t;
+TPO_HD A log2_prob(A z, const GradRow<A>& c) {
+  return (z - c.m) * c.it2 - c.ls2;
 }
 
-// The same without the entropy term (ge == 0), the common TPO case.
+// d out / d z_v for a non-label element from log2 p and p = 2^(log2 p) (supplied by the caller,
+// so that it can use a vector exp2). The p log p term is 0 where p == 0 (its limit): log2 p is
+// floored at -256, below every log2 p whose p is not 0 in float, so -inf logits give 0 * finite
+// rather than 0 * inf = NaN (a NaN logit still gives NaN through p).
 template <class A>
-TPO_HD A grad_element_nolabel(A p, A g, A inv_t) {
-  return (-g * p) * inv_t;
+TPO_HD A grad_element(A log2_p, A p, const GradRow<A>& c) {
+  const A floored = log2_p > A(-256) ? log2_p : A(-256);
+  return p * (c.a + c.b * floored);
+}
+
+// The same without the entropy term (b == 0), the common TPO case.
+template <class A>
+TPO_HD A grad_element_nolabel(A p, const GradRow<A>& c) {
+  return p * c.a;
 }
 
 // The label's entry from the forward's log-prob lp: g (1 - p) = -g expm1(lp), which keeps its

@@ -77,15 +77,19 @@ def math_op(op, x, out_dtype):
 
 
 @needs_cpu
-def test_exp_f32_is_accurate():
-    x = torch.cat([torch.linspace(-86.0, 88.7, 2_000_001), torch.randn(500_000)])
-    y = math_op("exp_f32", x, torch.float32).double()
-    ref = torch.exp(x.double())
+def test_exp2_f32_is_accurate():
+    """The host exp2 of the vocabulary loops: about 1 ulp over its whole range (the device uses
+    ex2.approx, 2^-22 relative)."""
+    x = torch.cat([torch.linspace(-125.0, 127.99, 2_000_001), torch.randn(500_000) * 10,
+                   torch.rand(500_000) - 0.5])
+    y = math_op("exp2_f32", x, torch.float32).double()
+    ref = torch.exp2(x.double())
     assert ((y - ref).abs() / ref).max().item() < 1.5e-7  # about 1 ulp of float32
-    special = torch.tensor([float("nan"), float("-inf"), float("inf"), -1000.0, 1000.0, 0.0])
-    out = math_op("exp_f32", special, torch.float32)
+    special = torch.tensor([float("nan"), float("-inf"), float("inf"), -126.0, -1000.0, 128.0, 1000.0, 0.0,
+                            -1.0])
+    out = math_op("exp2_f32", special, torch.float32)
     assert torch.isnan(out[0])
-    assert out[1:].tolist() == [0.0, float("inf"), 0.0, float("inf"), 1.0]
+    assert out[1:].tolist() == [0.0, float("inf"), 0.0, 0.0, float("inf"), float("inf"), 1.0, 0.5]
 
 
 @needs_cpu
@@ -182,6 +186,28 @@ def test_row_forward_masked_vocab_and_nan(isa):
     assert torch.isnan(lp[2])
     assert torch.isnan(stats[1, 3]) and torch.isnan(lp[3]) and torch.isnan(entropy[3])
     assert torch.isfinite(stats[:, 4]).all() and torch.isfinite(entropy[4])
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["first", "label", "alone_in_masked_chunk", "last"])
+def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where, isa):
+    """No NaN flag: the bad logit reaches the sums (2^(NaN - m), 2^(inf - inf)) and no max,
+    rescale or chunk merge may make them finite again; the other rows are untouched."""
+    logits, labels = make_rows(3, 9_000, dtype)  # three 4096-column chunks on the CPU
+    labels[0] = 5_000
+    column = {"first": 0, "label": 5_000, "alone_in_masked_chunk": 100, "last": 8_999}[where]
+    if where == "alone_in_masked_chunk":
+        logits[0, :4096] = float("-inf")  # the chunk's max is no finite logit
+    logits[0, column] = value
+    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    for name, t in (("row_max", stats[0]), ("log_sum", stats[1]), ("logprob", lp), ("entropy", entropy)):
+        assert torch.isnan(t[0]), name
+        assert torch.isfinite(t[1:]).all(), name
+    r_lse, r_target, r_entropy = reference_rows(logits[1:], labels[1:], 1.0)
+    torch.testing.assert_close(lp[1:].double(), r_target - r_lse, **fwd_tol(dtype))
+    torch.testing.assert_close(entropy[1:].double(), r_entropy, **fwd_tol(dtype))
 
 
 @needs_cpu

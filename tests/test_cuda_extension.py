@@ -70,6 +70,27 @@ def test_binding_rejects_bad_arguments_before_launching():
             CUDA_EXTENSION.group_targets(**group, **{extra: 1})
 
 
+@needs_cuda_extension
+def test_row_kernel_pack_loops_are_short_enough_to_be_bound_by_memory():
+    """Common-path SASS instructions per 16-byte pack of the built kernels' main loops (sm_90),
+    every dtype and variant: at most 72 for bf16/fp16 and 40 for fp32 (measured 49-66 and 21-35),
+    below the ~100 at which an H100/H200 becomes bound by instruction issue, with several packs
+    loaded per iteration (the previous kernels, one pack and 150-250 / 70-130 instructions per
+    pack, fail)."""
+    from tpo_kernels.bench.kernel_report.loops import binary_loops
+
+    loops = binary_loops(CUDA_EXTENSION.__file__, "90")
+    found = {(l.kernel, l.dtype, l.variant) for l in loops}
+    for kernel in ("row_forward_kernel", "row_backward_kernel"):
+        for dtype in ("fp32", "bf16", "fp16"):
+            for variant in ("plain", "entropy"):
+                assert (kernel, dtype, variant) in found
+    for l in loops:
+        budget = 40 if l.dtype == "fp32" else 72
+        assert l.common_per_pack <= budget, (l.kernel, l.dtype, l.variant, l.common_per_pack)
+        assert l.packs >= 4, (l.kernel, l.dtype, l.variant)  # several packs loaded before use
+
+
 def test_group_op_rejects_host_tensors():
     layout = build_layout(6, torch.device("cpu"), padded_shape=(2, 3), group_size=2)
     with pytest.raises(ValueError, match="CUDA tensors, got token_logprobs on cpu"):
@@ -129,6 +150,38 @@ def test_misaligned_rows_and_zero_rows(dtype):
     cuda_backend().row_backward(logits, labels, stats, lp, g, inv_temperature=1.0, out=logits)  # in place
     torch.testing.assert_close(logits[keep], want[keep], **grad_tol(dtype))
     assert (logits[4] == 0).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["head", "label", "alone_in_a_masked_row", "remainder_pack", "tail"])
+def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where):
+    """No NaN flag in the kernel: the bad logit reaches the sums (2^(NaN - m), 2^(inf - inf)) in
+    every part of a row (unaligned head, 4-pack groups, single-pack remainder, tail, the label's
+    own column) and no max, rescale or block merge makes them finite again."""
+    n = 16 // torch.tensor([], dtype=dtype).element_size()
+    head = n - 1  # rows start one element past a 16-byte boundary
+    vocab = head + 562 * n + 1  # 562 packs (128 threads: 4 x 128 in groups, 50 single) and a tail
+    storage, _ = make_rows(1, 3 * vocab + 1, dtype, device="cuda")
+    logits = storage.view(-1)[1 : 1 + 3 * vocab].view(3, vocab)
+    labels = torch.randint(0, vocab, (3,), device="cuda")
+    labels[0] = head + 100 * n + 3
+    column = {"head": 0, "label": head + 100 * n + 3, "alone_in_a_masked_row": head + 130 * n + 5,
+              "remainder_pack": head + 540 * n + 2, "tail": vocab - 1}[where]
+    if where == "alone_in_a_masked_row":  # the bad logit's thread sees nothing finite
+        label_logit = logits[0, labels[0]].clone()
+        logits[0] = float("-inf")
+        logits[0, labels[0]] = label_logit
+    logits[0, column] = value
+    stats, lp, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    for name, t in (("row_max", stats[0]), ("log_sum", stats[1]), ("logprob", lp), ("entropy", entropy)):
+        assert torch.isnan(t[0]), name
+        assert torch.isfinite(t[1:]).all(), name
+    t_stats, t_lp, t_entropy = TORCH.row_forward(logits[1:], labels[1:], inv_temperature=1.0, with_entropy=True)
+    torch.testing.assert_close(stats[:, 1:], t_stats, **fwd_tol(dtype))
+    torch.testing.assert_close(lp[1:], t_lp, **fwd_tol(dtype))
+    torch.testing.assert_close(entropy[1:], t_entropy, **ent_tol(dtype))
 
 
 @needs_cuda

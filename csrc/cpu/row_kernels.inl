@@ -1,7 +1,7 @@
 // CPU row kernels, written once and compiled once per instruction set (row_ops_*.cpp include this
 // file inside their own namespace TPO_ISA_NS after selecting a target with `#pragma GCC target`).
 // The inner loops are branch-free over contiguous arrays with `#pragma omp simd`, so the compiler
-// vectorizes them, including the inlined exp_f32 from row_math.h.
+// vectorizes them, including the inlined exp2_f32 from row_math.h.
 //
 // Requires, before inclusion: <stdint.h>, <string.h>, <math.h>, <algorithm>, "row_math.h",
 // "row_ops.h", and TPO_ISA_NS defined. Element types and conversions are row_math.h's Elem<T>.
@@ -24,35 +24,34 @@ inline void prefetch_range(const T* begin, const T* end) {
   for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
-// max_i z_i of the raw logits (NaNs ignored here, flagged in nan_seen).
+// max(lowest, max_i z_i) of the raw logits: a finite reference for chunk_sums. NaNs are skipped
+// here (NaN > m is false); they reach the sums, which they turn into NaN.
 template <class T, class A>
-A chunk_max(const T* x, int64_t n, int& nan_seen) {
-  A m = neg_inf<A>();
-#pragma omp simd reduction(max : m) reduction(| : nan_seen)
+A chunk_max(const T* x, int64_t n) {
+  A m = lowest<A>();
+#pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) {
     const A z = Elem<T>::load(x[i]);
     m = z > m ? z : m;
-    nan_seen |= (z != z);
   }
   return m;
 }
 
-// With d = (z - ref) * it: s += sum exp(d), t += sum exp(d) d (when with_t).
+// With d2 = (z - ref) * it2: s += sum 2^d2, t += sum 2^d2 d2 (when with_t).
 template <class T, class A>
-void chunk_sums(const T* x, int64_t n, A it, A ref, bool with_t, A& s_acc, A& t_acc) {
-  const A ninf = neg_inf<A>();
+void chunk_sums(const T* x, int64_t n, A it2, A ref, bool with_t, A& s_acc, A& t_acc) {
   A s = 0, t = 0;
   if (with_t) {
 #pragma omp simd reduction(+ : s, t)
     for (int64_t i = 0; i < n; ++i) {
-      const A d = (Elem<T>::load(x[i]) - ref) * it;
-      const A e = acc_exp(d);
+      const A d2 = (Elem<T>::load(x[i]) - ref) * it2;
+      const A e = acc_exp2(d2);
       s += e;
-      t += e * (d > ninf ? d : A(0));  // e = 0 where d = -inf: 0, not 0 * -inf
+      t += e * floor_finite(d2);  // 0, not 0 * -inf, at -inf logits
     }
   } else {
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += acc_exp((Elem<T>::load(x[i]) - ref) * it);
+    for (int64_t i = 0; i < n; ++i) s += acc_exp2((Elem<T>::load(x[i]) - ref) * it2);
   }
   s_acc += s;
   t_acc += t;
@@ -61,29 +60,26 @@ void chunk_sums(const T* x, int64_t n, A it, A ref, bool with_t, A& s_acc, A& t_
 // The sums of [begin, end) of one chunk, leaving out the label's column (summed separately by
 // softmax_finish, so that 1 - p_label never comes from a cancelling difference).
 template <class T, class A>
-void chunk_sums_without(const T* x, int64_t begin, int64_t end, int64_t skip, A it, A ref,
+void chunk_sums_without(const T* x, int64_t begin, int64_t end, int64_t skip, A it2, A ref,
                         bool with_t, A& s_acc, A& t_acc) {
   if (skip >= begin && skip < end) {
-    chunk_sums(x + begin, skip - begin, it, ref, with_t, s_acc, t_acc);
-    chunk_sums(x + skip + 1, end - skip - 1, it, ref, with_t, s_acc, t_acc);
+    chunk_sums(x + begin, skip - begin, it2, ref, with_t, s_acc, t_acc);
+    chunk_sums(x + skip + 1, end - skip - 1, it2, ref, with_t, s_acc, t_acc);
   } else {
-    chunk_sums(x + begin, end - begin, it, ref, with_t, s_acc, t_acc);
+    chunk_sums(x + begin, end - begin, it2, ref, with_t, s_acc, t_acc);
   }
 }
 
 template <class T>
-RowStats<acc_t<T>> forward_row(const T* row, int64_t vocab, acc_t<T> it, int64_t label,
-                               bool with_t) {
+RowStats<acc_t<T>> forward_row(const T* row, int64_t vocab, acc_t<T> it, acc_t<T> it2,
+                               int64_t label, bool with_t) {
   using A = acc_t<T>;
-  const A ninf = neg_inf<A>();
   SoftmaxState<A> state = softmax_empty<A>();
-  int nan_seen = 0;
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
     const T* x = row + c0;
     SoftmaxState<A> chunk;
-    chunk.m = chunk_max<T, A>(x, n, nan_seen);
-    if (!(chunk.m > ninf)) continue;  // all -inf (or NaN, flagged above): contributes nothing
+    chunk.m = chunk_max<T, A>(x, n);
     chunk.s = A(0);
     chunk.t = A(0);
     const T* next = x + n;
@@ -91,17 +87,12 @@ RowStats<acc_t<T>> forward_row(const T* row, int64_t vocab, acc_t<T> it, int64_t
     const int64_t step = next_n > 0 ? std::max<int64_t>(1, next_n * kSubChunk / n) : 0;
     for (int64_t i0 = 0, p0 = 0; i0 < n; i0 += kSubChunk, p0 += step) {
       if (p0 < next_n) prefetch_range(next + p0, next + std::min(next_n, p0 + step));
-      chunk_sums_without(x, i0, std::min(n, i0 + kSubChunk), label - c0, it, chunk.m, with_t,
+      chunk_sums_without(x, i0, std::min(n, i0 + kSubChunk), label - c0, it2, chunk.m, with_t,
                          chunk.s, chunk.t);
     }
-    state = softmax_merge(state, chunk, it);
+    state = softmax_merge(state, chunk, it2);
   }
-  RowStats<A> r = softmax_finish(state, Elem<T>::load(row[label]), it);
-  if (nan_seen) {
-    const A nan = A(quiet_nan_f());
-    r.row_max = r.log_sum = r.logprob = r.entropy = nan;
-  }
-  return r;
+  return softmax_finish(state, Elem<T>::load(row[label]), it, it2);
 }
 
 template <class T>
@@ -114,6 +105,7 @@ void forward_rows(const RowForwardArgs& a) {
   A* logprob = static_cast<A*>(a.logprob);
   A* entropy = static_cast<A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
+  const A it2 = base2_scale<A>(a.inv_temperature);
   const int64_t rows = a.rows;
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t r = 0; r < rows; ++r) {
@@ -123,7 +115,7 @@ void forward_rows(const RowForwardArgs& a) {
       if (entropy != nullptr) entropy[r] = A(0);
       continue;
     }
-    const RowStats<A> st = forward_row<T>(base + r * a.row_stride, a.vocab, it, label,
+    const RowStats<A> st = forward_row<T>(base + r * a.row_stride, a.vocab, it, it2, label,
                                           entropy != nullptr);
     row_max[r] = st.row_max;
     log_sum[r] = st.log_sum;
@@ -133,29 +125,24 @@ void forward_rows(const RowForwardArgs& a) {
 }
 
 template <class T>
-void backward_row(const T* x, T* out, int64_t vocab, acc_t<T> it, int64_t label, acc_t<T> m,
-                  acc_t<T> log_sum, acc_t<T> lp, acc_t<T> g, acc_t<T> ge, acc_t<T> ent) {
+void backward_row(const T* x, T* out, int64_t vocab, int64_t label, const GradRow<acc_t<T>>& c,
+                  bool with_entropy, acc_t<T> label_grad) {
   using A = acc_t<T>;
-  if (g == A(0) && ge == A(0)) {  // zero-signal row: write zeros, never read the logits
-    memset(static_cast<void*>(out), 0, static_cast<size_t>(vocab) * sizeof(T));
-    return;
-  }
-  if (ge == A(0)) {
+  if (with_entropy) {
 #pragma omp simd
     for (int64_t v = 0; v < vocab; ++v) {
-      const A p = acc_exp(log_prob(Elem<T>::load(x[v]), m, log_sum, it));
-      out[v] = Elem<T>::store(grad_element_nolabel(p, g, it));
+      const A log2_p = log2_prob(Elem<T>::load(x[v]), c);
+      out[v] = Elem<T>::store(grad_element(log2_p, acc_exp2(log2_p), c));
     }
   } else {
 #pragma omp simd
     for (int64_t v = 0; v < vocab; ++v) {
-      const A log_p = log_prob(Elem<T>::load(x[v]), m, log_sum, it);
-      const A p = acc_exp(log_p);
-      out[v] = Elem<T>::store(grad_element(log_p, p, g, ge, ent, it));
+      const A p = acc_exp2(log2_prob(Elem<T>::load(x[v]), c));
+      out[v] = Elem<T>::store(grad_element_nolabel(p, c));
     }
   }
   // The label's entry from the forward's log-prob (never from the overwritten logits).
-  if (label >= 0) out[label] = Elem<T>::store(grad_label(lp, g, ge, ent, it));
+  if (label >= 0) out[label] = Elem<T>::store(label_grad);
 }
 
 template <class T>
@@ -170,14 +157,23 @@ void backward_rows(const RowBackwardArgs& a) {
   const A* ge = static_cast<const A*>(a.grad_entropy);
   const A* ent = static_cast<const A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
+  const A it2 = base2_scale<A>(a.inv_temperature);
   const int64_t rows = a.rows;
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t r = 0; r < rows; ++r) {
+    T* o = out + r * a.out_row_stride;
+    const A g_r = g[r];
     const A ge_r = ge != nullptr ? ge[r] : A(0);
+    if (g_r == A(0) && ge_r == A(0)) {  // zero-signal row: write zeros, never read the logits
+      memset(static_cast<void*>(o), 0, static_cast<size_t>(a.vocab) * sizeof(T));
+      continue;
+    }
     const A ent_r = (ge_r != A(0) && ent != nullptr) ? ent[r] : A(0);
     const int64_t label = a.labels[r];
-    backward_row<T>(base + r * a.row_stride, out + r * a.out_row_stride, a.vocab, it, label,
-                    row_max[r], log_sum[r], label >= 0 ? logprob[r] : A(0), g[r], ge_r, ent_r);
+    const A label_grad = label >= 0 ? grad_label(logprob[r], g_r, ge_r, ent_r, it) : A(0);
+    backward_row<T>(base + r * a.row_stride, o, a.vocab, label,
+                    grad_row(row_max[r], log_sum[r], g_r, ge_r, ent_r, it, it2), ge_r != A(0),
+                    label_grad);
   }
 }
 

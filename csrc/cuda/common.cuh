@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "../row_math.h"
 #include "launch.h"
 
@@ -20,6 +22,56 @@ struct Pack {
     T v[kSize];
   };
 };
+
+// Packed max of 16-bit pairs over n packs (max.bf16x2 / max.f16x2 return the other operand for a
+// NaN), as a float.
+template <class Pair, class T, int kCount>
+__device__ __forceinline__ float packed_max16(const Pack<T> (&pk)[kCount]) {
+  Pair m = *reinterpret_cast<const Pair*>(&pk[0].raw.x);
+#pragma unroll
+  for (int u = 0; u < kCount; ++u) {
+    const uint32_t w[4] = {pk[u].raw.x, pk[u].raw.y, pk[u].raw.z, pk[u].raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = __hmax2(m, *reinterpret_cast<const Pair*>(&w[i]));
+  }
+  return fmaxf(static_cast<float>(m.x), static_cast<float>(m.y));
+}
+
+// Max over n packs in the accumulation type, NaNs ignored (fmax(NaN, y) = y); one packed max per
+// two elements for the 16-bit types.
+template <class T, int kCount>
+__device__ __forceinline__ acc_t<T> packs_max(const Pack<T> (&pk)[kCount]) {
+  if constexpr (std::is_same<T, bf16_t>::value) {
+    return packed_max16<__nv_bfloat162>(pk);
+  } else if constexpr (std::is_same<T, half_t>::value) {
+    return packed_max16<__half2>(pk);
+  } else {
+    acc_t<T> m = pk[0].v[0];
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+#pragma unroll
+      for (int k = 0; k < Pack<T>::kSize; ++k) m = fmax(m, pk[u].v[k]);
+    }
+    return m;
+  }
+}
+
+// A pack's elements in the accumulation type. bf16 works on 32-bit words, one instruction per
+// element: the low element is w << 16, the high one w & 0xffff0000.
+template <class T>
+__device__ __forceinline__ void unpack(const Pack<T>& pk, acc_t<T> (&z)[Pack<T>::kSize]) {
+  if constexpr (std::is_same<T, bf16_t>::value) {
+    const uint32_t w[4] = {pk.raw.x, pk.raw.y, pk.raw.z, pk.raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      z[2 * i] = __uint_as_float(w[i] << 16);
+      z[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::kSize; ++k) z[k] = Elem<T>::load(pk.v[k]);
+  }
+}
 
 // Number of leading elements before the first 16-byte-aligned element of a row at address p
 // (at most `count`).
@@ -81,21 +133,23 @@ __device__ __forceinline__ SoftmaxState<A> shfl_state(const SoftmaxState<A>& st,
   return other;
 }
 
-// Merge every thread's online-softmax state (inverse temperature it); the result is valid in all
-// threads.
+// Merge every thread's online-softmax state (base-2 inverse temperature it2); the result is
+// valid in all threads.
 template <int kBlock, class A>
-__device__ SoftmaxState<A> block_merge_states(SoftmaxState<A> st, SoftmaxState<A>* scratch, A it) {
+__device__ SoftmaxState<A> block_merge_states(SoftmaxState<A> st, SoftmaxState<A>* scratch, A it2) {
   constexpr int kWarps = kBlock / 32;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) st = softmax_merge(st, shfl_state(st, offset), it);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    st = softmax_merge(st, shfl_state(st, offset), it2);
+  }
   __syncthreads();
   if (lane == 0) scratch[warp] = st;
   __syncthreads();
   st = scratch[0];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) st = softmax_merge(st, scratch[w], it);
+  for (int w = 1; w < kWarps; ++w) st = softmax_merge(st, scratch[w], it2);
   return st;
 }
 

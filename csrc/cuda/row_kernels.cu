@@ -1,8 +1,8 @@
 // CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter.
 // One block per row for the vocab-sized passes: 16-byte loads where the row is aligned (scalar
-// head/tail otherwise), per-thread online softmax in the accumulation type (fp32; fp64 for fp64
-// logits), warp-shuffle + shared-memory merge. The per-element arithmetic
-// is the shared row_math.h, the same code the CPU extension runs.
+// head/tail otherwise), several packs in flight per thread, per-thread online softmax in base 2
+// in the accumulation type (fp32; fp64 for fp64 logits), warp-shuffle + shared-memory merge. The
+// per-element arithmetic is the shared row_math.h, the same code the CPU extension runs.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -19,17 +19,80 @@ namespace {
 // Row forward
 // ---------------------------------------------------------------------------------------------
 
-// kEntropy: also accumulate t = sum e^d d (skipped when no entropy is requested). Every column but
-// the label's is summed into the per-thread state (raw max m, d = (z - m) it); softmax_finish adds
-// the label's own mass, so 1 - p_label never comes from a cancelling difference.
+// Packs each thread loads before it uses the first: 64 bytes in flight per thread (32 for fp64,
+// whose software exp2 needs the registers).
+template <class T>
+constexpr int packs_in_flight() {
+  return sizeof(acc_t<T>) == 8 ? 2 : 4;
+}
+// Blocks per SM the row kernels are compiled for: 1024 resident threads (at most 64 registers
+// each), so that an SM keeps 1024 x 64 bytes of loads in flight; fp64 (not bound by memory, and
+// spilling at 64 registers) gets no such bound.
+template <class T, int kBlock>
+constexpr int min_blocks_per_sm() {
+  return sizeof(acc_t<T>) == 8 ? 1 : 1024 / kBlock;
+}
+
+// Adds the packs j, j + kBlock, ... (kCount of them, loaded before the first is used) to the
+// thread's state: their max first (one compare per group; the rescale is rare once the running
+// max settles), then per element d2 = (z - m) it2, s += 2^d2, and with kEntropy t += 2^d2 d2.
+// The label, if it is in the group, is left out (its mass is added apart by softmax_finish).
+// NaN is not tested for: it reaches s through 2^(NaN - m).
+template <class T, int kBlock, bool kEntropy, int kCount>
+__device__ __forceinline__ void add_packs(const uint4* __restrict__ packs, int64_t j,
+                                          uint64_t label_offset, int label_lane, acc_t<T> it2,
+                                          SoftmaxState<acc_t<T>>& st) {
+  using A = acc_t<T>;
+  constexpr int N = Pack<T>::kSize;
+  Pack<T> pk[kCount];
+#pragma unroll
+  for (int u = 0; u < kCount; ++u) pk[u].raw = __ldg(packs + j + u * kBlock);  // read-only
+  const A group_max = packs_max(pk);
+  if (group_max > st.m) softmax_rescale(st, group_max, it2);
+  // label_offset = (this thread's pack holding the label, or -1) - j: the label is in this group
+  // iff it is below the group's span (one compare in the loop's own index type). The label's
+  // element becomes -inf (2^-inf = 0), by unrolled selects so that pk stays in registers.
+  if (label_offset < static_cast<uint64_t>(kCount) * kBlock) {
+    const int u_label = static_cast<int>(label_offset / kBlock);
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        if (u == u_label && k == label_lane) pk[u].v[k] = Elem<T>::store(neg_inf<A>());
+      }
+    }
+  }
+  A s = A(0);
+  A t = A(0);
+#pragma unroll
+  for (int u = 0; u < kCount; ++u) {
+    A z[N];
+    unpack(pk[u], z);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const A d2 = (z[k] - st.m) * it2;
+      const A e = acc_exp2(d2);
+      s += e;
+      if (kEntropy) t += e * floor_finite(d2);
+    }
+  }
+  st.s += s;
+  if (kEntropy) st.t += t;
+}
+
+// kEntropy: also accumulate t = sum 2^d2 d2 (skipped when no entropy is requested). Every column
+// but the label's is summed into the per-thread state (reference m = max(lowest, max z), d2 =
+// (z - m) it2); softmax_finish adds the label's own mass, so 1 - p_label never comes from a
+// cancelling difference.
 template <class T, int kBlock, bool kEntropy>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     row_forward_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
-                       const int64_t* __restrict__ labels, acc_t<T> it,
+                       const int64_t* __restrict__ labels, acc_t<T> it, acc_t<T> it2,
                        acc_t<T>* __restrict__ row_max, acc_t<T>* __restrict__ log_sum,
                        acc_t<T>* __restrict__ logprob, acc_t<T>* __restrict__ entropy) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
+  constexpr int U = packs_in_flight<T>();
   __shared__ SoftmaxState<A> scratch[kBlock / 32];
   const int64_t row = blockIdx.x;
   const int64_t label = labels[row];
@@ -44,55 +107,37 @@ __global__ void __launch_bounds__(kBlock)
     return;
   }
   const T* x = logits + row * row_stride;
-  const A ninf = neg_inf<A>();
   SoftmaxState<A> st = softmax_empty<A>();
-  int nan_seen = 0;
 
   const int64_t head = aligned_head<T>(x, vocab);
   const int64_t num_packs = (vocab - head) / N;
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
-    const A z = Elem<T>::load(x[i]);
-    nan_seen |= (z != z);
-    if (i != label) softmax_add(st, z, it);
+    if (i != label) softmax_add(st, Elem<T>::load(x[i]), it2);
   }
+  // The label's pack if this thread reads it (packs j = threadIdx.x mod kBlock), else -1.
+  const int64_t label_index = label - head;
+  const bool label_in_packs = label_index >= 0 && label_index < num_packs * N;
+  const int64_t label_pack =
+      label_in_packs && (label_index / N) % kBlock == threadIdx.x ? label_index / N : -1;
+  const int label_lane = static_cast<int>(label_index % N);
   const uint4* packs = reinterpret_cast<const uint4*>(x + head);
-  for (int64_t j = threadIdx.x; j < num_packs; j += kBlock) {
-    Pack<T> pk;
-    pk.raw = __ldg(packs + j);  // read-only for the whole kernel: non-coherent path is fine
-    const int64_t base = head + j * N;
-    A z[N];
-    A pack_max = ninf;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      z[k] = Elem<T>::load(pk.v[k]);
-      pack_max = z[k] > pack_max ? z[k] : pack_max;
-      nan_seen |= (z[k] != z[k]);
-    }
-    // One rescale per pack (rare once the running max settles), then N exps against it.
-    if (pack_max > st.m) softmax_rescale(st, pack_max, it);
-    if (!(st.m > ninf)) continue;  // everything so far is -inf
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const A d = (z[k] - st.m) * it;
-      const A e = base + k == label ? A(0) : acc_exp(d);  // the label's mass is added apart
-      st.s += e;
-      if (kEntropy) st.t += e * (d > ninf ? d : A(0));  // e = 0 where d = -inf
-    }
+  int64_t j = threadIdx.x;
+  // label_pack - j, carried through the loops (a value the compiler cannot recompute cheaply in
+  // the loop, so that it stays one register pair).
+  uint64_t label_offset = static_cast<uint64_t>(label_pack - j);
+  for (; j + (U - 1) * kBlock < num_packs; j += U * kBlock, label_offset -= U * kBlock) {
+    add_packs<T, kBlock, kEntropy, U>(packs, j, label_offset, label_lane, it2, st);
+  }
+  for (; j < num_packs; j += kBlock, label_offset -= kBlock) {
+    add_packs<T, kBlock, kEntropy, 1>(packs, j, label_offset, label_lane, it2, st);
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
-    const A z = Elem<T>::load(x[i]);
-    nan_seen |= (z != z);
-    if (i != label) softmax_add(st, z, it);
+    if (i != label) softmax_add(st, Elem<T>::load(x[i]), it2);
   }
 
-  st = block_merge_states<kBlock>(st, scratch, it);
-  nan_seen = __syncthreads_or(nan_seen);
+  st = block_merge_states<kBlock>(st, scratch, it2);
   if (threadIdx.x == 0) {
-    RowStats<A> r = softmax_finish(st, Elem<T>::load(x[label]), it);
-    if (nan_seen) {
-      const A nan = A(quiet_nan_f());
-      r.row_max = r.log_sum = r.logprob = r.entropy = nan;
-    }
+    const RowStats<A> r = softmax_finish(st, Elem<T>::load(x[label]), it, it2);
     row_max[row] = r.row_max;
     log_sum[row] = r.log_sum;
     logprob[row] = r.logprob;
@@ -104,58 +149,68 @@ __global__ void __launch_bounds__(kBlock)
 // Row backward
 // ---------------------------------------------------------------------------------------------
 
-// One element of the gradient; kEntropy = false is the ge == 0 specialization (TPO's case). The
-// label's entry is the row's precomputed grad_label (from the forward's log-prob).
+// One element of the gradient (not the label's: that one is written apart); kEntropy = false is
+// the ge == 0 specialization (TPO's case).
 template <class A, bool kEntropy>
-__device__ __forceinline__ A backward_element(A z, int64_t idx, int64_t label, A label_grad,
-                                              A m, A log_sum, A g, A ge, A ent, A it) {
-  const A log_p = log_prob(z, m, log_sum, it);
-  const A p = acc_exp(log_p);
-  const A grad = kEntropy ? grad_element(log_p, p, g, ge, ent, it) : grad_element_nolabel(p, g, it);
-  return idx == label ? label_grad : grad;
+__device__ __forceinline__ A backward_element(A z, const GradRow<A>& c) {
+  const A log2_p = log2_prob(z, c);
+  const A p = acc_exp2(log2_p);
+  return kEntropy ? grad_element(log2_p, p, c) : grad_element_nolabel(p, c);
 }
 
 template <class T, int kBlock, bool kEntropy>
 __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, int64_t head,
-                                             int64_t num_packs, int64_t label, acc_t<T> label_grad,
-                                             acc_t<T> m, acc_t<T> log_sum, acc_t<T> g,
-                                             acc_t<T> ge, acc_t<T> ent, acc_t<T> it) {
+                                             int64_t num_packs, const GradRow<acc_t<T>>& c) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
+  constexpr int U = packs_in_flight<T>();
   for (int64_t i = threadIdx.x; i < head; i += kBlock) {
-    o[i] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, label_grad,
-                                                        m, log_sum, g, ge, ent, it));
+    o[i] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(x[i]), c));
   }
   // Plain (coherent) loads: out may alias the logits (in-place backward). Each pack is read and
-  // then written by the same thread, so aliasing is safe.
+  // then written by the same thread, so aliasing is safe. U packs are loaded before the first
+  // is used.
   const uint4* in_packs = reinterpret_cast<const uint4*>(x + head);
   uint4* out_packs = reinterpret_cast<uint4*>(o + head);
-  for (int64_t j = threadIdx.x; j < num_packs; j += kBlock) {
+  int64_t j = threadIdx.x;
+  for (; j + (U - 1) * kBlock < num_packs; j += U * kBlock) {
+    Pack<T> pk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) pk[u].raw = in_packs[j + u * kBlock];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      A z[N];
+      unpack(pk[u], z);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        pk[u].v[k] = Elem<T>::store(backward_element<A, kEntropy>(z[k], c));
+      }
+      out_packs[j + u * kBlock] = pk[u].raw;
+    }
+  }
+  for (; j < num_packs; j += kBlock) {
     Pack<T> pk;
     pk.raw = in_packs[j];
-    const int64_t base = head + j * N;
+    A z[N];
+    unpack(pk, z);
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      pk.v[k] = Elem<T>::store(backward_element<A, kEntropy>(
-          Elem<T>::load(pk.v[k]), base + k, label, label_grad, m, log_sum, g, ge, ent, it));
-    }
+    for (int k = 0; k < N; ++k) pk.v[k] = Elem<T>::store(backward_element<A, kEntropy>(z[k], c));
     out_packs[j] = pk.raw;
   }
   for (int64_t i = head + num_packs * N + threadIdx.x; i < vocab; i += kBlock) {
-    o[i] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(x[i]), i, label, label_grad,
-                                                        m, log_sum, g, ge, ent, it));
+    o[i] = Elem<T>::store(backward_element<A, kEntropy>(Elem<T>::load(x[i]), c));
   }
 }
 
 template <class T, int kBlock>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     row_backward_kernel(const T* logits, T* out, int64_t vocab, int64_t row_stride,
                         int64_t out_row_stride, const int64_t* __restrict__ labels,
                         const acc_t<T>* __restrict__ row_max, const acc_t<T>* __restrict__ log_sum,
                         const acc_t<T>* __restrict__ logprob,
                         const acc_t<T>* __restrict__ grad_logprob,
                         const acc_t<T>* __restrict__ grad_entropy,
-                        const acc_t<T>* __restrict__ entropy, acc_t<T> it) {
+                        const acc_t<T>* __restrict__ entropy, acc_t<T> it, acc_t<T> it2) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
   const int64_t row = blockIdx.x;
@@ -181,16 +236,18 @@ __global__ void __launch_bounds__(kBlock)
     num_packs = 0;
   }
   const int64_t label = labels[row];
-  const A m = row_max[row];
-  const A ls = log_sum[row];
   const A ent = ge != A(0) ? entropy[row] : A(0);
-  const A label_grad = label >= 0 ? grad_label(logprob[row], g, ge, ent, it) : A(0);
+  const GradRow<A> c = grad_row(row_max[row], log_sum[row], g, ge, ent, it, it2);
   if (ge != A(0)) {
-    backward_row<T, kBlock, true>(x, o, vocab, head, num_packs, label, label_grad, m, ls, g, ge,
-                                  ent, it);
+    backward_row<T, kBlock, true>(x, o, vocab, head, num_packs, c);
   } else {
-    backward_row<T, kBlock, false>(x, o, vocab, head, num_packs, label, label_grad, m, ls, g,
-                                   A(0), A(0), it);
+    backward_row<T, kBlock, false>(x, o, vocab, head, num_packs, c);
+  }
+  // The label's entry, from the forward's log-prob (never from the logits, which the loop above
+  // may have overwritten): after the barrier, so that it replaces the loop's value.
+  if (label >= 0 && label < vocab) {  // (a label >= vocab is never dereferenced, see launch.h)
+    __syncthreads();
+    if (threadIdx.x == 0) o[label] = Elem<T>::store(grad_label(logprob[row], g, ge, ent, it));
   }
 }
 
@@ -246,17 +303,18 @@ void launch_row_forward(const RowForwardArgs& a, cudaStream_t stream) {
   A* logprob = static_cast<A*>(a.logprob);
   A* entropy = static_cast<A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
+  const A it2 = base2_scale<A>(a.inv_temperature);
   with_row_block<T>(a.vocab, [&](auto block) {
     constexpr int kBlock = decltype(block)::value;
     for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
       const unsigned grid = static_cast<unsigned>(count);
       if (entropy != nullptr) {
         row_forward_kernel<T, kBlock, true><<<grid, kBlock, 0, stream>>>(
-            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it,
+            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it, it2,
             row_max + start, log_sum + start, logprob + start, entropy + start);
       } else {
         row_forward_kernel<T, kBlock, false><<<grid, kBlock, 0, stream>>>(
-            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it,
+            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it, it2,
             row_max + start, log_sum + start, logprob + start, nullptr);
       }
     });
@@ -275,6 +333,7 @@ void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
   const A* ge = static_cast<const A*>(a.grad_entropy);
   const A* ent = static_cast<const A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
+  const A it2 = base2_scale<A>(a.inv_temperature);
   with_row_block<T>(a.vocab, [&](auto block) {
     constexpr int kBlock = decltype(block)::value;
     for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
@@ -282,7 +341,7 @@ void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
           logits + start * a.row_stride, out + start * a.out_row_stride, a.vocab, a.row_stride,
           a.out_row_stride, a.labels + start, row_max + start, log_sum + start, logprob + start,
           g + start,
-          ge != nullptr ? ge + start : nullptr, ent != nullptr ? ent + start : nullptr, it);
+          ge != nullptr ? ge + start : nullptr, ent != nullptr ? ent + start : nullptr, it, it2);
     });
   });
 }
