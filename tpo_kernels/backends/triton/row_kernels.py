@@ -88,6 +88,59 @@ def expm1(x, ACCURATE_MATH: tl.constexpr):
         return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, out))
 
 
+# Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, saving the multiply by
+# log2(e) that exp adds per element; sums and logs come back to natural units once per row.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# Clamp for log-probs of zero-probability entries: p * max(log p, -BIG) is 0 where p == 0
+# (log p = -inf) with one max instead of a compare and a select; BIG is finite in fp32.
+BIG = tl.constexpr(3.0e38)
+
+
+@triton.jit
+def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Split a row whose first element is element ``row_start`` of the tensor into the columns
+    ``[0, head)`` up to the first 16-byte aligned one (``VEC`` elements are 16 bytes, the tensor's
+    base is 16-byte aligned), a body ``head + [0, body_len)`` of whole ``BLOCK_V`` chunks read
+    without a mask, a tail ``head + [body_len, vec_len)`` read with a mask that is constant over
+    ``VEC`` columns (so loads stay 16 bytes wide), and the last ``< VEC`` columns. The head and
+    the last columns together are the row's edges (see ``edge_columns``)."""
+    head = ((VEC - row_start % VEC) % VEC).to(tl.int32)
+    vec_len = tl.maximum(vocab - head, 0) // VEC * VEC
+    body_len = vec_len // BLOCK_V * BLOCK_V
+    return head, body_len, vec_len
+
+
+@triton.jit
+def edge_columns(head, vec_end, vocab, VEC: tl.constexpr):
+    """The head columns ``[0, min(head, vocab))`` and the last columns ``[vec_end, vocab)`` as one
+    masked chunk of ``2 * VEC`` lanes."""
+    lanes = tl.arange(0, 2 * VEC)
+    in_head = lanes < VEC
+    cols = tl.where(in_head, lanes, vec_end + lanes - VEC)
+    return cols, (cols < vocab) & ((cols < head) | ~in_head)
+
+
+@triton.jit
+def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: tl.constexpr):
+    """One online step over a chunk ``z`` (-inf in masked lanes): the new running max and the
+    per-lane sums of ``e = 2^d`` and ``e d`` (label excluded), ``d = (z - max) * scale2``."""
+    new_max = tl.maximum(run_max, tl.max(z, axis=0))
+    # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(z.dtype)
+    delta = (run_max - shift) * scale2  # <= 0; -inf while nothing was seen
+    rescale = tl.exp2(delta)  # one scalar exp per chunk
+    d = (z - shift) * scale2
+    e = tl.where(is_label, 0.0, tl.exp2(d))  # the label's mass is added apart
+    if WITH_ENTROPY:
+        # t relative to the new max: 2^delta (t + delta s); a lane with e == 0 (masked, -inf
+        # logit, the label) adds 0, never 0 * -inf, and a NaN logit makes e (so s and t) NaN.
+        lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
+        lane_t += e * tl.maximum(d, -BIG)
+    lane_sum = lane_sum * rescale + e
+    return new_max, lane_sum, lane_t
+
+
 @triton.jit
 def _row_forward_kernel(
     logits_ptr,
@@ -104,39 +157,40 @@ def _row_forward_kernel(
     WITH_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
     ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    label = tl.load(labels_ptr + row)
-    if label >= 0:
-        row_ptr = logits_ptr + row * row_stride
+    label_id = tl.load(labels_ptr + row)
+    if label_id >= 0:
+        label = label_id.to(tl.int32)  # < vocab < 2**31: column compares in int32
+        row_start = row * row_stride
+        row_ptr = logits_ptr + row_start
+        head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
+        scale2 = scale * tl.full([], LOG2E, ACC)
+        # The edges first; their sums seed lane 0 of the per-lane partial sums, which are reduced
+        # once after the loop (the only cross-warp reduction per chunk is the max).
+        edge_cols, edge_mask = edge_columns(head, head + vec_len, vocab, VEC)
+        edge_z = tl.load(row_ptr + edge_cols, mask=edge_mask, other=float("-inf")).to(ACC)
+        zeros = tl.zeros([2 * VEC], dtype=ACC)
+        run_max, edge_sum, edge_t = _absorb_chunk(edge_z, edge_cols == label, tl.full([], float("-inf"), ACC),
+                                                  zeros, zeros, scale2, WITH_ENTROPY)
         cols = tl.arange(0, BLOCK_V)
-        run_max = tl.full([], float("-inf"), ACC)
-        # Per-lane partial sums over every column but the label's, reduced once after the loop:
-        # the only cross-warp reduction per chunk is the max. lane_sum = exp(d), lane_t = exp(d) d.
-        lane_sum = tl.zeros([BLOCK_V], dtype=ACC)
-        lane_t = tl.zeros([BLOCK_V], dtype=ACC)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC)
-            new_max = tl.maximum(run_max, tl.max(z, axis=0))
-            # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(ACC)
-            delta = (run_max - shift) * scale  # <= 0; -inf while nothing was seen
-            rescale = tl.exp(delta)  # one scalar exp per chunk
-            d = (z - shift) * scale
-            e = tl.where(idx == label, 0.0, tl.exp(d))  # the label's mass is added apart
-            if WITH_ENTROPY:
-                # t relative to the new max: exp(delta) (t + delta s); e == 0 (masked lanes, -inf
-                # logits, the label) adds 0, not 0 * -inf.
-                lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
-                lane_t += e * tl.where(e > 0, d, 0.0)
-            lane_sum = lane_sum * rescale + e
-            run_max = new_max
+        lane_sum = tl.where(cols == 0, tl.sum(edge_sum, axis=0), 0.0)
+        lane_t = tl.where(cols == 0, tl.sum(edge_t, axis=0), 0.0)
+        body_ptr = logits_ptr + tl.multiple_of(row_start + head, VEC)
+        for off in range(0, body_len, BLOCK_V):
+            z = tl.load(body_ptr + off + cols).to(ACC)
+            run_max, lane_sum, lane_t = _absorb_chunk(z, cols == label - head - off, run_max, lane_sum, lane_t,
+                                                      scale2, WITH_ENTROPY)
+        tail = body_len + cols
+        z = tl.load(body_ptr + tail, mask=tail < vec_len, other=float("-inf")).to(ACC)
+        run_max, lane_sum, lane_t = _absorb_chunk(z, tail == label - head, run_max, lane_sum, lane_t,
+                                                  scale2, WITH_ENTROPY)
         rest = tl.sum(lane_sum, axis=0)
         shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
-        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale
+        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale  # natural units from here on
         e_y = tl.exp(d_y)
         total = rest + e_y
         log_sum = tl.log(total)
@@ -146,7 +200,7 @@ def _row_forward_kernel(
         tl.store(log_sum_ptr + row, log_sum)
         tl.store(logprob_ptr + row, tl.where(rest < e_y, confident, d_y - log_sum))
         if WITH_ENTROPY:
-            t = tl.sum(lane_t, axis=0) + tl.where(e_y > 0, e_y * d_y, 0.0)
+            t = tl.sum(lane_t, axis=0) * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
             tl.store(entropy_ptr + row, log_sum - t / total)
     else:
         # Skipped row (ignored label): outputs are 0 and the row is never read.
@@ -155,6 +209,41 @@ def _row_forward_kernel(
         tl.store(logprob_ptr + row, tl.full([], 0.0, ACC))
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, tl.full([], 0.0, ACC))
+
+
+@triton.jit
+def _chunk_grad(in_ptrs, out_ptrs, mask, is_label, row_max, log_sum2, scale2, coef, coef_log, label_grad,
+                ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr):
+    """Store one chunk of the row gradient (zeros when not ACTIVE, without reading the logits)."""
+    if ACTIVE:
+        x = tl.load(in_ptrs, mask=mask).to(ACC)
+        log_p2 = (x - row_max) * scale2 - log_sum2  # log2 p
+        p = tl.exp2(log_p2)
+        if HAS_ENTROPY_GRAD:
+            grad = p * (coef + coef_log * tl.maximum(log_p2, -BIG))
+        else:
+            grad = p * coef
+        grad = tl.where(is_label, label_grad, grad)
+    else:
+        grad = tl.zeros(in_ptrs.shape, dtype=ACC)
+    tl.store(out_ptrs, grad.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_row_grad(in_start, out_start, in_body, out_body, head, body_len, vec_len, vocab, label, row_max,
+                    log_sum2, scale2, coef, coef_log, label_grad, ACTIVE: tl.constexpr,
+                    HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """Walk one row's sections (``row_sections``): edges, unmasked body, masked tail."""
+    edge_cols, edge_mask = edge_columns(head, head + vec_len, vocab, VEC)
+    _chunk_grad(in_start + edge_cols, out_start + edge_cols, edge_mask, edge_cols == label, row_max, log_sum2,
+                scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    cols = tl.arange(0, BLOCK_V)
+    for off in range(0, body_len, BLOCK_V):
+        _chunk_grad(in_body + off + cols, out_body + off + cols, None, cols == label - head - off, row_max,
+                    log_sum2, scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    tail = body_len + cols
+    _chunk_grad(in_body + tail, out_body + tail, tail < vec_len, tail == label - head, row_max, log_sum2,
+                scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
 
 
 @triton.jit
@@ -177,6 +266,8 @@ def _row_backward_kernel(
     HAS_ENTROPY_GRAD: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
     ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -186,43 +277,48 @@ def _row_backward_kernel(
         active = (g != 0) | (ge != 0)
     else:
         active = g != 0
-    out_row = out_ptr + row * out_row_stride
-    cols = tl.arange(0, BLOCK_V)
+    in_start = row * logits_row_stride
+    head, body_len, vec_len = row_sections(in_start, vocab, VEC, BLOCK_V)
+    in_body = logits_ptr + tl.multiple_of(in_start + head, VEC)
+    out_start = row * out_row_stride
+    if OUT_ALIGNED:  # out's rows start at the same offset modulo VEC as the logits' rows
+        out_body = out_ptr + tl.multiple_of(out_start + head, VEC)
+    else:
+        out_body = out_ptr + (out_start + head)
     if active:
-        in_row = logits_ptr + row * logits_row_stride
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         row_max = tl.load(row_max_ptr + row).to(ACC)
         log_sum = tl.load(log_sum_ptr + row).to(ACC)
-        label = tl.load(labels_ptr + row)  # < 0: no one-hot term (never equals a column)
+        label = tl.maximum(tl.load(labels_ptr + row), -1).to(tl.int32)  # -1: no one-hot term
         lp = tl.load(logprob_ptr + row).to(ACC)
         # The label's entry: g (1 - p_y) = -g expm1(log p_y), accurate for confident tokens.
         label_grad = -g * expm1(lp, ACCURATE_MATH)
+        # Other entries: scale (-g p - ge p (log p + H)) = p (coef + coef_log log2 p).
+        coef = -g * scale
+        coef_log = coef  # unused without an entropy gradient
         if HAS_ENTROPY_GRAD:
             entropy = tl.load(entropy_ptr + row).to(ACC)
             p_y = tl.exp(lp)
             label_grad = label_grad - ge * p_y * (tl.where(p_y > 0, lp, -entropy) + entropy)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            in_vocab = idx < vocab
-            x = tl.load(in_row + idx, mask=in_vocab, other=float("-inf")).to(ACC)
-            log_p = (x - row_max) * scale - log_sum
-            p = tl.exp(log_p)
-            grad = -g * p
-            if HAS_ENTROPY_GRAD:
-                # d(-sum p log p)/dz_v = -p_v (log p_v + H); 0 where p_v == 0 (not 0 * -inf)
-                grad = grad - ge * p * (tl.where(p > 0, log_p, -entropy) + entropy)
-            grad = tl.where(idx == label, label_grad, grad)
-            tl.store(out_row + idx, (grad * scale).to(out_ptr.dtype.element_ty), mask=in_vocab)
+            coef = -(g + ge * entropy) * scale
+            coef_log = -ge * scale * tl.full([], LN2, ACC)
+        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
+                        vocab, label, row_max, log_sum * tl.full([], LOG2E, ACC), scale * tl.full([], LOG2E, ACC),
+                        coef, coef_log, label_grad * scale, True, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
     else:
         # Zero-signal row: write zeros, never touch the logits.
-        zeros = tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            tl.store(out_row + idx, zeros, mask=idx < vocab)
+        zero = tl.full([], 0.0, ACC)
+        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
+                        vocab, -1, zero, zero, zero, zero, zero, zero, False, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
 
 
 def _acc_type(dtype: torch.dtype):
     return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
+
+
+def _vector_width(logits: Tensor) -> int:
+    """Elements per 16-byte load: the kernels align each row's body to this many columns."""
+    return 16 // logits.element_size()
 
 
 def pick_block_v(vocab: int, element_size: int) -> int:
@@ -289,6 +385,7 @@ def row_forward(
             WITH_ENTROPY=bool(with_entropy),
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
+            VEC=_vector_width(logits),
             ACCURATE_MATH=use_libdevice(),
             num_warps=_num_warps(block),
         )
@@ -329,6 +426,7 @@ def row_backward(
         grad_entropy = grad_entropy.contiguous()
         entropy = entropy.contiguous()
     block = int(block_v) if block_v else pick_block_v(vocab, logits.element_size())
+    vec = _vector_width(logits)
     with device_guard(logits):
         _row_backward_kernel[(rows,)](
             logits,
@@ -347,6 +445,8 @@ def row_backward(
             HAS_ENTROPY_GRAD=has_ge,
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
+            VEC=vec,
+            OUT_ALIGNED=(target.stride(0) - logits.stride(0)) % vec == 0,
             ACCURATE_MATH=use_libdevice(),
             num_warps=_num_warps(block),
         )
