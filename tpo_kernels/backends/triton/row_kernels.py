@@ -88,23 +88,23 @@ def expm1(x, ACCURATE_MATH: tl.constexpr):
         return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, out))
 
 
-# Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, saving the multiply by
-# log2(e) that exp adds per element; sums and logs come back to natural units once per row.
+# Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, which saves the multiply
+# by log2(e) that exp adds per element; sums and logs return to natural units once per row.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# Clamp for log-probs of zero-probability entries: p * max(log p, -BIG) is 0 where p == 0
-# (log p = -inf) with one max instead of a compare and a select; BIG is finite in fp32.
+# p * max(log p, -BIG) is 0 where p == 0 (log p = -inf): one max instead of a compare and select.
 BIG = tl.constexpr(3.0e38)
 
 
 @triton.jit
 def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Split a row whose first element is element ``row_start`` of the tensor into the columns
-    ``[0, head)`` up to the first 16-byte aligned one (``VEC`` elements are 16 bytes, the tensor's
-    base is 16-byte aligned), a body ``head + [0, body_len)`` of whole ``BLOCK_V`` chunks read
-    without a mask, a tail ``head + [body_len, vec_len)`` read with a mask that is constant over
-    ``VEC`` columns (so loads stay 16 bytes wide), and the last ``< VEC`` columns. The head and
-    the last columns together are the row's edges (see ``edge_columns``)."""
+    """Split the row whose first element is element ``row_start`` of the tensor.
+
+    ``VEC`` elements are 16 bytes. With the tensor's base 16-byte aligned, column ``head`` is the
+    row's first 16-byte aligned column; from there a body of ``body_len`` columns (whole
+    ``BLOCK_V`` chunks, read without a mask) and a tail up to ``vec_len`` (read with a mask that
+    is constant over ``VEC`` columns, so loads stay 16 bytes wide). The head ``[0, head)`` and the
+    last ``< VEC`` columns ``[head + vec_len, vocab)`` are the row's edges (``edge_tile``)."""
     head = ((VEC - row_start % VEC) % VEC).to(tl.int32)
     vec_len = tl.maximum(vocab - head, 0) // VEC * VEC
     body_len = vec_len // BLOCK_V * BLOCK_V
@@ -112,20 +112,29 @@ def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def edge_columns(head, vec_end, vocab, VEC: tl.constexpr):
-    """The head columns ``[0, min(head, vocab))`` and the last columns ``[vec_end, vocab)`` as one
-    masked chunk of ``2 * VEC`` lanes."""
-    lanes = tl.arange(0, 2 * VEC)
-    in_head = lanes < VEC
-    cols = tl.where(in_head, lanes, vec_end + lanes - VEC)
-    return cols, (cols < vocab) & ((cols < head) | ~in_head)
+def chunk_tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """A chunk of ``BLOCK_V`` columns as a ``[BLOCK_V // VEC, VEC]`` tile of 16-byte vectors:
+    ``(vector index [n, 1], lane [1, VEC])``. Testing a column as (vector, lane) compares the
+    lane with a compile-time constant per register, so the column indices never occupy
+    registers (a 1-D ``arange`` compare keeps one register per element live in the loop)."""
+    return tl.arange(0, BLOCK_V // VEC)[:, None], tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def edge_tile(head, vec_end, vocab, VEC: tl.constexpr):
+    """The edges as a ``[2, VEC]`` tile: row 0 the head columns ``[0, min(head, vocab))``, row 1
+    the last columns ``[vec_end, vocab)``. Returns ``(columns, mask)``."""
+    part = tl.arange(0, 2)[:, None]
+    lane = tl.arange(0, VEC)[None, :]
+    cols = tl.where(part == 0, lane, vec_end + lane)
+    return cols, (cols < vocab) & ((part == 1) | (lane < head))
 
 
 @triton.jit
 def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: tl.constexpr):
     """One online step over a chunk ``z`` (-inf in masked lanes): the new running max and the
     per-lane sums of ``e = 2^d`` and ``e d`` (label excluded), ``d = (z - max) * scale2``."""
-    new_max = tl.maximum(run_max, tl.max(z, axis=0))
+    new_max = tl.maximum(run_max, tl.max(z, axis=None))
     # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
     shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(z.dtype)
     delta = (run_max - shift) * scale2  # <= 0; -inf while nothing was seen
@@ -133,8 +142,8 @@ def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: 
     d = (z - shift) * scale2
     e = tl.where(is_label, 0.0, tl.exp2(d))  # the label's mass is added apart
     if WITH_ENTROPY:
-        # t relative to the new max: 2^delta (t + delta s); a lane with e == 0 (masked, -inf
-        # logit, the label) adds 0, never 0 * -inf, and a NaN logit makes e (so s and t) NaN.
+        # t relative to the new max: 2^delta (t + delta s). A lane with e == 0 (masked, -inf
+        # logit, the label) adds 0, never 0 * -inf; a NaN logit makes e, so s and t, NaN.
         lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
         lane_t += e * tl.maximum(d, -BIG)
     lane_sum = lane_sum * rescale + e
@@ -163,32 +172,36 @@ def _row_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     label_id = tl.load(labels_ptr + row)
     if label_id >= 0:
-        label = label_id.to(tl.int32)  # < vocab < 2**31: column compares in int32
+        label = label_id.to(tl.int32)  # < vocab < 2**31: int32 column compares
         row_start = row * row_stride
         row_ptr = logits_ptr + row_start
         head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         scale2 = scale * tl.full([], LOG2E, ACC)
-        # The edges first; their sums seed lane 0 of the per-lane partial sums, which are reduced
-        # once after the loop (the only cross-warp reduction per chunk is the max).
-        edge_cols, edge_mask = edge_columns(head, head + vec_len, vocab, VEC)
+        # The edges first: their sums seed one lane of the per-lane partial sums, which are
+        # reduced once after the loop (the only cross-warp reduction per chunk is the max).
+        edge_cols, edge_mask = edge_tile(head, head + vec_len, vocab, VEC)
         edge_z = tl.load(row_ptr + edge_cols, mask=edge_mask, other=float("-inf")).to(ACC)
-        zeros = tl.zeros([2 * VEC], dtype=ACC)
+        no_sums = tl.zeros([2, VEC], dtype=ACC)
         run_max, edge_sum, edge_t = _absorb_chunk(edge_z, edge_cols == label, tl.full([], float("-inf"), ACC),
-                                                  zeros, zeros, scale2, WITH_ENTROPY)
-        cols = tl.arange(0, BLOCK_V)
-        lane_sum = tl.where(cols == 0, tl.sum(edge_sum, axis=0), 0.0)
-        lane_t = tl.where(cols == 0, tl.sum(edge_t, axis=0), 0.0)
+                                                  no_sums, no_sums, scale2, WITH_ENTROPY)
+        vector, lane = chunk_tile(BLOCK_V, VEC)
+        first = (vector == 0) & (lane == 0)
+        lane_sum = tl.where(first, tl.sum(edge_sum, axis=None), 0.0)
+        lane_t = tl.where(first, tl.sum(edge_t, axis=None), 0.0)
+        # The label as (vector, lane) relative to the body's start; negative in the head: no match.
+        label_vector = (label - head) // VEC
+        label_lane = (label - head) % VEC
         body_ptr = logits_ptr + tl.multiple_of(row_start + head, VEC)
         for off in range(0, body_len, BLOCK_V):
-            z = tl.load(body_ptr + off + cols).to(ACC)
-            run_max, lane_sum, lane_t = _absorb_chunk(z, cols == label - head - off, run_max, lane_sum, lane_t,
-                                                      scale2, WITH_ENTROPY)
-        tail = body_len + cols
+            z = tl.load(body_ptr + off + vector * VEC + lane).to(ACC)
+            is_label = (vector == label_vector - off // VEC) & (lane == label_lane)
+            run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
+        tail = body_len + vector * VEC + lane
         z = tl.load(body_ptr + tail, mask=tail < vec_len, other=float("-inf")).to(ACC)
-        run_max, lane_sum, lane_t = _absorb_chunk(z, tail == label - head, run_max, lane_sum, lane_t,
-                                                  scale2, WITH_ENTROPY)
-        rest = tl.sum(lane_sum, axis=0)
+        is_label = (vector == label_vector - body_len // VEC) & (lane == label_lane)
+        run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
+        rest = tl.sum(lane_sum, axis=None)
         shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
         d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale  # natural units from here on
         e_y = tl.exp(d_y)
@@ -200,7 +213,7 @@ def _row_forward_kernel(
         tl.store(log_sum_ptr + row, log_sum)
         tl.store(logprob_ptr + row, tl.where(rest < e_y, confident, d_y - log_sum))
         if WITH_ENTROPY:
-            t = tl.sum(lane_t, axis=0) * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
+            t = tl.sum(lane_t, axis=None) * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
             tl.store(entropy_ptr + row, log_sum - t / total)
     else:
         # Skipped row (ignored label): outputs are 0 and the row is never read.
@@ -214,7 +227,7 @@ def _row_forward_kernel(
 @triton.jit
 def _chunk_grad(in_ptrs, out_ptrs, mask, is_label, row_max, log_sum2, scale2, coef, coef_log, label_grad,
                 ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr):
-    """Store one chunk of the row gradient (zeros when not ACTIVE, without reading the logits)."""
+    """Store one chunk of the row gradient; zeros when not ACTIVE, without reading the logits."""
     if ACTIVE:
         x = tl.load(in_ptrs, mask=mask).to(ACC)
         log_p2 = (x - row_max) * scale2 - log_sum2  # log2 p
@@ -230,20 +243,25 @@ def _chunk_grad(in_ptrs, out_ptrs, mask, is_label, row_max, log_sum2, scale2, co
 
 
 @triton.jit
-def _store_row_grad(in_start, out_start, in_body, out_body, head, body_len, vec_len, vocab, label, row_max,
-                    log_sum2, scale2, coef, coef_log, label_grad, ACTIVE: tl.constexpr,
-                    HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+def _store_row_grad(in_row, out_row, in_body, out_body, head, body_len, vec_len, vocab, label, row_max, log_sum2,
+                    scale2, coef, coef_log, label_grad, ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                    ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """Walk one row's sections (``row_sections``): edges, unmasked body, masked tail."""
-    edge_cols, edge_mask = edge_columns(head, head + vec_len, vocab, VEC)
-    _chunk_grad(in_start + edge_cols, out_start + edge_cols, edge_mask, edge_cols == label, row_max, log_sum2,
-                scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
-    cols = tl.arange(0, BLOCK_V)
+    edge_cols, edge_mask = edge_tile(head, head + vec_len, vocab, VEC)
+    _chunk_grad(in_row + edge_cols, out_row + edge_cols, edge_mask, edge_cols == label, row_max, log_sum2, scale2,
+                coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    vector, lane = chunk_tile(BLOCK_V, VEC)
+    label_vector = (label - head) // VEC  # as in the forward
+    label_lane = (label - head) % VEC
     for off in range(0, body_len, BLOCK_V):
-        _chunk_grad(in_body + off + cols, out_body + off + cols, None, cols == label - head - off, row_max,
-                    log_sum2, scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
-    tail = body_len + cols
-    _chunk_grad(in_body + tail, out_body + tail, tail < vec_len, tail == label - head, row_max, log_sum2,
-                scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+        cols = off + vector * VEC + lane
+        is_label = (vector == label_vector - off // VEC) & (lane == label_lane)
+        _chunk_grad(in_body + cols, out_body + cols, None, is_label, row_max, log_sum2, scale2, coef, coef_log,
+                    label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    cols = body_len + vector * VEC + lane
+    is_label = (vector == label_vector - body_len // VEC) & (lane == label_lane)
+    _chunk_grad(in_body + cols, out_body + cols, cols < vec_len, is_label, row_max, log_sum2, scale2, coef,
+                coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
 
 
 @triton.jit
@@ -278,10 +296,10 @@ def _row_backward_kernel(
     else:
         active = g != 0
     in_start = row * logits_row_stride
+    out_start = row * out_row_stride
     head, body_len, vec_len = row_sections(in_start, vocab, VEC, BLOCK_V)
     in_body = logits_ptr + tl.multiple_of(in_start + head, VEC)
-    out_start = row * out_row_stride
-    if OUT_ALIGNED:  # out's rows start at the same offset modulo VEC as the logits' rows
+    if OUT_ALIGNED:  # out's rows start at the logits' rows' offset modulo VEC
         out_body = out_ptr + tl.multiple_of(out_start + head, VEC)
     else:
         out_body = out_ptr + (out_start + head)
@@ -293,7 +311,7 @@ def _row_backward_kernel(
         lp = tl.load(logprob_ptr + row).to(ACC)
         # The label's entry: g (1 - p_y) = -g expm1(log p_y), accurate for confident tokens.
         label_grad = -g * expm1(lp, ACCURATE_MATH)
-        # Other entries: scale (-g p - ge p (log p + H)) = p (coef + coef_log log2 p).
+        # The others: inv_t (-g p - ge p (log p + H)) = p (coef + coef_log log2 p).
         coef = -g * scale
         coef_log = coef  # unused without an entropy gradient
         if HAS_ENTROPY_GRAD:
@@ -302,9 +320,10 @@ def _row_backward_kernel(
             label_grad = label_grad - ge * p_y * (tl.where(p_y > 0, lp, -entropy) + entropy)
             coef = -(g + ge * entropy) * scale
             coef_log = -ge * scale * tl.full([], LN2, ACC)
+        log2e = tl.full([], LOG2E, ACC)
         _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
-                        vocab, label, row_max, log_sum * tl.full([], LOG2E, ACC), scale * tl.full([], LOG2E, ACC),
-                        coef, coef_log, label_grad * scale, True, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
+                        vocab, label, row_max, log_sum * log2e, scale * log2e, coef, coef_log, label_grad * scale,
+                        True, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
     else:
         # Zero-signal row: write zeros, never touch the logits.
         zero = tl.full([], 0.0, ACC)
