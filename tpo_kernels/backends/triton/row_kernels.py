@@ -229,7 +229,10 @@ def _chunk_grad(in_ptrs, out_ptrs, mask, is_label, row_max, log_sum2, scale2, co
                 ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr):
     """Store one chunk of the row gradient; zeros when not ACTIVE, without reading the logits."""
     if ACTIVE:
-        x = tl.load(in_ptrs, mask=mask).to(ACC)
+        if mask is None:
+            x = tl.load(in_ptrs).to(ACC)
+        else:  # masked lanes read as the max: finite p, no overflow in lanes never stored
+            x = tl.load(in_ptrs, mask=mask, other=row_max).to(ACC)
         log_p2 = (x - row_max) * scale2 - log_sum2  # log2 p
         p = tl.exp2(log_p2)
         if HAS_ENTROPY_GRAD:
@@ -360,6 +363,15 @@ def _num_warps(block_v: int) -> int:
     return 2 if block_v >= 256 else 1
 
 
+def _forward_register_cap(dtype: torch.dtype, with_entropy: bool) -> Optional[int]:
+    """ptxas's register limit for the fp32 forward: 64 per thread (80 with the entropy) leaves room
+    for 4 (3) programs of 8 warps per SM, where ptxas alone takes up to 119 (sm_80, fp32,
+    entropy); none spill (the kernel report checks). fp64 rows are left to ptxas."""
+    if compute_dtype(dtype) == torch.float64:
+        return None
+    return 80 if with_entropy else 64
+
+
 def device_guard(tensor: Tensor):
     # Triton launches on the current CUDA device; make it the tensor's.
     if tensor.is_cuda:
@@ -407,6 +419,7 @@ def row_forward(
             VEC=_vector_width(logits),
             ACCURATE_MATH=use_libdevice(),
             num_warps=_num_warps(block),
+            maxnreg=_forward_register_cap(logits.dtype, with_entropy),
         )
     return stats, logprob, entropy
 
