@@ -26,7 +26,7 @@ if not backend_available("triton"):
     pytest.skip(f"triton backend: {BACKEND_STATUS['triton']}", allow_module_level=True)
 
 from tpo_kernels.backends.triton import TritonBackend  # noqa: E402
-from tpo_kernels.backends.triton import group_kernel, row_kernels  # noqa: E402
+from tpo_kernels.backends.triton import group_kernel, row_kernels, row_layout  # noqa: E402
 
 REF = TorchBackend()
 
@@ -284,6 +284,14 @@ def _labels_in_sections(starts, vocab, vec, block_v):
 ROW_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
+@pytest.mark.parametrize("dtype,vec", [(torch.float64, 2), (torch.float32, 4), (torch.bfloat16, 8), (torch.float16, 8)])
+@pytest.mark.parametrize("block_v", [None, 2, 64])
+def test_chunks_hold_at_least_one_16_byte_vector(dtype, vec, block_v):
+    # A chunk is a [BLOCK_V // VEC, VEC] tile: BLOCK_V < VEC would make it empty.
+    logits = torch.empty(2, 3, dtype=dtype)  # pick_block_v(3) == 4
+    assert row_layout.chunk_geometry(logits, block_v) == (max(block_v or 4, vec), vec)
+
+
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned_base", "base_off_by_one"])
 @pytest.mark.parametrize("vocab", [1, 3, 37, 300])
@@ -449,36 +457,50 @@ def test_group_targets_deterministic():
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
+    import re
     import triton, triton.language as tl
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
     from tpo_kernels.backends.triton import group_kernel as gk, row_kernels as rk
 
     def build(fn, sig, constexprs, arch):
-        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        # Pointers 16-byte aligned (as torch allocates), integers of unknown divisibility: the
+        # launchers' specialization for a vocabulary that is not a multiple of 16.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"]
+
+    def vector_ops(ptx, op):
+        return len(re.findall(op + r"\\.global(\\.[a-z]+)*\\.v(4\\.b32|2\\.b64)", ptx))
 
     for arch in (80, 90):
         for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
             ACC = tl.float64 if acc == "fp64" else tl.float32
+            vec = 8 if dt == "bf16" else 2
             for flag in (False, True):
                 sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "row_max_ptr": "*" + acc,
                        "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "entropy_ptr": "*" + acc, "row_stride": "i64",
                        "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
                        "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
-                       "ACCURATE_MATH": "constexpr"}
-                build(rk._row_forward_kernel, sig,
-                      {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096, "ACCURATE_MATH": True}, arch)
+                       "VEC": "constexpr", "ACCURATE_MATH": "constexpr"}
+                ptx = build(rk._row_forward_kernel, sig, {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096,
+                            "VEC": vec, "ACCURATE_MATH": True}, arch)
+                assert vector_ops(ptx, "ld") > 0, "row forward: no 16-byte loads"
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
                        "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
                        "entropy_ptr": "*" + acc, "logits_row_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
-                       "ACC": "constexpr", "BLOCK_V": "constexpr", "ACCURATE_MATH": "constexpr"}
-                build(rk._row_backward_kernel, sig,
-                      {"HAS_ENTROPY_GRAD": flag, "ACC": ACC, "BLOCK_V": 4096, "ACCURATE_MATH": True}, arch)
+                       "ACC": "constexpr", "BLOCK_V": "constexpr", "VEC": "constexpr",
+                       "OUT_ALIGNED": "constexpr", "ACCURATE_MATH": "constexpr"}
+                for out_aligned in (True, False):
+                    ptx = build(rk._row_backward_kernel, sig, {"HAS_ENTROPY_GRAD": flag, "ACC": ACC,
+                                "BLOCK_V": 4096, "VEC": vec, "OUT_ALIGNED": out_aligned,
+                                "ACCURATE_MATH": True}, arch)
+                    assert vector_ops(ptx, "ld") > 0, "row backward: no 16-byte loads"
+                    assert (vector_ops(ptx, "st") > 0) == out_aligned, "row backward: store width"
                 names = ["token_logprobs_ptr", "seq_start_ptr", "seq_len_ptr", "group_offsets_ptr",
                          "group_members_ptr", "scores_ptr", "old_ptr", "ell_ptr", "u_ptr",
                          "p_ptr", "q_ptr", "group_loss_ptr"]
@@ -496,7 +518,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @needs_triton_nvidia_compiler
 def test_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts some programs the compiler rejects: compile every kernel variant to
-    a cubin (no GPU needed) with the interpreter switched off."""
+    a cubin (no GPU needed) with the interpreter switched off. Rows whose length is not a multiple
+    of 16 still read (and, with out's rows aligned like the logits', write) 16 bytes at a time."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]

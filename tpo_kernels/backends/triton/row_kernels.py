@@ -1,8 +1,17 @@
 """Triton row ops (layer 1): per-row statistics, label log-prob and entropy, and the row backward.
 
 One program per row of the ``[M, V]`` logits on a 1-D grid (grid dim 0 takes up to 2**31 - 1
-programs). Row offsets are int64 because ``row * stride`` can exceed 2**31. Each program walks
-the vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64 for fp64 logits).
+programs). Row offsets are int64 because ``row * stride`` can exceed 2**31; columns are int32.
+Each program walks the vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64
+for fp64 logits).
+
+Memory access. A row starts 16-byte aligned only when ``stride * element size`` is a multiple of
+16 (not for V = 50257 or 32001), so a program reads its row in sections (``row_sections``): the
+columns before the first aligned one and the last ``< VEC`` columns as one small masked tile,
+then whole chunks from the aligned column with no mask, then one chunk whose mask is constant
+over ``VEC`` columns. With ``tl.multiple_of`` on the aligned offset every chunk is read (and the
+backward written) with 16-byte vector accesses whatever V is. Chunks are ``[BLOCK_V / VEC, VEC]``
+tiles so that the label test costs no registers per element (see ``chunk_tile``).
 
 Forward, per row with raw logits ``z``, label ``y`` and ``d = (z - m) * inv_t`` relative to the
 running raw max ``m`` (online, one read of the row)::
@@ -17,11 +26,15 @@ running raw max ``m`` (online, one read of the row)::
 Summing the label apart keeps ``1 - p_y`` accurate for confident tokens; ``z - m`` before the
 scale and ``(m, log_sum)`` kept apart keep log-probs accurate for logits with a large common
 offset; ``t`` relative to the max keeps the entropy free of cancellation (see csrc/row_math.h,
-the same math).
+the same math). The per-element terms use base 2 (``d * log2(e)`` from one pre-multiplied scale,
+``exp2``; on the GPU ``exp`` is ``exp2`` after a multiply, so this saves one multiply per element);
+the scalars of each row are in natural units. A NaN or +inf logit reaches the sums as NaN (no
+per-element flags), so the row's log_sum, log-prob and entropy are NaN.
 
 Backward, per row with ``log p = (z - m) * inv_t - log_sum``::
 
     out_v = inv_t * (g * (onehot_v - p_v) - ge * p_v * (log p_v + entropy))
+          = p_v * (coef + coef_log * log2 p_v)          (v != y, two per-row constants)
 
 where the label's entry takes ``log p_y`` from the forward and ``1 - p_y = -expm1(log p_y)``.
 Rows with ``g == 0`` and ``ge == 0`` are zero-filled without reading the logits. Every chunk is
@@ -41,6 +54,8 @@ from triton.language.extra import libdevice
 
 from ..._dtypes import compute_dtype
 from .. import triton_interpreter_enabled
+from .row_layout import (chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in, pick_num_warps,
+                         row_sections)
 
 
 def split_scalar(value: float) -> Tuple[float, float, float]:
@@ -94,40 +109,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # p * max(log p, -BIG) is 0 where p == 0 (log p = -inf): one max instead of a compare and select.
 BIG = tl.constexpr(3.0e38)
-
-
-@triton.jit
-def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Split the row whose first element is element ``row_start`` of the tensor.
-
-    ``VEC`` elements are 16 bytes. With the tensor's base 16-byte aligned, column ``head`` is the
-    row's first 16-byte aligned column; from there a body of ``body_len`` columns (whole
-    ``BLOCK_V`` chunks, read without a mask) and a tail up to ``vec_len`` (read with a mask that
-    is constant over ``VEC`` columns, so loads stay 16 bytes wide). The head ``[0, head)`` and the
-    last ``< VEC`` columns ``[head + vec_len, vocab)`` are the row's edges (``edge_tile``)."""
-    head = ((VEC - row_start % VEC) % VEC).to(tl.int32)
-    vec_len = tl.maximum(vocab - head, 0) // VEC * VEC
-    body_len = vec_len // BLOCK_V * BLOCK_V
-    return head, body_len, vec_len
-
-
-@triton.jit
-def chunk_tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
-    """A chunk of ``BLOCK_V`` columns as a ``[BLOCK_V // VEC, VEC]`` tile of 16-byte vectors:
-    ``(vector index [n, 1], lane [1, VEC])``. Testing a column as (vector, lane) compares the
-    lane with a compile-time constant per register, so the column indices never occupy
-    registers (a 1-D ``arange`` compare keeps one register per element live in the loop)."""
-    return tl.arange(0, BLOCK_V // VEC)[:, None], tl.arange(0, VEC)[None, :]
-
-
-@triton.jit
-def edge_tile(head, vec_end, vocab, VEC: tl.constexpr):
-    """The edges as a ``[2, VEC]`` tile: row 0 the head columns ``[0, min(head, vocab))``, row 1
-    the last columns ``[vec_end, vocab)``. Returns ``(columns, mask)``."""
-    part = tl.arange(0, 2)[:, None]
-    lane = tl.arange(0, VEC)[None, :]
-    cols = tl.where(part == 0, lane, vec_end + lane)
-    return cols, (cols < vocab) & ((part == 1) | (lane < head))
 
 
 @triton.jit
@@ -189,17 +170,15 @@ def _row_forward_kernel(
         first = (vector == 0) & (lane == 0)
         lane_sum = tl.where(first, tl.sum(edge_sum, axis=None), 0.0)
         lane_t = tl.where(first, tl.sum(edge_t, axis=None), 0.0)
-        # The label as (vector, lane) relative to the body's start; negative in the head: no match.
-        label_vector = (label - head) // VEC
-        label_lane = (label - head) % VEC
+        label_vector, label_lane = (label - head) // VEC, (label - head) % VEC  # see is_label_in
         body_ptr = logits_ptr + tl.multiple_of(row_start + head, VEC)
         for off in range(0, body_len, BLOCK_V):
             z = tl.load(body_ptr + off + vector * VEC + lane).to(ACC)
-            is_label = (vector == label_vector - off // VEC) & (lane == label_lane)
+            is_label = is_label_in(vector, lane, label_vector, label_lane, off, VEC)
             run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
         tail = body_len + vector * VEC + lane
         z = tl.load(body_ptr + tail, mask=tail < vec_len, other=float("-inf")).to(ACC)
-        is_label = (vector == label_vector - body_len // VEC) & (lane == label_lane)
+        is_label = is_label_in(vector, lane, label_vector, label_lane, body_len, VEC)
         run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
         rest = tl.sum(lane_sum, axis=None)
         shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
@@ -254,15 +233,14 @@ def _store_row_grad(in_row, out_row, in_body, out_body, head, body_len, vec_len,
     _chunk_grad(in_row + edge_cols, out_row + edge_cols, edge_mask, edge_cols == label, row_max, log_sum2, scale2,
                 coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
     vector, lane = chunk_tile(BLOCK_V, VEC)
-    label_vector = (label - head) // VEC  # as in the forward
-    label_lane = (label - head) % VEC
+    label_vector, label_lane = (label - head) // VEC, (label - head) % VEC  # see is_label_in
     for off in range(0, body_len, BLOCK_V):
         cols = off + vector * VEC + lane
-        is_label = (vector == label_vector - off // VEC) & (lane == label_lane)
+        is_label = is_label_in(vector, lane, label_vector, label_lane, off, VEC)
         _chunk_grad(in_body + cols, out_body + cols, None, is_label, row_max, log_sum2, scale2, coef, coef_log,
                     label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
     cols = body_len + vector * VEC + lane
-    is_label = (vector == label_vector - body_len // VEC) & (lane == label_lane)
+    is_label = is_label_in(vector, lane, label_vector, label_lane, body_len, VEC)
     _chunk_grad(in_body + cols, out_body + cols, cols < vec_len, is_label, row_max, log_sum2, scale2, coef,
                 coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
 
@@ -338,40 +316,6 @@ def _acc_type(dtype: torch.dtype):
     return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
 
 
-def _vector_width(logits: Tensor) -> int:
-    """Elements per 16-byte load: the kernels align each row's body to this many columns."""
-    return 16 // logits.element_size()
-
-
-def pick_block_v(vocab: int, element_size: int) -> int:
-    """Chunk width along V: big enough for wide vector loads and few loop trips, small enough that
-    the fp32 (fp64) working set of a chunk stays in registers."""
-    if triton_interpreter_enabled():
-        cap = 1024  # the interpreter runs each program in numpy; moderate blocks are fastest
-    else:
-        # 4096 wide at 8 warps: 16 values per thread, no spills (fwd ~40-60, bwd ~64 registers
-        # on sm_90), several programs resident per SM to keep loads in flight.
-        cap = 2048 if element_size >= 8 else 4096
-    return min(triton.next_power_of_2(max(int(vocab), 1)), cap)
-
-
-def _num_warps(block_v: int) -> int:
-    if block_v >= 4096:
-        return 8
-    if block_v >= 1024:
-        return 4
-    return 2 if block_v >= 256 else 1
-
-
-def _forward_register_cap(dtype: torch.dtype, with_entropy: bool) -> Optional[int]:
-    """ptxas's register limit for the fp32 forward: 64 per thread (80 with the entropy) leaves room
-    for 4 (3) programs of 8 warps per SM, where ptxas alone takes up to 119 (sm_80, fp32,
-    entropy); none spill (the kernel report checks). fp64 rows are left to ptxas."""
-    if compute_dtype(dtype) == torch.float64:
-        return None
-    return 80 if with_entropy else 64
-
-
 def device_guard(tensor: Tensor):
     # Triton launches on the current CUDA device; make it the tensor's.
     if tensor.is_cuda:
@@ -401,7 +345,7 @@ def row_forward(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
-    block = int(block_v) if block_v else pick_block_v(vocab, logits.element_size())
+    block, vec = chunk_geometry(logits, block_v)
     with device_guard(logits):
         _row_forward_kernel[(rows,)](
             logits,
@@ -416,10 +360,10 @@ def row_forward(
             WITH_ENTROPY=bool(with_entropy),
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
-            VEC=_vector_width(logits),
+            VEC=vec,
             ACCURATE_MATH=use_libdevice(),
-            num_warps=_num_warps(block),
-            maxnreg=_forward_register_cap(logits.dtype, with_entropy),
+            num_warps=pick_num_warps(block),
+            maxnreg=forward_register_cap(logits.dtype, with_entropy),
         )
     return stats, logprob, entropy
 
@@ -457,8 +401,7 @@ def row_backward(
     if has_ge:
         grad_entropy = grad_entropy.contiguous()
         entropy = entropy.contiguous()
-    block = int(block_v) if block_v else pick_block_v(vocab, logits.element_size())
-    vec = _vector_width(logits)
+    block, vec = chunk_geometry(logits, block_v)
     with device_guard(logits):
         _row_backward_kernel[(rows,)](
             logits,
@@ -480,7 +423,7 @@ def row_backward(
             VEC=vec,
             OUT_ALIGNED=(target.stride(0) - logits.stride(0)) % vec == 0,
             ACCURATE_MATH=use_libdevice(),
-            num_warps=_num_warps(block),
+            num_warps=pick_num_warps(block),
         )
     if target is not out:
         out.copy_(target)
