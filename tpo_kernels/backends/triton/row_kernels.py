@@ -28,8 +28,11 @@ scale and ``(m, log_sum)`` kept apart keep log-probs accurate for logits with a 
 offset; ``t`` relative to the max keeps the entropy free of cancellation (see csrc/row_math.h,
 the same math). The per-element terms use base 2 (``d * log2(e)`` from one pre-multiplied scale,
 ``exp2``; on the GPU ``exp`` is ``exp2`` after a multiply, so this saves one multiply per element);
-the scalars of each row are in natural units. A NaN or +inf logit reaches the sums as NaN (no
-per-element flags), so the row's log_sum, log-prob and entropy are NaN.
+the scalars of each row are in natural units. Compiled, fp32 ``exp2`` is ``ex2.approx.ftz``:
+terms and probabilities below 2**-126 become 0 (an absolute error under 1.2e-38 times the
+row's gradient scale; such terms are below the fp32 rounding of the sums). A NaN or +inf logit
+reaches the sums as NaN (no per-element flags), so the row's log_sum, log-prob and entropy are
+NaN.
 
 Backward, per row with ``log p = (z - m) * inv_t - log_sum``::
 
