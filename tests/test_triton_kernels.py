@@ -26,7 +26,7 @@ if not backend_available("triton"):
     pytest.skip(f"triton backend: {BACKEND_STATUS['triton']}", allow_module_level=True)
 
 from tpo_kernels.backends.triton import TritonBackend  # noqa: E402
-from tpo_kernels.backends.triton import group_kernel, row_kernels  # noqa: E402
+from tpo_kernels.backends.triton import group_kernel, row_kernels, row_layout  # noqa: E402
 
 REF = TorchBackend()
 
@@ -240,6 +240,139 @@ def test_gradient_of_logprob_matches_autograd_float64():
     _close(out, expected, 1e-12)
 
 
+# --------------------------------------------------------------------------- row sections
+# Each row is read as edges (the columns before its first 16-byte aligned one, and the last
+# < VEC columns), an unmasked body of whole chunks and a masked tail (row_kernels.row_sections).
+# The cases below put rows at every start offset modulo VEC (row stride not a multiple of 8, and
+# a base one element off) and labels, NaN and +inf logits in every section.
+
+SECTIONS = ("head", "body", "tail", "last")
+
+
+def _section_spans(row_start, vocab, vec, block_v):
+    """Column ranges of each section of a row whose first element is element ``row_start``."""
+    head = (-row_start) % vec
+    vec_len = max(vocab - head, 0) // vec * vec
+    body_len = vec_len // block_v * block_v
+    return {"head": range(0, min(head, vocab)), "body": range(head, head + body_len),
+            "tail": range(head + body_len, head + vec_len), "last": range(head + vec_len, vocab)}
+
+
+def _strided_logits(rows, vocab, dtype, offset, seed=0):
+    """``[rows, vocab]`` logits with row stride vocab + 5, starting ``offset`` elements into the
+    buffer, and each row's start in elements from the buffer's (16-byte aligned) base."""
+    stride = vocab + 5
+    buffer = _logits(rows + 1, stride, dtype, seed=seed).reshape(-1)
+    logits = buffer[offset : offset + rows * stride].view(rows, stride)[:, :vocab]
+    return logits, [offset + r * stride for r in range(rows)]
+
+
+def _labels_in_sections(starts, vocab, vec, block_v):
+    """One label per row, two rows per section in turn (a row whose section is empty takes its
+    middle column); also the set of sections that got a label."""
+    labels, hit = [], set()
+    for r, start in enumerate(starts):
+        spans = _section_spans(start, vocab, vec, block_v)
+        wanted = SECTIONS[(r // 2) % len(SECTIONS)]
+        span = spans[wanted] or range(vocab // 2, vocab // 2 + 1)
+        label = span[len(span) // 2]
+        labels.append(label)
+        hit.update(name for name, cols in spans.items() if label in cols)
+    return torch.tensor(labels, device=DEVICE), hit
+
+
+ROW_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype,vec", [(torch.float64, 2), (torch.float32, 4), (torch.bfloat16, 8), (torch.float16, 8)])
+@pytest.mark.parametrize("block_v", [None, 2, 64])
+def test_chunks_hold_at_least_one_16_byte_vector(dtype, vec, block_v):
+    # A chunk is a [BLOCK_V // VEC, VEC] tile: BLOCK_V < VEC would make it empty.
+    logits = torch.empty(2, 3, dtype=dtype)  # pick_block_v(3) == 4
+    assert row_layout.chunk_geometry(logits, block_v) == (max(block_v or 4, vec), vec)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned_base", "base_off_by_one"])
+@pytest.mark.parametrize("vocab", [1, 3, 37, 300])
+def test_row_ops_match_torch_at_every_row_alignment(dtype, offset, vocab):
+    rows, block_v, inv_t = 8, 32, 1.0 / 0.7
+    logits, starts = _strided_logits(rows, vocab, dtype, offset)
+    vec = 16 // logits.element_size()
+    labels, hit = _labels_in_sections(starts, vocab, vec, block_v)
+    if vocab == 300:  # every section is exercised
+        assert hit == set(SECTIONS), hit
+    stats, lp, ent = row_kernels.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True,
+                                             block_v=block_v)
+    ref_stats, ref_lp, ref_ent = REF.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True)
+    for got, ref in ((stats, ref_stats), (lp, ref_lp), (ent, ref_ent)):
+        _close(got, ref, FWD_TOL[dtype])
+
+    acc = stats.dtype
+    g, ge = _grads(rows, acc, zero_rows=(3,))
+    expected = torch.empty(rows, vocab, dtype=dtype, device=DEVICE)
+    REF.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent, inv_temperature=inv_t,
+                     out=expected)
+    out = torch.full((rows, vocab), 7.0, dtype=dtype, device=DEVICE)  # rows start at other offsets
+    row_kernels.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent,
+                             inv_temperature=inv_t, out=out, block_v=block_v)
+    _close(out.to(acc), expected.to(acc), GRAD_TOL[dtype])
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    # In place (out's rows then start where the logits' rows do).
+    row_kernels.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent,
+                             inv_temperature=inv_t, out=logits, block_v=block_v)
+    assert torch.equal(logits, out)
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "plus_inf"])
+def test_row_forward_nan_or_inf_logit_in_any_section_makes_the_row_nan(section, bad):
+    rows, vocab, block_v = 8, 300, 32
+    logits, starts = _strided_logits(rows, vocab, torch.bfloat16, 0)
+    labels = _labels(rows, vocab)
+    poisoned = []
+    for r, start in enumerate(starts):
+        span = _section_spans(start, vocab, 8, block_v)[section]
+        if span and r % 2 == 0:  # odd rows stay finite
+            logits[r, span[len(span) // 2]] = bad
+            poisoned.append(r)
+    assert poisoned
+    stats, lp, ent = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True,
+                                             block_v=block_v)
+    for value in (stats[1], lp, ent):
+        assert value[poisoned].isnan().all()
+        assert value[1::2].isfinite().all()
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_confident_label_in_any_section_keeps_one_minus_p_accurate(section):
+    # 1 - p_y ~ 3e-9 here: accurate to the fp32 tolerance only if the label's mass is summed apart.
+    rows, vocab, block_v = 8, 300, 32
+    logits, starts = _strided_logits(rows, vocab, torch.float32, 0)
+    logits.zero_()
+    labels = []
+    for r, start in enumerate(starts):
+        span = _section_spans(start, vocab, 4, block_v)[section] or range(vocab // 2, vocab // 2 + 1)
+        labels.append(span[-1])
+        logits[r, span[-1]] = 25.0
+    labels = torch.tensor(labels, device=DEVICE)
+    _, lp, _ = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False,
+                                       block_v=block_v)
+    one_minus_p = -torch.expm1(lp.double())
+    expected = (vocab - 1) / ((vocab - 1) + torch.exp(torch.tensor(25.0, dtype=torch.float64)))
+    torch.testing.assert_close(one_minus_p, expected.expand(rows).to(DEVICE), rtol=1e-5, atol=0)
+
+
+def test_row_forward_all_minus_inf_row_has_no_distribution():
+    rows, vocab = 8, 37
+    logits, _ = _strided_logits(rows, vocab, torch.float32, 1)
+    logits[2] = float("-inf")
+    stats, lp, ent = row_kernels.row_forward(logits, _labels(rows, vocab), inv_temperature=1.0,
+                                             with_entropy=True, block_v=16)
+    assert stats[0, 2] == float("-inf") and lp[2].isnan() and ent[2].isnan()
+    assert lp[[0, 1, 3]].isfinite().all()
+
+
 # --------------------------------------------------------------------------- group op
 
 
@@ -324,36 +457,50 @@ def test_group_targets_deterministic():
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
+    import re
     import triton, triton.language as tl
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
     from tpo_kernels.backends.triton import group_kernel as gk, row_kernels as rk
 
     def build(fn, sig, constexprs, arch):
-        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        # Pointers 16-byte aligned (as torch allocates), integers of unknown divisibility: the
+        # launchers' specialization for a vocabulary that is not a multiple of 16.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"]
+
+    def vector_ops(ptx, op):
+        return len(re.findall(op + r"\\.global(\\.[a-z]+)*\\.v(4\\.b32|2\\.b64)", ptx))
 
     for arch in (80, 90):
         for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
             ACC = tl.float64 if acc == "fp64" else tl.float32
+            vec = 8 if dt == "bf16" else 2
             for flag in (False, True):
                 sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "row_max_ptr": "*" + acc,
                        "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "entropy_ptr": "*" + acc, "row_stride": "i64",
                        "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
                        "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
-                       "ACCURATE_MATH": "constexpr"}
-                build(rk._row_forward_kernel, sig,
-                      {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096, "ACCURATE_MATH": True}, arch)
+                       "VEC": "constexpr", "ACCURATE_MATH": "constexpr"}
+                ptx = build(rk._row_forward_kernel, sig, {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096,
+                            "VEC": vec, "ACCURATE_MATH": True}, arch)
+                assert vector_ops(ptx, "ld") > 0, "row forward: no 16-byte loads"
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
                        "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
                        "entropy_ptr": "*" + acc, "logits_row_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
-                       "ACC": "constexpr", "BLOCK_V": "constexpr", "ACCURATE_MATH": "constexpr"}
-                build(rk._row_backward_kernel, sig,
-                      {"HAS_ENTROPY_GRAD": flag, "ACC": ACC, "BLOCK_V": 4096, "ACCURATE_MATH": True}, arch)
+                       "ACC": "constexpr", "BLOCK_V": "constexpr", "VEC": "constexpr",
+                       "OUT_ALIGNED": "constexpr", "ACCURATE_MATH": "constexpr"}
+                for out_aligned in (True, False):
+                    ptx = build(rk._row_backward_kernel, sig, {"HAS_ENTROPY_GRAD": flag, "ACC": ACC,
+                                "BLOCK_V": 4096, "VEC": vec, "OUT_ALIGNED": out_aligned,
+                                "ACCURATE_MATH": True}, arch)
+                    assert vector_ops(ptx, "ld") > 0, "row backward: no 16-byte loads"
+                    assert (vector_ops(ptx, "st") > 0) == out_aligned, "row backward: store width"
                 names = ["token_logprobs_ptr", "seq_start_ptr", "seq_len_ptr", "group_offsets_ptr",
                          "group_members_ptr", "scores_ptr", "old_ptr", "ell_ptr", "u_ptr",
                          "p_ptr", "q_ptr", "group_loss_ptr"]
@@ -371,7 +518,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @needs_triton_nvidia_compiler
 def test_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts some programs the compiler rejects: compile every kernel variant to
-    a cubin (no GPU needed) with the interpreter switched off."""
+    a cubin (no GPU needed) with the interpreter switched off. Rows whose length is not a multiple
+    of 16 still read (and, with out's rows aligned like the logits', write) 16 bytes at a time."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]

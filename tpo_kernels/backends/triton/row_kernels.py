@@ -1,8 +1,17 @@
 """Triton row ops (layer 1): per-row statistics, label log-prob and entropy, and the row backward.
 
 One program per row of the ``[M, V]`` logits on a 1-D grid (grid dim 0 takes up to 2**31 - 1
-programs). Row offsets are int64 because ``row * stride`` can exceed 2**31. Each program walks
-the vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64 for fp64 logits).
+programs). Row offsets are int64 because ``row * stride`` can exceed 2**31; columns are int32.
+Each program walks the vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64
+for fp64 logits).
+
+Memory access. A row starts 16-byte aligned only when ``stride * element size`` is a multiple of
+16 (not for V = 50257 or 32001), so a program reads its row in sections (``row_sections``): the
+columns before the first aligned one and the last ``< VEC`` columns as one small masked tile,
+then whole chunks from the aligned column with no mask, then one chunk whose mask is constant
+over ``VEC`` columns. With ``tl.multiple_of`` on the aligned offset every chunk is read (and the
+backward written) with 16-byte vector accesses whatever V is. Chunks are ``[BLOCK_V / VEC, VEC]``
+tiles so that the label test costs no registers per element (see ``chunk_tile``).
 
 Forward, per row with raw logits ``z``, label ``y`` and ``d = (z - m) * inv_t`` relative to the
 running raw max ``m`` (online, one read of the row)::
@@ -17,11 +26,18 @@ running raw max ``m`` (online, one read of the row)::
 Summing the label apart keeps ``1 - p_y`` accurate for confident tokens; ``z - m`` before the
 scale and ``(m, log_sum)`` kept apart keep log-probs accurate for logits with a large common
 offset; ``t`` relative to the max keeps the entropy free of cancellation (see csrc/row_math.h,
-the same math).
+the same math). The per-element terms use base 2 (``d * log2(e)`` from one pre-multiplied scale,
+``exp2``; on the GPU ``exp`` is ``exp2`` after a multiply, so this saves one multiply per element);
+the scalars of each row are in natural units. Compiled, fp32 ``exp2`` is ``ex2.approx.ftz``:
+terms and probabilities below 2**-126 become 0 (an absolute error under 1.2e-38 times the
+row's gradient scale; such terms are below the fp32 rounding of the sums). A NaN or +inf logit
+reaches the sums as NaN (no per-element flags), so the row's log_sum, log-prob and entropy are
+NaN.
 
 Backward, per row with ``log p = (z - m) * inv_t - log_sum``::
 
     out_v = inv_t * (g * (onehot_v - p_v) - ge * p_v * (log p_v + entropy))
+          = p_v * (coef + coef_log * log2 p_v)          (v != y, two per-row constants)
 
 where the label's entry takes ``log p_y`` from the forward and ``1 - p_y = -expm1(log p_y)``.
 Rows with ``g == 0`` and ``ge == 0`` are zero-filled without reading the logits. Every chunk is
@@ -41,6 +57,8 @@ from triton.language.extra import libdevice
 
 from ..._dtypes import compute_dtype
 from .. import triton_interpreter_enabled
+from .row_layout import (chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in, pick_num_warps,
+                         row_sections)
 
 
 def split_scalar(value: float) -> Tuple[float, float, float]:
@@ -88,6 +106,34 @@ def expm1(x, ACCURATE_MATH: tl.constexpr):
         return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, out))
 
 
+# Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, which saves the multiply
+# by log2(e) that exp adds per element; sums and logs return to natural units once per row.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# p * max(log p, -BIG) is 0 where p == 0 (log p = -inf): one max instead of a compare and select.
+BIG = tl.constexpr(3.0e38)
+
+
+@triton.jit
+def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: tl.constexpr):
+    """One online step over a chunk ``z`` (-inf in masked lanes): the new running max and the
+    per-lane sums of ``e = 2^d`` and ``e d`` (label excluded), ``d = (z - max) * scale2``."""
+    new_max = tl.maximum(run_max, tl.max(z, axis=None))
+    # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(z.dtype)
+    delta = (run_max - shift) * scale2  # <= 0; -inf while nothing was seen
+    rescale = tl.exp2(delta)  # one scalar exp per chunk
+    d = (z - shift) * scale2
+    e = tl.where(is_label, 0.0, tl.exp2(d))  # the label's mass is added apart
+    if WITH_ENTROPY:
+        # t relative to the new max: 2^delta (t + delta s). A lane with e == 0 (masked, -inf
+        # logit, the label) adds 0, never 0 * -inf; a NaN logit makes e, so s and t, NaN.
+        lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
+        lane_t += e * tl.maximum(d, -BIG)
+    lane_sum = lane_sum * rescale + e
+    return new_max, lane_sum, lane_t
+
+
 @triton.jit
 def _row_forward_kernel(
     logits_ptr,
@@ -104,39 +150,42 @@ def _row_forward_kernel(
     WITH_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
     ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    label = tl.load(labels_ptr + row)
-    if label >= 0:
-        row_ptr = logits_ptr + row * row_stride
+    label_id = tl.load(labels_ptr + row)
+    if label_id >= 0:
+        label = label_id.to(tl.int32)  # < vocab < 2**31: int32 column compares
+        row_start = row * row_stride
+        row_ptr = logits_ptr + row_start
+        head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
-        cols = tl.arange(0, BLOCK_V)
-        run_max = tl.full([], float("-inf"), ACC)
-        # Per-lane partial sums over every column but the label's, reduced once after the loop:
-        # the only cross-warp reduction per chunk is the max. lane_sum = exp(d), lane_t = exp(d) d.
-        lane_sum = tl.zeros([BLOCK_V], dtype=ACC)
-        lane_t = tl.zeros([BLOCK_V], dtype=ACC)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC)
-            new_max = tl.maximum(run_max, tl.max(z, axis=0))
-            # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(ACC)
-            delta = (run_max - shift) * scale  # <= 0; -inf while nothing was seen
-            rescale = tl.exp(delta)  # one scalar exp per chunk
-            d = (z - shift) * scale
-            e = tl.where(idx == label, 0.0, tl.exp(d))  # the label's mass is added apart
-            if WITH_ENTROPY:
-                # t relative to the new max: exp(delta) (t + delta s); e == 0 (masked lanes, -inf
-                # logits, the label) adds 0, not 0 * -inf.
-                lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
-                lane_t += e * tl.where(e > 0, d, 0.0)
-            lane_sum = lane_sum * rescale + e
-            run_max = new_max
-        rest = tl.sum(lane_sum, axis=0)
+        scale2 = scale * tl.full([], LOG2E, ACC)
+        # The edges first: their sums seed one lane of the per-lane partial sums, which are
+        # reduced once after the loop (the only cross-warp reduction per chunk is the max).
+        edge_cols, edge_mask = edge_tile(head, head + vec_len, vocab, VEC)
+        edge_z = tl.load(row_ptr + edge_cols, mask=edge_mask, other=float("-inf")).to(ACC)
+        no_sums = tl.zeros([2, VEC], dtype=ACC)
+        run_max, edge_sum, edge_t = _absorb_chunk(edge_z, edge_cols == label, tl.full([], float("-inf"), ACC),
+                                                  no_sums, no_sums, scale2, WITH_ENTROPY)
+        vector, lane = chunk_tile(BLOCK_V, VEC)
+        first = (vector == 0) & (lane == 0)
+        lane_sum = tl.where(first, tl.sum(edge_sum, axis=None), 0.0)
+        lane_t = tl.where(first, tl.sum(edge_t, axis=None), 0.0)
+        label_vector, label_lane = (label - head) // VEC, (label - head) % VEC  # see is_label_in
+        body_ptr = logits_ptr + tl.multiple_of(row_start + head, VEC)
+        for off in range(0, body_len, BLOCK_V):
+            z = tl.load(body_ptr + off + vector * VEC + lane).to(ACC)
+            is_label = is_label_in(vector, lane, label_vector, label_lane, off, VEC)
+            run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
+        tail = body_len + vector * VEC + lane
+        z = tl.load(body_ptr + tail, mask=tail < vec_len, other=float("-inf")).to(ACC)
+        is_label = is_label_in(vector, lane, label_vector, label_lane, body_len, VEC)
+        run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
+        rest = tl.sum(lane_sum, axis=None)
         shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
-        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale
+        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale  # natural units from here on
         e_y = tl.exp(d_y)
         total = rest + e_y
         log_sum = tl.log(total)
@@ -146,7 +195,7 @@ def _row_forward_kernel(
         tl.store(log_sum_ptr + row, log_sum)
         tl.store(logprob_ptr + row, tl.where(rest < e_y, confident, d_y - log_sum))
         if WITH_ENTROPY:
-            t = tl.sum(lane_t, axis=0) + tl.where(e_y > 0, e_y * d_y, 0.0)
+            t = tl.sum(lane_t, axis=None) * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
             tl.store(entropy_ptr + row, log_sum - t / total)
     else:
         # Skipped row (ignored label): outputs are 0 and the row is never read.
@@ -155,6 +204,48 @@ def _row_forward_kernel(
         tl.store(logprob_ptr + row, tl.full([], 0.0, ACC))
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, tl.full([], 0.0, ACC))
+
+
+@triton.jit
+def _chunk_grad(in_ptrs, out_ptrs, mask, is_label, row_max, log_sum2, scale2, coef, coef_log, label_grad,
+                ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr):
+    """Store one chunk of the row gradient; zeros when not ACTIVE, without reading the logits."""
+    if ACTIVE:
+        if mask is None:
+            x = tl.load(in_ptrs).to(ACC)
+        else:  # masked lanes read as the max: finite p, no overflow in lanes never stored
+            x = tl.load(in_ptrs, mask=mask, other=row_max).to(ACC)
+        log_p2 = (x - row_max) * scale2 - log_sum2  # log2 p
+        p = tl.exp2(log_p2)
+        if HAS_ENTROPY_GRAD:
+            grad = p * (coef + coef_log * tl.maximum(log_p2, -BIG))
+        else:
+            grad = p * coef
+        grad = tl.where(is_label, label_grad, grad)
+    else:
+        grad = tl.zeros(in_ptrs.shape, dtype=ACC)
+    tl.store(out_ptrs, grad.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_row_grad(in_row, out_row, in_body, out_body, head, body_len, vec_len, vocab, label, row_max, log_sum2,
+                    scale2, coef, coef_log, label_grad, ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                    ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """Walk one row's sections (``row_sections``): edges, unmasked body, masked tail."""
+    edge_cols, edge_mask = edge_tile(head, head + vec_len, vocab, VEC)
+    _chunk_grad(in_row + edge_cols, out_row + edge_cols, edge_mask, edge_cols == label, row_max, log_sum2, scale2,
+                coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    vector, lane = chunk_tile(BLOCK_V, VEC)
+    label_vector, label_lane = (label - head) // VEC, (label - head) % VEC  # see is_label_in
+    for off in range(0, body_len, BLOCK_V):
+        cols = off + vector * VEC + lane
+        is_label = is_label_in(vector, lane, label_vector, label_lane, off, VEC)
+        _chunk_grad(in_body + cols, out_body + cols, None, is_label, row_max, log_sum2, scale2, coef, coef_log,
+                    label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    cols = body_len + vector * VEC + lane
+    is_label = is_label_in(vector, lane, label_vector, label_lane, body_len, VEC)
+    _chunk_grad(in_body + cols, out_body + cols, cols < vec_len, is_label, row_max, log_sum2, scale2, coef,
+                coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
 
 
 @triton.jit
@@ -177,6 +268,8 @@ def _row_backward_kernel(
     HAS_ENTROPY_GRAD: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
     ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -186,63 +279,44 @@ def _row_backward_kernel(
         active = (g != 0) | (ge != 0)
     else:
         active = g != 0
-    out_row = out_ptr + row * out_row_stride
-    cols = tl.arange(0, BLOCK_V)
+    in_start = row * logits_row_stride
+    out_start = row * out_row_stride
+    head, body_len, vec_len = row_sections(in_start, vocab, VEC, BLOCK_V)
+    in_body = logits_ptr + tl.multiple_of(in_start + head, VEC)
+    if OUT_ALIGNED:  # out's rows start at the logits' rows' offset modulo VEC
+        out_body = out_ptr + tl.multiple_of(out_start + head, VEC)
+    else:
+        out_body = out_ptr + (out_start + head)
     if active:
-        in_row = logits_ptr + row * logits_row_stride
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         row_max = tl.load(row_max_ptr + row).to(ACC)
         log_sum = tl.load(log_sum_ptr + row).to(ACC)
-        label = tl.load(labels_ptr + row)  # < 0: no one-hot term (never equals a column)
+        label = tl.maximum(tl.load(labels_ptr + row), -1).to(tl.int32)  # -1: no one-hot term
         lp = tl.load(logprob_ptr + row).to(ACC)
         # The label's entry: g (1 - p_y) = -g expm1(log p_y), accurate for confident tokens.
         label_grad = -g * expm1(lp, ACCURATE_MATH)
+        # The others: inv_t (-g p - ge p (log p + H)) = p (coef + coef_log log2 p).
+        coef = -g * scale
+        coef_log = coef  # unused without an entropy gradient
         if HAS_ENTROPY_GRAD:
             entropy = tl.load(entropy_ptr + row).to(ACC)
             p_y = tl.exp(lp)
             label_grad = label_grad - ge * p_y * (tl.where(p_y > 0, lp, -entropy) + entropy)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            in_vocab = idx < vocab
-            x = tl.load(in_row + idx, mask=in_vocab, other=float("-inf")).to(ACC)
-            log_p = (x - row_max) * scale - log_sum
-            p = tl.exp(log_p)
-            grad = -g * p
-            if HAS_ENTROPY_GRAD:
-                # d(-sum p log p)/dz_v = -p_v (log p_v + H); 0 where p_v == 0 (not 0 * -inf)
-                grad = grad - ge * p * (tl.where(p > 0, log_p, -entropy) + entropy)
-            grad = tl.where(idx == label, label_grad, grad)
-            tl.store(out_row + idx, (grad * scale).to(out_ptr.dtype.element_ty), mask=in_vocab)
+            coef = -(g + ge * entropy) * scale
+            coef_log = -ge * scale * tl.full([], LN2, ACC)
+        log2e = tl.full([], LOG2E, ACC)
+        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
+                        vocab, label, row_max, log_sum * log2e, scale * log2e, coef, coef_log, label_grad * scale,
+                        True, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
     else:
         # Zero-signal row: write zeros, never touch the logits.
-        zeros = tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty)
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            tl.store(out_row + idx, zeros, mask=idx < vocab)
+        zero = tl.full([], 0.0, ACC)
+        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
+                        vocab, -1, zero, zero, zero, zero, zero, zero, False, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
 
 
 def _acc_type(dtype: torch.dtype):
     return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
-
-
-def pick_block_v(vocab: int, element_size: int) -> int:
-    """Chunk width along V: big enough for wide vector loads and few loop trips, small enough that
-    the fp32 (fp64) working set of a chunk stays in registers."""
-    if triton_interpreter_enabled():
-        cap = 1024  # the interpreter runs each program in numpy; moderate blocks are fastest
-    else:
-        # 4096 wide at 8 warps: 16 values per thread, no spills (fwd ~40-60, bwd ~64 registers
-        # on sm_90), several programs resident per SM to keep loads in flight.
-        cap = 2048 if element_size >= 8 else 4096
-    return min(triton.next_power_of_2(max(int(vocab), 1)), cap)
-
-
-def _num_warps(block_v: int) -> int:
-    if block_v >= 4096:
-        return 8
-    if block_v >= 1024:
-        return 4
-    return 2 if block_v >= 256 else 1
 
 
 def device_guard(tensor: Tensor):
@@ -274,7 +348,7 @@ def row_forward(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
-    block = int(block_v) if block_v else pick_block_v(vocab, logits.element_size())
+    block, vec = chunk_geometry(logits, block_v)
     with device_guard(logits):
         _row_forward_kernel[(rows,)](
             logits,
@@ -289,8 +363,10 @@ def row_forward(
             WITH_ENTROPY=bool(with_entropy),
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
+            VEC=vec,
             ACCURATE_MATH=use_libdevice(),
-            num_warps=_num_warps(block),
+            num_warps=pick_num_warps(block),
+            maxnreg=forward_register_cap(logits.dtype, with_entropy),
         )
     return stats, logprob, entropy
 
@@ -328,7 +404,7 @@ def row_backward(
     if has_ge:
         grad_entropy = grad_entropy.contiguous()
         entropy = entropy.contiguous()
-    block = int(block_v) if block_v else pick_block_v(vocab, logits.element_size())
+    block, vec = chunk_geometry(logits, block_v)
     with device_guard(logits):
         _row_backward_kernel[(rows,)](
             logits,
@@ -347,8 +423,10 @@ def row_backward(
             HAS_ENTROPY_GRAD=has_ge,
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
+            VEC=vec,
+            OUT_ALIGNED=(target.stride(0) - logits.stride(0)) % vec == 0,
             ACCURATE_MATH=use_libdevice(),
-            num_warps=_num_warps(block),
+            num_warps=pick_num_warps(block),
         )
     if target is not out:
         out.copy_(target)
