@@ -8,6 +8,11 @@ Shared keywords of the losses:
     eta: target temperature (> 0): ``q ∝ p_old · exp(u / eta)``.
     anchor: use ``p_old`` in q (False: ``q = softmax(u / eta)``).
     temperature: sampling temperature dividing the logits (> 0).
+    logit_scale, logit_softcap: the model's own transform of its lm_head output, applied before
+        the temperature: ``softcap(logit_scale * z) / temperature`` with ``softcap(x) = c * tanh(x / c)``,
+        ``c = logit_softcap`` (None: no cap). Cohere: ``logit_scale``; Granite: ``1 / logits_scaling``;
+        Gemma 2/3: ``logit_softcap = final_logit_softcapping``. Every function that takes logits or an
+        lm_head takes them; without them those models get wrong log-probs silently.
     reduction: ``"mean"`` over groups (states for token-level TPO), ``"sum"``, or ``"none"``
         (per group: in order of first completion for ``group_size``, of sorted id for ``group_ids``).
     backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"cpu"``, ``"torch"`` or a
@@ -57,6 +62,8 @@ def tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     inplace_backward: bool = True,
@@ -92,7 +99,8 @@ def tpo_loss(
             saved the same logits raises PyTorch's in-place error instead of reading overwritten
             values. Leaf tensors (e.g. created with ``requires_grad=True``) are never overwritten,
             nor are buffers under ``torch.compile``.
-        eta, anchor, temperature, reduction, backend, validate: see the module docstring.
+        eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, validate: see the
+            module docstring.
         return_aux: also return a dict of detached ``token_logprobs``, ``seq_logprobs``, ``p``,
             ``q``, ``u``, ``coef`` (dL/d ell of the group term), ``group_loss`` and per-group
             metrics: ``kl_q_p`` (KL(q || p)), ``entropy_p``, ``entropy_q`` and ``zero_signal``
@@ -109,7 +117,7 @@ def tpo_loss(
     settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         logits, logits.shape[-1] if shard is None else shard.vocab_size, "logits", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             return_entropy=return_entropy, validate=validate),
+             return_entropy=return_entropy, validate=validate, logit_scale=logit_scale, logit_softcap=logit_softcap),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
         process_group, shard,
@@ -120,7 +128,8 @@ def tpo_loss(
     inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
     key = backend_key(chosen)
     token_lp, entropy = pipeline.row_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
-                                      with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
+                                              logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap,
+                                              with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
     return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
@@ -175,6 +184,8 @@ def selective_logprobs(
     labels: Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
     backend: BackendArg = "auto",
@@ -194,14 +205,17 @@ def selective_logprobs(
     logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
     check.check_logits(logits)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
+    logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, logits.device)
     vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
     flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
     matrix, _ = pipeline.rows(logits)
-    token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature, with_entropy=return_entropy,
-                                      inplace_backward=False, backend=backend_key(chosen))
+    token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature,
+                                              logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                              with_entropy=return_entropy, inplace_backward=False,
+                                              backend=backend_key(chosen))
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)
@@ -225,6 +239,8 @@ def fused_linear_tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     return_aux: bool = False,
@@ -271,14 +287,16 @@ def fused_linear_tpo_loss(
     settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         hidden, weight.shape[0] if shard is None else shard.vocab_size, "hidden", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             return_entropy=return_entropy, validate=validate),
+             return_entropy=return_entropy, validate=validate, logit_scale=logit_scale, logit_softcap=logit_softcap),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
         process_group, shard,
     )
     key = backend_key(chosen)
-    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, batch.labels, shard, inv_temperature=settings.inv_temperature,
-                                       with_entropy=settings.return_entropy, backend=key, **tiles)
+    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, batch.labels, shard,
+                                               inv_temperature=settings.inv_temperature,
+                                               logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap,
+                                               with_entropy=settings.return_entropy, backend=key, **tiles)
     return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
@@ -289,6 +307,8 @@ def fused_linear_logprobs(
     *,
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
@@ -314,6 +334,7 @@ def fused_linear_logprobs(
                                                                   vocab_start_index)
     flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
+    logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, hidden.device)
@@ -321,7 +342,8 @@ def fused_linear_logprobs(
     flat_labels = check.prepare_labels(labels, hidden.shape[:-1], vocab_size, hidden.device, "hidden",
                                        ignore_index, validate)
     token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, flat_labels, shard, inv_temperature=inv_temperature,
-                                       with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
+                                               logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                               with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)
@@ -336,6 +358,8 @@ def token_tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     return_aux: bool = False,
@@ -362,11 +386,13 @@ def token_tpo_loss(
         return_aux: also return a dict of detached ``[R, K]`` ``candidate_logits`` (tempered),
             ``p``, ``q``, ``u``, ``coef`` (dLoss/d candidate logit, ``w (p - q)``) and ``[R]``
             ``state_loss``.
-        eta, anchor, temperature, reduction, backend, validate: see the module docstring.
+        eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, validate: see the
+            module docstring.
     """
     check.check_logits(logits, (2,))
     settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
+                                    return_aux=return_aux, validate=validate, logit_scale=logit_scale,
+                                    logit_softcap=logit_softcap)
     chosen = get_backend(backend, logits.device)
     candidates, scores, old_logprobs = check.prepare_candidates(
         logits.shape[0], logits.shape[1], logits.device, compute_dtype(logits.dtype), candidates, scores,
@@ -374,7 +400,8 @@ def token_tpo_loss(
     )
     key = backend_key(chosen)
     matrix, _ = pipeline.rows(logits)
-    cand = candidate_logits(matrix, candidates, inv_temperature=settings.inv_temperature, backend=key)
+    cand = pipeline.transformed_candidates(
+        lambda inv_t: candidate_logits(matrix, candidates, inv_temperature=inv_t, backend=key), settings)
     return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)
 
 
@@ -389,6 +416,8 @@ def fused_linear_token_tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     return_aux: bool = False,
@@ -403,13 +432,15 @@ def fused_linear_token_tpo_loss(
     """
     check.check_head(hidden, weight, bias, hidden_ndims=(2,), same_dtype=True)
     settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
+                                    return_aux=return_aux, validate=validate, logit_scale=logit_scale,
+                                    logit_softcap=logit_softcap)
     chosen = get_backend(backend, hidden.device)
     candidates, scores, old_logprobs = check.prepare_candidates(
         hidden.shape[0], weight.shape[0], hidden.device, compute_dtype(hidden.dtype), candidates, scores,
         old_logprobs, "hidden", validate,
     )
     key = backend_key(chosen)
-    cand = linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature=settings.inv_temperature,
-                                   backend=key)
+    cand = pipeline.transformed_candidates(
+        lambda inv_t: linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature=inv_t, backend=key),
+        settings)
     return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)

@@ -15,6 +15,7 @@ from ..layout import candidate_layout
 from .group import GroupObjective
 from .linear import TilePolicy, linear_logprobs
 from .logprobs import token_logprobs
+from .transform import LogitTransform, folded_inv_temperature
 
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
 
@@ -34,18 +35,44 @@ def sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, sco
     return settings, chosen, batch, data_parallel
 
 
-def row_logprobs(matrix: Tensor, labels: Tensor, shard, **settings):
+def row_logprobs(matrix: Tensor, labels: Tensor, shard, *, inv_temperature: float, logit_scale: float,
+                 logit_softcap: Optional[float], **settings):
     """The logits row op, on a vocabulary shard when ``shard`` says so."""
     if shard is None:
-        return token_logprobs(matrix, labels, **settings)
-    return distributed.vocab_parallel_logprobs(matrix, labels, shard, **settings)
+        return token_logprobs(matrix, labels, inv_temperature=inv_temperature, logit_scale=logit_scale,
+                              logit_softcap=logit_softcap, **settings)
+    inv_temperature = _shard_inv_temperature(inv_temperature, logit_scale, logit_softcap)
+    return distributed.vocab_parallel_logprobs(matrix, labels, shard, inv_temperature=inv_temperature, **settings)
 
 
-def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, **settings):
+def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, *,
+                  inv_temperature: float, logit_scale: float, logit_softcap: Optional[float], **settings):
     """The fused-linear row op, on a vocabulary shard of the head when ``shard`` says so."""
     if shard is None:
-        return linear_logprobs(hidden, weight, bias, labels, **settings)
-    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard, **settings)
+        return linear_logprobs(hidden, weight, bias, labels, inv_temperature=inv_temperature, logit_scale=logit_scale,
+                               logit_softcap=logit_softcap, **settings)
+    inv_temperature = _shard_inv_temperature(inv_temperature, logit_scale, logit_softcap)
+    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard,
+                                                      inv_temperature=inv_temperature, **settings)
+
+
+def _shard_inv_temperature(inv_temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> float:
+    """A vocabulary shard's row ops take the scale folded into ``inv_temperature``; a soft cap
+    is not wired through the shard merge."""
+    if logit_softcap is not None:
+        raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
+                         "(vocab_parallel_group / DTensor shards); logit_scale is")
+    return folded_inv_temperature(inv_temperature, logit_scale, None)
+
+
+def transformed_candidates(gather, settings: check.LossSettings) -> Tensor:
+    """Tempered candidate logits through the logit transform. ``gather(inv_temperature)`` gives
+    ``[R, K]`` candidate logits times that factor: the scale folds in without a cap; with one,
+    the raw logits are gathered and capped in plain autograd (``[R, K]`` entries only)."""
+    transform = LogitTransform.of(settings.logit_scale, settings.logit_softcap)
+    if transform is None:
+        return gather(folded_inv_temperature(settings.inv_temperature, settings.logit_scale, None))
+    return transform.differentiable(gather(1.0)) * settings.inv_temperature
 
 
 def sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str,
