@@ -282,16 +282,12 @@ def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_soft
                            transform=LogitTransform.of(logit_scale, logit_softcap))
 
 
-# The head's settings, in the order the ops take them (after the tensors).
-_SETTINGS = ("inv_temperature", "logit_scale", "logit_softcap", "chunk_size", "min_tile_tokens", "accum_bytes",
-             "matmul_out_dtype", "grad_accum_dtype")
-
-
 @torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=())
-def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, with_entropy: bool,
-                     inv_temperature: float, logit_scale: float, logit_softcap: Optional[float], chunk_size: int,
-                     min_tile_tokens: int, accum_bytes: int, matmul_out_dtype: Optional[bool],
-                     grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
+                     with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
+                     grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
+                     logit_softcap: Optional[float] = None,
+                     matmul_out_dtype: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
     stats, logprob, entropy = head.forward(with_entropy)
@@ -301,7 +297,7 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
 
 
 @_linear_logprobs.register_fake
-def _(hidden, weight, bias, labels, with_entropy, *settings_and_backend):
+def _(hidden, weight, bias, labels, inv_temperature, with_entropy, *settings):
     rows, acc = hidden.shape[0], compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
     return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
             hidden.new_empty(2, rows, dtype=acc))
@@ -311,9 +307,9 @@ def _(hidden, weight, bias, labels, with_entropy, *settings_and_backend):
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], needs_hidden: bool,
-    needs_weight: bool, needs_bias: bool, inv_temperature: float, logit_scale: float, logit_softcap: Optional[float],
-    chunk_size: int, min_tile_tokens: int, accum_bytes: int, matmul_out_dtype: Optional[bool],
-    grad_accum_dtype: torch.dtype, backend: str,
+    needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
+    accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
+    logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
@@ -325,18 +321,20 @@ def _linear_logprobs_backward(
 
 @_linear_logprobs_backward.register_fake
 def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, needs_hidden,
-      needs_weight, needs_bias, *settings_and_backend):
+      needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, labels, with_entropy = inputs[:5]
+    (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
+     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype) = inputs
     logprobs, entropy, stats = output
     ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.settings_and_backend = inputs[5:]
+    ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
+                    logit_scale, logit_softcap, matmul_out_dtype)
     ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
 
 
@@ -346,9 +344,9 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
                                                          ctx.with_entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
-                                      entropy, *needs, *ctx.settings_and_backend)
+                                      entropy, *needs, *ctx.settings)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads, None, None) + (None,) * (len(_SETTINGS) + 1)
+    return (*grads,) + (None,) * 11
 
 
 _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
@@ -361,7 +359,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     """``(logprobs [M], entropy [M] | None)`` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))``
     tempered (:mod:`tpo_kernels.ops.transform`) for int64 ``labels`` (negative: skipped), in the
     compute dtype; differentiable in hidden, weight, bias."""
-    logprobs, entropy, _ = _linear_logprobs(hidden, weight, bias, labels, with_entropy, inv_temperature, logit_scale,
-                                            logit_softcap, chunk_size, policy.min_tile_tokens, policy.accum_bytes,
-                                            policy.matmul_out_dtype, grad_accum_dtype, backend)
+    logprobs, entropy, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
+                                            policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend,
+                                            logit_scale, logit_softcap, policy.matmul_out_dtype)
     return logprobs, (entropy if with_entropy else None)
