@@ -122,7 +122,7 @@ def tpo_loss(
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
         process_group, shard,
     )
-    matrix, copied = pipeline.rows(logits)
+    matrix, copied = pipeline.logits_rows(logits, shard)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
     # Under torch.compile the graph owns the buffers: the backward is out of place.
     inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
@@ -211,7 +211,7 @@ def selective_logprobs(
     chosen = get_backend(backend, logits.device)
     vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
     flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
-    matrix, _ = pipeline.rows(logits)
+    matrix, _ = pipeline.logits_rows(logits, shard)
     token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature,
                                               logit_scale=logit_scale, logit_softcap=logit_softcap,
                                               with_entropy=return_entropy, inplace_backward=False,

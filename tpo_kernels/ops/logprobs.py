@@ -1,5 +1,7 @@
-"""``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix,
-as a custom op whose backward is the backend's fused row backward.
+"""``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix
+(unit column stride, any row stride >= V) or of ``[B, T, V]`` logits whose rows do not flatten into
+one row stride (the ``logits[:, :-1]`` slice: B launches on ``[T, V]`` views, no copy), as a custom
+op whose backward is the backend's fused row backward.
 
 Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
 entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
@@ -19,7 +21,7 @@ a scale alone folds into ``inv_temperature``; a soft cap runs the row ops on cap
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -36,39 +38,64 @@ def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entro
     row_op = backend_by_key(backend).row_forward
     inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
     transform = LogitTransform.of(logit_scale, logit_softcap)
-    if transform is None:
+    if transform is None and logits.dim() == 2:  # one launch over the whole matrix
         stats, logprob, entropy = row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy)
     else:
-        stats, logprob, entropy = _capped_forward(row_op, transform, logits, labels, inv_t, with_entropy)
+        stats, logprob, entropy = _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy)
     if entropy is None:
         entropy = logprob.new_empty(0)
     return logprob, entropy, stats
 
 
-def _capped_forward(row_op, transform: LogitTransform, logits: Tensor, labels: Tensor, inv_t: float,
+def _pieces(logits: Tensor, transform: Optional[LogitTransform]) -> Iterator[Tuple[Tensor, slice]]:
+    """``(2-D view, its rows in the flat [M] order)`` pairs covering ``[M, V]`` logits, or ``[B, T, V]``
+    logits whose rows do not flatten into one row stride (``logits[:, :-1]``): one view per leading
+    index, read with its row stride instead of copied. With a soft cap, views of at most one row
+    chunk (:func:`row_chunk`), the size of the capped buffer."""
+    vocab = logits.shape[-1]
+    blocks = [logits] if logits.dim() == 2 else list(logits.unbind(0))
+    step = None if transform is None else row_chunk(logits.shape[:-1].numel(), vocab, logits.device)
+    offset = 0
+    for block in blocks:
+        rows = block.shape[0]
+        for start in range(0, rows, step or max(rows, 1)):
+            stop = min(start + (step or rows), rows)
+            yield block[start:stop], slice(offset + start, offset + stop)
+        offset += rows
+
+
+def _capped_buffer(logits: Tensor, transform: Optional[LogitTransform]) -> Optional[Tensor]:
+    """A flat compute-dtype buffer for one row chunk of capped logits; None without a cap."""
+    if transform is None:
+        return None
+    rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
+    piece_rows = min(row_chunk(rows, vocab, logits.device), logits.shape[-2])
+    return logits.new_empty(max(piece_rows, 1) * vocab, dtype=compute_dtype(logits.dtype))
+
+
+def _forward_pieces(row_op, transform: Optional[LogitTransform], logits: Tensor, labels: Tensor, inv_t: float,
                     with_entropy: bool):
-    """The row op on soft-capped row chunks, each capped into one chunk-sized compute-dtype buffer."""
-    num_rows, vocab = logits.shape
+    """The row op piece by piece (:func:`_pieces`), each soft-capped into one chunk-sized buffer
+    first when there is a cap."""
+    num_rows = logits.shape[:-1].numel()
     acc = compute_dtype(logits.dtype)
     stats = logits.new_zeros(2, num_rows, dtype=acc)
     logprob = logits.new_zeros(num_rows, dtype=acc)
     entropy = logits.new_zeros(num_rows, dtype=acc) if with_entropy else None
-    step = row_chunk(num_rows, vocab, logits.device)
-    buffer = logits.new_empty(min(step, num_rows) * vocab, dtype=acc)
-    for start in range(0, num_rows, step):
-        rows = slice(start, min(start + step, num_rows))
-        z = logits[rows]
-        capped = transform.cap(z, buffer[: z.numel()].view(z.shape))
-        stats[:, rows], logprob[rows], chunk_entropy = row_op(capped, labels[rows], inv_temperature=inv_t,
+    buffer = _capped_buffer(logits, transform)
+    for z, rows in _pieces(logits, transform):
+        if transform is not None:
+            z = transform.cap(z, buffer[: z.numel()].view(z.shape))
+        stats[:, rows], logprob[rows], piece_entropy = row_op(z, labels[rows], inv_temperature=inv_t,
                                                               with_entropy=with_entropy)
         if with_entropy:
-            entropy[rows] = chunk_entropy
+            entropy[rows] = piece_entropy
     return stats, logprob, entropy
 
 
 @_logprobs.register_fake
 def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale=1.0, logit_softcap=None):
-    rows, acc = logits.shape[0], compute_dtype(logits.dtype)
+    rows, acc = logits.shape[:-1].numel(), compute_dtype(logits.dtype)
     return (logits.new_empty(rows, dtype=acc), logits.new_empty(rows if with_entropy else 0, dtype=acc),
             logits.new_empty(2, rows, dtype=acc))
 
@@ -76,31 +103,30 @@ def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, 
 def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
                   grad_entropy: Optional[Tensor], entropy: Optional[Tensor], inv_temperature: float, backend: str,
                   logit_scale: float, logit_softcap: Optional[float], out: Tensor) -> None:
-    """The backend's row backward into ``out`` (may be ``logits``), through the logit transform.
+    """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``), piece by
+    piece (:func:`_pieces`) unless one launch covers the matrix.
 
-    With a soft cap, row chunks: recompute the capped chunk, run the row backward on it in
+    With a soft cap, per row chunk: recompute the capped chunk, run the row backward on it in
     place, multiply by the cap's derivative and write the result into ``out``'s rows (the chunk
     of ``logits`` is read before its rows of ``out`` are written)."""
     row_op = backend_by_key(backend).row_backward
     inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
     transform = LogitTransform.of(logit_scale, logit_softcap)
-    if transform is None:
+    if transform is None and logits.dim() == 2:
         row_op(logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
                inv_temperature=inv_t, out=out)
         return
-    num_rows, vocab = logits.shape
-    step = row_chunk(num_rows, vocab, logits.device)
-    capped_buffer, derivative_buffer = (logits.new_empty(min(step, num_rows) * vocab, dtype=compute_dtype(logits.dtype))
-                                        for _ in range(2))
-    for start in range(0, num_rows, step):
-        rows = slice(start, min(start + step, num_rows))
-        z = logits[rows]
-        capped = transform.cap(z, capped_buffer[: z.numel()].view(z.shape))
-        derivative = transform.derivative(z, derivative_buffer[: z.numel()].view(z.shape))
-        row_op(capped, labels[rows], stats[:, rows], logprobs[rows], grad_logprobs[rows],
+    capped_buffer, derivative_buffer = _capped_buffer(logits, transform), _capped_buffer(logits, transform)
+    for (z, rows), (out_piece, _) in zip(_pieces(logits, transform), _pieces(out, transform)):
+        target = out_piece
+        if transform is not None:
+            derivative = transform.derivative(z, derivative_buffer[: z.numel()].view(z.shape))
+            z = target = transform.cap(z, capped_buffer[: z.numel()].view(z.shape))
+        row_op(z, labels[rows], stats[:, rows], logprobs[rows], grad_logprobs[rows],
                grad_entropy=None if grad_entropy is None else grad_entropy[rows],
-               entropy=None if entropy is None else entropy[rows], inv_temperature=inv_t, out=capped)
-        out[rows] = capped.mul_(derivative)
+               entropy=None if entropy is None else entropy[rows], inv_temperature=inv_t, out=target)
+        if transform is not None:
+            out_piece.copy_(z.mul_(derivative))
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
@@ -173,8 +199,8 @@ _logprobs.register_autograd(_backward, setup_context=_setup_context)
 def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool,
                    inplace_backward: bool, backend: str, logit_scale: float = 1.0,
                    logit_softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` logits (unit column stride, any row
-    stride >= V) through the logit transform (:mod:`tpo_kernels.ops.transform`) for int64
+    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` or ``[B, T, V]`` logits (module
+    docstring) through the logit transform (:mod:`tpo_kernels.ops.transform`) for int64
     ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
     logprobs, entropy, _ = _logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
                                      logit_scale, logit_softcap)

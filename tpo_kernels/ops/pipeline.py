@@ -118,11 +118,32 @@ def candidate_loss(cand_logits: Tensor, scores: Tensor, old_logprobs: Optional[T
 
 
 def rows(x: Tensor) -> Tuple[Tensor, bool]:
-    """``[..., D]`` as a contiguous ``[M, D]`` matrix; True when that needed a copy."""
-    matrix = x.reshape(-1, x.shape[-1])
-    if matrix.is_contiguous():
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, any row
+    stride >= D), else a contiguous copy; True when that needed a copy."""
+    matrix = x.reshape(-1, x.shape[-1])  # a view whenever the rows flatten into one row stride
+    if matrix.data_ptr() == x.data_ptr() and _row_strided(matrix):
         return matrix, False
     return matrix.contiguous(), True
+
+
+def logits_rows(x: Tensor, shard=None) -> Tuple[Tensor, bool]:
+    """:func:`rows` for the log-prob row op, which also reads ``[B, T, V]`` logits whose rows do
+    not flatten into one row stride (``logits[:, :-1]``) piece by piece: such logits pass as they
+    are, instead of a copy (which would triple the peak memory of the logits path). A vocabulary
+    shard's row op takes a matrix."""
+    if shard is None and x.dim() == 3 and x.stride(-1) == 1 and not _flattens(x) and all(_row_strided(block) for block in x[:1]):
+        return x, False
+    return rows(x)
+
+
+def _flattens(x: Tensor) -> bool:
+    return x.shape[0] <= 1 or x.shape[1] <= 1 or x.stride(0) == x.shape[1] * x.stride(1)
+
+
+def _row_strided(matrix: Tensor) -> bool:
+    """Unit column stride and rows that do not overlap: what every backend reads without a copy."""
+    num_rows, width = matrix.shape
+    return (matrix.stride(1) == 1 or width <= 1) and (num_rows <= 1 or matrix.stride(0) >= width)
 
 
 def linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy):
