@@ -118,12 +118,13 @@ def candidate_loss(cand_logits: Tensor, scores: Tensor, old_logprobs: Optional[T
 
 
 def rows(x: Tensor) -> Tuple[Tensor, bool]:
-    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, any row
-    stride >= D), else a contiguous copy; True when that needed a copy."""
-    matrix = x.reshape(-1, x.shape[-1])  # a view whenever the rows flatten into one row stride
-    if matrix.data_ptr() == x.data_ptr() and _row_strided(matrix):
-        return matrix, False
-    return matrix.contiguous(), True
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
+    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
+    width = x.shape[-1]
+    row_stride = _flat_row_stride(x)
+    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
+        return x.reshape(-1, width), False  # a view
+    return x.reshape(-1, width).contiguous(), True
 
 
 def logits_rows(x: Tensor, shard=None) -> Tuple[Tensor, bool]:
@@ -131,19 +132,21 @@ def logits_rows(x: Tensor, shard=None) -> Tuple[Tensor, bool]:
     not flatten into one row stride (``logits[:, :-1]``) piece by piece: such logits pass as they
     are, instead of a copy (which would triple the peak memory of the logits path). A vocabulary
     shard's row op takes a matrix."""
-    if shard is None and x.dim() == 3 and x.stride(-1) == 1 and not _flattens(x) and all(_row_strided(block) for block in x[:1]):
+    if (shard is None and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
+            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
         return x, False
     return rows(x)
 
 
-def _flattens(x: Tensor) -> bool:
-    return x.shape[0] <= 1 or x.shape[1] <= 1 or x.stride(0) == x.shape[1] * x.stride(1)
-
-
-def _row_strided(matrix: Tensor) -> bool:
-    """Unit column stride and rows that do not overlap: what every backend reads without a copy."""
-    num_rows, width = matrix.shape
-    return (matrix.stride(1) == 1 or width <= 1) and (num_rows <= 1 or matrix.stride(0) >= width)
+def _flat_row_stride(x: Tensor) -> Optional[int]:
+    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
+    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
+    apart than those within one). Size-1 dims do not count."""
+    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
+        if outer_stride != inner_size * inner_stride:
+            return None
+    return dims[-1][1] if dims else x.shape[-1]
 
 
 def linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy):
