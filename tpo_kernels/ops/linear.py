@@ -16,6 +16,9 @@ Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at 
 many tokens so that the matmuls run at full speed and the ``dW`` accumulation stays
 compute-bound; a ``dW`` accumulator wider than the weight dtype (fp32 for a bf16 head) is kept
 per vocabulary block, so it stays small. :class:`TilePolicy` holds these budgets per device.
+
+With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
+buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .tiles import VOCAB_ALIGN, TilePolicy, add_product, balanced_chunks
 from .transform import LogitTransform, folded_inv_temperature
 
 __all__ = ["TiledLinearHead", "TilePolicy", "linear_logprobs", "merge_blocks"]
+
 
 def merge_blocks(a: tuple, b: tuple, inv_temperature: float) -> tuple:
     """Merge the row summaries of two disjoint vocabulary ranges.
@@ -125,10 +129,6 @@ class TiledLinearHead:
             return []
         return [self._buffer(rows, vocab, compute_dtype(self.dtype)) for _ in range(count)]
 
-    @staticmethod
-    def _tile_view(buffer: Tensor, like: Tensor) -> Tensor:
-        return buffer[: like.numel()].view(like.shape)
-
     def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
         """(tokens, vocabulary entries) of one tile over ``num_rows`` rows: at most
         ``chunk_size * V`` logits, cut along the vocabulary so that a tile spans at least the
@@ -170,7 +170,7 @@ class TiledLinearHead:
             for start in range(0, vocab_size, vocab_block):
                 logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
                 if capped:  # the row op reads the soft-capped tile
-                    logits = self.transform.cap(logits, self._tile_view(capped[0], logits))
+                    logits = self.transform.cap(logits, capped[0])
                 local = labels - (self.vocab_offset + start)
                 inside = (local >= 0) & (local < logits.shape[1])
                 # Every row is read: a label outside the block stands in as 0, its log-prob unused.
@@ -251,8 +251,8 @@ class TiledLinearHead:
         dlogits = self._logits(h_rows, vocab, buffers[0])
         row_logits = dlogits
         if self.transform is not None:
-            row_logits = self.transform.cap(dlogits, self._tile_view(buffers[1], dlogits))
-            derivative = self.transform.derivative(dlogits, self._tile_view(buffers[2], dlogits))
+            row_logits = self.transform.cap(dlogits, buffers[1])
+            derivative = self.transform.derivative(dlogits, buffers[2])
         labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(

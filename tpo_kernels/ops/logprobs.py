@@ -85,7 +85,7 @@ def _forward_pieces(row_op, transform: Optional[LogitTransform], logits: Tensor,
     buffer = _capped_buffer(logits, transform)
     for z, rows in _pieces(logits, transform):
         if transform is not None:
-            z = transform.cap(z, buffer[: z.numel()].view(z.shape))
+            z = transform.cap(z, buffer)
         stats[:, rows], logprob[rows], piece_entropy = row_op(z, labels[rows], inv_temperature=inv_t,
                                                               with_entropy=with_entropy)
         if with_entropy:
@@ -120,8 +120,8 @@ def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tenso
     for (z, rows), (out_piece, _) in zip(_pieces(logits, transform), _pieces(out, transform)):
         target = out_piece
         if transform is not None:
-            derivative = transform.derivative(z, derivative_buffer[: z.numel()].view(z.shape))
-            z = target = transform.cap(z, capped_buffer[: z.numel()].view(z.shape))
+            derivative = transform.derivative(z, derivative_buffer)
+            z = target = transform.cap(z, capped_buffer)
         row_op(z, labels[rows], stats[:, rows], logprobs[rows], grad_logprobs[rows],
                grad_entropy=None if grad_entropy is None else grad_entropy[rows],
                entropy=None if entropy is None else entropy[rows], inv_temperature=inv_t, out=target)

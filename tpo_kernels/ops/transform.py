@@ -36,19 +36,23 @@ class LogitTransform:
         """The transform the row ops cannot fold into ``inv_temperature``; None without a cap."""
         return None if logit_softcap is None else LogitTransform(logit_scale, logit_softcap)
 
-    def cap(self, z: Tensor, out: Tensor) -> Tensor:
-        """``out = softcap(scale * z)``, computed in ``out``'s dtype (the compute dtype)."""
-        out.copy_(z)
+    def cap(self, z: Tensor, buffer: Tensor) -> Tensor:
+        """``softcap(scale * z)`` in a view of the flat ``buffer`` (its dtype: the compute dtype)."""
+        out = _view_like(buffer, z).copy_(z)
         return out.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap)
 
-    def derivative(self, z: Tensor, out: Tensor) -> Tensor:
-        """``out = d softcap(scale * z) / dz = scale / cosh^2(scale * z / softcap)``."""
-        out.copy_(z)
+    def derivative(self, z: Tensor, buffer: Tensor) -> Tensor:
+        """``d softcap(scale * z) / dz = scale / cosh^2(scale * z / softcap)`` in a view of ``buffer``."""
+        out = _view_like(buffer, z).copy_(z)
         return out.mul_(self.scale / self.softcap).cosh_().square_().reciprocal_().mul_(self.scale)
 
     def differentiable(self, z: Tensor) -> Tensor:
         """The transform in plain autograd, for the few gathered logits of token-level TPO."""
         return torch.tanh(z * (self.scale / self.softcap)) * self.softcap
+
+
+def _view_like(buffer: Tensor, like: Tensor) -> Tensor:
+    return buffer[: like.numel()].view(like.shape)
 
 
 def folded_inv_temperature(inv_temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> float:
