@@ -103,7 +103,7 @@ def _materialized_as(dtype):
 
 
 # The triton backend under the interpreter: a capped transform in fp32 only (slow there).
-LOGITS_CASES = [(b, t, d) for b in DEVICE_BACKENDS for t in TRANSFORMS for d in DTYPES] + [
+CASES = [(b, t, d) for b in DEVICE_BACKENDS for t in TRANSFORMS for d in DTYPES] + [
     (b, TRANSFORMS[2], torch.float32) for b in INTERPRETED_BACKENDS]
 
 
@@ -112,7 +112,7 @@ def _cases(cases):
                          id=f"{backend.id}-{transform.id}-{str(dtype)[6:]}") for backend, transform, dtype in cases]
 
 
-@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(LOGITS_CASES))
+@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(CASES))
 def test_tpo_loss_matches_reference(backend, scale, cap, dtype):
     logits, labels, scores, kwargs = _logits_batch(dtype, layout="packed", grouping="ids")
     kwargs.update(temperature=0.7, logit_scale=scale, logit_softcap=cap, reduction="none")
@@ -120,9 +120,7 @@ def test_tpo_loss_matches_reference(backend, scale, cap, dtype):
              lambda z: reference.tpo_loss(z, labels, scores.double(), **kwargs), (logits,), dtype)
 
 
-@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-@pytest.mark.parametrize("scale, cap", TRANSFORMS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(CASES))
 def test_selective_logprobs_and_entropy_match_reference(backend, scale, cap, dtype):
     logits, labels, _, _ = _logits_batch(dtype)
     kwargs = dict(temperature=1.3, logit_scale=scale, logit_softcap=cap, return_entropy=True)
@@ -130,7 +128,7 @@ def test_selective_logprobs_and_entropy_match_reference(backend, scale, cap, dty
              lambda z: reference.selective_logprobs(z, labels, **kwargs), (logits,), dtype)
 
 
-@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(LOGITS_CASES))
+@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(CASES))
 def test_fused_linear_tpo_loss_matches_reference(backend, scale, cap, dtype):
     _, labels, scores, kwargs = _logits_batch(dtype, grouping="ids")
     kwargs.update(temperature=0.7, logit_scale=scale, logit_softcap=cap, reduction="none")
@@ -142,9 +140,7 @@ def test_fused_linear_tpo_loss_matches_reference(backend, scale, cap, dtype):
              _head(labels.shape, dtype), dtype, reference_inputs=_materialized_as(dtype))
 
 
-@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-@pytest.mark.parametrize("scale, cap", TRANSFORMS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(CASES))
 def test_fused_linear_logprobs_and_entropy_match_reference(backend, scale, cap, dtype):
     _, labels, _, _ = _logits_batch(dtype, layout="packed")
     kwargs = dict(temperature=1.3, logit_scale=scale, logit_softcap=cap, return_entropy=True)
@@ -161,9 +157,7 @@ def _candidate_batch(dtype, states=6, num_cand=4):
     return candidates, scores
 
 
-@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-@pytest.mark.parametrize("scale, cap", TRANSFORMS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(CASES))
 def test_token_tpo_loss_matches_reference(backend, scale, cap, dtype):
     candidates, scores = _candidate_batch(dtype)
     logits = (torch.randn(candidates.shape[0], VOCAB, dtype=torch.float64, device=DEVICE) * LOGIT_STD).to(dtype)
@@ -172,9 +166,7 @@ def test_token_tpo_loss_matches_reference(backend, scale, cap, dtype):
              lambda z: reference.token_tpo_loss(z, candidates, scores.double(), **kwargs), (logits,), dtype)
 
 
-@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-@pytest.mark.parametrize("scale, cap", TRANSFORMS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, scale, cap, dtype", _cases(CASES))
 def test_fused_linear_token_tpo_loss_matches_reference(backend, scale, cap, dtype):
     candidates, scores = _candidate_batch(dtype)
     kwargs = dict(temperature=0.7, logit_scale=scale, logit_softcap=cap, reduction="none")
@@ -285,6 +277,21 @@ def test_capped_inplace_backward_equals_out_of_place(backend):
     (grad,) = torch.autograd.grad(loss, activation)
     assert grad.data_ptr() == activation.data_ptr()
     assert torch.equal(grad, leaf.grad)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_capped_losses_are_deterministic(backend):
+    logits, labels, scores, kwargs = _logits_batch(torch.float32)
+    h, w, b = _head(labels.shape, torch.float32)
+    kwargs.update(logit_scale=0.5, logit_softcap=30.0)
+    runs = []
+    for _ in range(2):
+        z, hh, ww = _leaves(logits, h, w)
+        loss = tpo_kernels.tpo_loss(z, labels, scores, backend=backend, inplace_backward=False, **kwargs)
+        fused = tpo_kernels.fused_linear_tpo_loss(hh, ww, labels, scores, backend=backend, chunk_size=3, **kwargs)
+        runs.append((loss, fused, *torch.autograd.grad(loss + fused, (z, hh, ww))))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
 
 
 def test_modules_pass_the_transform():
