@@ -84,6 +84,7 @@ def _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=to
 _MATMULS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
     torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
+    torch.ops.aten.mm.dtype, torch.ops.aten.addmm.dtype_out,  # products into a wider accumulator (CUDA)
 }
 
 

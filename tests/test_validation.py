@@ -283,3 +283,53 @@ def test_tpo_loss_from_logprobs_bad_input_names_the_argument(bad, error):
     name = next(iter(bad))
     with pytest.raises(error, match=name):
         tpo_kernels.tpo_loss_from_logprobs(args["logprobs"], torch.randn(4), mask=args["mask"], group_size=2)
+
+
+# ----------------------------------------------------------------------------- logit_scale and logit_softcap
+
+
+def _transform_calls():
+    """Each public function that takes logits or an lm_head, as ``call(**transform_kwargs)``."""
+    logits, labels, scores, kwargs = make_batch()
+    hidden, weight = torch.randn(*labels.shape, 8), torch.randn(37, 8)
+    candidates, cand_scores = torch.randint(0, 37, (4, 3)), torch.randn(4, 3)
+    return {
+        "tpo_loss": lambda **t: tpo_kernels.tpo_loss(logits, labels, scores, **kwargs, **t),
+        "selective_logprobs": lambda **t: tpo_kernels.selective_logprobs(logits, labels, **t),
+        "fused_linear_tpo_loss": lambda **t: tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores,
+                                                                               **kwargs, **t),
+        "fused_linear_logprobs": lambda **t: tpo_kernels.fused_linear_logprobs(hidden, weight, labels, **t),
+        "token_tpo_loss": lambda **t: tpo_kernels.token_tpo_loss(logits[0], candidates, cand_scores, **t),
+        "fused_linear_token_tpo_loss": lambda **t: tpo_kernels.fused_linear_token_tpo_loss(
+            hidden[0], weight, candidates, cand_scores, **t),
+    }
+
+
+@pytest.mark.parametrize("function", list(_transform_calls()))
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(logit_softcap=0.0), ValueError, "logit_softcap must be a finite number > 0"),
+    (dict(logit_softcap=-30.0), ValueError, "logit_softcap must be a finite number > 0"),
+    (dict(logit_softcap=float("inf")), ValueError, "logit_softcap must be a finite number > 0"),
+    (dict(logit_softcap=float("nan")), ValueError, "logit_softcap must be a finite number > 0"),
+    (dict(logit_softcap="30"), TypeError, "logit_softcap must be a number"),
+    (dict(logit_softcap=1e39), ValueError, "logit_softcap must lie in"),
+    (dict(logit_scale=0.0), ValueError, "logit_scale must be a finite number > 0"),
+    (dict(logit_scale=-1.0), ValueError, "logit_scale must be a finite number > 0"),
+    (dict(logit_scale=float("nan")), ValueError, "logit_scale must be a finite number > 0"),
+    (dict(logit_scale=None), TypeError, "logit_scale must be a number"),
+    (dict(logit_scale=1e30, temperature=1e-30), ValueError, "logit_scale / temperature must lie in"),
+    (dict(logit_scale=1e-30, logit_softcap=1e30), ValueError, "logit_scale / logit_softcap must lie in"),
+])
+def test_logit_transform_bad_values_name_the_argument(function, bad, error, match):
+    with pytest.raises(error, match=match):
+        _transform_calls()[function](**bad)
+
+
+def test_logit_softcap_with_a_vocabulary_shard_is_refused():
+    """The shard merge has no soft cap; a scale alone folds into the temperature there."""
+    from tpo_kernels.ops import pipeline
+
+    logits, labels = torch.randn(4, 5), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="logit_softcap is not supported with a vocabulary-parallel"):
+        pipeline.row_logprobs(logits, labels, object(), inv_temperature=1.0, logit_scale=1.0, logit_softcap=30.0,
+                              with_entropy=False, inplace_backward=False, backend="torch")

@@ -8,6 +8,11 @@ Shared keywords of the losses:
     eta: target temperature (> 0): ``q ∝ p_old · exp(u / eta)``.
     anchor: use ``p_old`` in q (False: ``q = softmax(u / eta)``).
     temperature: sampling temperature dividing the logits (> 0).
+    logit_scale, logit_softcap: the model's own transform of its lm_head output, applied before
+        the temperature: ``softcap(logit_scale * z) / temperature`` with ``softcap(x) = c * tanh(x / c)``,
+        ``c = logit_softcap`` (None: no cap). Cohere: ``logit_scale``; Granite: ``1 / logits_scaling``;
+        Gemma 2/3: ``logit_softcap = final_logit_softcapping``. Every function that takes logits or an
+        lm_head takes them; without them those models get wrong log-probs silently.
     reduction: ``"mean"`` over groups (states for token-level TPO), ``"sum"``, or ``"none"``
         (per group: in order of first completion for ``group_size``, of sorted id for ``group_ids``).
     backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"cpu"``, ``"torch"`` or a
@@ -34,11 +39,15 @@ from . import _validate as check
 from . import distributed
 from ._dtypes import compute_dtype
 from .backends import Backend, backend_key, get_backend
-from .ops import TilePolicy, candidate_logits, linear_candidate_logits
+from .ops import TilePolicy
 from .ops import pipeline
+from .token_functional import fused_linear_token_tpo_loss, token_tpo_loss  # token-level TPO, part of this API
 
 BackendArg = Union[str, Backend]
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
+
+__all__ = ["fused_linear_logprobs", "fused_linear_token_tpo_loss", "fused_linear_tpo_loss", "selective_logprobs",
+           "token_tpo_loss", "tpo_loss", "tpo_loss_from_logprobs"]
 
 
 def tpo_loss(
@@ -57,6 +66,8 @@ def tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     inplace_backward: bool = True,
@@ -92,7 +103,8 @@ def tpo_loss(
             saved the same logits raises PyTorch's in-place error instead of reading overwritten
             values. Leaf tensors (e.g. created with ``requires_grad=True``) are never overwritten,
             nor are buffers under ``torch.compile``.
-        eta, anchor, temperature, reduction, backend, validate: see the module docstring.
+        eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, validate: see the
+            module docstring.
         return_aux: also return a dict of detached ``token_logprobs``, ``seq_logprobs``, ``p``,
             ``q``, ``u``, ``coef`` (dL/d ell of the group term), ``group_loss`` and per-group
             metrics: ``kl_q_p`` (KL(q || p)), ``entropy_p``, ``entropy_q`` and ``zero_signal``
@@ -109,18 +121,19 @@ def tpo_loss(
     settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         logits, logits.shape[-1] if shard is None else shard.vocab_size, "logits", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             return_entropy=return_entropy, validate=validate),
+             return_entropy=return_entropy, validate=validate, logit_scale=logit_scale, logit_softcap=logit_softcap),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
         process_group, shard,
     )
-    matrix, copied = pipeline.rows(logits)
+    matrix, copied = pipeline.logits_rows(logits, shard)
     # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
     # Under torch.compile the graph owns the buffers: the backward is out of place.
     inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
     key = backend_key(chosen)
     token_lp, entropy = pipeline.row_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
-                                      with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
+                                              logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap,
+                                              with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
     return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
@@ -175,6 +188,8 @@ def selective_logprobs(
     labels: Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
     backend: BackendArg = "auto",
@@ -194,14 +209,17 @@ def selective_logprobs(
     logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
     check.check_logits(logits)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
+    logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, logits.device)
     vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
     flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
-    matrix, _ = pipeline.rows(logits)
-    token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature, with_entropy=return_entropy,
-                                      inplace_backward=False, backend=backend_key(chosen))
+    matrix, _ = pipeline.logits_rows(logits, shard)
+    token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature,
+                                              logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                              with_entropy=return_entropy, inplace_backward=False,
+                                              backend=backend_key(chosen))
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)
@@ -225,6 +243,8 @@ def fused_linear_tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     return_aux: bool = False,
@@ -271,14 +291,16 @@ def fused_linear_tpo_loss(
     settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         hidden, weight.shape[0] if shard is None else shard.vocab_size, "hidden", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             return_entropy=return_entropy, validate=validate),
+             return_entropy=return_entropy, validate=validate, logit_scale=logit_scale, logit_softcap=logit_softcap),
         dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
              ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
         process_group, shard,
     )
     key = backend_key(chosen)
-    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, batch.labels, shard, inv_temperature=settings.inv_temperature,
-                                       with_entropy=settings.return_entropy, backend=key, **tiles)
+    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, batch.labels, shard,
+                                               inv_temperature=settings.inv_temperature,
+                                               logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap,
+                                               with_entropy=settings.return_entropy, backend=key, **tiles)
     return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
 
 
@@ -289,6 +311,8 @@ def fused_linear_logprobs(
     *,
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
     chunk_size: Optional[int] = None,
@@ -314,6 +338,7 @@ def fused_linear_logprobs(
                                                                   vocab_start_index)
     flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
+    logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)
     validate = check.check_flag("validate", validate)
     chosen = get_backend(backend, hidden.device)
@@ -321,95 +346,8 @@ def fused_linear_logprobs(
     flat_labels = check.prepare_labels(labels, hidden.shape[:-1], vocab_size, hidden.device, "hidden",
                                        ignore_index, validate)
     token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, flat_labels, shard, inv_temperature=inv_temperature,
-                                       with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
+                                               logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                               with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
     if return_entropy:
         return token_lp.view(labels.shape), entropy.view(labels.shape)
     return token_lp.view(labels.shape)
-
-
-def token_tpo_loss(
-    logits: Tensor,
-    candidates: Tensor,
-    scores: Tensor,
-    *,
-    old_logprobs: Optional[Tensor] = None,
-    eta: float = 1.0,
-    anchor: bool = True,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    backend: BackendArg = "auto",
-    return_aux: bool = False,
-    validate: bool = True,
-) -> LossOutput:
-    """Token-level TPO (paper Sec. 3.4): at each state, fit the policy's distribution over K
-    scored candidate next tokens to the TPO target by cross-entropy.
-
-    With tempered candidate logits ``c[r, k] = z[r, y[r, k]] / tau``, ``p[r] = softmax_k c[r]``
-    (the vocabulary logsumexp cancels), so only the K candidate logits of each row are read and
-    the gradient ``w (p - q) / tau`` is nonzero only at those entries.
-
-    Args:
-        logits: ``[R, V]`` vocabulary logits of R states (flatten ``[B, T, V]`` with your mask
-            first); bf16/fp16/fp32/fp64. Math runs in fp32 (fp64 for fp64 logits).
-        candidates: ``[R, K]`` integer token ids in ``[0, V)``. A repeated id is a separate group
-            member with the same logit; its gradients add up (in ascending k order).
-        scores: ``[R, K]`` finite scores of the candidates; standardized within each state
-            (population std; a state whose K scores tie gets u = 0, hence zero on-policy gradient).
-        old_logprobs: ``[R, K]`` candidate log-probs under the rollout policy (anchored target
-            ``q ∝ p_old exp(u/eta)``). Only differences within a state matter, so full-vocab
-            log-probs and raw logits of the rollout policy both work; they are used as given,
-            not divided by ``temperature``. None: on-policy, ``p_old = p`` held constant.
-        return_aux: also return a dict of detached ``[R, K]`` ``candidate_logits`` (tempered),
-            ``p``, ``q``, ``u``, ``coef`` (dLoss/d candidate logit, ``w (p - q)``) and ``[R]``
-            ``state_loss``.
-        eta, anchor, temperature, reduction, backend, validate: see the module docstring.
-    """
-    check.check_logits(logits, (2,))
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
-    chosen = get_backend(backend, logits.device)
-    candidates, scores, old_logprobs = check.prepare_candidates(
-        logits.shape[0], logits.shape[1], logits.device, compute_dtype(logits.dtype), candidates, scores,
-        old_logprobs, "logits", validate,
-    )
-    key = backend_key(chosen)
-    matrix, _ = pipeline.rows(logits)
-    cand = candidate_logits(matrix, candidates, inv_temperature=settings.inv_temperature, backend=key)
-    return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)
-
-
-def fused_linear_token_tpo_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    candidates: Tensor,
-    scores: Tensor,
-    *,
-    bias: Optional[Tensor] = None,
-    old_logprobs: Optional[Tensor] = None,
-    eta: float = 1.0,
-    anchor: bool = True,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    backend: BackendArg = "auto",
-    return_aux: bool = False,
-    validate: bool = True,
-) -> LossOutput:
-    """:func:`token_tpo_loss` on the logits ``hidden [R, H] @ weight.T (+ bias)`` without forming
-    them: each candidate logit is the dot product ``hidden[r] . weight[y] (+ bias[y])``, so forward
-    and backward cost O(R*K*H) and no ``[R, V]`` tensor exists. The weight gradient is a dense
-    ``[V, H]`` tensor, zero except the candidate rows, which are summed deterministically in the
-    compute dtype and cast to the weight's dtype; the bias gradient likewise.
-    Everything else as in :func:`token_tpo_loss`.
-    """
-    check.check_head(hidden, weight, bias, hidden_ndims=(2,), same_dtype=True)
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
-    chosen = get_backend(backend, hidden.device)
-    candidates, scores, old_logprobs = check.prepare_candidates(
-        hidden.shape[0], weight.shape[0], hidden.device, compute_dtype(hidden.dtype), candidates, scores,
-        old_logprobs, "hidden", validate,
-    )
-    key = backend_key(chosen)
-    cand = linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature=settings.inv_temperature,
-                                   backend=key)
-    return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)

@@ -14,14 +14,16 @@ class _TPOSettings(nn.Module):
     """Holds the loss hyper-parameters shared by every TPO module."""
 
     def __init__(self, *, eta: float = 1.0, anchor: bool = True, temperature: float = 1.0,
+                 logit_scale: float = 1.0, logit_softcap: Optional[float] = None,
                  reduction: str = "mean", backend: str = "auto") -> None:
         super().__init__()
         self.eta, self.anchor, self.temperature = eta, anchor, temperature
+        self.logit_scale, self.logit_softcap = logit_scale, logit_softcap
         self.reduction, self.backend = reduction, backend
 
     def settings(self) -> dict:
-        return dict(eta=self.eta, anchor=self.anchor, temperature=self.temperature,
-                    reduction=self.reduction, backend=self.backend)
+        return dict(eta=self.eta, anchor=self.anchor, temperature=self.temperature, logit_scale=self.logit_scale,
+                    logit_softcap=self.logit_softcap, reduction=self.reduction, backend=self.backend)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
@@ -43,7 +45,7 @@ class TPOLoss(_SequenceTPOSettings):
 
     Example::
 
-        loss_fn = TPOLoss(eta=1.0, temperature=0.7)
+        loss_fn = TPOLoss(eta=1.0, temperature=0.7)             # Gemma 2: logit_softcap=30.0
         loss = loss_fn(logits, labels, scores, group_size=8)
     """
 

@@ -17,20 +17,35 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def tempered_logits(logits: Tensor, *, temperature: float = 1.0, logit_scale: float = 1.0,
+                    logit_softcap: Optional[float] = None) -> Tensor:
+    """The logits the softmax sees, in the compute dtype: the model's transform of its lm_head
+    output (Cohere / Granite scale it; Gemma 2/3 soft-cap it, ``c * tanh(z / c)``), then the
+    sampling temperature: ``softcap(logit_scale * z) / temperature``."""
+    z = logits.to(_compute_dtype(logits.dtype)) * logit_scale
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    return z / temperature
+
+
 def token_logprobs(
-    logits: Tensor, labels: Tensor, *, temperature: float = 1.0, ignore_index: int = -100
+    logits: Tensor, labels: Tensor, *, temperature: float = 1.0, ignore_index: int = -100, logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
 ) -> Tensor:
-    """log softmax(logits / temperature)[label] per token; 0 where ``labels == ignore_index``."""
-    log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    """log softmax(tempered_logits)[label] per token; 0 where ``labels == ignore_index``."""
+    log_probs = torch.log_softmax(tempered_logits(logits, temperature=temperature, logit_scale=logit_scale,
+                                                  logit_softcap=logit_softcap), dim=-1)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0)
     picked = log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     return torch.where(valid, picked, torch.zeros_like(picked))
 
 
-def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per token (0 log 0 = 0 at -inf logits)."""
-    log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+def token_entropy(logits: Tensor, *, temperature: float = 1.0, logit_scale: float = 1.0,
+                  logit_softcap: Optional[float] = None) -> Tensor:
+    """Entropy of softmax(tempered_logits) per token (0 log 0 = 0 at -inf logits)."""
+    log_probs = torch.log_softmax(tempered_logits(logits, temperature=temperature, logit_scale=logit_scale,
+                                                  logit_softcap=logit_softcap), dim=-1)
     probs = log_probs.exp()
     return -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
 
@@ -42,11 +57,14 @@ def selective_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
 ):
-    lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    transform = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    lp = token_logprobs(logits, labels, ignore_index=ignore_index, **transform)
     if not return_entropy:
         return lp
-    ent = token_entropy(logits, temperature=temperature)
+    ent = token_entropy(logits, **transform)
     return lp, torch.where(labels != ignore_index, ent, torch.zeros_like(ent))
 
 
@@ -97,6 +115,8 @@ def tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     return_aux: bool = False,
 ):
@@ -104,7 +124,8 @@ def tpo_loss(
     valid = labels != ignore_index
     if mask is not None:
         valid = valid & mask.bool()
-    lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, logit_scale=logit_scale,
+                        logit_softcap=logit_softcap)
     lp = torch.where(valid, lp, torch.zeros_like(lp)).reshape(-1)
     valid_flat = valid.reshape(-1)
     dtype = lp.dtype
@@ -182,6 +203,8 @@ def token_tpo_loss(
     eta: float = 1.0,
     anchor: bool = True,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     return_aux: bool = False,
 ):
@@ -192,7 +215,8 @@ def token_tpo_loss(
     Full-vocab log-probs, gathered at the K candidates of each state (a repeated id is gathered
     twice: two members); then Eq. 1-3 per state with the candidate log-probs as the group logits.
     """
-    log_probs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    tempered = tempered_logits(logits, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    log_probs = torch.log_softmax(tempered, dim=-1)
     cand_logprobs = log_probs.gather(1, candidates)
     dtype = cand_logprobs.dtype
     state_losses, ps, qs, us = [], [], [], []
@@ -218,6 +242,6 @@ def token_tpo_loss(
         loss = state_loss
     if not return_aux:
         return loss
-    aux = {"candidate_logits": (logits.to(dtype) / temperature).gather(1, candidates).detach(),
+    aux = {"candidate_logits": tempered.gather(1, candidates).detach(),
            "p": torch.stack(ps), "q": torch.stack(qs), "u": torch.stack(us), "state_loss": state_loss.detach()}
     return loss, aux

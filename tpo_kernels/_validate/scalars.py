@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -49,16 +49,39 @@ _MIN_POSITIVE = 1.0 / float(torch.finfo(torch.float32).max)
 
 def check_positive(name: str, value) -> float:
     """A finite number > 0 whose reciprocal is finite in float32 (temperature, eta)."""
-    if not _is_real(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    value = _check_finite_positive(name, value)
     if 1.0 / value > float(torch.finfo(torch.float32).max):
         raise ValueError(
             f"{name} must be at least {_MIN_POSITIVE:.4g} (its reciprocal must be finite in float32, "
             f"the precision the kernels take it in), got {value}"
         )
+    return value
+
+
+def check_logit_transform(logit_scale, logit_softcap, inv_temperature: float) -> Tuple[float, Optional[float]]:
+    """``(logit_scale, logit_softcap | None)``: a scale > 0 and a soft cap > 0 or None, such that
+    the factors the kernels take in float32 (``scale / temperature`` without a cap, ``scale /
+    softcap`` and ``softcap`` with one) are finite and nonzero there."""
+    scale = _check_finite_positive("logit_scale", logit_scale)
+    softcap = None if logit_softcap is None else _check_finite_positive("logit_softcap", logit_softcap)
+    if softcap is None:
+        factors = {"logit_scale / temperature": scale * inv_temperature}
+    else:
+        factors = {"logit_scale / logit_softcap": scale / softcap, "logit_softcap": softcap}
+    fp32 = torch.finfo(torch.float32)
+    for name, factor in factors.items():
+        if not fp32.tiny <= factor <= fp32.max:
+            raise ValueError(f"{name} must lie in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a float32 factor of the "
+                             f"logits), got {factor:.4g}")
+    return scale, softcap
+
+
+def _check_finite_positive(name: str, value) -> float:
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
 
 
@@ -101,17 +124,25 @@ class LossSettings:
     return_aux: bool
     validate: bool
     return_entropy: bool = False
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None
 
 
-def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False) -> LossSettings:
+def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False,
+                   logit_scale=1.0, logit_softcap=None) -> LossSettings:
+    eta = check_positive("eta", eta)
+    inv_temperature = 1.0 / check_positive("temperature", temperature)
+    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, inv_temperature)
     settings = LossSettings(
-        eta=check_positive("eta", eta),
+        eta=eta,
         anchor=check_flag("anchor", anchor),
-        inv_temperature=1.0 / check_positive("temperature", temperature),
+        inv_temperature=inv_temperature,
         reduction=check_reduction(reduction),
         return_aux=check_flag("return_aux", return_aux),
         validate=check_flag("validate", validate),
         return_entropy=check_flag("return_entropy", return_entropy),
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
     )
     if settings.return_entropy and not settings.return_aux:
         raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")

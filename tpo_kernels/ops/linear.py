@@ -16,11 +16,13 @@ Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at 
 many tokens so that the matmuls run at full speed and the ``dW`` accumulation stays
 compute-bound; a ``dW`` accumulator wider than the weight dtype (fp32 for a bf16 head) is kept
 per vocabulary block, so it stays small. :class:`TilePolicy` holds these budgets per device.
+
+With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
+buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -30,57 +32,10 @@ from torch import Tensor
 from .._dtypes import compute_dtype
 from ..backends import Backend, backend_by_key
 from .logprobs import row_gradients
+from .tiles import VOCAB_ALIGN, TilePolicy, add_product, balanced_chunks
+from .transform import LogitTransform, folded_inv_temperature
 
-_ROW_ALIGN = 16  # tile rows (the default chunk_size is a multiple of this)
-# Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
-# dimension) stay aligned for vector loads and tensor-core matmuls.
-_VOCAB_ALIGN = 128
-
-
-@dataclass(frozen=True)
-class TilePolicy:
-    """How the fused-linear path sizes its tiles of logits.
-
-    ``logits_bytes``: the memory of one tile in fp32 when no ``chunk_size`` is given (the row
-    ops compute in fp32 whatever the input dtype). ``min_tile_tokens``: rows a tile should span,
-    cutting the vocabulary into blocks if needed: matmuls of few rows run far below the
-    machine's peak, and each backward tile's ``dW[block] += dz.T @ h`` reads and writes the
-    ``[block, H]`` accumulator (8 bytes per entry against ``2 * tokens`` flops).
-    ``accum_bytes``: the largest ``dW`` accumulator kept in a dtype wider than the weight's.
-    """
-
-    logits_bytes: int
-    min_tile_tokens: int
-    accum_bytes: int = 256 << 20
-
-    @staticmethod
-    def for_device(device: torch.device) -> "TilePolicy":
-        if torch.device(device).type == "cuda":
-            return TilePolicy(logits_bytes=512 << 20, min_tile_tokens=4096)
-        # A small budget on the CPU keeps the peak below that of chunked cross-entropy
-        # implementations (the torch backend's row ops make a few fp32 temporaries of a tile).
-        return TilePolicy(logits_bytes=6 << 20, min_tile_tokens=512)
-
-    def chunk_size(self, num_rows: int, vocab_size: int) -> int:
-        """The default ``chunk_size``: rows of V fitting ``logits_bytes`` in fp32, a multiple of
-        16, at most ``num_rows``."""
-        rows = self.logits_bytes // (4 * max(vocab_size, 1))
-        if rows > _ROW_ALIGN:
-            rows -= rows % _ROW_ALIGN
-        return max(1, min(rows, num_rows))
-
-
-def _add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor) -> None:
-    """``out[rows] += a @ b``: in place without a temporary when ``rows`` is a slice and the dtypes
-    match; otherwise the product is formed in the inputs' dtype and summed in ``out``'s."""
-    if isinstance(rows, slice) and out.dtype == a.dtype:
-        out[rows].addmm_(a, b)
-        return
-    product = (a @ b).to(out.dtype)
-    if isinstance(rows, slice):
-        out[rows] += product
-    else:  # distinct rows: every entry gets exactly one addition, so the result is deterministic
-        out.index_add_(0, rows, product)
+__all__ = ["TiledLinearHead", "TilePolicy", "linear_logprobs", "merge_blocks"]
 
 
 def merge_blocks(a: tuple, b: tuple, inv_temperature: float) -> tuple:
@@ -134,22 +89,24 @@ class TiledLinearHead:
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                  backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
-                 vocab_offset: int = 0) -> None:
+                 vocab_offset: int = 0, transform: Optional[LogitTransform] = None) -> None:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
         self.chunk_size, self.policy = chunk_size, policy
         self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
-        self.vocab_offset = vocab_offset
+        self.vocab_offset, self.transform = vocab_offset, transform
 
     @staticmethod
     def _row_chunks(selected: Tensor, chunk_size: int) -> List[Union[slice, Tensor]]:
-        """Row indices of the ``selected`` ([M] bool) rows in ascending order, ``chunk_size`` at a
-        time: slices when every row is selected (no gather), index tensors otherwise."""
-        num_rows = selected.numel()
+        """Row indices of the ``selected`` ([M] bool) rows in ascending order, in balanced chunks
+        of at most ``chunk_size`` (:func:`balanced_chunks`): slices when every row is selected
+        (no gather), index tensors otherwise."""
         rows = torch.nonzero(selected).squeeze(1)
-        if rows.numel() == num_rows:
-            return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
-        return list(rows.split(chunk_size)) if rows.numel() > 0 else []
+        sizes = balanced_chunks(rows.numel(), chunk_size)
+        if rows.numel() < selected.numel():
+            return list(rows.split(sizes)) if sizes else []
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        return [slice(end - size, end) for size, end in zip(sizes, ends)]
 
     def _block_weight(self, vocab: slice) -> Tensor:
         return self.weight[vocab].to(self.dtype)
@@ -162,8 +119,15 @@ class TiledLinearHead:
             return torch.mm(h_rows, weight.t(), out=out)
         return torch.addmm(self.bias[vocab].to(self.dtype), h_rows, weight.t(), out=out)
 
-    def _buffer(self, rows: int, vocab: int) -> Tensor:
-        return self.hidden.new_empty(max(rows, 1) * vocab, dtype=self.dtype)
+    def _buffer(self, rows: int, vocab: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return self.hidden.new_empty(max(rows, 1) * vocab, dtype=dtype or self.dtype)
+
+    def _cap_buffers(self, rows: int, vocab: int, count: int) -> List[Tensor]:
+        """``count`` tile buffers in the compute dtype for the soft-capped logits (and their
+        derivative); none without a cap."""
+        if self.transform is None:
+            return []
+        return [self._buffer(rows, vocab, compute_dtype(self.dtype)) for _ in range(count)]
 
     def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
         """(tokens, vocabulary entries) of one tile over ``num_rows`` rows: at most
@@ -178,8 +142,8 @@ class TiledLinearHead:
             vocab_block = self.policy.accum_bytes // (itemsize * max(hidden_size, 1))
         tokens = max(self.chunk_size, min(self.policy.min_tile_tokens, num_rows))
         vocab_block = max(1, min(vocab_block, logits_budget // tokens))
-        if _VOCAB_ALIGN < vocab_block < vocab_size:
-            vocab_block -= vocab_block % _VOCAB_ALIGN
+        if VOCAB_ALIGN < vocab_block < vocab_size:
+            vocab_block -= vocab_block % VOCAB_ALIGN
         return max(1, logits_budget // vocab_block), vocab_block
 
     def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -196,12 +160,17 @@ class TiledLinearHead:
         counted = self.labels >= 0
         num_counted = int(counted.sum())
         token_block, vocab_block = self._tile(num_counted, self.weight.dtype)
-        buffer = self._buffer(min(token_block, num_counted), vocab_block)
-        for rows in self._row_chunks(counted, token_block):
+        chunks = self._row_chunks(counted, token_block)
+        tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
+        buffer = self._buffer(tile_rows, vocab_block)
+        capped = self._cap_buffers(tile_rows, vocab_block, 1)
+        for rows in chunks:
             h_rows, labels = self.hidden[rows], self.labels[rows]
             row = None
             for start in range(0, vocab_size, vocab_block):
                 logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
+                if capped:  # the row op reads the soft-capped tile
+                    logits = self.transform.cap(logits, capped[0])
                 local = labels - (self.vocab_offset + start)
                 inside = (local >= 0) & (local < logits.shape[1])
                 # Every row is read: a label outside the block stands in as 0, its log-prob unused.
@@ -239,8 +208,11 @@ class TiledLinearHead:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
         chunks = self._row_chunks(active, token_block)
-        # The tile buffer first: the size of the forward's, it can take that freed memory.
-        buffer = self._buffer(min(token_block, num_active), vocab_block) if chunks else None
+        tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
+        # The tile buffers first: the size of the forward's, they can take that freed memory.
+        buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
+        fuse_hidden = self.policy.fused_accumulate(hidden.device, self.dtype, hidden_accum)
+        fuse_weight = self.policy.fused_accumulate(hidden.device, self.dtype, grad_accum_dtype)
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
@@ -255,12 +227,12 @@ class TiledLinearHead:
                 block_weight = self._block_weight(vocab) if need_hidden else None
                 for rows in chunks:
                     h_rows = hidden[rows]
-                    dlogits = self._block_grad(h_rows, rows, vocab, buffer, stats, logprob, grad_logprob,
+                    dlogits = self._block_grad(h_rows, rows, vocab, buffers, stats, logprob, grad_logprob,
                                                grad_entropy, entropy)
                     if need_hidden:
-                        _add_product(grad_hidden, rows, dlogits, block_weight)
+                        add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
                     if need_weight:
-                        _add_product(dw, slice(None), dlogits.t(), h_rows.to(self.dtype))
+                        add_product(dw, slice(None), dlogits.t(), h_rows.to(self.dtype), fuse_weight)
                     if need_bias:
                         grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
                 if block_accum is not None:
@@ -271,35 +243,53 @@ class TiledLinearHead:
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
 
-    def _block_grad(self, h_rows, rows, vocab: slice, buffer, stats, logprob, grad_logprob, grad_entropy,
+    def _block_grad(self, h_rows, rows, vocab: slice, buffers, stats, logprob, grad_logprob, grad_entropy,
                     entropy) -> Tensor:
         """dz for one tile (token rows x vocabulary block), written in place over the recomputed
-        logits in the buffer."""
-        dlogits = self._logits(h_rows, vocab, buffer)
+        logits in the first buffer. With a soft cap the row backward runs on the capped tile (the
+        second buffer) and the chain rule multiplies by the cap's derivative (the third)."""
+        dlogits = self._logits(h_rows, vocab, buffers[0])
+        row_logits = dlogits
+        if self.transform is not None:
+            row_logits = self.transform.cap(dlogits, buffers[1])
+            derivative = self.transform.derivative(dlogits, buffers[2])
         labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(
-            dlogits, labels, stats[:, rows], logprob[rows], grad_logprob[rows],
+            row_logits, labels, stats[:, rows], logprob[rows], grad_logprob[rows],
             grad_entropy=None if grad_entropy is None else grad_entropy[rows],
             entropy=None if entropy is None else entropy[rows],
-            inv_temperature=self.inv_temperature, out=dlogits,
+            inv_temperature=self.inv_temperature, out=row_logits,
         )
+        if self.transform is not None:
+            dlogits.copy_(row_logits.mul_(derivative))
         return dlogits
+
+
+def _num_rows(rows: Union[slice, Tensor]) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend):
-    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes)
-    return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend), inv_temperature, chunk_size, policy)
+def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size, min_tile_tokens,
+          accum_bytes, matmul_out_dtype, backend):
+    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
+                        matmul_out_dtype=matmul_out_dtype)
+    return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend),
+                           folded_inv_temperature(inv_temperature, logit_scale, logit_softcap), chunk_size, policy,
+                           transform=LogitTransform.of(logit_scale, logit_softcap))
 
 
 @torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=())
-def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                     inv_temperature: float, with_entropy: bool, chunk_size: int, min_tile_tokens: int,
-                     accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    head = _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend)
+def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
+                     with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
+                     grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
+                     logit_softcap: Optional[float] = None,
+                     matmul_out_dtype: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
+                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
     stats, logprob, entropy = head.forward(with_entropy)
     if entropy is None:
         entropy = logprob.new_empty(0)
@@ -307,8 +297,7 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
 
 
 @_linear_logprobs.register_fake
-def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens,
-      accum_bytes, grad_accum_dtype, backend):
+def _(hidden, weight, bias, labels, inv_temperature, with_entropy, *settings):
     rows, acc = hidden.shape[0], compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
     return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
             hidden.new_empty(2, rows, dtype=acc))
@@ -317,11 +306,13 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
 @torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
-    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
-    inv_temperature: float, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
-    grad_accum_dtype: torch.dtype, needs_hidden: bool, needs_weight: bool, needs_bias: bool, backend: str,
+    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], needs_hidden: bool,
+    needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
+    accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
+    logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    head = _head(hidden, weight, bias, labels, inv_temperature, chunk_size, min_tile_tokens, accum_bytes, backend)
+    head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
+                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
     grads = head.backward(stats, logprobs, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
                           grad_accum_dtype)
     # A custom op returns tensors only: an empty one stands for "not requested".
@@ -329,21 +320,22 @@ def _linear_logprobs_backward(
 
 
 @_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature,
-      chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, needs_hidden, needs_weight, needs_bias, backend):
+def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, needs_hidden,
+      needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens,
-     accum_bytes, grad_accum_dtype, backend) = inputs
+    (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
+     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype) = inputs
     logprobs, entropy, stats = output
     ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype)
-    ctx.with_entropy, ctx.has_bias, ctx.backend = with_entropy, bias is not None, backend
+    ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
+                    logit_scale, logit_softcap, matmul_out_dtype)
+    ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
 
 
 def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
@@ -352,20 +344,22 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
                                                          ctx.with_entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
-                                      entropy, *ctx.settings, *needs, ctx.backend)
+                                      entropy, *needs, *ctx.settings)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads,) + (None,) * 11
 
 
 _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
-                    inv_temperature: float, with_entropy: bool, chunk_size: int, policy: TilePolicy,
-                    grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logprobs [M], entropy [M] | None)`` of ``hidden [M, H] @ weight.T (+ bias)`` for int64
-    ``labels`` (negative: skipped), in the compute dtype; differentiable in hidden, weight, bias."""
-    logprobs, entropy, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy,
-                                            chunk_size, policy.min_tile_tokens, policy.accum_bytes,
-                                            grad_accum_dtype, backend)
+                    inv_temperature: float, logit_scale: float, logit_softcap: Optional[float], with_entropy: bool,
+                    chunk_size: int, policy: TilePolicy, grad_accum_dtype: torch.dtype,
+                    backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(logprobs [M], entropy [M] | None)`` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))``
+    tempered (:mod:`tpo_kernels.ops.transform`) for int64 ``labels`` (negative: skipped), in the
+    compute dtype; differentiable in hidden, weight, bias."""
+    logprobs, entropy, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
+                                            policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend,
+                                            logit_scale, logit_softcap, policy.matmul_out_dtype)
     return logprobs, (entropy if with_entropy else None)

@@ -1,5 +1,7 @@
-"""``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix,
-as a custom op whose backward is the backend's fused row backward.
+"""``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix
+(unit column stride, any row stride >= V) or of ``[B, T, V]`` logits whose rows do not flatten into
+one row stride (the ``logits[:, :-1]`` slice: B launches on ``[T, V]`` views, no copy), as a custom
+op whose backward is the backend's fused row backward.
 
 Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
 entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
@@ -12,76 +14,158 @@ with ``p = softmax(z / tau)``::
 for the incoming gradients ``g`` (of lp) and ``ge`` (of H). With ``inplace_backward`` the
 gradient is written over the logits buffer, which saves a ``[M, V]`` tensor; the op marks the
 buffer as modified, so a second consumer of the same logits fails loudly.
+
+``logit_scale`` and ``logit_softcap`` transform the logits first (:mod:`tpo_kernels.ops.transform`):
+a scale alone folds into ``inv_temperature``; a soft cap runs the row ops on capped row chunks.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import backend_by_key
+from .transform import LogitTransform, folded_inv_temperature, row_chunk
 
 
 @torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
 def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool,
-              inplace_backward: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    stats, logprob, entropy = backend_by_key(backend).row_forward(
-        logits, labels, inv_temperature=inv_temperature, with_entropy=with_entropy
-    )
+              inplace_backward: bool, backend: str, logit_scale: float = 1.0,
+              logit_softcap: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    row_op = backend_by_key(backend).row_forward
+    inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
+    transform = LogitTransform.of(logit_scale, logit_softcap)
+    if transform is None and logits.dim() == 2:  # one launch over the whole matrix
+        stats, logprob, entropy = row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy)
+    else:
+        stats, logprob, entropy = _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy)
     if entropy is None:
         entropy = logprob.new_empty(0)
     return logprob, entropy, stats
 
 
+def _pieces(logits: Tensor, transform: Optional[LogitTransform]) -> Iterator[Tuple[Tensor, slice]]:
+    """``(2-D view, its rows in the flat [M] order)`` pairs covering ``[M, V]`` logits, or ``[B, T, V]``
+    logits whose rows do not flatten into one row stride (``logits[:, :-1]``): one view per leading
+    index, read with its row stride instead of copied. With a soft cap, views of at most one row
+    chunk (:func:`row_chunk`), the size of the capped buffer."""
+    vocab = logits.shape[-1]
+    blocks = [logits] if logits.dim() == 2 else list(logits.unbind(0))
+    step = None if transform is None else row_chunk(logits.shape[:-1].numel(), vocab, logits.device)
+    offset = 0
+    for block in blocks:
+        rows = block.shape[0]
+        for start in range(0, rows, step or max(rows, 1)):
+            stop = min(start + (step or rows), rows)
+            yield block[start:stop], slice(offset + start, offset + stop)
+        offset += rows
+
+
+def _capped_buffer(logits: Tensor, transform: Optional[LogitTransform]) -> Optional[Tensor]:
+    """A flat compute-dtype buffer for one row chunk of capped logits; None without a cap."""
+    if transform is None:
+        return None
+    rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
+    piece_rows = min(row_chunk(rows, vocab, logits.device), logits.shape[-2])
+    return logits.new_empty(max(piece_rows, 1) * vocab, dtype=compute_dtype(logits.dtype))
+
+
+def _forward_pieces(row_op, transform: Optional[LogitTransform], logits: Tensor, labels: Tensor, inv_t: float,
+                    with_entropy: bool):
+    """The row op piece by piece (:func:`_pieces`), each soft-capped into one chunk-sized buffer
+    first when there is a cap."""
+    num_rows = logits.shape[:-1].numel()
+    acc = compute_dtype(logits.dtype)
+    stats = logits.new_zeros(2, num_rows, dtype=acc)
+    logprob = logits.new_zeros(num_rows, dtype=acc)
+    entropy = logits.new_zeros(num_rows, dtype=acc) if with_entropy else None
+    buffer = _capped_buffer(logits, transform)
+    for z, rows in _pieces(logits, transform):
+        if transform is not None:
+            z = transform.cap(z, buffer)
+        stats[:, rows], logprob[rows], piece_entropy = row_op(z, labels[rows], inv_temperature=inv_t,
+                                                              with_entropy=with_entropy)
+        if with_entropy:
+            entropy[rows] = piece_entropy
+    return stats, logprob, entropy
+
+
 @_logprobs.register_fake
-def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend):
-    rows, acc = logits.shape[0], compute_dtype(logits.dtype)
+def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale=1.0, logit_softcap=None):
+    rows, acc = logits.shape[:-1].numel(), compute_dtype(logits.dtype)
     return (logits.new_empty(rows, dtype=acc), logits.new_empty(rows if with_entropy else 0, dtype=acc),
             logits.new_empty(2, rows, dtype=acc))
 
 
+def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
+                  grad_entropy: Optional[Tensor], entropy: Optional[Tensor], inv_temperature: float, backend: str,
+                  logit_scale: float, logit_softcap: Optional[float], out: Tensor) -> None:
+    """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``), piece by
+    piece (:func:`_pieces`) unless one launch covers the matrix.
+
+    With a soft cap, per row chunk: recompute the capped chunk, run the row backward on it in
+    place, multiply by the cap's derivative and write the result into ``out``'s rows (the chunk
+    of ``logits`` is read before its rows of ``out`` are written)."""
+    row_op = backend_by_key(backend).row_backward
+    inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
+    transform = LogitTransform.of(logit_scale, logit_softcap)
+    if transform is None and logits.dim() == 2:
+        row_op(logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
+               inv_temperature=inv_t, out=out)
+        return
+    capped_buffer, derivative_buffer = _capped_buffer(logits, transform), _capped_buffer(logits, transform)
+    for (z, rows), (out_piece, _) in zip(_pieces(logits, transform), _pieces(out, transform)):
+        target = out_piece
+        if transform is not None:
+            derivative = transform.derivative(z, derivative_buffer)
+            z = target = transform.cap(z, capped_buffer)
+        row_op(z, labels[rows], stats[:, rows], logprobs[rows], grad_logprobs[rows],
+               grad_entropy=None if grad_entropy is None else grad_entropy[rows],
+               entropy=None if entropy is None else entropy[rows], inv_temperature=inv_t, out=target)
+        if transform is not None:
+            out_piece.copy_(z.mul_(derivative))
+
+
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
 def _logprobs_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
-                       grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
-                       inv_temperature: float, backend: str) -> Tensor:
+                       grad_entropy: Optional[Tensor], entropy: Optional[Tensor], inv_temperature: float,
+                       backend: str, logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> Tensor:
     out = torch.empty_like(logits)
-    backend_by_key(backend).row_backward(
-        logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
-        inv_temperature=inv_temperature, out=out,
-    )
+    _row_backward(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend,
+                  logit_scale, logit_softcap, out)
     return out
 
 
 @_logprobs_backward.register_fake
-def _(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
+def _(logits, *args):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward_", mutates_args=("logits",))
 def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor,
                                grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
-                               inv_temperature: float, backend: str) -> None:
-    backend_by_key(backend).row_backward(
-        logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
-        inv_temperature=inv_temperature, out=logits,
-    )
+                               inv_temperature: float, backend: str, logit_scale: float = 1.0,
+                               logit_softcap: Optional[float] = None) -> None:
+    _row_backward(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend,
+                  logit_scale, logit_softcap, logits)
 
 
 @_logprobs_backward_inplace.register_fake
-def _(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend):
+def _(logits, *args):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, inv_temperature, with_entropy, inplace_backward, backend = inputs
+    logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale, logit_softcap = inputs
     logprobs, entropy, stats = output
     ctx.save_for_backward(logits, labels, stats, logprobs, entropy)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
+    ctx.transform = (logit_scale, logit_softcap)
 
 
 def row_gradients(counted: Tensor, logprobs: Tensor, entropy: Optional[Tensor], grad_logprobs: Optional[Tensor],
@@ -101,19 +185,23 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
     logits, labels, stats, logprobs, entropy = ctx.saved_tensors
     grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
                                                          ctx.with_entropy)
-    args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
+    args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend,
+            *ctx.transform)
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)
-        return logits, None, None, None, None, None
-    return _logprobs_backward(logits, *args), None, None, None, None, None
+        return logits, None, None, None, None, None, None, None
+    return _logprobs_backward(logits, *args), None, None, None, None, None, None, None
 
 
 _logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool,
-                   inplace_backward: bool, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` logits (unit column stride) for int64
+                   inplace_backward: bool, backend: str, logit_scale: float = 1.0,
+                   logit_softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` or ``[B, T, V]`` logits (module
+    docstring) through the logit transform (:mod:`tpo_kernels.ops.transform`) for int64
     ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
-    logprobs, entropy, _ = _logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend)
+    logprobs, entropy, _ = _logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
+                                     logit_scale, logit_softcap)
     return logprobs, (entropy if with_entropy else None)

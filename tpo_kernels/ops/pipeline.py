@@ -15,6 +15,7 @@ from ..layout import candidate_layout
 from .group import GroupObjective
 from .linear import TilePolicy, linear_logprobs
 from .logprobs import token_logprobs
+from .transform import LogitTransform, folded_inv_temperature
 
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
 
@@ -34,18 +35,44 @@ def sequence_setup(inputs: Tensor, vocab_size: int, input_name: str, labels, sco
     return settings, chosen, batch, data_parallel
 
 
-def row_logprobs(matrix: Tensor, labels: Tensor, shard, **settings):
+def row_logprobs(matrix: Tensor, labels: Tensor, shard, *, inv_temperature: float, logit_scale: float,
+                 logit_softcap: Optional[float], **settings):
     """The logits row op, on a vocabulary shard when ``shard`` says so."""
     if shard is None:
-        return token_logprobs(matrix, labels, **settings)
-    return distributed.vocab_parallel_logprobs(matrix, labels, shard, **settings)
+        return token_logprobs(matrix, labels, inv_temperature=inv_temperature, logit_scale=logit_scale,
+                              logit_softcap=logit_softcap, **settings)
+    inv_temperature = _shard_inv_temperature(inv_temperature, logit_scale, logit_softcap)
+    return distributed.vocab_parallel_logprobs(matrix, labels, shard, inv_temperature=inv_temperature, **settings)
 
 
-def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, **settings):
+def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, shard, *,
+                  inv_temperature: float, logit_scale: float, logit_softcap: Optional[float], **settings):
     """The fused-linear row op, on a vocabulary shard of the head when ``shard`` says so."""
     if shard is None:
-        return linear_logprobs(hidden, weight, bias, labels, **settings)
-    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard, **settings)
+        return linear_logprobs(hidden, weight, bias, labels, inv_temperature=inv_temperature, logit_scale=logit_scale,
+                               logit_softcap=logit_softcap, **settings)
+    inv_temperature = _shard_inv_temperature(inv_temperature, logit_scale, logit_softcap)
+    return distributed.vocab_parallel_linear_logprobs(hidden, weight, bias, labels, shard,
+                                                      inv_temperature=inv_temperature, **settings)
+
+
+def _shard_inv_temperature(inv_temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> float:
+    """A vocabulary shard's row ops take the scale folded into ``inv_temperature``; a soft cap
+    is not wired through the shard merge."""
+    if logit_softcap is not None:
+        raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
+                         "(vocab_parallel_group / DTensor shards); logit_scale is")
+    return folded_inv_temperature(inv_temperature, logit_scale, None)
+
+
+def transformed_candidates(gather, settings: check.LossSettings) -> Tensor:
+    """Tempered candidate logits through the logit transform. ``gather(inv_temperature)`` gives
+    ``[R, K]`` candidate logits times that factor: the scale folds in without a cap; with one,
+    the raw logits are gathered and capped in plain autograd (``[R, K]`` entries only)."""
+    transform = LogitTransform.of(settings.logit_scale, settings.logit_softcap)
+    if transform is None:
+        return gather(folded_inv_temperature(settings.inv_temperature, settings.logit_scale, None))
+    return transform.differentiable(gather(1.0)) * settings.inv_temperature
 
 
 def sequence_loss(token_lp: Tensor, batch: check.PreparedBatch, settings: check.LossSettings, key: str,
@@ -91,11 +118,35 @@ def candidate_loss(cand_logits: Tensor, scores: Tensor, old_logprobs: Optional[T
 
 
 def rows(x: Tensor) -> Tuple[Tensor, bool]:
-    """``[..., D]`` as a contiguous ``[M, D]`` matrix; True when that needed a copy."""
-    matrix = x.reshape(-1, x.shape[-1])
-    if matrix.is_contiguous():
-        return matrix, False
-    return matrix.contiguous(), True
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
+    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
+    width = x.shape[-1]
+    row_stride = _flat_row_stride(x)
+    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
+        return x.reshape(-1, width), False  # a view
+    return x.reshape(-1, width).contiguous(), True
+
+
+def logits_rows(x: Tensor, shard=None) -> Tuple[Tensor, bool]:
+    """:func:`rows` for the log-prob row op, which also reads ``[B, T, V]`` logits whose rows do
+    not flatten into one row stride (``logits[:, :-1]``) piece by piece: such logits pass as they
+    are, instead of a copy (which would triple the peak memory of the logits path). A vocabulary
+    shard's row op takes a matrix."""
+    if (shard is None and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
+            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
+        return x, False
+    return rows(x)
+
+
+def _flat_row_stride(x: Tensor) -> Optional[int]:
+    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
+    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
+    apart than those within one). Size-1 dims do not count."""
+    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
+        if outer_stride != inner_size * inner_stride:
+            return None
+    return dims[-1][1] if dims else x.shape[-1]
 
 
 def linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy):

@@ -1,0 +1,106 @@
+"""Strided logits are read in place, never copied: the natural ``logits[:, :-1]`` slice of a
+``[B, T + 1, V]`` activation (rows that do not flatten into one row stride: one row-op launch per
+leading index on ``[T, V]`` views), a column slice ``logits[..., :V']`` (rows that flatten into one
+row stride) and a row-padded ``[M, V]`` matrix give bit-for-bit the results and gradients of their
+contiguous copies, allocate nothing of the logits' size, and take the in-place backward in the
+original buffer."""
+
+import pytest
+import torch
+
+import tpo_kernels
+
+from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
+from test_softcap import NewBuffers
+
+B, T, V = 4, 9, 37
+CAPS = [pytest.param(None, id="plain"), pytest.param(30.0, id="softcap30")]
+
+
+def _slices():
+    """name -> (a [B, T + 1, V + 3] buffer -> the strided logits view of it)."""
+    return {
+        "shifted": lambda full: full[:, :-1, :V],  # logits[:, :-1] (of a row-padded buffer, too)
+        "columns": lambda full: full[:, :, :V],  # rows flatten: [B * (T + 1), V], row stride V + 3
+        "packed_rows": lambda full: full[0, :, :V],  # [M, V] with row stride V + 3
+    }
+
+
+def _batch(view):
+    full = torch.randn(B, T + 1, V + 3, device=DEVICE) * 3
+    logits = _slices()[view](full)
+    labels = torch.randint(0, V, logits.shape[:-1], device=DEVICE)
+    labels[..., -2:] = -100
+    return full, logits, labels
+
+
+def _loss(logits, labels, backend, cap, **kwargs):
+    scores = torch.linspace(-1, 1, B, device=DEVICE)
+    if logits.dim() == 2:  # two packed completions, one group
+        cu_seqlens = torch.linspace(0, logits.shape[0], 3, device=DEVICE).to(torch.int32)
+        return tpo_kernels.tpo_loss(logits, labels, scores[:2], cu_seqlens=cu_seqlens, group_size=2, backend=backend,
+                                    logit_softcap=cap, **kwargs)
+    return tpo_kernels.tpo_loss(logits, labels, scores, group_size=2, backend=backend, logit_softcap=cap, **kwargs)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS + INTERPRETED_BACKENDS)
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("view", list(_slices()))
+def test_strided_logits_give_the_contiguous_results_bit_for_bit(backend, cap, view):
+    full, logits, labels = _batch(view)
+    copy = logits.contiguous().requires_grad_(True)
+    source = full.clone().requires_grad_(True)
+    strided = _slices()[view](source)
+    assert not strided.is_contiguous()
+    losses, grads = [], []
+    for x in (copy, strided):
+        loss = _loss(x, labels, backend, cap, inplace_backward=False)
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, x)[0])
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(grads[0], grads[1])
+    logprobs = [tpo_kernels.selective_logprobs(x.detach(), labels, backend=backend, logit_softcap=cap,
+                                               return_entropy=True) for x in (copy, strided)]
+    for contiguous_result, strided_result in zip(*logprobs):
+        assert torch.equal(contiguous_result, strided_result)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("view", list(_slices()))
+def test_strided_logits_are_not_copied(backend, view):
+    """Forward and in-place backward allocate nothing of the size of the logits (a soft cap's
+    chunk buffer is bounded by its own budget: tests/test_softcap.py)."""
+    cap = None
+    full, _, labels = _batch(view)
+    activation = full.requires_grad_(True) * 1  # in-place backward may overwrite an activation
+    logits = _slices()[view](activation)
+    with NewBuffers() as buffers:
+        loss = _loss(logits, labels, backend, cap)
+        (grad,) = torch.autograd.grad(loss, logits)
+    assert max(buffers.sizes) < logits.numel()
+    assert grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("cap", CAPS)
+def test_inplace_backward_writes_the_original_buffer(backend, cap):
+    full, logits, labels = _batch("shifted")
+    leaf = logits.contiguous().requires_grad_(True)
+    (expected,) = torch.autograd.grad(_loss(leaf, labels, backend, cap, inplace_backward=False), leaf)
+    activation = full.requires_grad_(True) * 1
+    before = activation.detach().clone()
+    loss = _loss(activation[:, :-1, :V], labels, backend, cap)
+    torch.autograd.grad(loss, activation)
+    assert torch.equal(activation.detach()[:, :-1, :V], expected)
+    # Only the slice's entries are overwritten: the last position and the row padding stay.
+    assert torch.equal(activation.detach()[:, -1], before[:, -1])
+    assert torch.equal(activation.detach()[..., V:], before[..., V:])
+
+
+def test_column_strided_logits_are_copied_and_correct():
+    """A column stride other than 1 is the one layout the row ops cannot walk: it is copied."""
+    full = torch.randn(B, T, 2 * V, device=DEVICE)
+    logits, labels = full[..., ::2], torch.randint(0, V, (B, T), device=DEVICE)
+    scores = torch.linspace(-1, 1, B, device=DEVICE)
+    assert torch.equal(tpo_kernels.tpo_loss(logits, labels, scores, group_size=2),
+                       tpo_kernels.tpo_loss(logits.contiguous(), labels, scores, group_size=2))
