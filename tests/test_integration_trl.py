@@ -367,8 +367,8 @@ def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
     assert any("tpo/loss" in entry and math.isfinite(entry["tpo/loss"]) for entry in trainer.state.log_history)
 
 
-def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
-    """The head alone: a Cohere-style logit multiplier folded into the temperature, a bf16 hidden
+def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions():
+    """The head alone: a Cohere-style logit multiplier (logit_scale), a bf16 hidden
     state under an fp32 head, and completions without a counted token left out of their group."""
     torch.manual_seed(0)
     num_rows, prompt, length, width, vocab = 12, 3, 5, 16, 50
@@ -383,7 +383,7 @@ def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
                    beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
                    token_entropy=True)
-    out = tpo_trl.head._tpo_head(hidden_all, head, request, multiplier=2.0)
+    out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
     kept = mask.any(dim=1)
@@ -399,3 +399,31 @@ def test_tpo_head_folds_logit_multiplier_and_leaves_out_empty_completions():
     out["loss"].backward()
     assert hidden_all.grad[1].abs().sum() == 0 and hidden_all.grad[4:8].abs().sum() == 0
     assert hidden_all.grad[0].abs().sum() > 0 and head.weight.grad.abs().sum() > 0
+
+
+def test_tpo_head_matches_a_soft_capped_model():
+    """Gemma 2: the patched forward's loss equals reference.tpo_loss on the model's own logits,
+    which are soft-capped (``final_logit_softcapping``) and scaled by nothing else."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          final_logit_softcapping=2.0, attn_logit_softcapping=None)
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():  # a small cap only bites when the logits are large
+        model.lm_head.weight.mul_(10.0)
+    tpo_trl.head.add_tpo_head(model)
+    num_rows, prompt, length = 8, 3, 5
+    input_ids = torch.randint(0, 64, (num_rows, prompt + length))
+    labels = input_ids[:, prompt:]
+    mask = torch.ones(num_rows, length, dtype=torch.bool)
+    scores = torch.randn(num_rows)
+    request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
+                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
+                   token_entropy=False)
+    out = model(input_ids=input_ids, tpo_request=request)
+    logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1].double()
+    assert logits.abs().max() <= 2.0  # the model's logits are capped
+    expected = reference.tpo_loss(logits, labels, scores.double(), group_size=4, eta=0.7, temperature=0.8)
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)

@@ -42,8 +42,9 @@ What the trainer does, and why it is exact:
   (patched like TRL's fused head, which it wraps) from the final hidden states and the lm_head
   weight with :func:`tpo_kernels.fused_linear_tpo_loss`: no ``[tokens, vocab]`` logits, and DDP /
   FSDP see one ordinary forward; an FSDP2 ``DTensor`` head is gathered there as TRL does. It divides
-  the logits by TRL's ``temperature`` (a model's logit multiplier, e.g. Cohere's ``logit_scale``
-  or Granite's ``logits_scaling``, is folded into it exactly), runs the head in float32 with
+  the logits by TRL's ``temperature`` after the model's own logit multiplier (Cohere's
+  ``logit_scale``, Granite's ``logits_scaling``) and soft-cap (Gemma 2/3's
+  ``final_logit_softcapping``), as the model's forward applies them; runs the head in float32 with
   ``cast_lm_head_to_fp32``, and adds TRL's ``beta`` times the k3 KL to the reference log-probs.
 * **Gradient accumulation.** The loss is the mean over the micro-batch's groups (plus the KL
   term's token mean), divided by the number of accumulation steps, so an optimizer step averages
@@ -66,7 +67,7 @@ the SAPO / VESPO parameters) do not apply to TPO and are ignored; the options th
 change the objective (``top_entropy_quantile < 1``, an entropy bonus, ``off_policy_mask_threshold``,
 ``use_bias_correction_kl`` with ``beta > 0``, a MoE router auxiliary loss) are refused; this config
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
-vision-language models, DeepSpeed ZeRO-3, logit soft-capping (Gemma 2/3).
+vision-language models, DeepSpeed ZeRO-3.
 
 Tested with TRL 1.16 (the version is checked on import; set ``TPO_KERNELS_ALLOW_UNTESTED_TRL=1``
 to try another at your own risk: the trainer overrides private TRL methods).

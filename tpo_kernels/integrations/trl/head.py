@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -13,8 +13,8 @@ from ...functional import fused_linear_tpo_loss
 
 
 def _logit_multiplier(text_config) -> float:
-    """The constant a model multiplies its logits by (1.0 for most models); TPO folds it into the
-    temperature, since ``log_softmax(s * z / tau) == log_softmax(z / (tau / s))`` exactly."""
+    """The constant a model multiplies its logits by (1.0 for most models): ``logit_scale`` of the
+    TPO loss."""
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         value = getattr(text_config, name, None)
         if value is not None:
@@ -36,7 +36,8 @@ def add_tpo_head(model) -> None:
         return
     previous = model.forward
     text_config = model.config.get_text_config()
-    multiplier = _logit_multiplier(text_config)
+    transform = dict(logit_scale=_logit_multiplier(text_config),
+                     logit_softcap=getattr(text_config, "final_logit_softcapping", None))  # Gemma 2 / 3
 
     @functools.wraps(type(model).forward)  # keep the signature: generate() validates its kwargs against it
     def forward(self, *args, tpo_request=None, **kwargs):
@@ -45,7 +46,7 @@ def add_tpo_head(model) -> None:
         kwargs["use_cache"] = False
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
         hidden = self.base_model(*args, **kwargs).last_hidden_state
-        return _tpo_head(hidden, self.get_output_embeddings(), tpo_request, multiplier)
+        return _tpo_head(hidden, self.get_output_embeddings(), tpo_request, **transform)
 
     forward._tpo_head = True
     model.forward = types.MethodType(forward, model)
@@ -78,8 +79,10 @@ def _head_tensors(hidden: Tensor, head, cast_fp32: bool):
     return hidden, weight, bias
 
 
-def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], multiplier: float) -> Dict[str, Any]:
-    """The TPO loss of a micro-batch from the backbone's last hidden states ``[N, P + C, H]``.
+def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale: float = 1.0,
+              logit_softcap: Optional[float] = None) -> Dict[str, Any]:
+    """The TPO loss of a micro-batch from the backbone's last hidden states ``[N, P + C, H]``; the
+    model's logits are ``softcap(logit_scale * (hidden @ W.T + b))`` (see the public functions).
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
     ``group_size``, ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
@@ -94,8 +97,6 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], multiplier: flo
     length = labels.shape[1]
     hidden = hidden_all[:, -length - 1 : -1]  # position t predicts completion token t
     hidden, weight, bias = _head_tensors(hidden, head, request["cast_lm_head_to_fp32"])
-    if multiplier <= 0:
-        raise ValueError(f"the model's logit multiplier must be > 0 to fold it into the temperature, got {multiplier}")
     device = hidden.device
     labels, mask, scores = labels.to(device), mask.to(device), scores.to(device)
     old, ref = request["old_logprobs"], request["ref_logprobs"]
@@ -122,7 +123,9 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], multiplier: flo
             beta=request["beta"],
             eta=request["eta"],
             anchor=request["anchor"],
-            temperature=request["temperature"] / multiplier,
+            temperature=request["temperature"],
+            logit_scale=logit_scale,
+            logit_softcap=logit_softcap,
             reduction="mean",
             backend=request["backend"],
             return_aux=True,

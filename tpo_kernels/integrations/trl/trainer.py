@@ -77,12 +77,6 @@ class TargetPOTrainer(GRPOTrainer):
             raise ValueError(
                 "TargetPOTrainer does not add a MoE router auxiliary loss yet; set router_aux_loss_coef=0.0."
             )
-        text_config = self.model.config.get_text_config()
-        if getattr(text_config, "final_logit_softcapping", None) is not None:
-            raise NotImplementedError(
-                "TargetPOTrainer does not support logit soft-capping (final_logit_softcapping, Gemma 2/3) yet: "
-                "the fused TPO kernels would compute wrong log-probs."
-            )
         add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
 
     # -- batching ----------------------------------------------------------------------------
