@@ -20,7 +20,7 @@ from torch import Tensor
 from .._dtypes import compute_dtype
 from .interface import Backend
 
-_CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32 per buffer: a chunk stays in cache between passes
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def _chunks(rows: int, vocab: int):
