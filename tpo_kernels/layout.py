@@ -70,8 +70,8 @@ def build_layout(
     with its ``packed_extent``: the rows covered (``cu_seqlens[-1]``) and the longest completion,
     host ints the caller reads back together with its checks.
 
-    Read-backs: none for a padded batch with ``group_size``; ``group_ids`` take two (the number
-    of groups and the largest), ``members`` four.
+    Read-backs: none with ``group_size``; two with ``group_ids`` (the number of groups and the
+    largest); three with ``members`` (the kept completions, the groups, the largest).
 
     ``members`` (``[N]`` bool) leaves completions out of every group: they get no probability
     mass and no gradient (completions with no counted token). A group left with no member is
@@ -96,10 +96,9 @@ def build_layout(
     if members is not None:
         ids = group_ids.to(device) if group_ids is not None else torch.arange(n, device=device) // group_size
         kept = torch.nonzero(members.to(device)).squeeze(1)
-        _, kept_group = torch.unique(ids[kept], sorted=True, return_inverse=True)
+        _, kept_group, counts = torch.unique(ids[kept], sorted=True, return_inverse=True, return_counts=True)
         seq_group = torch.zeros(n, device=device, dtype=torch.int64)  # 0 for the left-out: p = q = 0
         seq_group[kept] = kept_group.to(torch.int64)
-        counts = torch.bincount(kept_group)
         g = counts.numel()
         group_offsets = torch.zeros(g + 1, device=device, dtype=torch.int64)
         group_offsets[1:] = torch.cumsum(counts, 0)
