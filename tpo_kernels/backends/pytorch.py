@@ -2,7 +2,7 @@
 
 Works on chunks of consecutive rows, each pass over a chunk one vectorized PyTorch op into a
 reused buffer of at most ``_CHUNK_ELEMENTS`` compute-dtype values, never a full ``[M, V]`` fp32
-copy of the logits. Chunks are small enough to stay in cache between their passes.
+copy of the logits. The chunk size trades op count (each op a parallel region) against memory.
 
 Every row is computed and the rows to skip (negative label forward, zero gradient backward)
 are then set to 0 (``torch.where`` on per-row results; a zero row in the backward's copy out):
