@@ -61,11 +61,17 @@ def build_layout(
     *,
     padded_shape: Optional[tuple] = None,
     cu_seqlens: Optional[Tensor] = None,
+    packed_extent: Optional[Tuple[int, int]] = None,
     group_size: Optional[int] = None,
     group_ids: Optional[Tensor] = None,
     members: Optional[Tensor] = None,
 ) -> BatchLayout:
-    """Build the layout from a padded ``(N, T)`` shape or packed ``cu_seqlens`` (already validated).
+    """Build the layout from a padded ``(N, T)`` shape or packed ``cu_seqlens`` (already validated)
+    with its ``packed_extent``: the rows covered (``cu_seqlens[-1]``) and the longest completion,
+    host ints the caller reads back together with its checks.
+
+    Read-backs: none with ``group_size``; two with ``group_ids`` (the number of groups and the
+    largest); three with ``members`` (the kept completions, the groups, the largest).
 
     ``members`` (``[N]`` bool) leaves completions out of every group: they get no probability
     mass and no gradient (completions with no counted token). A group left with no member is
@@ -82,19 +88,17 @@ def build_layout(
         seq_start = cu[:-1].contiguous()
         seq_len = (cu[1:] - cu[:-1]).contiguous()
         token_seq = torch.full((num_tokens,), -1, device=device, dtype=torch.int64)
-        covered = int(cu[-1])
+        covered, max_seq_len = packed_extent
         token_seq[:covered] = torch.arange(n, device=device, dtype=torch.int64).repeat_interleave(
             seq_len, output_size=covered
         )
-        max_seq_len = int(seq_len.max()) if n > 0 else 0
 
     if members is not None:
         ids = group_ids.to(device) if group_ids is not None else torch.arange(n, device=device) // group_size
         kept = torch.nonzero(members.to(device)).squeeze(1)
-        _, kept_group = torch.unique(ids[kept], sorted=True, return_inverse=True)
+        _, kept_group, counts = torch.unique(ids[kept], sorted=True, return_inverse=True, return_counts=True)
         seq_group = torch.zeros(n, device=device, dtype=torch.int64)  # 0 for the left-out: p = q = 0
         seq_group[kept] = kept_group.to(torch.int64)
-        counts = torch.bincount(kept_group)
         g = counts.numel()
         group_offsets = torch.zeros(g + 1, device=device, dtype=torch.int64)
         group_offsets[1:] = torch.cumsum(counts, 0)
@@ -110,9 +114,9 @@ def build_layout(
         max_group_size = k
         contiguous_k = k
     else:
-        _, seq_group = torch.unique(group_ids.to(device), sorted=True, return_inverse=True)
+        _, seq_group, counts = torch.unique(group_ids.to(device), sorted=True, return_inverse=True,
+                                            return_counts=True)
         seq_group = seq_group.to(torch.int64)
-        counts = torch.bincount(seq_group)
         g = counts.numel()
         group_offsets = torch.zeros(g + 1, device=device, dtype=torch.int64)
         group_offsets[1:] = torch.cumsum(counts, 0)

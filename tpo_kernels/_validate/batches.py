@@ -12,6 +12,7 @@ from torch import Tensor
 from ..group_op import segment_sum
 from ..layout import BatchLayout, build_layout
 from .scalars import _is_int, check_beta
+from .deferred import ValueChecks
 from .tensors import check_integer_dtype, check_tensor, prepare_labels, reject_meta
 
 
@@ -34,7 +35,9 @@ class PreparedBatch:
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_name: str,
-                      validate: bool) -> Tensor:
+                      validate: bool) -> Tuple[Tensor, Tuple[int, int]]:
+    """int64 ``cu_seqlens`` and the host ints the packed layout needs (rows covered, longest
+    completion), read back once together with the check of the values."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     check_integer_dtype("cu_seqlens", cu_seqlens)
@@ -42,14 +45,17 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_n
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    seq_len = cu_seqlens[1:] - cu_seqlens[:-1]
+    read = [cu_seqlens[-1], seq_len.max()]
     if validate:
-        broken = (cu_seqlens[0] != 0) | (cu_seqlens[1:] < cu_seqlens[:-1]).any() | (cu_seqlens[-1] > num_tokens)
-        if bool(broken):
-            raise ValueError(
-                f"cu_seqlens must start at 0, be non-decreasing and end at most at M={num_tokens} "
-                f"(the rows of {input_name}); got {cu_seqlens.tolist()[:8]}..."
-            )
-    return cu_seqlens
+        read.append((cu_seqlens[0] != 0) | (seq_len < 0).any() | (cu_seqlens[-1] > num_tokens))
+    values = torch.stack(read).tolist()
+    if validate and values[2]:
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at most at M={num_tokens} "
+            f"(the rows of {input_name}); got {cu_seqlens.tolist()[:8]}..."
+        )
+    return cu_seqlens, (values[0], values[1])
 
 
 def _check_groups(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str) -> Optional[int]:
@@ -71,28 +77,31 @@ def _check_groups(group_size, group_ids, num_seqs: int, device: torch.device, in
 
 
 def check_scores(scores, shape: Tuple[int, ...], device: torch.device, input_name: str,
-                 acc: torch.dtype, validate: bool, what: str) -> Tensor:
+                 acc: torch.dtype, checks: Optional[ValueChecks], what: str) -> Tensor:
     """Scores as float64 whatever ``acc``: the group math standardizes them in float64 (fp32 would
-    lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution)."""
+    lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution).
+    Finiteness is added to ``checks`` (None: not checked)."""
     check_tensor("scores", scores, device, input_name)
     if scores.dtype == torch.bool or scores.dtype.is_complex:
         raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
     if tuple(scores.shape) != shape:
         raise ValueError(f"scores must have {what}, got {tuple(scores.shape)}")
     scores = scores.to(torch.float64).contiguous()
-    if validate and not bool(torch.isfinite(scores).all()):
-        raise ValueError("scores must be finite (found NaN or inf)")
+    if checks is not None:
+        checks.require(torch.isfinite(scores).all(), lambda: ValueError("scores must be finite (found NaN or inf)"))
     return scores
 
 
-def _check_mask(mask, token_shape, device: torch.device, input_name: str, validate: bool) -> Tensor:
+def _check_mask(mask, token_shape, device: torch.device, input_name: str,
+                checks: Optional[ValueChecks]) -> Tensor:
     check_tensor("mask", mask, device, input_name)
     if tuple(mask.shape) != token_shape:
         raise ValueError(f"mask must have the shape of labels {token_shape}, got {tuple(mask.shape)}")
     if mask.dtype == torch.bool:
         return mask.reshape(-1)
-    if validate and not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("mask must hold only 0 and 1 (or be a bool tensor)")
+    if checks is not None:
+        checks.require(((mask == 0) | (mask == 1)).all(),
+                       lambda: ValueError("mask must hold only 0 and 1 (or be a bool tensor)"))
     return mask.reshape(-1) != 0
 
 
@@ -136,38 +145,33 @@ def prepare_batch(
                 "for padded inputs pass labels of shape [N, T]"
             )
         num_tokens = token_shape[0]
-        cu_seqlens = _check_cu_seqlens(cu_seqlens, device, num_tokens, input_name, validate)
+        cu_seqlens, packed_extent = _check_cu_seqlens(cu_seqlens, device, num_tokens, input_name, validate)
         num_seqs = cu_seqlens.numel() - 1
     else:
         raise ValueError(f"labels must be [N, T] (padded) or [M] (packed), got shape {token_shape}")
     if num_seqs == 0:
         raise ValueError("the batch holds no completion (N == 0)")
     group_size = _check_groups(group_size, group_ids, num_seqs, device, input_name)
-    layout = build_layout(
-        num_tokens,
-        device,
-        padded_shape=token_shape if len(token_shape) == 2 else None,
-        cu_seqlens=cu_seqlens,
-        group_size=group_size,
-        group_ids=group_ids,
-    )
-    counted = layout.token_seq >= 0
+    shape = dict(padded_shape=token_shape) if len(token_shape) == 2 else dict(cu_seqlens=cu_seqlens,
+                                                                            packed_extent=packed_extent)
+    layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids, **shape)
+    # The value checks, read back once at the end (see _validate/deferred.py).
+    checks = ValueChecks() if validate else None
+    counted = None if len(token_shape) == 2 else layout.token_seq >= 0  # padded: every row is inside
     if mask is not None:
-        counted = counted & _check_mask(mask, token_shape, device, input_name, validate)
+        flat_mask = _check_mask(mask, token_shape, device, input_name, checks)
+        counted = flat_mask if counted is None else counted & flat_mask
     flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
-                                 mask=counted)
-    scores = check_scores(scores, (num_seqs,), device, input_name, acc, validate, f"shape [N]=({num_seqs},)")
+                                 mask=counted, checks=checks)
+    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, f"shape [N]=({num_seqs},)")
     valid = flat_labels >= 0
+    all_counted = None
     if validate:
         # Completions with no counted token (e.g. truncated and masked) are left out of their group.
         counted_seqs = segment_sum(valid.to(torch.int64), layout) > 0
-        if not bool(counted_seqs.any()):
-            raise ValueError("no completion has a counted token (all masked or ignore_index)")
-        if not bool(counted_seqs.all()):
-            layout = build_layout(
-                num_tokens, device, padded_shape=token_shape if len(token_shape) == 2 else None,
-                cu_seqlens=cu_seqlens, group_size=group_size, group_ids=group_ids, members=counted_seqs,
-            )
+        checks.require(counted_seqs.any(),
+                       lambda: ValueError("no completion has a counted token (all masked or ignore_index)"))
+        all_counted = checks.observe(counted_seqs.all())
 
     # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion,
     # in float64 like the group math (sums over long completions lose digits in fp32).
@@ -182,8 +186,9 @@ def prepare_batch(
             raise ValueError(
                 f"old_logprobs must be per token {token_shape} or per completion ({num_seqs},), got {tuple(old_logprobs.shape)}"
             )
-        if validate and not bool(torch.isfinite(old_seq).all()):
-            raise ValueError("old_logprobs must be finite at counted tokens")
+        if validate:
+            checks.require(torch.isfinite(old_seq).all(),
+                           lambda: ValueError("old_logprobs must be finite at counted tokens"))
 
     # KL-to-reference (k3) term.
     beta = check_beta(beta)
@@ -195,9 +200,13 @@ def prepare_batch(
         if tuple(ref_logprobs.shape) != token_shape:
             raise ValueError(f"ref_logprobs must have the shape of labels {token_shape}, got {tuple(ref_logprobs.shape)}")
         ref_flat = torch.where(valid, ref_logprobs.reshape(-1).to(acc), 0.0)
-        if validate and not bool(torch.isfinite(ref_flat).all()):
-            raise ValueError("ref_logprobs must be finite at counted tokens")
+        if validate:
+            checks.require(torch.isfinite(ref_flat).all(),
+                           lambda: ValueError("ref_logprobs must be finite at counted tokens"))
 
+    if validate and not checks.read()[all_counted]:
+        layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
+                              members=counted_seqs, **shape)
     return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat)
 
 
@@ -218,12 +227,12 @@ def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, a
             f"K >= 1, got {tuple(candidates.shape)}"
         )
     shape = tuple(candidates.shape)
+    checks = ValueChecks() if validate else None
     if validate:
         out_of_range = (candidates < 0) | (candidates >= vocab_size)
-        if bool(out_of_range.any()):
-            found = candidates[out_of_range][0].item()
-            raise ValueError(f"candidates must hold token ids in [0, {vocab_size}); found {found}")
-    scores = check_scores(scores, shape, device, input_name, acc, validate, f"the shape of candidates {shape}")
+        checks.require(~out_of_range.any(), lambda: ValueError(
+            f"candidates must hold token ids in [0, {vocab_size}); found {candidates[out_of_range][0].item()}"))
+    scores = check_scores(scores, shape, device, input_name, acc, checks, f"the shape of candidates {shape}")
     if old_logprobs is not None:
         _check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) != shape:
@@ -231,6 +240,9 @@ def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, a
                 f"old_logprobs must have the shape of candidates {shape}, got {tuple(old_logprobs.shape)}"
             )
         old_logprobs = old_logprobs.to(torch.float64).contiguous()  # for the float64 group math
-        if validate and not bool(torch.isfinite(old_logprobs).all()):
-            raise ValueError("old_logprobs must be finite (found NaN or inf)")
+        if validate:
+            checks.require(torch.isfinite(old_logprobs).all(),
+                           lambda: ValueError("old_logprobs must be finite (found NaN or inf)"))
+    if validate:
+        checks.read()
     return candidates.to(torch.int64).contiguous(), scores, old_logprobs

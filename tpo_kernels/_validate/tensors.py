@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import FLOAT_DTYPES
+from .deferred import ValueChecks
 from .scalars import _is_int, check_ignore_index
 
 
@@ -105,20 +106,19 @@ def check_grad_accum_dtype(grad_accum_dtype, weight_dtype: torch.dtype) -> torch
 # ----------------------------------------------------------------------------- labels
 
 
-def _check_label_values(labels: Tensor, counted: Tensor, vocab_size: int) -> None:
-    """Counted label ids must lie in [0, vocab_size) (reads back from the device)."""
-    bad = counted & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
-        found = labels[bad][0].item()
-        raise ValueError(
-            f"labels must hold ids in [0, {vocab_size}) or ignore_index at counted positions; found {found}"
-        )
+def _label_error(labels: Tensor, bad: Tensor, vocab_size: int) -> ValueError:
+    found = labels[bad][0].item()  # reads back, on the error path only
+    return ValueError(
+        f"labels must hold ids in [0, {vocab_size}) or ignore_index at counted positions; found {found}"
+    )
 
 
 def prepare_labels(labels, token_shape, vocab_size: int, device: torch.device, input_name: str,
-                   ignore_index, validate: bool, mask: Optional[Tensor] = None) -> Tensor:
+                   ignore_index, validate: bool, mask: Optional[Tensor] = None,
+                   checks: Optional[ValueChecks] = None) -> Tensor:
     """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
-    or False in the flat bool ``mask``); counted ids are checked to lie in ``[0, vocab_size)``."""
+    or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
+    ``[0, vocab_size)``: added to ``checks`` when given, else read back here."""
     check_tensor("labels", labels, device, input_name)
     check_integer_dtype("labels", labels)
     if tuple(labels.shape) != tuple(token_shape):
@@ -131,5 +131,9 @@ def prepare_labels(labels, token_shape, vocab_size: int, device: torch.device, i
     if mask is not None:
         counted = counted & mask
     if validate:
-        _check_label_values(flat, counted, vocab_size)
+        pending = ValueChecks() if checks is None else checks
+        bad = counted & ((flat < 0) | (flat >= vocab_size))
+        pending.require(~bad.any(), lambda: _label_error(flat, bad, vocab_size))
+        if checks is None:
+            pending.read()
     return torch.where(counted, flat.to(torch.int64), -1).contiguous()

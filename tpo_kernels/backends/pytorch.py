@@ -1,7 +1,13 @@
 """Portable PyTorch row ops (backend "torch"): the fallback on any device.
 
-Works on row chunks so that at most ``_CHUNK_ELEMENTS`` fp32 temporaries exist at once, never a
-full ``[M, V]`` fp32 copy of the logits.
+Works on chunks of consecutive rows, each pass over a chunk one vectorized PyTorch op into a
+reused buffer of at most ``_CHUNK_ELEMENTS`` compute-dtype values, never a full ``[M, V]`` fp32
+copy of the logits. The chunk size trades op count (each op a parallel region) against memory.
+
+Every row is computed and the rows to skip (negative label forward, zero gradient backward)
+are then set to 0 (``torch.where`` on per-row results; a zero row in the backward's copy out):
+the results are those of never reading them, and no count or index of rows is read back to the
+host, so the ops are sync-free (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -14,20 +20,18 @@ from torch import Tensor
 from .._dtypes import compute_dtype
 from .interface import Backend
 
-_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per temporary
+_CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per buffer: few ops per call, far below one [M, V] copy
 
 
-def _row_chunks(selected: Tensor, vocab: int):
-    """Row selections of at most ``_CHUNK_ELEMENTS // vocab`` rows covering the ``selected`` rows:
-    slices when every row is selected (no gather), index tensors otherwise."""
+def _chunks(rows: int, vocab: int):
     step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
-    if bool(selected.all()):
-        return [slice(start, start + step) for start in range(0, selected.numel(), step)]
-    return torch.nonzero(selected).squeeze(1).split(step)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)], step
 
 
-def _read_rows(logits: Tensor, chunk) -> Tensor:
-    return logits[chunk] if isinstance(chunk, slice) else logits.index_select(0, chunk)
+def _shifted(z: Tensor, shift: Tensor, inv_temperature: float, out: Tensor) -> Tensor:
+    """``(z - shift) * inv_temperature`` written into ``out`` (which may be ``z`` itself)."""
+    torch.sub(z, shift, out=out)
+    return out if inv_temperature == 1.0 else out.mul_(inv_temperature)
 
 
 class TorchBackend(Backend):
@@ -44,27 +48,35 @@ class TorchBackend(Backend):
         stats = logits.new_zeros(2, m, dtype=acc)
         logprob = logits.new_zeros(m, dtype=acc)
         entropy = logits.new_zeros(m, dtype=acc) if with_entropy else None
-        for chunk in _row_chunks(labels >= 0, v):  # skipped rows are never read
-            z = _read_rows(logits, chunk).to(acc)  # may be the logits themselves: not modified
-            row_max = z.amax(dim=1)
+        chunks, step = _chunks(m, v)
+        buffer = logits.new_empty(min(step, m) * v, dtype=acc)
+        weights = logits.new_empty(min(step, m) * v, dtype=acc) if with_entropy else None
+        for rows in chunks:
+            z = logits[rows]  # read only: may be the logits the backward overwrites later
+            counted = labels[rows] >= 0
+            label = labels[rows].clamp(min=0).unsqueeze(1)
+            row_max = z.amax(dim=1).to(acc)
             # d = (z - max) * it <= 0; an all -inf row shifts by 0 (no -inf - -inf).
             shift = torch.where(row_max == float("-inf"), 0.0, row_max).unsqueeze(1)
-            d = (z - shift).mul_(inv_temperature)
-            e = torch.exp(d)
-            label = labels[chunk].unsqueeze(1)
+            d = _shifted(z, shift, inv_temperature, buffer[: z.numel()].view(z.shape))
             d_y = d.gather(1, label).squeeze(1)
+            if with_entropy:
+                e = torch.exp(d, out=weights[: z.numel()].view(z.shape))
+                # t = sum e d, with 0 (not 0 * -inf) where e == 0: -inf becomes the lowest float.
+                t = d.clamp_(min=torch.finfo(acc).min).mul_(e).sum(dim=1)
+            else:
+                e = d.exp_()
             e_y = e.gather(1, label).squeeze(1)
-            if with_entropy:  # t = sum e d, with 0 (not 0 * -inf) where e == 0
-                t = (e * torch.where(e > 0, d, 0.0)).sum(dim=1)
             rest = e.scatter_(1, label, 0.0).sum(dim=1)  # the mass without the label
             total = rest + e_y
             log_sum = torch.log(total)
             # log(e_y / (e_y + rest)): -log1p(rest / e_y) keeps 1 - p exact-ish for confident tokens.
-            logprob[chunk] = torch.where(rest < e_y, -torch.log1p(rest / e_y), d_y - log_sum)
-            stats[0, chunk] = row_max
-            stats[1, chunk] = log_sum
+            lp = torch.where(rest < e_y, -torch.log1p(rest / e_y), d_y - log_sum)
+            logprob[rows] = torch.where(counted, lp, 0.0)
+            stats[0, rows] = torch.where(counted, row_max, 0.0)
+            stats[1, rows] = torch.where(counted, log_sum, 0.0)
             if with_entropy:
-                entropy[chunk] = log_sum - t / total
+                entropy[rows] = torch.where(counted, log_sum - t / total, 0.0)
         return stats, logprob, entropy
 
     def row_backward(
@@ -82,28 +94,43 @@ class TorchBackend(Backend):
     ) -> None:
         m, v = logits.shape
         acc = compute_dtype(logits.dtype)
-        active = grad_logprob != 0
-        if grad_entropy is not None:
-            active = active | (grad_entropy != 0)
-        out[~active] = 0  # zero-signal rows: written, never read
-        for chunk in _row_chunks(active, v):
-            z = _read_rows(logits, chunk).to(acc)  # may be the logits themselves: not modified
-            log_probs = (z - stats[0, chunk].unsqueeze(1)).mul_(inv_temperature).sub_(stats[1, chunk].unsqueeze(1))
-            probs = torch.exp(log_probs)
-            g = grad_logprob[chunk].unsqueeze(1)
-            grad = -g * probs
-            label = labels[chunk].unsqueeze(1)
-            has_label = label >= 0
-            lp = logprob[chunk].unsqueeze(1)
+        it = inv_temperature
+        chunks, step = _chunks(m, v)
+        rows_max = min(step, m)
+        # The gradient of a chunk is formed in a scratch buffer whose extra last row stays 0, and
+        # copied out row by row with index_select: zero-signal rows take that zero row, which
+        # zeroes them (NaN logits or not) within the copy the chunk needs anyway.
+        scratch = logits.new_empty((rows_max + 1) * v, dtype=acc)
+        scratch[rows_max * v:].zero_()
+        probs_buffer = logits.new_empty(rows_max * v, dtype=acc) if grad_entropy is not None else None
+        for rows in chunks:
+            z = logits[rows]
+            n = z.shape[0]
+            g = grad_logprob[rows].unsqueeze(1)
+            active = g != 0
+            label = labels[rows].unsqueeze(1)
+            col = label.clamp(min=0)
+            lp = logprob[rows].unsqueeze(1)
             label_grad = -g * torch.expm1(lp)  # g (1 - p_y), accurate for confident tokens
-            if grad_entropy is not None:
-                ge = grad_entropy[chunk].unsqueeze(1)
-                ent = entropy[chunk].unsqueeze(1)
-                safe = torch.where(probs > 0, log_probs, 0.0)  # p log p -> 0 at p == 0
-                grad = grad - ge * probs * (safe + ent)
+            log_probs = _shifted(z, stats[0, rows].unsqueeze(1), it, scratch[: n * v].view(n, v))
+            log_probs.sub_(stats[1, rows].unsqueeze(1))
+            if grad_entropy is None:
+                grad = log_probs.exp_().mul_(-g * it)  # -g p / tau
+            else:
+                ge = grad_entropy[rows].unsqueeze(1)
+                ent = entropy[rows].unsqueeze(1)
+                active = active | (ge != 0)
+                probs = torch.exp(log_probs, out=probs_buffer[: n * v].view(n, v))
+                # -(g p + ge p (log p + H)) / tau, with p log p -> 0 at p == 0 (log p clamped finite).
+                grad = log_probs.clamp_(min=torch.finfo(acc).min).mul_(probs).mul_(-ge * it)
+                grad.addcmul_(probs, -(g + ge * ent) * it)
                 p_y = torch.exp(lp)
                 label_grad = label_grad - ge * p_y * (torch.where(p_y > 0, lp, 0.0) + ent)
             # The label's entry replaces the column (rows without a label keep column 0 as is).
-            col = label.clamp(min=0)
-            grad.scatter_(1, col, torch.where(has_label, label_grad, grad.gather(1, col)))
-            out[chunk] = (grad * inv_temperature).to(out.dtype)
+            grad.scatter_(1, col, torch.where(label >= 0, label_grad * it, grad.gather(1, col)))
+            source = torch.where(active.squeeze(1), torch.arange(n, device=z.device), rows_max)
+            padded = scratch.view(rows_max + 1, v)
+            if out.dtype == acc:
+                torch.index_select(padded, 0, source, out=out[rows])
+            else:
+                out[rows] = padded.index_select(0, source)
