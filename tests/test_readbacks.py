@@ -24,8 +24,8 @@ BUDGET = {
     "selective_logprobs": (1, 0),
     "token_tpo_loss": (1, 0),
     "fused_linear_token_tpo_loss": (2, 1),
-    "fused_linear_tpo_loss": (5, 4),
-    "fused_linear_logprobs": (5, 4),
+    "fused_linear_tpo_loss": (3, 2),
+    "fused_linear_logprobs": (3, 2),
 }
 
 

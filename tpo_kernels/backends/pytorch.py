@@ -97,11 +97,9 @@ class TorchBackend(Backend):
         it = inv_temperature
         chunks, step = _chunks(m, v)
         rows_max = min(step, m)
-        # The gradient of a chunk is formed in a scratch buffer whose extra last row stays 0, and
-        # copied out row by row with index_select: zero-signal rows take that zero row, which
-        # zeroes them (NaN logits or not) within the copy the chunk needs anyway.
-        scratch = logits.new_empty((rows_max + 1) * v, dtype=acc)
-        scratch[rows_max * v:].zero_()
+        # The gradient of a chunk is formed in a scratch buffer; zero-signal rows are filled with 0
+        # there (NaN logits or not: masked_fill, no read-back) before the copy out.
+        scratch = logits.new_empty(rows_max * v, dtype=acc)
         probs_buffer = logits.new_empty(rows_max * v, dtype=acc) if grad_entropy is not None else None
         for rows in chunks:
             z = logits[rows]
@@ -128,9 +126,4 @@ class TorchBackend(Backend):
                 label_grad = label_grad - ge * p_y * (torch.where(p_y > 0, lp, 0.0) + ent)
             # The label's entry replaces the column (rows without a label keep column 0 as is).
             grad.scatter_(1, col, torch.where(label >= 0, label_grad * it, grad.gather(1, col)))
-            source = torch.where(active.squeeze(1), torch.arange(n, device=z.device), rows_max)
-            padded = scratch.view(rows_max + 1, v)
-            if out.dtype == acc:
-                torch.index_select(padded, 0, source, out=out[rows])
-            else:
-                out[rows] = padded.index_select(0, source)
+            out[rows].copy_(grad.masked_fill_(~active, 0.0))

@@ -23,6 +23,8 @@ buffer before the row op, and the backward multiplies the row op's ``dz'`` by th
 
 from __future__ import annotations
 
+import itertools
+
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -97,15 +99,14 @@ class TiledLinearHead:
         self.vocab_offset, self.transform = vocab_offset, transform
 
     @staticmethod
-    def _row_chunks(selected: Tensor, chunk_size: int) -> List[Union[slice, Tensor]]:
-        """Row indices of the ``selected`` ([M] bool) rows in ascending order, in balanced chunks
-        of at most ``chunk_size`` (:func:`balanced_chunks`): slices when every row is selected
-        (no gather), index tensors otherwise."""
-        rows = torch.nonzero(selected).squeeze(1)
+    def _row_chunks(rows: Tensor, num_rows: int, chunk_size: int) -> List[Union[slice, Tensor]]:
+        """The selected ``rows`` (ascending indices out of ``num_rows``) in balanced chunks of at
+        most ``chunk_size`` (:func:`balanced_chunks`): slices when every row is selected (no
+        gather), index tensors otherwise."""
         sizes = balanced_chunks(rows.numel(), chunk_size)
-        if rows.numel() < selected.numel():
+        if rows.numel() < num_rows:
             return list(rows.split(sizes)) if sizes else []
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = itertools.accumulate(sizes)
         return [slice(end - size, end) for size, end in zip(sizes, ends)]
 
     def _block_weight(self, vocab: slice) -> Tensor:
@@ -157,10 +158,9 @@ class TiledLinearHead:
         stats = self.hidden.new_zeros(2, num_rows, dtype=compute_dtype(self.dtype))
         logprob = torch.zeros_like(stats[0])
         entropy = torch.zeros_like(stats[0]) if with_entropy else None
-        counted = self.labels >= 0
-        num_counted = int(counted.sum())
-        token_block, vocab_block = self._tile(num_counted, self.weight.dtype)
-        chunks = self._row_chunks(counted, token_block)
+        counted = torch.nonzero(self.labels >= 0).squeeze(1)  # the forward's one read-back
+        token_block, vocab_block = self._tile(counted.numel(), self.weight.dtype)
+        chunks = self._row_chunks(counted, num_rows, token_block)
         tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
         buffer = self._buffer(tile_rows, vocab_block)
         capped = self._cap_buffers(tile_rows, vocab_block, 1)
@@ -201,13 +201,13 @@ class TiledLinearHead:
         active = grad_logprob != 0
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
-        num_active = int(active.sum())  # the one read-back: sizes the tiles of active rows
-        token_block, vocab_block = self._tile(num_active, grad_accum_dtype)
+        active = torch.nonzero(active).squeeze(1)  # the one read-back: which rows, and so the tiles
+        token_block, vocab_block = self._tile(active.numel(), grad_accum_dtype)
         hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
-        chunks = self._row_chunks(active, token_block)
+        chunks = self._row_chunks(active, hidden.shape[0], token_block)
         tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
         # The tile buffers first: the size of the forward's, they can take that freed memory.
         buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
