@@ -1,0 +1,380 @@
+"""One TRL training step of a Qwen2-shaped model, four ways to compute the loss, side by side.
+
+``python -m tpo_kernels.bench.trainer_step`` (see bench/README.md, "Trainer step"). Variants:
+
+* ``trl`` (a): TRL's stock ``GRPOTrainer`` loss (its default ``loss_type``, through TRL's own
+  tiled log-prob head, which never holds the ``[tokens, V]`` logits).
+* ``eager`` (b): the model's logits, then TPO in plain PyTorch (``baselines.naive_tpo_logits``:
+  fp32 ``log_softmax`` over the vocabulary, gather, group softmax), as people write it.
+* ``tpo_loss`` (c): the model's logits, then ``tpo_kernels.tpo_loss``.
+* ``fused`` (d): ``TargetPOTrainer``, the fused-linear TPO head (hidden states and lm_head weight,
+  no logits tensor).
+
+Every variant drives ``trainer.training_step`` (forward, loss, backward; no optimizer update,
+which is the same for all four) on one fixed batch of G prompts x K completions of a fixed
+length, every completion token counted: generation is stubbed out (``_prepare_inputs`` returns the
+batch), so all variants see the same tokens and scores from the same seed. The scores are random
+rewards standardized per group (GRPO's advantages; TPO standardizes them again, a no-op).
+Sampling temperature and TPO's eta are 1 (TRL's and TargetPOConfig's defaults, and what the eager
+baseline computes).
+
+Each variant runs in a fresh Python process (memory isolation): 1+ warm-up steps, then N timed
+steps; the step time is their median. Loss-phase memory, per timed step, with the parameter
+gradients freed before it (so the gradients the backward allocates count, the same for all four):
+
+* CPU: the RSS high-water mark (VmHWM, reset through /proc/self/clear_refs after a malloc_trim)
+  over the step minus the RSS just before it (``harness.reset_peak_rss``, ``peak_rss_bytes``).
+* CUDA: ``torch.cuda.max_memory_allocated`` over the step (peak statistics reset just before it)
+  minus ``memory_allocated`` before it.
+
+The reported peak is the largest over the timed steps. It includes the backbone's activations and
+the parameter gradients, both identical across variants (``grad_mib`` in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+
+VARIANTS = {
+    "trl": "(a) TRL GRPOTrainer, stock loss",
+    "eager": "(b) logits + TPO in eager PyTorch",
+    "tpo_loss": "(c) logits + tpo_kernels.tpo_loss",
+    "fused": "(d) TargetPOTrainer (fused-linear TPO)",
+}
+MIB = 2.0**20
+
+
+@dataclass
+class StepSpec:
+    """The model, the batch and the measurement of one run (every variant shares it)."""
+
+    vocab: int = 151936
+    hidden: int = 256
+    layers: int = 2
+    intermediate: int = 1024
+    heads: int = 4
+    kv_heads: int = 2
+    groups: int = 4  # G prompts ...
+    group_size: int = 8  # ... x K completions
+    prompt_len: int = 16
+    completion_len: int = 64
+    warmup: int = 1
+    reps: int = 3
+    seed: int = 0
+    device: str = "cpu"
+    backend: str = "auto"  # tpo_kernels backend of (c) and (d)
+    threads: int = 0  # torch threads in each worker (0: torch's default)
+
+    @property
+    def loss_tokens(self) -> int:
+        return self.groups * self.group_size * self.completion_len
+
+
+# --------------------------------------------------------------------------- the model and the batch
+
+
+def build_model(spec: StepSpec):
+    """A randomly initialized Qwen2 causal LM with tied embeddings (as the small Qwen models)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.prompt_len + spec.completion_len, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForCausalLM(config)
+
+
+def build_tokenizer():
+    """A three-token word-level tokenizer: the trainers need one (pad/eos ids), nothing is decoded."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+def build_batch(spec: StepSpec, device: torch.device) -> dict:
+    """The dict ``_generate_and_score_completions`` would return: whole groups, full masks."""
+    from .baselines import standardize_rows
+
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    rows = spec.groups * spec.group_size
+    prompts = torch.randint(3, spec.vocab, (spec.groups, 1, spec.prompt_len), generator=g)
+    rewards = torch.rand(spec.groups, spec.group_size, generator=g, dtype=torch.float64)
+    completion_mask = torch.ones(rows, spec.completion_len, dtype=torch.long)
+    batch = {
+        "prompt_ids": prompts.expand(-1, spec.group_size, -1).reshape(rows, spec.prompt_len),
+        "prompt_mask": torch.ones(rows, spec.prompt_len, dtype=torch.long),
+        "completion_ids": torch.randint(3, spec.vocab, (rows, spec.completion_len), generator=g),
+        "completion_mask": completion_mask,
+        "advantages": standardize_rows(rewards).reshape(rows).float(),
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------- the trainers
+
+
+def build_trainer(variant: str, model, spec: StepSpec, out_dir: str):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ..integrations.trl import TargetPOConfig, TargetPOTrainer
+
+    class FixedBatch:
+        """Generation stubbed out: the batch handed to ``training_step`` is used as generated."""
+
+        def _prepare_inputs(self, batch):
+            return batch
+
+    class LogitsTPO(FixedBatch, GRPOTrainer):
+        """TPO on the model's logits of the completion positions, eager or through tpo_loss."""
+
+        def _compute_loss(self, model, inputs):
+            completion_ids = inputs["completion_ids"]
+            length = completion_ids.shape[1]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            with self.accelerator.autocast():
+                # position t predicts token t + 1: keep the logits of the last length + 1 positions
+                logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                               logits_to_keep=length + 1).logits[:, :-1]
+            return logits_loss(variant, logits, completion_ids, inputs["advantages"], self.num_generations,
+                               self.args.tpo_backend)
+
+    common = dict(output_dir=out_dir, per_device_train_batch_size=spec.groups * spec.group_size,
+                  num_generations=spec.group_size, max_completion_length=spec.completion_len,
+                  use_cpu=spec.device == "cpu", bf16=False, report_to="none", save_strategy="no",
+                  disable_tqdm=True, seed=spec.seed)
+    if variant == "trl":
+        cls, args = type("StockGRPOStep", (FixedBatch, GRPOTrainer), {}), GRPOConfig(**common)
+    elif variant == "fused":
+        cls, args = type("FusedTPOStep", (FixedBatch, TargetPOTrainer), {}), TargetPOConfig(**common, tpo_backend=spec.backend)
+    else:
+        cls, args = LogitsTPO, TargetPOConfig(**common, tpo_backend=spec.backend)
+    dataset = Dataset.from_dict({"prompt": ["<unk>"] * spec.groups})
+    return cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+               train_dataset=dataset, processing_class=build_tokenizer())
+
+
+def logits_loss(variant, logits, labels, scores, group_size, backend):
+    """(b) or (c): TPO of [N, C, V] logits, on-policy, eta = temperature = 1, mean over groups."""
+    if variant == "eager":
+        from .baselines import naive_tpo_logits
+
+        return naive_tpo_logits(logits, labels, scores, group_size)
+    import tpo_kernels
+
+    return tpo_kernels.tpo_loss(logits, labels, scores, group_size=group_size, backend=backend)
+
+
+# --------------------------------------------------------------------------- one variant, in this process
+
+
+def measure_variant(variant: str, spec: StepSpec) -> dict:
+    """Warm-up and timed ``training_step`` calls of one variant; see the module docstring."""
+    from .harness import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory(prefix="tpo-step-") as out_dir, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build_trainer(variant, build_model(spec), spec, out_dir)
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop, which we bypass
+        model = trainer.model
+        batch = build_batch(spec, trainer.accelerator.device)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            else:
+                reset_peak_rss()
+                base = rss_bytes()
+            start = time.perf_counter()
+            loss = trainer.training_step(model, batch, None)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            peak = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - base
+            return float(loss), seconds, peak
+
+        warm = [step() for _ in range(max(1, spec.warmup))]
+        timed = [step() for _ in range(spec.reps)]
+        grads = [p.grad for p in model.parameters() if p.grad is not None]  # of the last timed step
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
+    times = [t for _, t, _ in timed]
+    return {
+        "variant": variant,
+        "label": VARIANTS[variant],
+        "loss": timed[0][0],
+        "losses": [x for x, _, _ in warm + timed],
+        "peak_mib": max(p for _, _, p in timed) / MIB,
+        "peaks_mib": [p / MIB for _, _, p in timed],
+        "grad_mib": grad_bytes / MIB,
+        "grad_norm": grad_norm,
+        "time_s": {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _worker(argv: List[str]) -> int:
+    with open(argv[0]) as f:
+        job = json.load(f)
+    result = measure_variant(job["variant"], StepSpec(**job["spec"]))
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def run_fresh(variant: str, spec: StepSpec, timeout: float = 3600.0) -> dict:
+    """``measure_variant`` in a fresh Python process that imports the tpo_kernels imported here."""
+    import tpo_kernels
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpo_kernels.__file__)))
+    with tempfile.TemporaryDirectory(prefix="tpo-step-") as tmp:
+        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
+        with open(job_path, "w") as f:
+            json.dump({"variant": variant, "spec": asdict(spec)}, f)
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "tpo_kernels.bench.trainer_step", "--worker", job_path, out_path],
+                cwd=package_parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": variant, "label": VARIANTS[variant], "error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode == 0 and os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+        tail = (proc.stderr or "")[-1500:]
+        return {"variant": variant, "label": VARIANTS[variant],
+                "error": f"worker exited with {proc.returncode} (killed for memory?): {tail}"}
+
+
+# --------------------------------------------------------------------------- the run, the table
+
+
+def run(spec: StepSpec, variants: List[str], log=print) -> dict:
+    from .machine import describe_machine, loadavg
+
+    load_start = loadavg()
+    results = []
+    for variant in variants:
+        log(f"{VARIANTS[variant]} ...")
+        results.append(run_fresh(variant, spec))
+        r = results[-1]
+        log(f"  {r['error']}" if "error" in r else
+            f"  loss {r['loss']:.6g}  peak {r['peak_mib']:.0f} MiB  step {r['time_s']['median']:.2f} s")
+    base = next((r for r in results if r["variant"] == "trl" and "error" not in r), None)
+    for r in results:
+        if base is not None and "error" not in r:
+            r["memory_vs_trl"] = r["peak_mib"] / base["peak_mib"]
+            r["time_vs_trl"] = r["time_s"]["median"] / base["time_s"]["median"]
+    return {
+        "benchmark": "trainer-step",
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "spec": asdict(spec),
+        "loss_tokens": spec.loss_tokens,
+        "memory_method": ("cuda max_memory_allocated" if spec.device.startswith("cuda") else "rss-subprocess")
+        + ": peak over one training_step minus the memory before it (parameter gradients freed before)",
+        "machine": {**describe_machine(torch.device(spec.device)), "loadavg_start": load_start,
+                    "loadavg_end": loadavg()},
+        "results": results,
+    }
+
+
+def markdown(report: dict) -> str:
+    s = report["spec"]
+    lines = [
+        f"Qwen2-shaped model: V={s['vocab']}, H={s['hidden']}, {s['layers']} layers, tied embeddings; "
+        f"G={s['groups']} x K={s['group_size']} completions of {s['completion_len']} tokens after "
+        f"{s['prompt_len']}-token prompts ({report['loss_tokens']} loss tokens); {s['device']}, fp32, "
+        f"median of {s['reps']} steps after {s['warmup']} warm-up.",
+        "",
+        "| variant | loss | loss-phase peak (MiB) | vs (a) | step time (s) | vs (a) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"| {r['label']} | error: {r['error'].splitlines()[0][:80]} | | | | |")
+            continue
+        mem_ratio = f"{r['memory_vs_trl']:.2f}x" if "memory_vs_trl" in r else "-"
+        time_ratio = f"{r['time_vs_trl']:.2f}x" if "time_vs_trl" in r else "-"
+        lines.append(f"| {r['label']} | {r['loss']:.6g} | {r['peak_mib']:.0f} | {mem_ratio} | "
+                     f"{r['time_s']['median']:.2f} | {time_ratio} |")
+    grads = [r["grad_mib"] for r in report["results"] if "grad_mib" in r]
+    if grads:
+        lines += ["", f"Each peak includes the parameter gradients ({max(grads):.0f} MiB) and the backbone's "
+                      "activations, the same for every variant."]
+    lines += ["", f"Machine: {report['machine']['machine']}; load average {report['machine']['loadavg_start']} "
+                  f"-> {report['machine']['loadavg_end']}.", f"Memory: {report['memory_method']}."]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = StepSpec()
+    p = argparse.ArgumentParser(prog="python -m tpo_kernels.bench.trainer_step",
+                                description="One TRL training step, four TPO/GRPO loss paths, each in a fresh process.")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    for name in ("vocab", "hidden", "layers", "intermediate", "heads", "kv_heads", "groups", "group_size",
+                 "prompt_len", "completion_len", "warmup", "reps", "seed", "threads"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument("--device", default=d.device, help="cpu or cuda")
+    p.add_argument("--backend", default=d.backend, help="tpo_kernels backend of (c) and (d)")
+    p.add_argument("--out", default="bench/results/trainer-step", help="folder for results.json and results.md")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    args = build_parser().parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise SystemExit(f"--variants: unknown {unknown} (choose from {', '.join(VARIANTS)})")
+    spec = StepSpec(**{k: v for k, v in vars(args).items() if k in StepSpec.__dataclass_fields__})
+    report = run(spec, variants)
+    os.makedirs(args.out, exist_ok=True)
+    table = markdown(report)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({**report, "argv": argv}, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    print()
+    print(table)
+    print(f"wrote {args.out}/results.json, {args.out}/results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
