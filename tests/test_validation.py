@@ -283,3 +283,20 @@ def test_tpo_loss_from_logprobs_bad_input_names_the_argument(bad, error):
     name = next(iter(bad))
     with pytest.raises(error, match=name):
         tpo_kernels.tpo_loss_from_logprobs(args["logprobs"], torch.randn(4), mask=args["mask"], group_size=2)
+
+
+# ----------------------------------------------------------------------------- trainer step benchmark CLI
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--variants", "eager,bogus"], "--variants"),
+    (["--variants", ","], "--variants"),
+    (["--group-size", "1"], "--group-size"),
+    (["--reps", "0"], "--reps"),
+    (["--vocab", "0"], "--vocab"),
+])
+def test_trainer_step_cli_bad_option_names_it(argv, match):
+    from tpo_kernels.bench import trainer_step
+
+    with pytest.raises(SystemExit, match=match):
+        trainer_step.main(argv)

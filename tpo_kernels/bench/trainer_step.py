@@ -227,7 +227,7 @@ def measure_variant(variant: str, spec: StepSpec) -> dict:
             peak = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - base
             return float(loss), seconds, peak
 
-        warm = [step() for _ in range(max(1, spec.warmup))]
+        warm = [step() for _ in range(spec.warmup)]
         timed = [step() for _ in range(spec.reps)]
         grads = [p.grad for p in model.parameters() if p.grad is not None]  # of the last timed step
         grad_bytes = sum(g.numel() * g.element_size() for g in grads)
@@ -363,6 +363,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown or not variants:
         raise SystemExit(f"--variants: unknown {unknown} (choose from {', '.join(VARIANTS)})")
     spec = StepSpec(**{k: v for k, v in vars(args).items() if k in StepSpec.__dataclass_fields__})
+    smallest = {"group_size": 2, "seed": 0, "threads": 0}  # every other size is >= 1
+    for name, value in asdict(spec).items():
+        if isinstance(value, int) and value < smallest.get(name, 1):
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= {smallest.get(name, 1)}, got {value}")
     report = run(spec, variants)
     os.makedirs(args.out, exist_ok=True)
     table = markdown(report)
