@@ -67,5 +67,6 @@ def test_markdown_has_a_row_per_variant(report):
 
 
 def test_a_failing_worker_is_reported_not_raised():
-    r = trainer_step.run_fresh("fused", trainer_step.StepSpec(**{**TINY.__dict__, "backend": "gpu"}))
-    assert "tpo_backend" in r["error"]
+    # threads=-1 fails in the worker at once (torch.set_num_threads), before the trainer imports
+    r = trainer_step.run_fresh("fused", trainer_step.StepSpec(**{**TINY.__dict__, "threads": -1}))
+    assert r["error"].startswith("worker exited with 1") and "positive integer" in r["error"]
