@@ -119,10 +119,12 @@ def build_trainer(variant: str, model, spec: StepSpec, out_dir: str):
             length = completion_ids.shape[1]
             input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            # Position t predicts token t + 1: project exactly the positions that predict completion
+            # tokens, so the logits are one contiguous [N, C, V] tensor (slicing C + 1 positions
+            # afterwards would add a copy in tpo_loss and a full-size zero-fill in the slice's backward).
+            positions = torch.arange(input_ids.shape[1] - length - 1, input_ids.shape[1] - 1, device=input_ids.device)
             with self.accelerator.autocast():
-                # position t predicts token t + 1: keep the logits of the last length + 1 positions
-                logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                               logits_to_keep=length + 1).logits[:, :-1]
+                logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits
             return logits_loss(variant, logits, completion_ids, inputs["advantages"], self.num_generations,
                                self.args.tpo_backend)
 
