@@ -81,30 +81,32 @@ def measure_variant(variant: str, spec: StepSpec) -> dict:
             else:
                 reset_peak_rss()
                 base = rss_bytes()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             loss = trainer.training_step(model, batch, None)
             if cuda:
                 torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             peak = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - base
-            return float(loss), seconds, peak
+            return float(loss), seconds, cpu_seconds, peak
 
         warm = [step() for _ in range(spec.warmup)]
         timed = [step() for _ in range(spec.reps)]
         grads = [p.grad for p in model.parameters() if p.grad is not None]  # of the last timed step
         grad_bytes = sum(g.numel() * g.element_size() for g in grads)
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
-    times = [t for _, t, _ in timed]
+    times = [t for _, t, _, _ in timed]
+    cpu_times = [c for _, _, c, _ in timed]
     return {
         "variant": variant,
         "label": VARIANTS[variant],
         "loss": timed[0][0],
-        "losses": [x for x, _, _ in warm + timed],
-        "peak_mib": max(p for _, _, p in timed) / MIB,
-        "peaks_mib": [p / MIB for _, _, p in timed],
+        "losses": [x[0] for x in warm + timed],
+        "peak_mib": max(x[3] for x in timed) / MIB,
+        "peaks_mib": [x[3] / MIB for x in timed],
         "grad_mib": grad_bytes / MIB,
         "grad_norm": grad_norm,
         "time_s": {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times},
+        "cpu_s": {"median": statistics.median(cpu_times), "all": cpu_times},  # process CPU time, all threads
         "threads": torch.get_num_threads(),
     }
 
@@ -181,21 +183,23 @@ def markdown(report: dict) -> str:
         f"{s['prompt_len']}-token prompts ({report['loss_tokens']} loss tokens); {s['device']}, fp32, "
         f"median of {s['reps']} steps after {s['warmup']} warm-up.",
         "",
-        "| variant | loss | loss-phase peak (MiB) | vs (a) | step time (s) | vs (a) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | loss | loss-phase peak (MiB) | vs (a) | step time (s) | vs (a) | process CPU (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | error: {r['error'].splitlines()[0][:80]} | | | | |")
+            lines.append(f"| {r['label']} | error: {r['error'].splitlines()[0][:80]} | | | | | |")
             continue
         mem_ratio = f"{r['memory_vs_trl']:.2f}x" if "memory_vs_trl" in r else "-"
         time_ratio = f"{r['time_vs_trl']:.2f}x" if "time_vs_trl" in r else "-"
         lines.append(f"| {r['label']} | {r['loss']:.6g} | {r['peak_mib']:.0f} | {mem_ratio} | "
-                     f"{r['time_s']['median']:.2f} | {time_ratio} |")
+                     f"{r['time_s']['median']:.2f} | {time_ratio} | {r['cpu_s']['median']:.1f} |")
     grads = [r["grad_mib"] for r in report["results"] if "grad_mib" in r]
     if grads:
         lines += ["", f"Each peak includes the parameter gradients ({max(grads):.0f} MiB) and the backbone's "
                       "activations, the same for every variant."]
+    lines += ["", "Step time: median wall clock of the timed steps; process CPU: their median CPU time summed "
+                  "over the worker's threads (less sensitive to other processes on the machine)."]
     lines += ["", f"Machine: {report['machine']['machine']}; load average {report['machine']['loadavg_start']} "
                   f"-> {report['machine']['loadavg_end']}.", f"Memory: {report['memory_method']}."]
     return "\n".join(lines) + "\n"
