@@ -134,10 +134,9 @@ def build_trainer(variant: str, model, spec: StepSpec, out_dir: str):
                   disable_tqdm=True, seed=spec.seed)
     if variant == "trl":
         cls, args = type("StockGRPOStep", (FixedBatch, GRPOTrainer), {}), GRPOConfig(**common)
-    elif variant == "fused":
-        cls, args = type("FusedTPOStep", (FixedBatch, TargetPOTrainer), {}), TargetPOConfig(**common, tpo_backend=spec.backend)
-    else:
-        cls, args = LogitsTPO, TargetPOConfig(**common, tpo_backend=spec.backend)
+    else:  # TargetPOConfig: GRPOConfig plus tpo_backend (and eta, anchor at their defaults)
+        args = TargetPOConfig(**common, tpo_backend=spec.backend)
+        cls = type("FusedTPOStep", (FixedBatch, TargetPOTrainer), {}) if variant == "fused" else LogitsTPO
     dataset = Dataset.from_dict({"prompt": ["<unk>"] * spec.groups})
     return cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                train_dataset=dataset, processing_class=build_tokenizer())
