@@ -333,3 +333,20 @@ def test_logit_softcap_with_a_vocabulary_shard_is_refused():
     with pytest.raises(ValueError, match="logit_softcap is not supported with a vocabulary-parallel"):
         pipeline.row_logprobs(logits, labels, object(), inv_temperature=1.0, logit_scale=1.0, logit_softcap=30.0,
                               with_entropy=False, inplace_backward=False, backend="torch")
+
+
+# ----------------------------------------------------------------------------- trainer step benchmark CLI
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--variants", "eager,bogus"], "--variants"),
+    (["--variants", ","], "--variants"),
+    (["--group-size", "1"], "--group-size"),
+    (["--reps", "0"], "--reps"),
+    (["--vocab", "0"], "--vocab"),
+])
+def test_trainer_step_cli_bad_option_names_it(argv, match):
+    from tpo_kernels.bench import trainer_step
+
+    with pytest.raises(SystemExit, match=match):
+        trainer_step.main(argv)
