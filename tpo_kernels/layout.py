@@ -68,7 +68,7 @@ def build_layout(
 ) -> BatchLayout:
     """Build the layout from a padded ``(N, T)`` shape or packed ``cu_seqlens`` (already validated)
     with its ``packed_extent``: the rows covered (``cu_seqlens[-1]``) and the longest completion,
-    host ints the caller reads back together with its checks.
+    host ints the caller reads back together with its checks (read here when not given).
 
     Read-backs: none with ``group_size``; two with ``group_ids`` (the number of groups and the
     largest); three with ``members`` (the kept completions, the groups, the largest).
@@ -88,6 +88,8 @@ def build_layout(
         seq_start = cu[:-1].contiguous()
         seq_len = (cu[1:] - cu[:-1]).contiguous()
         token_seq = torch.full((num_tokens,), -1, device=device, dtype=torch.int64)
+        if packed_extent is None:  # one read-back; the public functions pass it with their checks
+            packed_extent = torch.stack([cu[-1], seq_len.max()]).tolist() if n > 0 else (int(cu[-1]), 0)
         covered, max_seq_len = packed_extent
         token_seq[:covered] = torch.arange(n, device=device, dtype=torch.int64).repeat_interleave(
             seq_len, output_size=covered
