@@ -350,3 +350,18 @@ def test_trainer_step_cli_bad_option_names_it(argv, match):
 
     with pytest.raises(SystemExit, match=match):
         trainer_step.main(argv)
+
+
+# ----------------------------------------------------------------------------- tpo-kernels bench CLI
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--case", "logitz"], "unknown case 'logitz'"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--case", "logits", "--variant", "sparse"], "--variant: unknown variant 'sparse'"),
+])
+def test_bench_cli_bad_option_names_it(argv, match, tmp_path):
+    from tpo_kernels.bench import run
+
+    with pytest.raises(SystemExit, match=match):
+        run.main([*argv, "--device", "cpu", "--out", str(tmp_path), "--no-plots"])

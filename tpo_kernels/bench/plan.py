@@ -6,6 +6,7 @@ import fnmatch
 from typing import List, Optional
 
 from . import cases as C
+from .inputs import VARIANTS
 from .presets import PRESETS, Job
 
 _ROLE_ORDER = {"reference": 0, "ours": 1, "floor": 2, "baseline": 3}
@@ -55,6 +56,9 @@ def plan(args, device):
     providers_arg, exclude = csv(args.providers), csv(args.exclude) or []
     dtypes_arg, variants_arg, modes_arg = csv(args.dtype), csv(args.variant), csv(args.mode)
     shapes_arg = [C.parse_shape(s) for s in (args.shape or [])]
+    for name in variants_arg or []:
+        if name not in VARIANTS:
+            raise SystemExit(f"--variant: unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
     jobs = []  # (device, Job, grid points, uses the built-in grid)
     presets = csv(args.preset)
     if presets:

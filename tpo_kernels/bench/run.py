@@ -38,7 +38,7 @@ def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
     p.add_argument("--providers", action="append", help="provider names or globs, comma-separated (e.g. 'tpo:*,naive')")
     p.add_argument("--exclude", action="append", help="provider names or globs to leave out")
     p.add_argument("--dtype", action="append", help="fp32, bf16, fp16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--variant", action="append", help="dense, sparse90 (90%% of groups tied)")
+    p.add_argument("--variant", action="append", help="dense, sparse90 (90%% of groups tied), zipf (Zipf-distributed candidates, token cases)")
     p.add_argument("--mode", action="append", help="forward, backward, full (default: all three; --quick: full)")
     p.add_argument("--shape", action="append", help="shape as NAME=INT,... e.g. G=8,K=8,T=128,V=32768 (replaces the grid)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
