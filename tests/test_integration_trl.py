@@ -367,7 +367,8 @@ def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
     assert any("tpo/loss" in entry and math.isfinite(entry["tpo/loss"]) for entry in trainer.state.log_history)
 
 
-def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions():
+@pytest.mark.parametrize("cast_fp32", [False, True])
+def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast_fp32):
     """The head alone: a Cohere-style logit multiplier (logit_scale), a bf16 hidden
     state under an fp32 head, and completions without a counted token left out of their group."""
     torch.manual_seed(0)
@@ -381,7 +382,7 @@ def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions():
     mask[4:8] = False  # group 1 has none at all
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
+                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=cast_fp32,
                    token_entropy=True)
     out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 

@@ -71,9 +71,11 @@ def _head_tensors(hidden: Tensor, head, cast_fp32: bool):
         dtype = torch.get_autocast_dtype(device_type)  # what autocast would run the head's matmul in
     else:
         dtype = weight.dtype
-    # API gap: fused_linear_tpo_loss needs hidden and weight of one dtype. Casting hidden costs
-    # [tokens, H]; casting the weight (autocast) is what F.linear under autocast does too.
-    hidden = hidden.to(dtype)
+    # The matmul runs in ``dtype``, as the model's F.linear would. A narrower hidden state under
+    # an fp32 head needs no [tokens, H] copy: the loss casts it tile by tile (mixed-dtype heads
+    # compute in the wider dtype). Under autocast the weight is cast, as F.linear does there.
+    if not (cast_fp32 and hidden.dtype.itemsize <= 4):
+        hidden = hidden.to(dtype)
     weight = weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     return hidden, weight, bias
