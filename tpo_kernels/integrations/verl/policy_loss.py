@@ -66,15 +66,17 @@ def _scores(advantages: Tensor, mask: Tensor, group_size: int) -> Tensor:
     first = mask.to(torch.int8).argmax(dim=1, keepdim=True)  # first counted token (0 if none)
     counted = mask.any(dim=1)
     scores = torch.where(counted, advantages.gather(1, first).squeeze(1), 0.0)
-    if bool(((advantages != scores.unsqueeze(1)) & mask).any()):
+    blocks = scores.to(torch.float64).view(-1, group_size)
+    whole = counted.view(-1, group_size).all(dim=1)
+    off_center = blocks.sum(dim=1).abs() > _CENTERING_RTOL * blocks.abs().sum(dim=1)
+    varying, uncentered = torch.stack([((advantages != scores.unsqueeze(1)) & mask).any(),
+                                       (off_center & whole).any()]).tolist()  # one read-back
+    if varying:
         raise ValueError(
             "advantages: TPO needs one score per response, constant over its tokens (an outcome estimator: "
             "algorithm.adv_estimator=tpo, or grpo / rloo), got advantages that vary along a response"
         )
-    blocks = scores.to(torch.float64).view(-1, group_size)
-    whole = counted.view(-1, group_size).all(dim=1)
-    off_center = blocks.sum(dim=1).abs() > _CENTERING_RTOL * blocks.abs().sum(dim=1)
-    if bool((off_center & whole).any()):
+    if uncentered:
         raise ValueError(
             f"advantages: a block of rollout_n = {group_size} consecutive responses is not centered, so it is "
             "not one group: the micro-batch does not hold whole contiguous groups (a reordered or shuffled batch), "
@@ -133,11 +135,13 @@ def tpo_policy_loss(
         loss = loss * scale
     signal = (aux["u"] != 0).view(-1, group_size).any(dim=1)
     log_ratio = (log_prob.detach() - old_log_prob).float()
-    metrics = {
-        "actor/tpo_kl_q_p": aux["kl_q_p"].mean().item(),
-        "actor/tpo_entropy_p": aux["entropy_p"].mean().item(),
-        "actor/tpo_entropy_q": aux["entropy_q"].mean().item(),
-        "actor/tpo_frac_zero_signal_groups": 1.0 - signal.double().mean().item(),
-        "actor/ppo_kl": (-(log_ratio * mask).sum() / mask.sum().clamp_min(1)).item(),
-    }
-    return loss, metrics
+    values = torch.stack([
+        aux["kl_q_p"].double().mean(),
+        aux["entropy_p"].double().mean(),
+        aux["entropy_q"].double().mean(),
+        1.0 - signal.double().mean(),
+        (-(log_ratio * mask).sum() / mask.sum().clamp_min(1)).double(),
+    ]).tolist()  # one read-back for every metric
+    names = ("actor/tpo_kl_q_p", "actor/tpo_entropy_p", "actor/tpo_entropy_q", "actor/tpo_frac_zero_signal_groups",
+             "actor/ppo_kl")
+    return loss, dict(zip(names, values))
