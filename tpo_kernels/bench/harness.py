@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -289,6 +292,30 @@ def _prime(case, provider, spec, device, dtype):
 
 
 # --------------------------------------------------------------------------- subprocess worker
+
+
+def run_fresh_worker(command: List[str], job, timeout: float) -> Union[dict, list, str]:
+    """``python -m *command JOB.json OUT.json`` in a fresh process (memory isolation), run in the
+    folder that holds the tpo_kernels imported here so that the worker imports that same package.
+    Returns what the worker wrote to OUT.json, or an error message when it wrote nothing."""
+    import tpo_kernels
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpo_kernels.__file__)))
+    with tempfile.TemporaryDirectory(prefix="tpo-bench-") as tmp:
+        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        try:
+            proc = subprocess.run([sys.executable, "-m", *command, job_path, out_path], cwd=package_parent,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f} s"
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+        tail = (proc.stderr or "")[-1500:]
+        return f"worker exited with {proc.returncode} (killed for memory?): {tail}"
+
 
 
 def worker_main(argv=None) -> int:

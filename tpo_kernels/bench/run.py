@@ -17,9 +17,7 @@ import datetime as _dt
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 
 from . import cases as C
@@ -71,25 +69,11 @@ def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
 
 
 def _run_isolated(spec, timeout):
-    """One spec in a fresh ``python -m tpo_kernels.bench.worker`` process. It runs in the folder
-    that holds the tpo_kernels imported here, so the worker imports that same package."""
-    import tpo_kernels
+    """One spec in a fresh ``python -m tpo_kernels.bench.worker`` process."""
+    from .harness import run_fresh_worker
 
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpo_kernels.__file__)))
-    with tempfile.TemporaryDirectory(prefix="tpo-bench-") as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        try:
-            proc = subprocess.run([sys.executable, "-m", "tpo_kernels.bench.worker", spec_path, out_path], cwd=package_parent,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return _errors(spec, f"timed out after {timeout:.0f} s")
-        if os.path.exists(out_path):
-            with open(out_path) as f:
-                return json.load(f)
-        tail = (proc.stderr or "")[-1200:]
-        return _errors(spec, f"worker exited with {proc.returncode} (killed for memory?): {tail}")
+    result = run_fresh_worker(["tpo_kernels.bench.worker"], spec, timeout)
+    return _errors(spec, result) if isinstance(result, str) else result
 
 
 def _ident(spec):

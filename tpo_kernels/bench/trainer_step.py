@@ -39,7 +39,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,25 +121,13 @@ def _worker(argv: List[str]) -> int:
 
 def run_fresh(variant: str, spec: StepSpec, timeout: float = 3600.0) -> dict:
     """``measure_variant`` in a fresh Python process that imports the tpo_kernels imported here."""
-    import tpo_kernels
+    from .harness import run_fresh_worker
 
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpo_kernels.__file__)))
-    with tempfile.TemporaryDirectory(prefix="tpo-step-") as tmp:
-        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
-        with open(job_path, "w") as f:
-            json.dump({"variant": variant, "spec": asdict(spec)}, f)
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "tpo_kernels.bench.trainer_step", "--worker", job_path, out_path],
-                cwd=package_parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"variant": variant, "label": VARIANTS[variant], "error": f"timed out after {timeout:.0f} s"}
-        if proc.returncode == 0 and os.path.exists(out_path):
-            with open(out_path) as f:
-                return json.load(f)
-        tail = (proc.stderr or "")[-1500:]
-        return {"variant": variant, "label": VARIANTS[variant],
-                "error": f"worker exited with {proc.returncode} (killed for memory?): {tail}"}
+    result = run_fresh_worker(["tpo_kernels.bench.trainer_step", "--worker"],
+                              {"variant": variant, "spec": asdict(spec)}, timeout)
+    if isinstance(result, str):
+        return {"variant": variant, "label": VARIANTS[variant], "error": result}
+    return result
 
 
 # --------------------------------------------------------------------------- the run, the table
