@@ -154,6 +154,7 @@ def tpo_loss_from_logprobs(
     backend: BackendArg = "auto",
     return_aux: bool = False,
     validate: bool = True,
+    process_group=None,
 ) -> LossOutput:
     """Sequence-level TPO on per-token log-probs a trainer has already computed (verl's policy
     losses, or any loop whose vocabulary pass is done): the group stage alone, differentiable in
@@ -166,12 +167,16 @@ def tpo_loss_from_logprobs(
             None: every token counts.
         scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, beta: as in
             :func:`tpo_loss`.
-        eta, anchor, reduction, backend, return_aux, validate: see the module docstring.
+        eta, anchor, reduction, backend, return_aux, validate, process_group: see the module docstring.
     """
     check.check_float_tensor("logprobs", logprobs, (1, 2))
     settings = check.check_settings(eta=eta, anchor=anchor, temperature=1.0, reduction=reduction,
                                     return_aux=return_aux, validate=validate)
     chosen = get_backend(backend, logprobs.device)
+    data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, logprobs.device,
+                                                     "logprobs")
+    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
+        group_size, group_ids = data_parallel.local_grouping()
     # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
     labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=logprobs.device)
     batch = check.prepare_batch(
@@ -180,7 +185,7 @@ def tpo_loss_from_logprobs(
         ref_logprobs=ref_logprobs, beta=beta, input_name="logprobs", validate=validate,
     )
     token_lp = torch.where(batch.valid, logprobs.reshape(-1).to(compute_dtype(logprobs.dtype)), 0.0)
-    return pipeline.sequence_loss(token_lp, batch, settings, backend_key(chosen))
+    return pipeline.sequence_loss(token_lp, batch, settings, backend_key(chosen), data_parallel=data_parallel)
 
 
 def selective_logprobs(
