@@ -46,17 +46,11 @@ The keywords of the public functions (collectives run eagerly, not under ``torch
         vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
         fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
 """
-from .collectives import CollectiveLog, CollectiveRecord, count_collectives
-from .data_parallel import DataParallelGroups, data_parallel_groups
-from .vocab_parallel import (
-    VocabShard,
-    replicated_local,
-    vocab_parallel_head,
-    vocab_parallel_linear_logprobs,
-    vocab_parallel_logprobs,
-    vocab_shard,
-)
+from .agreement import Agreement, agree
+from .collectives import CollectiveLog, CollectiveRecord, all_gather_stacked, count_collectives
+from .data_parallel import GroupGather
+from .vocab_parallel import ShardRequest, VocabShard, replicated_local, vocab_parallel_head, vocab_shard
 
-__all__ = ["CollectiveLog", "CollectiveRecord", "DataParallelGroups", "VocabShard", "count_collectives",
-           "data_parallel_groups", "replicated_local", "vocab_parallel_head", "vocab_parallel_linear_logprobs",
-           "vocab_parallel_logprobs", "vocab_shard"]
+__all__ = ["Agreement", "CollectiveLog", "CollectiveRecord", "GroupGather", "ShardRequest", "VocabShard", "agree",
+           "all_gather_stacked", "count_collectives", "replicated_local",
+           "vocab_parallel_head", "vocab_shard"]
