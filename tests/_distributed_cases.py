@@ -217,7 +217,8 @@ def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction
     if tie and not kl and (old is None) and masked_rank is None:  # zero-signal: tied on-policy groups, exactly zero on both sides
         for name, (got, want) in grads.items():
             zeros[f"tied_{name}_zero"] = bool((got[tied] == 0).all()) and bool((want[tied] == 0).all())
-            zeros[f"untied_{name}_nonzero"] = bool((got[~tied] != 0).any())
+            if (~tied).any():  # a rank holding no completion has nothing to look at
+                zeros[f"untied_{name}_nonzero"] = bool((got[~tied] != 0).any())
     return {"pairs": pairs, "zeros": zeros, "tied_tokens": int(tied.sum())}
 
 

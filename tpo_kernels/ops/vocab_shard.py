@@ -77,7 +77,7 @@ class _ShardLogprobs(torch.autograd.Function):
             grad = logits
         else:
             grad = torch.ops.tpo_kernels.logprobs_backward(logits, *args)
-        return grad, None, None, None, None, None, None
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 def shard_logprobs(logits: Tensor, labels: Tensor, seam: ShardSeam, *, inv_temperature: float, with_entropy: bool,
@@ -118,7 +118,7 @@ class _ShardLinearLogprobs(torch.autograd.Function):
                                                             needs, grad_accum_dtype)
         if grad_hidden is not None:  # every shard's contribution to dH
             grad_hidden = seam.sum_hidden_grad(grad_hidden)
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 8
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def shard_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, seam: ShardSeam, *,
