@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..group_op import segment_sum
+from ..group_math import segment_sum
 from ..layout import BatchLayout, build_layout
 from .scalars import _is_int, check_beta
 from .deferred import ValueChecks

@@ -1,7 +1,7 @@
 """``tpo_kernels::group_targets``: the group op as a custom op with its autograd rule, and
 :class:`GroupObjective`, the group stage (group op, reduction, KL term) shared by every loss.
 
-Forward: the backend's group op (:func:`tpo_kernels.group_op.group_targets` or a fused kernel)
+Forward: the backend's group op (:func:`tpo_kernels.group_math.portable_group_targets` or a fused kernel)
 from flat token log-probs to ``(seq_logprobs, u, p, q, group_loss, coef)``. Backward: q is a
 constant of the loss, so ``d group_loss[g] / d ell[i] = p[i] - q[i]`` (``coef``, formed by the
 group op in float64 before rounding) for the members of g, and every token of completion i
@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_op import GroupResult, group_sum, segment_sum
+from ..group_math import GroupResult, group_sum, segment_sum
 from ..layout import BatchLayout
 
 
 @torch.library.custom_op("tpo_kernels::group_targets", mutates_args=())
-def _group_targets(
+def _group_targets_op(
     token_logprobs: Tensor,
     seq_start: Tensor,
     seq_len: Tensor,
@@ -52,7 +52,7 @@ def _group_targets(
     return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss, coef)
 
 
-@_group_targets.register_fake
+@_group_targets_op.register_fake
 def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
       num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs,
       eta, anchor, backend):
@@ -77,14 +77,14 @@ def _backward(ctx, grad_seq_logprobs, grad_u, grad_p, grad_q, grad_group_loss, g
     return (grad_tokens,) + (None,) * (len(ctx.needs_input_grad) - 1)  # layout fields and settings
 
 
-_group_targets.register_autograd(_backward, setup_context=_setup_context)
+_group_targets_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *,
                   old_seq_logprobs: Optional[Tensor], eta: float, anchor: bool, backend: str) -> GroupResult:
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
     ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``."""
-    outputs = _group_targets(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, backend)
+    outputs = _group_targets_op(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, backend)
     return GroupResult(*outputs)
 
 
