@@ -87,7 +87,7 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     model's logits are ``softcap(logit_scale * (hidden @ W.T + b))`` (see the public functions).
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
-    ``group_size``, ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
+    ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes), ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
     ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32`` and ``token_entropy``.
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
     completion has a counted token), ``kept`` ([N] bool: completions with a counted token), and
@@ -105,9 +105,10 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     ref = None if ref is None else ref.to(device)
     kept = mask.any(dim=1)
     out: Dict[str, Any] = {"kept": kept, "labels": labels, "mask": mask, "ref_logprobs": ref}
-    if not bool(kept.any()):
+    if request["process_group"] is None and not bool(kept.any()):
         # tpo_kernels refuses a batch without any counted token; return a differentiable zero
         # connected to every parameter the loss would touch, so that DDP / FSDP see them all.
+        # (With groups spanning processes every process calls the loss: it gathers.)
         zero = hidden.sum() * 0.0 + weight.sum() * 0.0
         out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
         return out
@@ -120,6 +121,8 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
             bias=bias,
             mask=mask,
             group_size=request["group_size"],
+            group_ids=None if request["group_ids"] is None else request["group_ids"].to(device),
+            process_group=request["process_group"],
             old_logprobs=None if old is None else old.to(device),
             ref_logprobs=ref,
             beta=request["beta"],
