@@ -22,15 +22,20 @@ from transformers import Olmo2Config, Olmo2ForCausalLM, PreTrainedTokenizerFast 
 VOCAB = 40  # <pad>, <eos>, <unk> and 37 words
 
 
-def build_tiny_olmo2(path: str) -> PreTrainedTokenizerFast:
-    """Save a 2-layer OLMo-2 of hidden size 32 and its word-level tokenizer under ``path``;
-    returns the tokenizer."""
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """<pad> = 0, <eos> = 1, <unk> = 2 and the words w0 ... w36, split on whitespace."""
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
     )
+
+
+def build_tiny_olmo2(path: str) -> PreTrainedTokenizerFast:
+    """Save a 2-layer OLMo-2 of hidden size 32 and its word-level tokenizer under ``path``;
+    returns the tokenizer."""
+    tokenizer = word_tokenizer()
     config = Olmo2Config(
         vocab_size=VOCAB,
         hidden_size=32,

@@ -329,8 +329,7 @@ def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
                    group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
-                   cast_lm_head_to_fp32=cast_fp32,
-                   token_entropy=True)
+                   cast_lm_head_to_fp32=cast_fp32, token_entropy=True)
     out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
@@ -369,8 +368,7 @@ def test_tpo_head_matches_a_soft_capped_model():
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
                    group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
-                   cast_lm_head_to_fp32=False,
-                   token_entropy=False)
+                   cast_lm_head_to_fp32=False, token_entropy=False, router_aux_loss=False)
     out = model(input_ids=input_ids, tpo_request=request)
     logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1].double()
     assert logits.abs().max() <= 2.0  # the model's logits are capped

@@ -80,10 +80,6 @@ class TargetPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, **kwargs)
         if self._is_vlm:
             raise NotImplementedError("TargetPOTrainer supports text-only causal LMs for now (no processors / VLMs).")
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "TargetPOTrainer does not add a MoE router auxiliary loss yet; set router_aux_loss_coef=0.0."
-            )
         add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
 
     # -- batching ----------------------------------------------------------------------------
@@ -211,6 +207,7 @@ class TargetPOTrainer(GRPOTrainer):
             "backend": self.args.tpo_backend,
             "cast_lm_head_to_fp32": bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
             "token_entropy": bool(self.args.tpo_log_token_entropy),
+            "router_aux_loss": self.aux_loss_enabled,
         }
 
     def _compute_loss(self, model, inputs):
@@ -222,8 +219,14 @@ class TargetPOTrainer(GRPOTrainer):
             out = model(input_ids=input_ids, attention_mask=attention_mask, tpo_request=request)
         loss = out["loss"]
         self._log_tpo_metrics(out, request, mode)
-        if mode == "train":  # mean over the groups of the accumulation window
-            loss = loss / self.current_gradient_accumulation_steps
+        # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
+        # as GRPOTrainer adds it (its coefficient and router logits from the model config).
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1
+        loss = loss / normalizer
+        if self.aux_loss_enabled:
+            aux_loss = out["router_aux_loss"]
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         return loss
 
     # -- metrics -----------------------------------------------------------------------------
