@@ -60,10 +60,10 @@ from __future__ import annotations
 import functools
 
 from ..._validate import check_flag, check_positive
-from .advantage import compute_tpo_outcome_advantage, contiguous_group_size
+from .advantage import compute_tpo_outcome_advantage
 from .policy_loss import tpo_policy_loss
 
-__all__ = ["compute_tpo_outcome_advantage", "contiguous_group_size", "register", "tpo_policy_loss"]
+__all__ = ["compute_tpo_outcome_advantage", "register", "tpo_policy_loss"]
 
 
 def register(name: str = "tpo", *, eta: float = 1.0, anchor: bool = True, backend: str = "auto") -> None:
