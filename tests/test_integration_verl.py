@@ -14,54 +14,17 @@ import subprocess
 import sys
 import tomllib
 
-import numpy as np
 import pytest
 import torch
+from _verl_batches import K, T, actor_config, policy_inputs, reorder, rollout
 
 from tpo_kernels import reference
 from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
 from tpo_kernels.integrations.verl.advantage import SCORE_BITS, decode_scores
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-K, GROUPS, T, V = 4, 3, 6, 11
+GROUPS = 3
 B = K * GROUPS
-
-
-def rollout(dtype=torch.float64, seed=0):
-    """A verl-shaped batch: logits (the policy's), responses, right-padded response mask, old
-    log-probs of a nearby policy, token-level rewards on the last response token, uids. Group 1
-    ties (no reward signal)."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64)
-    responses = torch.randint(0, V, (B, T), generator=gen)
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    mask = torch.arange(T) < lengths.unsqueeze(1)
-    rewards = torch.randint(0, 3, (B,), generator=gen).to(torch.float64)
-    rewards[K : 2 * K] = 1.0
-    token_rewards = torch.zeros(B, T, dtype=dtype)
-    token_rewards[torch.arange(B), lengths - 1] = rewards.to(dtype)
-    old_logits = logits + 0.1 * torch.randn(B, T, V, generator=gen, dtype=torch.float64)
-    old_log_prob = reference.token_logprobs(old_logits, responses).masked_fill(~mask, 0.0).to(dtype)
-    uids = np.array([f"prompt-{b // K}" for b in range(B)], dtype=object)
-    return dict(logits=logits, responses=responses, mask=mask, rewards=rewards, token_rewards=token_rewards,
-                old_log_prob=old_log_prob, uids=uids)
-
-
-def actor_config(**overrides):
-    """The fields of verl's ActorConfig the loss reads (a dict has the same ``.get``)."""
-    config = dict(rollout_n=K, use_dynamic_bsz=False, shuffle=False, global_batch_info={})
-    config.update(overrides)
-    return config
-
-
-def policy_inputs(batch, dtype=torch.float64):
-    """(logits leaf, log_prob, the loss's keyword arguments) with advantages from the tpo estimator."""
-    logits = batch["logits"].clone().requires_grad_()
-    log_prob = reference.token_logprobs(logits, batch["responses"]).to(dtype)
-    advantages, _ = compute_tpo_outcome_advantage(batch["token_rewards"], batch["mask"].to(dtype), batch["uids"])
-    kwargs = dict(old_log_prob=batch["old_log_prob"], log_prob=log_prob, advantages=advantages,
-                  response_mask=batch["mask"])
-    return logits, log_prob, kwargs
 
 
 def expected_loss(batch, keep=None, **settings):
@@ -84,7 +47,7 @@ TOLERANCES = {torch.float64: dict(rtol=1e-7, atol=1e-9), torch.float32: dict(rto
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("eta,anchor", [(1.0, True), (0.5, False)])
 def test_policy_loss_matches_reference(dtype, eta, anchor):
-    batch = rollout(dtype)
+    batch = rollout(dtype=dtype)
     logits, _, kwargs = policy_inputs(batch, dtype)
     loss, metrics = tpo_policy_loss(**kwargs, loss_agg_mode="token-mean", config=actor_config(), eta=eta, anchor=anchor)
     want, want_grad = expected_loss(batch, eta=eta, anchor=anchor)
@@ -150,10 +113,7 @@ def test_estimator_and_loss_take_the_rows_in_any_order():
     groups are found by uid, not by position."""
     batch = rollout()
     order = torch.randperm(B, generator=torch.Generator().manual_seed(5))
-    shuffled = {name: value[order] if isinstance(value, torch.Tensor) and value.shape[:1] == (B,) else value
-                for name, value in batch.items()}
-    shuffled["uids"] = batch["uids"][order.numpy()]
-    logits, _, kwargs = policy_inputs(shuffled)
+    logits, _, kwargs = policy_inputs(reorder(batch, order))
     loss, _ = tpo_policy_loss(**kwargs, config=actor_config())
     want, want_grad = expected_loss(batch)
     torch.testing.assert_close(loss, want, **TOLERANCES[torch.float64])
@@ -219,7 +179,7 @@ def test_registry_loss_called_as_verl_calls_it(verl_core):
     calls the registered loss with these keywords."""
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
-    batch = rollout(torch.float32)
+    batch = rollout(dtype=torch.float32)
     logits, _, kwargs = policy_inputs(batch, torch.float32)
     config = ActorConfig(strategy="fsdp", rollout_n=K, ppo_micro_batch_size_per_gpu=B,
                          policy_loss=PolicyLossConfig(loss_mode="tpo"))
@@ -239,7 +199,7 @@ def test_registry_estimator_called_as_verl_calls_it(verl_core):
     with these keywords; verl's own grpo advantages carry no groups and are refused."""
     from verl.trainer.config import AlgoConfig
 
-    batch = rollout(torch.float32)
+    batch = rollout(dtype=torch.float32)
     mask = batch["mask"].to(torch.float32)
     estimator = verl_core.get_adv_estimator_fn("tpo")
     advantages, _ = estimator(token_level_rewards=batch["token_rewards"], response_mask=mask,

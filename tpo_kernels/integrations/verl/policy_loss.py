@@ -107,8 +107,8 @@ def _step_groups(u: Tensor, group_ids: Tensor, process_group) -> Tuple[Tensor, T
             "scores do not sum to 0): every group's responses must be trained in the same micro-batch step on some "
             "rank. verl's sequence balancing spreads groups over the ranks' whole share of the batch, so use one "
             "mini-batch per step (ppo_mini_batch_size = data.train_batch_size) and one micro-batch per rank "
-            "(ppo_micro_batch_size_per_gpu = its share), or trainer.balance_batch=False with micro-batches of whole "
-            "groups (see tpo_kernels.integrations.verl)"
+            "(ppo_micro_batch_size_per_gpu = its share), or the legacy trainer with trainer.balance_batch=False and "
+            "micro-batches of whole groups (see tpo_kernels.integrations.verl)"
         )
     return ids, scores
 
