@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from _verl_batches import actor_config, policy_inputs
@@ -11,12 +11,11 @@ from _verl_batches import actor_config, policy_inputs
 from tpo_kernels.integrations.verl import tpo_policy_loss
 
 
-def policy_loss_on_share(rank: int, world: int, batch: Dict, advantages: torch.Tensor,
-                         micro_batch_counts: List[int]) -> List[Dict]:
-    """For each count in ``micro_batch_counts``: this rank's rows (its contiguous share, as verl
-    dispatches a batch) in that many micro-batches, and per micro-batch the loss, metrics and the
-    gradient of this rank's logits, or the error the loss raised."""
-    return [_share_in_micro_batches(rank, world, batch, advantages, count) for count in micro_batch_counts]
+def policy_loss_on_share(rank: int, world: int, cases: List[Tuple[Dict, torch.Tensor, int]]) -> List[Dict]:
+    """For each case ``(batch, advantages, micro_batches)``: this rank's rows (its contiguous
+    share, as verl dispatches a batch) in that many micro-batches, and per micro-batch the loss,
+    metrics and the gradient of this rank's logits, or the error the loss raised."""
+    return [_share_in_micro_batches(rank, world, *case) for case in cases]
 
 
 def _share_in_micro_batches(rank: int, world: int, batch: Dict, advantages: torch.Tensor,
