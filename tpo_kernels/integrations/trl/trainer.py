@@ -254,8 +254,8 @@ class TargetPOTrainer(GRPOTrainer):
             if request["beta"] != 0.0:
                 diff = out["ref_logprobs"].float() - aux["token_logprobs"].float()
                 columns[:, 8] = ((torch.exp(diff) - diff - 1.0) * mask).sum(dim=1)
-        rows = self.accelerator.gather(columns).cpu()  # one read-back for every metric
-        losses = self.accelerator.gather(loss.reshape(1)).cpu()
+        rows = self.accelerator.gather(columns).cpu()  # every process's completions: one read-back
+        losses = self.accelerator.gather(loss.reshape(1)).cpu()  # and each process's loss
         ids, kept, signal = rows[:, 0], rows[:, 1] > 0, rows[:, 2] > 0
         num_groups = ids.unique().numel()
         kept_groups = ids[kept].unique().numel()
