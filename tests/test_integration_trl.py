@@ -1,5 +1,5 @@
 """TargetPOTrainer (tpo_kernels.integrations.trl) on CPU, offline: a tiny OLMo-2 built from a config
-and a word-level tokenizer built with the tokenizers library.
+and a word-level tokenizer built with the tokenizers library (tests/_trl_tiny.py).
 
 Every micro-batch is checked inside the trainer (a recording subclass): its groups are whole, and
 the loss the trainer returns equals ``tpo_kernels.reference.tpo_loss`` on the logits of the same
@@ -7,23 +7,16 @@ batch, recomputed with the model's ordinary forward.
 """
 
 import math
-import os
 import pathlib
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import Olmo2Config, Olmo2ForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from _trl_tiny import build_tiny_olmo2, dataset, even_words  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from tpo_kernels import reference  # noqa: E402
@@ -32,61 +25,14 @@ from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffl
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-VOCAB = 40  # <pad>, <eos>, <unk> and 37 words
 K = 4
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model directory, tokenizer): a 2-layer OLMo-2 of hidden size 32 and its word-level
-    tokenizer, saved once. (OLMo-2 rather than Qwen2 so that ``AutoProcessor`` loads the saved
-    tokenizer as is: for a Qwen2 config it builds a Qwen2 BPE tokenizer instead.)"""
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
-    )
-    config = Olmo2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = Olmo2ForCausalLM(config)
-    # Point the <eos> row of the head along the mean final hidden state: about half the completions
-    # then end within 8 tokens (with mask_truncated_completions, the others lose every token).
-    with torch.no_grad():
-        hidden = model.model(torch.randint(2, VOCAB, (64, 12))).last_hidden_state.reshape(-1, config.hidden_size)
-        mean = hidden.mean(dim=0)
-        model.lm_head.weight[config.eos_token_id] = mean / mean.norm() ** 2
+    """(model directory, tokenizer): see tests/_trl_tiny.py, saved once."""
     path = tmp_path_factory.mktemp("tiny_olmo2")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer
-
-
-def dataset(num_prompts=16):
-    return Dataset.from_dict(
-        {"prompt": [" ".join(f"w{(3 * i + j) % (VOCAB - 3)}" for j in range(3)) for i in range(num_prompts)]}
-    )
-
-
-def even_words(completions, **kwargs):
-    """Fraction of even-numbered words plus a length term: varies within a group."""
-    out = []
-    for text in completions:
-        words = text.split()
-        out.append(sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / max(1, len(words)) + 0.01 * len(words))
-    return out
+    return str(path), build_tiny_olmo2(str(path))
 
 
 def distinct_words(completions, **kwargs):
@@ -286,12 +232,12 @@ def test_group_splitting_batch_is_refused(tiny, tmp_path):
     split = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4, steps_per_generation=2,
                  use_cpu=True, bf16=False, report_to="none")
     GRPOConfig(**split)  # TRL accepts it: each micro-batch would hold half a group
-    with pytest.raises(ValueError, match="multiple of num_generations"):
+    with pytest.raises(ValueError, match="multiple of the group size"):
         TargetPOConfig(**split)
     args = make_config(tmp_path)
     args.per_device_train_batch_size = 6  # changed after the config checked it
     path, tokenizer = tiny
-    with pytest.raises(ValueError, match="multiple of num_generations"):
+    with pytest.raises(ValueError, match="multiple of the group size"):
         TargetPOTrainer(model=path, reward_funcs=even_words, args=args, train_dataset=dataset(),
                         processing_class=tokenizer)
     with pytest.raises(TypeError, match="TargetPOConfig"):
@@ -382,8 +328,8 @@ def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast
     mask[4:8] = False  # group 1 has none at all
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=cast_fp32,
-                   token_entropy=True)
+                   group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
+                   cast_lm_head_to_fp32=cast_fp32, token_entropy=True)
     out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
@@ -421,8 +367,8 @@ def test_tpo_head_matches_a_soft_capped_model():
     mask = torch.ones(num_rows, length, dtype=torch.bool)
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False,
-                   token_entropy=False)
+                   group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
+                   cast_lm_head_to_fp32=False, token_entropy=False, router_aux_loss=False)
     out = model(input_ids=input_ids, tpo_request=request)
     logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1].double()
     assert logits.abs().max() <= 2.0  # the model's logits are capped

@@ -14,12 +14,20 @@ reference model, vLLM, PEFT and logging are TRL's; only the batching and the los
 
 What the trainer does, and why it is exact:
 
-* **Whole groups in every micro-batch.** TPO normalizes over the K completions of a prompt, so
-  all K must be in one loss call. TRL shuffles the generation batch row by row before splitting it
+* **Whole groups in every step.** TPO normalizes over the K completions of a prompt, so all K
+  must be in one loss call. TRL shuffles the generation batch row by row before splitting it
   into ``steps_per_generation`` micro-batches, which silently splits groups; this trainer shuffles
-  whole groups instead, and refuses (``ValueError``) a ``per_device_train_batch_size`` (and, when
-  evaluating, a ``per_device_eval_batch_size``) that is not a multiple of ``num_generations``
-  (``num_generations_eval``). Every loss call also checks that its rows are a whole number of groups.
+  whole groups instead. When ``per_device_train_batch_size`` is a multiple of ``num_generations``,
+  each process's micro-batch holds whole groups. Otherwise (e.g. 2 per device with 4 generations
+  on 2 GPUs, which GRPOTrainer runs) a group spans processes: every completion carries its
+  group's id over the generation batch of all processes, each step's micro-batch over all
+  processes holds whole groups (rows move between processes when a step needs rows another one
+  generated), and the loss gathers the groups through ``process_group`` (the world group): every
+  process returns the loss of the whole step and gives its tokens ``P`` times their gradient, so
+  that DDP / FSDP averaging gives the single-process gradient. Refused (``ValueError``): a
+  ``per_device_train_batch_size`` (``per_device_eval_batch_size``, ``num_generations_eval``) for
+  which the step's micro-batch over all processes is not a whole number of groups (stricter than
+  GRPO, whose per-token loss only needs whole groups per generation batch).
 * **Scores are TRL's advantages.** For every setting of TRL 1.16, the advantage of a completion is
   a positive affine map of its score that is the same for all completions of a group:
   ``(r - mean_group) / (std + 1e-4)`` (``scale_rewards="group"`` or ``"batch"``, the std of the
@@ -49,6 +57,10 @@ What the trainer does, and why it is exact:
 * **Gradient accumulation.** The loss is the mean over the micro-batch's groups (plus the KL
   term's token mean), divided by the number of accumulation steps, so an optimizer step averages
   over every group of the accumulation window (``loss_is_scaled_for_ga`` stays True).
+* **Mixture-of-experts models** get their router load-balancing loss added as GRPOTrainer adds it:
+  ``router_aux_loss_coef`` (from the model config unless set) times the model's own ``aux_loss``
+  (router logits requested from the model, its logits kept for one position only), divided by
+  the accumulation steps in training; logged as ``aux_loss``.
 * **Completions without a counted token** (``mask_truncated_completions`` masks every token of a
   truncated completion) are left out of their group: no probability mass, no gradient; a group
   with no counted completion at all is left out of the mean.
@@ -65,7 +77,7 @@ loss's own vocabulary pass; off with ``tpo_log_token_entropy=False``) and, when
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
 the SAPO / VESPO parameters) do not apply to TPO and are ignored; the options that would silently
 change the objective (``top_entropy_quantile < 1``, an entropy bonus, ``off_policy_mask_threshold``,
-``use_bias_correction_kl`` with ``beta > 0``, a MoE router auxiliary loss) are refused; this config
+``use_bias_correction_kl`` with ``beta > 0``) are refused; this config
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
 vision-language models, DeepSpeed ZeRO-3.
 

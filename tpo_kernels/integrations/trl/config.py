@@ -26,8 +26,9 @@ class TargetPOConfig(GRPOConfig):
         tpo_log_token_entropy: log ``tpo/token_entropy`` (computed in the loss's own vocabulary
             pass, not a second one).
 
-    ``per_device_train_batch_size`` must be a multiple of ``num_generations`` (each micro-batch
-    holds whole groups); ``beta``, ``temperature``, ``cast_lm_head_to_fp32`` and the batching fields
+    ``per_device_train_batch_size`` times the number of processes must be a multiple of
+    ``num_generations`` (each step's micro-batch over all processes holds whole groups; a group may
+    span processes); ``beta``, ``temperature``, ``cast_lm_head_to_fp32`` and the batching fields
     keep their GRPO meaning. GRPO's loss-shaping fields (``loss_type``, ``epsilon``...) are ignored.
     """
 
@@ -59,6 +60,26 @@ class TargetPOConfig(GRPOConfig):
         check_tpo_args(self)
 
 
+def groups_split_over_processes(per_device_batch_size: int, group_size: int, processes: int) -> bool:
+    """True when a per-device micro-batch does not hold whole groups, so that the loss must gather
+    the groups over the processes (``process_group``); each step's global micro-batch still does."""
+    return processes > 1 and per_device_batch_size % group_size != 0
+
+
+def _check_layout(name: str, per_device: int, group_size: int, processes: int) -> None:
+    """The micro-batch of one step over all processes (``per_device * processes`` completions)
+    must hold whole groups: one loss call sees every completion of a group, under one set of
+    parameters. GRPO's per-token loss needs only whole groups per generation batch."""
+    if (per_device * processes) % group_size == 0:
+        return
+    raise ValueError(
+        f"{name} ({per_device}) times the number of processes ({processes}) must be a multiple of the group size "
+        f"({group_size}): TPO normalizes over the {group_size} completions of a prompt, so the micro-batch of one "
+        f"step, over all processes, must hold whole groups. Use a multiple of {group_size // math.gcd(group_size, processes)} "
+        "and adjust gradient_accumulation_steps / steps_per_generation to keep the batch you want."
+    )
+
+
 def check_tpo_args(args: GRPOConfig) -> None:
     """Raise ``ValueError`` for a configuration TPO cannot train exactly (see the module docstring)."""
     eta = args.tpo_eta
@@ -68,21 +89,11 @@ def check_tpo_args(args: GRPOConfig) -> None:
         raise ValueError(f"tpo_anchor must be True or False, got {args.tpo_anchor!r}")
     if args.tpo_backend not in _BACKENDS:
         raise ValueError(f"tpo_backend must be one of {', '.join(_BACKENDS)}, got {args.tpo_backend!r}")
-    k = args.num_generations
-    if args.per_device_train_batch_size % k != 0:
-        raise ValueError(
-            f"per_device_train_batch_size ({args.per_device_train_batch_size}) must be a multiple of num_generations "
-            f"({k}): TPO normalizes over the {k} completions of a prompt, so every micro-batch must hold whole groups. "
-            f"Use per_device_train_batch_size={k * max(1, round(args.per_device_train_batch_size / k))} and adjust "
-            "gradient_accumulation_steps / steps_per_generation to keep the batch you want."
-        )
+    processes = args.world_size
+    _check_layout("per_device_train_batch_size", args.per_device_train_batch_size, args.num_generations, processes)
     if args.do_eval and args.eval_strategy != "no":
-        k_eval = args.num_generations_eval or k
-        if args.per_device_eval_batch_size % k_eval != 0:
-            raise ValueError(
-                f"per_device_eval_batch_size ({args.per_device_eval_batch_size}) must be a multiple of the number of "
-                f"generations used for evaluation ({k_eval}), so that each process holds whole groups."
-            )
+        k_eval = args.num_generations_eval or args.num_generations
+        _check_layout("per_device_eval_batch_size", args.per_device_eval_batch_size, k_eval, processes)
     refused = []
     if args.top_entropy_quantile < 1.0:
         refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (TPO trains every counted token)")

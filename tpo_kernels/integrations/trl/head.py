@@ -45,8 +45,21 @@ def add_tpo_head(model) -> None:
             return previous(*args, **kwargs)
         kwargs["use_cache"] = False
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
-        return _tpo_head(hidden, self.get_output_embeddings(), tpo_request, **transform)
+        backbone, head = self.base_model, self.get_output_embeddings()
+        if not tpo_request["router_aux_loss"]:
+            return _tpo_head(backbone(*args, **kwargs).last_hidden_state, head, tpo_request, **transform)
+        # MoE: the model's own forward computes its load-balancing loss from the router logits (as
+        # for TRL's GRPOTrainer); its logits are kept for one position only, and the backbone's
+        # last hidden states are taken on the way for the fused loss.
+        captured = []
+        hook = backbone.register_forward_hook(lambda module, inputs, output: captured.append(output.last_hidden_state))
+        try:
+            outputs = previous(*args, output_router_logits=True, logits_to_keep=1, **kwargs)
+        finally:
+            hook.remove()
+        out = _tpo_head(captured[0], head, tpo_request, **transform)
+        out["router_aux_loss"] = outputs.aux_loss
+        return out
 
     forward._tpo_head = True
     model.forward = types.MethodType(forward, model)
@@ -87,8 +100,10 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     model's logits are ``softcap(logit_scale * (hidden @ W.T + b))`` (see the public functions).
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
-    ``group_size``, ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
-    ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32`` and ``token_entropy``.
+    ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes), ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
+    ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``, ``token_entropy`` and
+    ``router_aux_loss`` (read by the patched forward: also return the model's MoE load-balancing
+    loss, as ``router_aux_loss``).
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
     completion has a counted token), ``kept`` ([N] bool: completions with a counted token), and
     ``labels``, ``mask``, ``ref_logprobs`` on the hidden states' device.
@@ -105,9 +120,10 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     ref = None if ref is None else ref.to(device)
     kept = mask.any(dim=1)
     out: Dict[str, Any] = {"kept": kept, "labels": labels, "mask": mask, "ref_logprobs": ref}
-    if not bool(kept.any()):
+    if request["process_group"] is None and not bool(kept.any()):
         # tpo_kernels refuses a batch without any counted token; return a differentiable zero
         # connected to every parameter the loss would touch, so that DDP / FSDP see them all.
+        # (With groups spanning processes every process calls the loss: it gathers.)
         zero = hidden.sum() * 0.0 + weight.sum() * 0.0
         out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
         return out
@@ -120,6 +136,8 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
             bias=bias,
             mask=mask,
             group_size=request["group_size"],
+            group_ids=None if request["group_ids"] is None else request["group_ids"].to(device),
+            process_group=request["process_group"],
             old_logprobs=None if old is None else old.to(device),
             ref_logprobs=ref,
             beta=request["beta"],

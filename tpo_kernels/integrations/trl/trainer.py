@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from .config import TargetPOConfig, check_tpo_args
+from .config import TargetPOConfig, check_tpo_args, groups_split_over_processes
 from .head import add_tpo_head
 
 
@@ -41,6 +42,12 @@ def shuffle_groups(
         return [value[i] for i in index]
 
     return {key: permute(value) for key, value in batch.items()}
+
+
+def _take_rows(batch: Dict[str, Any], index: Tensor) -> Dict[str, Any]:
+    """The rows ``index`` of every ``[rows, ...]`` tensor of a batch dict; 0-dim tensors and None kept."""
+    return {key: value[index.to(value.device)] if isinstance(value, Tensor) and value.ndim > 0 else value
+            for key, value in batch.items()}
 
 
 class TargetPOTrainer(GRPOTrainer):
@@ -73,10 +80,6 @@ class TargetPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, **kwargs)
         if self._is_vlm:
             raise NotImplementedError("TargetPOTrainer supports text-only causal LMs for now (no processors / VLMs).")
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "TargetPOTrainer does not add a MoE router auxiliary loss yet; set router_aux_loss_coef=0.0."
-            )
         add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
 
     # -- batching ----------------------------------------------------------------------------
@@ -87,29 +90,95 @@ class TargetPOTrainer(GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every != 0
 
+    def _group_size(self, mode: str) -> int:
+        return self.num_generations if mode == "train" else self.num_generations_eval
+
+    def _groups_split(self, mode: str) -> bool:
+        """True when a group's completions lie on several processes in one step (a per-device
+        batch that is not a multiple of the group size): the loss then gathers them."""
+        per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        return groups_split_over_processes(per_device, self._group_size(mode), self.accelerator.num_processes)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation, plus ``tpo_group_ids``: each completion's group, numbered over the
+        generation batch of all processes (TRL lays it out process after process, each prompt's
+        completions consecutive), so that rows can move between micro-batches and processes."""
+        batch = super()._generate_and_score_completions(inputs)
+        rows = batch["completion_ids"].shape[0]
+        first = self.accelerator.process_index * rows
+        group_size = self._group_size("train" if self.model.training else "eval")
+        batch["tpo_group_ids"] = torch.arange(first, first + rows, device=batch["completion_ids"].device) // group_size
+        return batch
+
     def _prepare_inputs(self, generation_batch):
-        """TRL's generation buffering, with a whole-group shuffle instead of the row shuffle."""
+        """TRL's generation buffering, with micro-batches of whole groups (over all processes)
+        instead of TRL's row shuffle."""
         if not self.model.training:  # eval: one batch, generated and used as is
             return super()._prepare_inputs(generation_batch)
         steps = self.args.steps_per_generation
         if self._step % (steps * self.num_iterations) == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
-            batch = split_pixel_values_by_grid(batch)
-            batch = shuffle_groups(batch, self.num_generations)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(part) for part in split_tensor_dict(batch, steps)]
+            if self._groups_split("train"):
+                self._buffered_inputs = self._split_micro_batches(batch)
+            else:
+                batch = split_pixel_values_by_grid(batch)
+                batch = shuffle_groups(batch, self.num_generations)
+                self._buffered_inputs = [unsplit_pixel_values_by_grid(part) for part in split_tensor_dict(batch, steps)]
         return self._buffered_inputs[self._step % steps]
+
+    def _split_micro_batches(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """This process's ``steps_per_generation`` micro-batches when groups span processes: the
+        groups of the whole generation batch, shuffled by group in the same order on every process,
+        fill the steps one after the other; each step's micro-batch over all processes is whole
+        groups, of which this process takes its ``per_device_train_batch_size`` rows. Rows move
+        between processes only when a step needs rows another process generated."""
+        steps, group_size = self.args.steps_per_generation, self.num_generations
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        local_rows = batch["completion_ids"].shape[0]
+        num_groups = processes * local_rows // group_size
+        if steps > 1:  # the same permutation on every process: seeded by the step, not by the global RNG
+            generator = torch.Generator().manual_seed(self.args.seed + self._step)
+            groups = torch.randperm(num_groups, generator=generator)
+        else:
+            groups = torch.arange(num_groups)
+        order = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).view(steps, processes, -1)
+        holder = order // local_rows  # the process that generated each row
+        if bool((holder == torch.arange(processes).view(1, -1, 1)).all()):
+            rows, first = batch, rank * local_rows
+        else:
+            rows, first = self._gather_generation_batch(batch), 0
+        return [_take_rows(rows, order[step, rank] - first) for step in range(steps)]
+
+    def _gather_generation_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        """The generation batch of every process, in process order: ``[rows, ...]`` tensors are
+        padded to a common width (prompts on the left, completions on the right, as TRL pads them)
+        and gathered; 0-dim tensors and None are kept."""
+        pad_ids = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id}
+        out = {}
+        for key, value in batch.items():
+            if value is None or (isinstance(value, Tensor) and value.ndim == 0):
+                out[key] = value
+                continue
+            if not isinstance(value, Tensor):
+                raise NotImplementedError(f"cannot move the generation batch's {key!r} ({type(value).__name__}) "
+                                          "between processes")
+            if value.ndim > 1:
+                value = self.accelerator.pad_across_processes(value, dim=1, pad_index=pad_ids.get(key, 0),
+                                                              pad_first=key.startswith("prompt"))
+            out[key] = self.accelerator.gather(value)
+        return out
 
     # -- loss --------------------------------------------------------------------------------
 
     def _tpo_request(self, inputs: Dict[str, Any], mode: str) -> Dict[str, Any]:
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        group_size = self._group_size(mode)
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        split = self._groups_split(mode)
         num_rows = completion_ids.shape[0]
-        if num_rows % group_size != 0:
+        if not split and num_rows % group_size != 0:
             raise RuntimeError(
                 f"a micro-batch of {num_rows} completions is not a whole number of groups of {group_size}: "
-                "TPO would normalize over split groups. Use a per-device batch size that is a multiple of "
-                "num_generations."
+                "TPO would normalize over split groups"
             )
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         advantages = inputs["advantages"]
@@ -124,7 +193,11 @@ class TargetPOTrainer(GRPOTrainer):
             "labels": completion_ids,
             "mask": mask.bool(),
             "scores": advantages,
-            "group_size": group_size,
+            # Groups spanning processes: global ids, gathered over the data-parallel (world) group.
+            "group_size": None if split else group_size,
+            "group_ids": inputs["tpo_group_ids"] if split else None,
+            "process_group": dist.group.WORLD if split else None,
+            "metric_group_ids": inputs["tpo_group_ids"],
             "old_logprobs": old,
             "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
             "beta": float(self.beta),
@@ -134,6 +207,7 @@ class TargetPOTrainer(GRPOTrainer):
             "backend": self.args.tpo_backend,
             "cast_lm_head_to_fp32": bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
             "token_entropy": bool(self.args.tpo_log_token_entropy),
+            "router_aux_loss": self.aux_loss_enabled,
         }
 
     def _compute_loss(self, model, inputs):
@@ -145,68 +219,59 @@ class TargetPOTrainer(GRPOTrainer):
             out = model(input_ids=input_ids, attention_mask=attention_mask, tpo_request=request)
         loss = out["loss"]
         self._log_tpo_metrics(out, request, mode)
-        if mode == "train":  # mean over the groups of the accumulation window
-            loss = loss / self.current_gradient_accumulation_steps
+        # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
+        # as GRPOTrainer adds it (its coefficient and router logits from the model config).
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1
+        loss = loss / normalizer
+        if self.aux_loss_enabled:
+            aux_loss = out["router_aux_loss"]
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         return loss
 
     # -- metrics -----------------------------------------------------------------------------
 
     def _log_tpo_metrics(self, out: Dict[str, Any], request: Dict[str, Any], mode: str) -> None:
+        """Metrics over the step's micro-batch of every process. Per-group quantities are sums of
+        per-completion terms (``KL(q || p) = sum_i q_i log(q_i / p_i)``, ``H(p) = -sum_i p_i log p_i``),
+        so they hold when a group spans processes; groups are counted by their global id."""
         loss = out["loss"].detach().float()
-        device = loss.device
-        num_rows = request["labels"].shape[0]
-        group_size = request["group_size"]
-        num_groups = num_rows // group_size
-        zero = torch.zeros((), device=device)
-        kept_groups = kl_qp = entropy_p = entropy_q = signal_groups = zero
-        token_entropy = num_tokens = k3 = zero
+        mask = out["mask"]
+        columns = torch.zeros(mask.shape[0], 9, device=loss.device)
+        columns[:, 0] = request["metric_group_ids"].to(loss.device).float()
         aux = out["aux"]
-        if aux is not None:
-            # Per-group metrics of the groups with a counted completion; rows are contiguous groups,
-            # and a left-out completion has u = 0.
-            kept_groups = torch.tensor(float(aux["group_loss"].numel()), device=device)
-            kl_qp = aux["kl_q_p"].float().sum()
-            entropy_p = aux["entropy_p"].float().sum()
-            entropy_q = aux["entropy_q"].float().sum()
-            signal_groups = (aux["u"] != 0).view(num_groups, group_size).any(dim=1).float().sum()
-            mask = out["mask"]
-            num_tokens = mask.sum().float()
+        if aux is not None:  # left-out completions have p = q = u = 0
+            p, q = aux["p"].float(), aux["q"].float()
+            xlogy = torch.special.xlogy
+            columns[:, 1] = out["kept"].float()
+            columns[:, 2] = (aux["u"] != 0).float()
+            columns[:, 3] = xlogy(q, q) - xlogy(q, p)
+            columns[:, 4] = -xlogy(p, p)
+            columns[:, 5] = -xlogy(q, q)
+            columns[:, 6] = mask.sum(dim=1).float()
             if request["token_entropy"]:
-                token_entropy = (aux["token_entropy"].float() * mask).sum()
+                columns[:, 7] = (aux["token_entropy"].float() * mask).sum(dim=1)
             if request["beta"] != 0.0:
                 diff = out["ref_logprobs"].float() - aux["token_logprobs"].float()
-                k3 = ((torch.exp(diff) - diff - 1.0) * mask).sum()
-        stats = torch.stack(
-            [
-                loss,
-                torch.ones((), device=device),
-                torch.tensor(float(num_groups), device=device),
-                kept_groups,
-                kl_qp,
-                entropy_p,
-                entropy_q,
-                signal_groups,
-                torch.tensor(float(num_rows), device=device),
-                (~out["kept"]).sum().float(),
-                token_entropy,
-                num_tokens,
-                k3,
-            ]
-        )
-        (loss_sum, ranks, groups_total, kept_total, kl_sum, hp_sum, hq_sum, signal_total, rows_total, excluded,
-         ent_sum, tokens_total, k3_sum) = self.accelerator.reduce(stats, reduction="sum").tolist()
+                columns[:, 8] = ((torch.exp(diff) - diff - 1.0) * mask).sum(dim=1)
+        rows = self.accelerator.gather(columns).cpu()  # every process's completions: one read-back
+        losses = self.accelerator.gather(loss.reshape(1)).cpu()  # and each process's loss
+        ids, kept, signal = rows[:, 0], rows[:, 1] > 0, rows[:, 2] > 0
+        num_groups = ids.unique().numel()
+        kept_groups = ids[kept].unique().numel()
+        kl_sum, hp_sum, hq_sum, tokens, ent_sum, k3_sum = rows[:, 3:].sum(dim=0).tolist()
 
         def ratio(num: float, den: float) -> float:
             return num / den if den > 0 else float("nan")
 
         metrics = self._metrics[mode]
-        metrics["tpo/loss"].append(loss_sum / ranks)
-        metrics["tpo/kl_q_p"].append(ratio(kl_sum, kept_total))
-        metrics["tpo/entropy_p"].append(ratio(hp_sum, kept_total))
-        metrics["tpo/entropy_q"].append(ratio(hq_sum, kept_total))
-        metrics["tpo/frac_zero_signal_groups"].append(ratio(groups_total - signal_total, groups_total))
-        metrics["tpo/frac_excluded_completions"].append(ratio(excluded, rows_total))
+        metrics["tpo/loss"].append(losses.mean().item())  # each process's loss (the same one when groups are split)
+        metrics["tpo/kl_q_p"].append(ratio(kl_sum, kept_groups))
+        metrics["tpo/entropy_p"].append(ratio(hp_sum, kept_groups))
+        metrics["tpo/entropy_q"].append(ratio(hq_sum, kept_groups))
+        metrics["tpo/frac_zero_signal_groups"].append(ratio(num_groups - ids[signal].unique().numel(), num_groups))
+        metrics["tpo/frac_excluded_completions"].append(ratio(float((~kept).sum()), ids.numel()))
         if request["token_entropy"]:
-            metrics["tpo/token_entropy"].append(ratio(ent_sum, tokens_total))
+            metrics["tpo/token_entropy"].append(ratio(ent_sum, tokens))
         if request["beta"] != 0.0:
-            metrics["tpo/kl_k3"].append(ratio(k3_sum, tokens_total))
+            metrics["tpo/kl_k3"].append(ratio(k3_sum, tokens))

@@ -9,37 +9,51 @@ which ``import verl`` loads. Without verl the functions below work alone (verl-s
 
     python -m verl.trainer.main_ppo algorithm.adv_estimator=tpo \\
         actor_rollout_ref.actor.policy_loss.loss_mode=tpo actor_rollout_ref.rollout.n=8 \\
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.use_dynamic_bsz=False ...
+        data.train_batch_size=64 actor_rollout_ref.actor.ppo_mini_batch_size=64 \\
+        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 actor_rollout_ref.actor.use_dynamic_bsz=False ...
+
+(on 8 GPUs: 64 prompts x 8 responses / 8 ranks = 64 responses per rank, one micro-batch each).
 
 How scores and groups reach the loss. verl hands a policy loss ``old_log_prob``, ``log_prob``,
-``advantages`` and ``response_mask`` (``[B, T]``) and the actor config, but no uids. So:
+``advantages`` and ``response_mask`` (``[B, T]``) and the actor config, but no uids, and its
+trainer reorders the batch before the advantage step. So:
 
-* **Scores ride in the advantages.** The ``tpo`` estimator sums each response's token-level
-  rewards into its score, standardizes it within its group (``u``, population std, exactly 0
-  when the group's scores tie) and writes it on every counted token. The loss reads one score per
-  response back (and refuses advantages that vary along a response). TPO standardizes scores
-  itself, so any group-relative outcome estimator whose advantages are a positive affine map of
-  the score within each group (verl's ``grpo``, ``rloo``) gives the same loss up to rounding.
-* **Groups are positions.** The loss takes rows ``[jK, (j+1)K)`` of its micro-batch as one group,
-  ``K = rollout.n`` (``config.rollout_n``). verl's rollout writes the n responses of a prompt
-  consecutively; the batch must keep that order down to every micro-batch.
+* **Scores and groups ride in the advantages.** The ``tpo`` estimator (on verl's driver, on the
+  whole batch in the order the actor will receive it) groups the responses by uid, wherever they
+  are, sums each response's token-level rewards into its score and standardizes it within its
+  group (``u``, population std, exactly 0 when the group's scores tie). It numbers the groups and
+  writes, on every counted token, one float64 value carrying ``u`` (to 2**-24) and the group's id
+  (in the bits below; see :mod:`.advantage`): the value differs from ``u`` by less than 2**-24,
+  so verl's advantage statistics are unchanged. The loss reads both back and refuses advantages
+  that do not carry them (another estimator, or a cast below float64) or that vary along a
+  response.
+* **Groups are gathered over the data-parallel ranks.** When ``global_batch_info["dp_size"] > 1``
+  the loss passes ``process_group`` (the world group, which is the actor's data-parallel group
+  under pure data parallelism) with the global group ids to :func:`tpo_loss_from_logprobs`: only
+  ``[N]``-sized rows cross ranks, every rank returns the loss of the step's groups, and data
+  parallelism's averaging gives every parameter the gradient of the unsplit batch.
 
-The batching contract, and where it is enforced:
+What verl must still guarantee, and where it is checked:
 
-* The ``tpo`` estimator receives the uids in the order the actor will receive the rows, and
-  raises ``ValueError`` unless each group is one run of K consecutive rows.
-* The loss raises ``ValueError`` when ``use_dynamic_bsz`` (micro-batches regrouped by token count)
-  or ``shuffle`` is on, when ``ppo_micro_batch_size_per_gpu`` or the micro-batch is not a multiple
-  of K, when a data-parallel rank's share of the mini-batch is not, and when a block of K rows
-  has advantages that do not sum to zero (not one group, or an estimator that is not
-  group-relative; a check that catches most reorderings, not all).
-* verl 0.9.1 does not promise that order. Its (v1) trainer balances sequence lengths over
-  data-parallel ranks before the advantage step, which splits groups when the actor has more
-  than one data-parallel rank (with one, the order is kept), and its replay buffer lists the
-  responses in the order its transfer queue holds them. The estimator refuses such a batch.
-  Groups split over ranks (``process_group``, see :mod:`tpo_kernels.distributed`) are not wired
-  into verl. Tested against verl's registries, config classes and call signatures, not in an
-  end-to-end verl run.
+* **Each micro-batch step over the data-parallel ranks holds whole groups**: every response of a
+  group is trained in the same micro-batch step, on whichever rank. Checked after the gather
+  (a group's standardized scores sum to 0 and their squares to its size; a part of a tied group
+  is not detected): every rank raises the same ``ValueError``. verl 0.9.1's default (v1)
+  trainer always balances sequence lengths over the ranks, which spreads a group over the ranks'
+  whole shares of the batch; it trains with one mini-batch per step (``ppo_mini_batch_size`` =
+  ``data.train_batch_size``) and one micro-batch per rank (``ppo_micro_batch_size_per_gpu`` = the
+  rank's share of the batch). The legacy trainer (``trainer.use_v1=False``) with
+  ``trainer.balance_batch=False`` gives each rank whole consecutive groups: any
+  ``ppo_micro_batch_size_per_gpu`` that is a multiple of ``rollout.n`` works there.
+* **No reordering inside the actor**: ``use_dynamic_bsz`` and ``shuffle`` are refused.
+* **Pure data parallelism**: the loss cannot see the actor's data-parallel group, so it refuses
+  a ``dp_size`` other than the world size (sequence / tensor / pipeline parallelism).
+* **float64 advantages** from the estimator to the loss (verl keeps the estimator's dtype).
+* Every response of a group that has a counted token; a response without one is left out of
+  its group (it carries no advantage, hence no group).
+
+Tested against verl's registries, config classes, call signatures and its balancing function, with
+groups split over 2 gloo ranks, not in an end-to-end verl run.
 
 The loss is anchored on ``old_log_prob`` (verl's proximal policy: ``p_old``); tied groups then
 get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only. Scaling: with
@@ -48,7 +62,8 @@ the mini-batch (micro-batch gradients add up, data-parallel ranks average); with
 over the micro-batch's groups. ``loss_agg_mode`` does not change TPO's term; verl's KL
 (``use_kl_loss``) and entropy terms are added by verl as for any policy loss. Per-token importance
 weights (``rollout_is_weights``) are refused. Metrics: ``actor/tpo_kl_q_p``, ``actor/tpo_entropy_p``,
-``actor/tpo_entropy_q`` (means over groups), ``actor/tpo_frac_zero_signal_groups``, ``actor/ppo_kl``.
+``actor/tpo_entropy_q`` (means over the step's groups once verl averages the ranks' values),
+``actor/tpo_frac_zero_signal_groups`` (the same on every rank), ``actor/ppo_kl`` (this rank's).
 
 Other TPO settings: :func:`register` adds a policy loss under another name, e.g.
 ``register("tpo_eta05", eta=0.5)`` in a module verl imports (``VERL_USE_EXTERNAL_MODULES`` or
@@ -60,10 +75,10 @@ from __future__ import annotations
 import functools
 
 from ..._validate import check_flag, check_positive
-from .advantage import compute_tpo_outcome_advantage, contiguous_group_size
+from .advantage import compute_tpo_outcome_advantage
 from .policy_loss import tpo_policy_loss
 
-__all__ = ["compute_tpo_outcome_advantage", "contiguous_group_size", "register", "tpo_policy_loss"]
+__all__ = ["compute_tpo_outcome_advantage", "register", "tpo_policy_loss"]
 
 
 def register(name: str = "tpo", *, eta: float = 1.0, anchor: bool = True, backend: str = "auto") -> None:

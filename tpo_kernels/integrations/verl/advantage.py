@@ -1,4 +1,18 @@
-"""The ``tpo`` advantage estimator: one group-standardized score per response, from verl's uids."""
+"""The ``tpo`` advantage estimator: one group-standardized score per response, and its group.
+
+verl hands a policy loss the advantages, but no uids, and its trainer reorders the batch (it
+balances sequence lengths over data-parallel ranks), so the loss cannot find a response's group
+from its position. The estimator therefore writes both into the advantage, as float64:
+
+    advantage = n * 2**-24 + (2 * g + 1) * 2**-45,    n = round(u * 2**24),
+
+``u`` the response's standardized score, to 2**-24 (6e-8), and ``g`` its group's id (uids
+numbered in order of first appearance in the batch) in the bits below, marked by the lowest set
+bit. The advantage differs from ``u`` by less than 2**-24, so verl's advantage statistics stay
+right; the loss reads ``g`` and ``u`` back exactly (:func:`decode_scores`). This needs float64
+advantages from the estimator to the loss (verl keeps the estimator's dtype); a cast to a
+narrower dtype loses the marker and the loss refuses the batch.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +23,58 @@ from torch import Tensor
 
 from ...group_math import standardize_dense
 
+SCORE_BITS = 24  # u to 2**-24
+MAX_ABS_SCORE = 2.0**5  # |u| <= sqrt(K - 1): K <= 1025 completions per prompt
+GROUP_ID_BITS = 20  # up to 2**20 - 1 groups per batch
+_FRACTION_BITS = GROUP_ID_BITS + 1  # the id and its marker bit
+_DTYPE = torch.float64  # 5 + 24 + 21 bits fit float64's 53
 
-def contiguous_group_size(index: Sequence) -> int:
-    """K, when ``index`` (one uid per response, verl's ``non_tensor_batch["uid"]``) lists the
-    responses of each prompt as one run of K consecutive entries; otherwise ``ValueError``.
 
-    The policy loss sees no uids, only the row order: this is where the order it relies on is
-    checked, on the batch in the order the actor will receive it."""
-    ids = list(index)
-    if not ids:
-        raise ValueError("index must hold one uid per response, got an empty index")
-    starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
-    sizes = {end - start for start, end in zip(starts, starts[1:] + [len(ids)])}
-    if len(sizes) != 1 or len({ids[start] for start in starts}) != len(starts):
-        raise ValueError(
-            "index: the TPO policy loss needs the responses of each prompt as one run of rollout.n consecutive "
-            f"rows, got runs of sizes {sorted(sizes)} over {len(set(ids))} uids in {len(ids)} rows. Something "
-            "reordered the batch before the advantage step (verl balances sequence lengths over data-parallel "
-            "ranks, which splits groups: see tpo_kernels.integrations.verl)."
-        )
-    return sizes.pop()
+def group_ids_from_uids(index: Sequence) -> Tensor:
+    """``[B]`` int64: the group of each response, uids numbered in order of first appearance."""
+    first_seen = {}
+    ids = [first_seen.setdefault(uid, len(first_seen)) for uid in index]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def encode_scores(u: Tensor, group_ids: Tensor) -> Tensor:
+    """Float64 values carrying ``u`` (to 2**-24) and the group id (see the module docstring)."""
+    if bool((u.abs() >= MAX_ABS_SCORE).any()):
+        raise ValueError(f"a standardized score reached {MAX_ABS_SCORE}: groups of more than 1025 responses")
+    if int(group_ids.max()) >= 2**GROUP_ID_BITS - 1:
+        raise ValueError(f"index: at most {2**GROUP_ID_BITS - 1} groups per batch, got {int(group_ids.max()) + 1}")
+    n = torch.round(u.to(_DTYPE) * 2.0**SCORE_BITS)
+    fraction = (2 * group_ids.to(_DTYPE) + 1) * 2.0**-_FRACTION_BITS
+    return (n + fraction) * 2.0**-SCORE_BITS
+
+
+def decode_scores(values: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(u, group_ids, valid)`` from :func:`encode_scores`'s values; ``valid`` is False where a
+    value does not carry the marker (not written by the ``tpo`` estimator, or cast below float64)."""
+    x = values.to(_DTYPE) * 2.0**SCORE_BITS  # exact: a power of two
+    n = torch.floor(x)
+    marked = (x - n) * 2.0**_FRACTION_BITS  # 2g + 1, exactly, for a value of encode_scores
+    valid = (values.dtype == _DTYPE) & (marked == torch.round(marked)) & (torch.remainder(marked, 2.0) == 1.0)
+    group_ids = torch.where(valid, (marked - 1) / 2, -1.0).to(torch.int64)
+    return n * 2.0**-SCORE_BITS, group_ids, valid
+
+
+def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor) -> Tensor:
+    """u per response within its group (any row order), over the group's responses with a
+    counted token; 0 for the others and for every member of a group whose scores tie."""
+    order = torch.argsort(group_ids, stable=True)
+    sorted_ids = group_ids[order]
+    num_groups = int(sorted_ids[-1]) + 1
+    sizes = torch.bincount(sorted_ids, minlength=num_groups)
+    starts = torch.cumsum(sizes, 0) - sizes
+    slot = torch.arange(len(order)) - starts[sorted_ids]  # position within the group
+    dense = scores.new_zeros(num_groups, int(sizes.max()))
+    valid = torch.zeros(dense.shape, dtype=torch.bool)
+    dense[sorted_ids, slot] = scores[order]
+    valid[sorted_ids, slot] = counted[order]
+    u = torch.empty_like(scores)
+    u[order] = standardize_dense(dense, valid)[sorted_ids, slot]
+    return u
 
 
 def compute_tpo_outcome_advantage(
@@ -39,16 +85,18 @@ def compute_tpo_outcome_advantage(
     **unused,
 ) -> Tuple[Tensor, Tensor]:
     """verl advantage estimator ``"tpo"``: the score of a response is the sum of its token-level
-    rewards (an outcome reward); the advantage is that score standardized within its group,
-    ``u = (s - mean) / std`` (population std; exactly 0 for every member of a group whose scores
-    tie), written on every counted token: ``advantages[b, t] = u[b] * response_mask[b, t]``.
+    rewards (an outcome reward), standardized within its group (the responses sharing its uid,
+    wherever they are in the batch), ``u = (s - mean) / std`` (population std, over the group's
+    responses with a counted token; exactly 0 for every member of a group whose scores tie). The
+    advantage, float64, carries ``u`` and the group's id on every counted token (see the module
+    docstring): ``advantages[b, t] = encode(u[b], g[b]) * response_mask[b, t]``.
 
     Args:
         token_level_rewards, response_mask: ``[B, T]``, as verl passes them.
-        index: ``[B]`` uids; each group must be one run of K consecutive rows (checked).
+        index: ``[B]`` uids (verl's ``non_tensor_batch["uid"]``), in any order.
         config: verl's ``AlgoConfig`` (unused), and ``unused``: any other keyword verl passes.
 
-    Returns ``(advantages, returns)``, the same ``[B, T]`` tensor twice, as verl's GRPO does.
+    Returns ``(advantages, returns)``, the same ``[B, T]`` float64 tensor twice, as verl's GRPO does.
     """
     if token_level_rewards.dim() != 2 or response_mask.shape != token_level_rewards.shape:
         raise ValueError(
@@ -57,8 +105,12 @@ def compute_tpo_outcome_advantage(
         )
     if len(index) != token_level_rewards.shape[0]:
         raise ValueError(f"index must hold one uid per response ({token_level_rewards.shape[0]}), got {len(index)}")
-    group_size = contiguous_group_size(index)
-    scores = token_level_rewards.sum(dim=-1).to(torch.float64).view(-1, group_size)
-    u = standardize_dense(scores, torch.ones_like(scores, dtype=torch.bool)).reshape(-1, 1)
-    advantages = (u * response_mask).to(token_level_rewards.dtype)
+    if len(index) == 0:
+        raise ValueError("index must hold one uid per response, got an empty batch")
+    group_ids = group_ids_from_uids(index)
+    counted = (response_mask != 0).any(dim=1).cpu()
+    scores = token_level_rewards.sum(dim=-1).to(_DTYPE).cpu()
+    u = _standardize_by_group(scores, group_ids, counted)
+    encoded = encode_scores(u, group_ids).to(response_mask.device)
+    advantages = encoded.unsqueeze(1) * (response_mask != 0)
     return advantages, advantages

@@ -5,20 +5,20 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ...functional import tpo_loss_from_logprobs
+from .advantage import decode_scores
 
-# Relative tolerance of the group-centering check: float32 advantages of a whole group sum to
-# zero within ~1e-7 of their absolute sum (the tpo estimator's, and GRPO's / RLOO's).
-_CENTERING_RTOL = 1e-4
+# A whole group's standardized scores sum to 0 and their squares to its size (population std),
+# exactly up to the 2**-24 resolution of the encoded scores.
+_WHOLE_GROUP_ATOL = 1e-5
 
 
-def _batching(config, num_rows: int) -> Tuple[int, Optional[float]]:
-    """(K, scale): the group size from ``config.rollout_n`` after checking the batching contract
-    visible in verl's actor config, and the factor turning the sum of this micro-batch's group
-    losses into its share of the mean over every group of the global mini-batch (None: no global
-    batch information, take the mean over this micro-batch's groups)."""
+def _batching(config) -> Tuple[int, int, Optional[int]]:
+    """(K, dp_size, global_batch_size) from verl's actor config, after checking the batching
+    settings that would split groups in ways the loss cannot see."""
     if config is None:
         raise ValueError("config: the TPO policy loss needs verl's actor config (rollout_n, batching settings)")
     group_size = config.get("rollout_n", None)
@@ -26,63 +26,91 @@ def _batching(config, num_rows: int) -> Tuple[int, Optional[float]]:
         raise ValueError(f"config.rollout_n must be the number of responses per prompt (int >= 1), got {group_size!r}")
     if config.get("use_dynamic_bsz", False):
         raise ValueError(
-            "config.use_dynamic_bsz: dynamic batch sizes regroup rows by token count and split TPO groups; "
-            "set actor.use_dynamic_bsz=False and actor.ppo_micro_batch_size_per_gpu to a multiple of rollout.n"
+            "config.use_dynamic_bsz: dynamic batch sizes regroup rows by token count, so a micro-batch step over the "
+            "data-parallel ranks no longer holds whole groups; set actor.use_dynamic_bsz=False"
         )
     if config.get("shuffle", False):
         raise ValueError("config.shuffle: shuffling the mini-batch rows splits TPO groups; set actor.shuffle=False")
-    micro = config.get("ppo_micro_batch_size_per_gpu", None)
-    if micro is not None and micro % group_size != 0:
-        raise ValueError(
-            f"config.ppo_micro_batch_size_per_gpu ({micro}) must be a multiple of rollout_n ({group_size}): "
-            "each micro-batch must hold whole groups"
-        )
-    if num_rows % group_size != 0:
-        raise ValueError(
-            f"log_prob: a micro-batch of {num_rows} responses is not a whole number of groups of rollout_n = "
-            f"{group_size}: TPO would normalize over split groups"
-        )
     info = config.get("global_batch_info", None) or {}
     dp_size = info.get("dp_size") or 1
     global_batch = info.get("global_batch_size")
-    if global_batch is None:
-        if dp_size > 1:
-            raise ValueError("config.global_batch_info: global_batch_size is required when dp_size > 1")
-        return group_size, None
-    if global_batch % (dp_size * group_size) != 0:
+    if global_batch is None and dp_size > 1:
+        raise ValueError("config.global_batch_info: global_batch_size is required when dp_size > 1")
+    if global_batch is not None and global_batch % group_size != 0:
         raise ValueError(
-            f"config.global_batch_info: a mini-batch of {global_batch} responses over {dp_size} data-parallel "
-            f"ranks is not a whole number of groups of rollout_n = {group_size} per rank"
+            f"config.global_batch_info: a mini-batch of {global_batch} responses is not a whole number of groups of "
+            f"rollout_n = {group_size}"
         )
-    # DDP / FSDP average the gradients over dp_size ranks, and micro-batch gradients add up:
-    # sum_g L_g * dp_size / (global_batch / K) gives the mean over the mini-batch's groups.
-    return group_size, dp_size * group_size / global_batch
+    return group_size, dp_size, global_batch
 
 
-def _scores(advantages: Tensor, mask: Tensor, group_size: int) -> Tensor:
-    """One score per response: the advantage on its counted tokens (0 for a response without
-    one, which tpo_kernels leaves out of its group). Checks that the advantage is constant on each
-    response and centered within each block of ``group_size`` rows."""
+def _data_parallel_group(dp_size: int):
+    """The actor's data-parallel group, over which groups are gathered (None for one rank)."""
+    if dp_size == 1:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"config.global_batch_info: dp_size is {dp_size} but torch.distributed is not initialized")
+    world = dist.get_world_size()
+    if world != dp_size:
+        raise ValueError(
+            f"config.global_batch_info: dp_size is {dp_size} but the default process group has {world} ranks: with "
+            "sequence / tensor / pipeline parallelism the actor's data-parallel group is not the world group, and "
+            "verl does not pass it to a policy loss; the TPO policy loss supports pure data parallelism (FSDP)"
+        )
+    return dist.group.WORLD
+
+
+def _scores(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """(score u, group id) per response from the tpo estimator's advantages on its counted
+    tokens; a response without a counted token gets u = 0 and group -1 (tpo_kernels leaves it
+    out). Checks that the advantage is one encoded value per response."""
     first = mask.to(torch.int8).argmax(dim=1, keepdim=True)  # first counted token (0 if none)
     counted = mask.any(dim=1)
-    scores = torch.where(counted, advantages.gather(1, first).squeeze(1), 0.0)
-    blocks = scores.to(torch.float64).view(-1, group_size)
-    whole = counted.view(-1, group_size).all(dim=1)
-    off_center = blocks.sum(dim=1).abs() > _CENTERING_RTOL * blocks.abs().sum(dim=1)
-    varying, uncentered = torch.stack([((advantages != scores.unsqueeze(1)) & mask).any(),
-                                       (off_center & whole).any()]).tolist()  # one read-back
+    values = advantages.gather(1, first).squeeze(1)
+    u, group_ids, marked = decode_scores(values)
+    varying, unmarked = torch.stack([((advantages != values.unsqueeze(1)) & mask).any(),
+                                     (counted & ~marked).any()]).tolist()  # one read-back
+    if unmarked:
+        raise ValueError(
+            "advantages: the TPO policy loss needs the advantages of algorithm.adv_estimator=tpo, which carry each "
+            "response's score and group in float64; got values it did not write (another estimator, or advantages "
+            f"cast to {advantages.dtype} on the way)"
+        )
     if varying:
         raise ValueError(
-            "advantages: TPO needs one score per response, constant over its tokens (an outcome estimator: "
-            "algorithm.adv_estimator=tpo, or grpo / rloo), got advantages that vary along a response"
+            "advantages: TPO needs one score per response, constant over its tokens (algorithm.adv_estimator=tpo), "
+            "got advantages that vary along a response"
         )
-    if uncentered:
+    return torch.where(counted, u, 0.0), torch.where(counted, group_ids, -1)
+
+
+def _step_groups(u: Tensor, group_ids: Tensor, process_group) -> Tuple[Tensor, Tensor]:
+    """The (group id, score) of every counted response of this micro-batch step over the
+    data-parallel ranks, on the CPU; raises unless they form whole groups."""
+    local = torch.stack([group_ids.to(torch.float64), u.to(torch.float64)], dim=1).cpu()
+    local = local[local[:, 0] >= 0]
+    if process_group is None:
+        rows = local
+    else:
+        shares = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(shares, local, group=process_group)
+        rows = torch.cat(shares)
+    ids, scores = rows[:, 0].to(torch.int64), rows[:, 1]
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
+    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores * scores)
+    tied = squares == 0
+    whole = (sums.abs() <= _WHOLE_GROUP_ATOL * counts) & (tied | ((squares - counts).abs() <= _WHOLE_GROUP_ATOL * counts))
+    if not bool(whole.all()):
         raise ValueError(
-            f"advantages: a block of rollout_n = {group_size} consecutive responses is not centered, so it is "
-            "not one group: the micro-batch does not hold whole contiguous groups (a reordered or shuffled batch), "
-            "or the advantage estimator is not group-relative (use algorithm.adv_estimator=tpo)"
+            "advantages: this micro-batch step over the data-parallel ranks holds part of a group (its standardized "
+            "scores do not sum to 0): every group's responses must be trained in the same micro-batch step on some "
+            "rank. verl's sequence balancing spreads groups over the ranks' whole share of the batch, so use one "
+            "mini-batch per step (ppo_mini_batch_size = data.train_batch_size) and one micro-batch per rank "
+            "(ppo_micro_batch_size_per_gpu = its share), or the legacy trainer with trainer.balance_batch=False and "
+            "micro-batches of whole groups (see tpo_kernels.integrations.verl)"
         )
-    return scores
+    return ids, scores
 
 
 def tpo_policy_loss(
@@ -103,11 +131,12 @@ def tpo_policy_loss(
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``[B, T]``; ``log_prob`` carries the
             gradient; ``old_log_prob`` is TPO's anchor ``p_old`` (unused when ``anchor=False``);
-            ``advantages`` holds one score per response on its tokens (see the package docstring).
+            ``advantages`` are the ``tpo`` estimator's (each response's score and group).
         loss_agg_mode: ignored: TPO's loss is a mean over groups whatever verl's token
             aggregation (which still applies to verl's own KL and entropy terms).
         config: verl's actor config: ``rollout_n`` is the group size K; the batching settings
-            are checked; ``global_batch_info`` scales the loss to the mean over the mini-batch.
+            are checked; ``global_batch_info`` gives the data-parallel size (groups are gathered
+            over the ranks when it is > 1) and scales the loss to the mean over the mini-batch.
         rollout_is_weights: must be None (TPO applies no per-token importance weights).
         eta, anchor, backend: TPO's settings (see :func:`tpo_kernels.tpo_loss`).
 
@@ -123,25 +152,45 @@ def tpo_policy_loss(
     for name, tensor in (("old_log_prob", old_log_prob), ("advantages", advantages), ("response_mask", response_mask)):
         if tensor.shape != log_prob.shape:
             raise ValueError(f"{name} must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(tensor.shape)}")
-    group_size, scale = _batching(config, log_prob.shape[0])
+    group_size, dp_size, global_batch = _batching(config)
+    process_group = _data_parallel_group(dp_size)
     mask = response_mask.bool()
-    scores = _scores(advantages.detach(), mask, group_size)
+    u, group_ids = _scores(advantages.detach(), mask)
+    step_ids, step_scores = _step_groups(u, group_ids, process_group)
     loss, aux = tpo_loss_from_logprobs(
-        log_prob, scores, mask=mask, group_size=group_size,
+        log_prob, u.to(log_prob.dtype), mask=mask, group_ids=group_ids,
         old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor,
-        reduction="mean" if scale is None else "sum", backend=backend, return_aux=True,
+        reduction="mean" if global_batch is None else "sum", backend=backend, return_aux=True,
+        process_group=process_group,
     )
-    if scale is not None:
-        loss = loss * scale
-    signal = (aux["u"] != 0).view(-1, group_size).any(dim=1)
+    if global_batch is not None:
+        # Micro-batch gradients add up and data parallelism averages over the ranks. Without a
+        # gather each rank's sum covers its own groups (times dp_size: the average); with one,
+        # every rank's loss covers the step's groups and its gradient is dp_size times its share.
+        loss = loss * (group_size / global_batch) * (1 if process_group is not None else dp_size)
+    metrics = _metrics(aux, step_ids, step_scores, log_prob, old_log_prob, mask, dp_size)
+    return loss, metrics
+
+
+def _metrics(aux, step_ids: Tensor, step_scores: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor,
+             dp_size: int) -> Dict[str, float]:
+    """Per-group means of KL(q || p), H(p), H(q) over the step's groups (sums of per-response
+    terms, so a group may span ranks: verl averages each rank's share, hence the ``dp_size``),
+    the fraction of groups without reward signal, and verl's ``ppo_kl`` of this rank."""
+    p, q = aux["p"].double(), aux["q"].double()
+    xlogy = torch.special.xlogy
+    _, inverse = torch.unique(step_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if len(inverse) else 0
+    signal = torch.zeros(num_groups, dtype=torch.bool).index_put_((inverse,), step_scores != 0, accumulate=True)
+    share = dp_size / max(num_groups, 1)
     log_ratio = (log_prob.detach() - old_log_prob).float()
     values = torch.stack([
-        aux["kl_q_p"].double().mean(),
-        aux["entropy_p"].double().mean(),
-        aux["entropy_q"].double().mean(),
-        1.0 - signal.double().mean(),
+        (xlogy(q, q) - xlogy(q, p)).sum() * share,
+        -xlogy(p, p).sum() * share,
+        -xlogy(q, q).sum() * share,
         (-(log_ratio * mask).sum() / mask.sum().clamp_min(1)).double(),
     ]).tolist()  # one read-back for every metric
-    names = ("actor/tpo_kl_q_p", "actor/tpo_entropy_p", "actor/tpo_entropy_q", "actor/tpo_frac_zero_signal_groups",
-             "actor/ppo_kl")
-    return loss, dict(zip(names, values))
+    names = ("actor/tpo_kl_q_p", "actor/tpo_entropy_p", "actor/tpo_entropy_q", "actor/ppo_kl")
+    metrics = dict(zip(names, values))
+    metrics["actor/tpo_frac_zero_signal_groups"] = 1.0 - float(signal.double().mean()) if num_groups else float("nan")
+    return metrics
