@@ -23,7 +23,7 @@ def trainer_config(output_dir: str, **overrides):
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
                   max_steps=2, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0,
                   temperature=0.9, bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0, tpo_backend="cpu", tpo_log_token_entropy=False)
+                  disable_tqdm=True, seed=0, tpo_backend="cpu")
     kwargs.update(overrides)
     return TargetPOConfig(**kwargs)
 
