@@ -165,3 +165,17 @@ def test_the_cuda_arch_is_decided_once_for_the_build_and_the_tests(tmp_path, pre
     tests = [r for r in records if "pytest" in r["args"]]
     assert len(build) == 1 and len(tests) == 1
     assert build[0]["archs"] == tests[0]["archs"] == (preset or "86")
+
+
+def test_ci_runs_the_compatibility_job_on_the_versions_gpu_check_prints():
+    """.ci/run runs .ci/gpu_compat.sh before the test suite; the job installs the versions file
+    that gpu_check's env step compares against (one file), and every test file it names exists."""
+    commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    compat = [i for i, c in enumerate(commands) if c.startswith("bash .ci/gpu_compat.sh")]
+    assert compat and compat[0] < commands.index("python3 -m pytest -q tests")
+    job = (ROOT / ".ci" / "gpu_compat.sh").read_text()
+    assert f"VERSIONS={VERSIONS.relative_to(ROOT)}\n" in job and '-r "$VERSIONS"' in job
+    assert f'VERSIONS="$REPO/{VERSIONS.relative_to(ROOT)}"' in SCRIPT.read_text()
+    listed = re.search(r"COMPAT_TESTS=\(\n(.*?)\n\)", job, re.S).group(1).split()
+    assert listed and all((ROOT / target.split("::")[0]).is_file() for target in listed), listed
