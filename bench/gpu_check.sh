@@ -181,7 +181,7 @@ for line in open(sys.argv[1]):
         print(f"version {want.name} {found}: {'as' if same else 'NOT as'} in CI's compatibility job ({want})")
 EOF
   } > "$S/env.txt" 2>&1
-  grep -E '^(torch|triton|device:)' "$S/env.txt" | tr '\n' ' '
+  grep -E '^(python|triton|setuptools|pybind11|device:)' "$S/env.txt" | tr '\n' ' '
   echo "TPO_CUDA_ARCHS=$TPO_CUDA_ARCHS"
   grep -E '^version .*: NOT as' "$S/env.txt"
   return 0
