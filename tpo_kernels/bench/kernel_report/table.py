@@ -66,7 +66,7 @@ def verdict(rows: Sequence[KernelRow]) -> Tuple[int, str]:
         text.append("SPILLS in fp32/bf16/fp16 kernels (fails):")
         text += [f"  {r.source} {r.kernel} {r.arch} {r.dtype} {r.spec}: {_spill_text(r)}" for r in failing]
         return 1, "\n".join(text)
-    text.append("No spills in fp32, bf16 or fp16 kernels.")
+    text.append("No spills in fp32, bf16 or fp16 kernels" + (" beyond the known local memory above." if known else "."))
     return 0, "\n".join(text)
 
 
