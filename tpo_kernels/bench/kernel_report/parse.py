@@ -19,8 +19,8 @@ FAIL_DTYPES = ("fp32", "bf16", "fp16")  # a spill in one of these fails the repo
 # without any under the Triton CI tests with (3.9): recorded here as measured, it is reported as
 # known under that release only, and only up to the bytes and LDL/STL instructions recorded; any
 # other local memory, and any under another release, fails as before. Triton 3.6 (the GPU
-# machine's, bench/gpu_machine_versions.txt): ptxas 12.8, 12.9 and 13.0 agree on its PTX (no
-# .local in it), so the frame comes from the PTX that release emits.
+# machine's, bench/gpu_machine_versions.txt): its PTX of these kernels has no .local; ptxas
+# makes the frame from it, and ptxas 12.8, 12.9 and 13.0 agree (issue 23).
 # (Triton major.minor, kernel, arch, dtype, specialization) -> (local bytes, LDL/STL instructions)
 KNOWN_TRITON_LOCAL_MEMORY = {
     ("3.6", "_candidate_dot_kernel", "sm_90", "fp16", "HAS_BIAS=0 BLOCK_K=8 BLOCK_H=512 warps=8 not%16:num_cand"): (8, 2),
