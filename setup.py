@@ -7,7 +7,7 @@
   pybind11 bindings by the host compiler, linked with the host linker against the static CUDA
   runtime (so importing it needs no libcudart on the library path, and no GPU).
 
-Build-time requirements: setuptools, pybind11 and the compilers. torch is never imported here.
+Build-time requirements: setuptools (64 or newer), pybind11 and the compilers. torch is never imported here.
 
 Environment variables:
   TPO_CUDA_ARCHS     compute capabilities, e.g. "80;90" (default) or "80 90 100"; PTX for the
@@ -193,7 +193,23 @@ class BuildPy(_setuptools_build_py):
         super().run()
 
 
+# --------------------------------------------------------------------------------------------
+# License metadata. setuptools 77 and newer take PEP 639's SPDX expression (and deprecate the
+# free-text field); older ones reject it in pyproject.toml, and a machine with torch 2.11 (which
+# accepts any setuptools < 82) may have one: a new Python 3.11 venv has 65.5. So pyproject.toml
+# declares the license dynamic, and it is given here in the form the running setuptools reads.
+# --------------------------------------------------------------------------------------------
+import setuptools  # noqa: E402
+
+
+def license_metadata(setuptools_version: str = setuptools.__version__) -> dict:
+    if int(setuptools_version.split(".")[0]) >= 77:
+        return {"license_expression": "Apache-2.0", "license_files": ["LICENSE"]}
+    return {"license": "Apache-2.0", "license_files": ["LICENSE"]}
+
+
 setup(
+    **license_metadata(),
     ext_modules=[cpu_extension, cuda_extension],
     cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     zip_safe=False,

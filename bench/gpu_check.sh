@@ -14,14 +14,17 @@
 #
 # Files: OUT_DIR/stage<N>/summary.txt (timeline, verdicts, failed tests), env.txt, and per step
 # a log; the benchmark tables in OUT_DIR/stage<N>/<preset>/results.{json,md}.
+# Versions: bench/gpu_machine_versions.txt lists the GPU machine's (torch, Triton, numpy,
+# setuptools) that CI's compatibility job tests; the env step prints what it finds beside them.
 # Every step runs under its own time limit (timeout; pytest gets SIGINT first, so it still prints
 # its -rfE summary), cut further so that the stage ends by its deadline.
 #
 # Environment: PYTHON (default python3); GPU_CHECK_BUDGET (seconds per stage, default 285, at
 # most 295); GPU_CHECK_SKIP_BUILD=1 (stage 1: reuse a build in place); GPU_CHECK_GPU_TESTS (the
 # pytest -k expression of the GPU-relevant tests, default "gpu or triton or cuda"); GPU_CHECK_TESTS
-# (test paths, default tests). Wheels in .whl/ at the repository root are installed into
-# /tmp/site first (no network needed).
+# (test paths, default tests); TPO_CUDA_ARCHS (default: the GPU's own arch, decided once for the
+# stage, so the build and the tests that check it agree). Wheels in .whl/ at the repository root
+# are installed into /tmp/site first (no network needed).
 set -u
 usage() { echo "usage: bash bench/gpu_check.sh [--dry-run] --stage 1|2 OUT_DIR" >&2; exit 2; }
 STAGE="" DRY=0 OUT=""
@@ -30,7 +33,7 @@ while [ $# -gt 0 ]; do
     --stage) [ $# -ge 2 ] || usage; STAGE="$2"; shift 2 ;;
     --stage=*) STAGE="${1#--stage=}"; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$OUT" ] || usage; OUT="$1"; shift ;;
   esac
@@ -48,6 +51,10 @@ TESTS="${GPU_CHECK_TESTS:-tests}"
 S="$OUT/stage$STAGE"
 BENCH="$PY -m tpo_kernels.bench --reduced --no-plots"
 XDIST=""
+VERSIONS="$REPO/bench/gpu_machine_versions.txt"
+# Test files that need no GPU (the harness and tooling tests; CI runs them): neither stage runs
+# them, although stage 1's -k expression matches their names.
+CPU_ONLY_TESTS="--ignore=tests/test_bench.py --ignore=tests/test_kernel_report.py --ignore=tests/test_gpu_check.py"
 
 # ---------------------------------------------------------------------------- the steps
 # name | seconds | what (for the plan) | command (run by bash -c; "rest": all the time left)
@@ -61,8 +68,8 @@ if [ "$STAGE" = 1 ]; then
     "do_build"
   step status 20 "the tpo_kernels used (location, version, commit), tpo-kernels status, demo -> status.txt" \
     "do_status"
-  step gpu-tests 55 "pytest -rfE -k '$GPU_TESTS' $TESTS (Triton/CUDA kernels and gpu-marked tests) -> gpu-tests.log" \
-    "do_tests gpu-tests.log -k \"\$GPU_TESTS\""
+  step gpu-tests 55 "pytest -rfE -k '$GPU_TESTS' $TESTS (Triton/CUDA kernels and gpu-marked tests; no CPU-only tooling tests) -> gpu-tests.log" \
+    "do_tests gpu-tests.log -k \"\$GPU_TESTS\" $CPU_ONLY_TESTS"
   step bench-logits 110 "$BENCH --preset logits-speedup-gpu (copy calibration, kernel-only times, clocks) -> bench-logits.log" \
     "do_bench bench-logits.log logits-speedup-gpu"
 else
@@ -73,7 +80,7 @@ else
   step bench-token 70 "$BENCH --preset token-level-speedup-gpu (uniform and Zipf candidates) -> bench-token.log" \
     "do_bench bench-token.log token-level-speedup-gpu"
   step rest-tests rest "pytest -rfE -k 'not ($GPU_TESTS)' $TESTS (the rest of the suite, while time is left) -> rest-tests.log" \
-    "do_tests rest-tests.log -k \"not (\$GPU_TESTS)\" --ignore=tests/test_bench.py --ignore=tests/test_kernel_report.py --ignore=tests/test_gpu_check.py"
+    "do_tests rest-tests.log -k \"not (\$GPU_TESTS)\" $CPU_ONLY_TESTS"
 fi
 
 fixed_total() {
@@ -98,6 +105,7 @@ if [ "$DRY" = 1 ]; then
     fi
   done
   printf '  %-13s %7ss\n' total "$BUDGET"
+  echo "  versions CI's compatibility job tests ($(basename "$VERSIONS")): $(grep -v -e '^#' -e '^$' "$VERSIONS" | tr '\n' ' ')"
   echo "  writes $S/: summary.txt and the files named above; benchmark tables under $S/<preset>/"
   [ "$FIXED" -le "$BUDGET" ] || { echo "gpu_check: the fixed budgets (${FIXED}s) exceed the stage budget (${BUDGET}s)"; exit 1; }
   # the presets this stage runs must exist in the package here
@@ -132,6 +140,11 @@ fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
 export XDIST
+# Decided once: the build compiles for it, and test_native_build.py checks the build against it.
+if [ -z "${TPO_CUDA_ARCHS:-}" ]; then
+  TPO_CUDA_ARCHS="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")' 2>/dev/null || echo 90)"
+fi
+export TPO_CUDA_ARCHS VERSIONS
 
 write_env() {
   { date -u
@@ -145,21 +158,37 @@ try:
 except Exception as e:
     print("triton: not importable", e)
 print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE")
-for name in ("matplotlib", "hypothesis", "pybind11", "xdist", "liger_kernel", "cut_cross_entropy"):
+for name in ("setuptools", "pybind11", "matplotlib", "hypothesis", "xdist", "liger_kernel", "cut_cross_entropy"):
     try:
         m = __import__(name); print(name, getattr(m, "__version__", "?"))
     except Exception as e:
         print(name, "missing:", type(e).__name__)
 EOF
+    "$PY" - "$VERSIONS" <<'EOF'
+import importlib.metadata as md, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+for line in open(sys.argv[1]):
+    if line.strip() and not line.startswith("#"):
+        want = Requirement(line.split("#")[0].strip())
+        try:
+            found = md.version(want.name)
+        except md.PackageNotFoundError:
+            found = "missing"
+        same = found != "missing" and want.specifier.contains(found, prereleases=True)
+        print(f"version {want.name} {found}: {'as' if same else 'NOT as'} in CI's compatibility job ({want})")
+EOF
   } > "$S/env.txt" 2>&1
-  grep -E '^(torch|triton|device:)' "$S/env.txt" | tr '\n' ' '
+  grep -E '^(python|triton|setuptools|pybind11|device:)' "$S/env.txt" | tr '\n' ' '
+  echo "TPO_CUDA_ARCHS=$TPO_CUDA_ARCHS"
+  grep -E '^version .*: NOT as' "$S/env.txt"
+  return 0
 }
 
 do_build() {
   if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then echo "skipped (GPU_CHECK_SKIP_BUILD=1)"; return 0; fi
-  local arch
-  arch="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")' 2>/dev/null || echo 90)"
-  export TPO_CUDA_ARCHS="${TPO_CUDA_ARCHS:-$arch}"
   echo "sm_$TPO_CUDA_ARCHS"
   "$PY" setup.py build_ext --inplace -j "$(nproc 2>/dev/null || echo 8)" > "$S/build.log" 2>&1
 }

@@ -1,7 +1,9 @@
 """bench/gpu_check.sh without a GPU: the dry run of both stages (the plan, each step's time budget
-within the 5-minute limit, the presets it names exist), and both stages run end to end with a
-stand-in Python that records what it is asked to run (order of the steps, pytest's -rfE and -k
-arguments intact, benchmarks before the long tail of tests, time limits enforced)."""
+within the 5-minute limit, the presets it names exist, the versions CI tests), and both stages run
+end to end with a stand-in Python that records what it is asked to run and with which
+TPO_CUDA_ARCHS (order of the steps, pytest's -rfE and -k arguments intact, no CPU-only test file
+in either stage, one CUDA arch for the build and the tests, benchmarks before the long tail of
+tests, time limits enforced)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
+VERSIONS = ROOT / "bench" / "gpu_machine_versions.txt"
 PYTHON = os.environ.get("PYTHON", "python3")
 
 
@@ -50,6 +53,9 @@ def test_dry_run_prints_the_plan_and_budgets(stage, tmp_path):
         assert list(steps) == ["env", "check-build", "bench-fused", "bench-token", "rest-tests"]
         assert "build_ext" not in proc.stdout  # stage 2 never rebuilds
         assert "presets found: fused-linear-gpu (cuda), token-level-speedup-gpu (cuda)" in proc.stdout
+    pins = [line for line in VERSIONS.read_text().splitlines() if line and not line.startswith("#")]
+    assert {p.split("==")[0] for p in pins} >= {"torch", "triton", "numpy", "setuptools"}
+    assert f"versions CI's compatibility job tests ({VERSIONS.name}): {' '.join(pins)}" in proc.stdout
 
 
 def test_bad_arguments():
@@ -58,9 +64,11 @@ def test_bad_arguments():
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# records its arguments (one JSON list per line) and pretends: pytest sleeps FAKE_PYTEST_SLEEP
-printf '%s\\n' "$(printf '%s\\0' "$@" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().split(chr(0))[:-1]))')" >> "$FAKE_LOG"
+# records its arguments and TPO_CUDA_ARCHS (one JSON object per line) and pretends: pytest sleeps
+# FAKE_PYTEST_SLEEP; the GPU's compute capability is FAKE_CAPABILITY
+printf '%s\\0' "$@" | python3 -c 'import json,os,sys; print(json.dumps({"args": sys.stdin.read().split(chr(0))[:-1], "archs": os.environ.get("TPO_CUDA_ARCHS")}))' >> "$FAKE_LOG"
 case " $* " in
+  *get_device_capability*) echo "${FAKE_CAPABILITY:-90}" ;;
   *" pytest "*) sleep "${FAKE_PYTEST_SLEEP:-0}"; echo "3 passed in 0.01s" ;;
   *" tpo_kernels.bench "*) echo "Targets:"; echo "[PASS] fake target"; echo ;;
   *) cat > /dev/null 2>&1 < /dev/null; echo ok ;;
@@ -76,8 +84,12 @@ def _fake_env(tmp_path, **extra):
     return {"PYTHON": str(fake), "FAKE_LOG": str(log), "GPU_CHECK_SKIP_BUILD": "1", **extra}, log
 
 
-def _calls(log):
+def _records(log):
     return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _calls(log):
+    return [record["args"] for record in _records(log)]
 
 
 def test_both_stages_run_their_steps_in_order(tmp_path):
@@ -121,3 +133,49 @@ def test_a_step_past_its_time_limit_is_stopped_and_the_stage_ends_on_time(tmp_pa
     assert re.search(r"rest-tests: rc=124 \(time limit\)", summary), summary
     elapsed = int(re.search(r"done in (\d+)s", summary).group(1))
     assert elapsed <= 30
+
+
+CPU_ONLY_TEST_FILES = ("tests/test_gpu_check.py", "tests/test_kernel_report.py", "tests/test_bench.py")
+
+
+def test_neither_stage_runs_the_cpu_only_test_files(tmp_path):
+    """Stage 1's -k 'gpu or triton or cuda' matches these files by name (test_gpu_check.py whole,
+    the kernel report's Triton tests), yet they need no GPU and CI runs them: both stages leave
+    them out."""
+    env, log = _fake_env(tmp_path)
+    for stage in ("1", "2"):
+        assert _run(["--stage", stage, str(tmp_path / "out")], env=env).returncode == 0
+    tests = [c for c in _calls(log) if "pytest" in c]
+    assert len(tests) == 2
+    for call in tests:
+        for path in CPU_ONLY_TEST_FILES:
+            assert (ROOT / path).is_file() and f"--ignore={path}" in call, (path, call)
+
+
+@pytest.mark.parametrize("preset", [None, "80"])
+def test_the_cuda_arch_is_decided_once_for_the_build_and_the_tests(tmp_path, preset):
+    """The build compiles for the GPU's own arch (or TPO_CUDA_ARCHS when set), and the tests that
+    check the build's cubins see the same TPO_CUDA_ARCHS."""
+    env, log = _fake_env(tmp_path, FAKE_CAPABILITY="86", GPU_CHECK_SKIP_BUILD="0")
+    env["TPO_CUDA_ARCHS"] = preset or ""
+    proc = _run(["--stage", "1", str(tmp_path / "out")], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = _records(log)
+    build = [r for r in records if "setup.py" in r["args"]]
+    tests = [r for r in records if "pytest" in r["args"]]
+    assert len(build) == 1 and len(tests) == 1
+    assert build[0]["archs"] == tests[0]["archs"] == (preset or "86")
+
+
+def test_ci_runs_the_compatibility_job_on_the_versions_gpu_check_prints():
+    """.ci/run runs .ci/gpu_compat.sh before the test suite; the job installs the versions file
+    that gpu_check's env step compares against (one file), and every test file it names exists."""
+    commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    compat = [i for i, c in enumerate(commands) if c.startswith("bash .ci/gpu_compat.sh")]
+    assert compat and compat[0] < commands.index("python3 -m pytest -q tests")
+    job = (ROOT / ".ci" / "gpu_compat.sh").read_text()
+    assert f"VERSIONS={VERSIONS.relative_to(ROOT)}\n" in job and '-r "$VERSIONS"' in job
+    assert f'VERSIONS="$REPO/{VERSIONS.relative_to(ROOT)}"' in SCRIPT.read_text()
+    listed = re.search(r"COMPAT_TESTS=\(\n(.*?)\n\)", job, re.S).group(1).split()
+    assert listed and all((ROOT / target.split("::")[0]).is_file() for target in listed), listed

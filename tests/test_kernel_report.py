@@ -148,6 +148,38 @@ def test_a_spill_in_an_fp32_kernel_fails_and_fp64_is_only_reported():
     assert KR.KernelRow.from_json(json.loads(json.dumps(fwd.to_json()))) == fwd
 
 
+def _gpu_machine_triton():
+    pins = (ROOT / "bench" / "gpu_machine_versions.txt").read_text().splitlines()
+    return next(line.split("==")[1] for line in pins if line.startswith("triton=="))
+
+
+def test_known_triton_local_memory_is_allowed_under_its_release_only():
+    """Local memory recorded for one Triton release (the GPU machine's 3.6) passes under that
+    release up to the recorded bytes and LDL/STL count; under any other release (3.9, which CI
+    uses), or with more of it, or in a kernel not recorded, it fails as any spill does."""
+    releases = {key[0] for key in KR.KNOWN_TRITON_LOCAL_MEMORY}
+    gpu_machine = ".".join(_gpu_machine_triton().split(".")[:2])
+    assert releases <= {gpu_machine} and "3.9" not in releases
+    (release, kernel, arch, dtype, spec), (nbytes, insts) = next(iter(KR.KNOWN_TRITON_LOCAL_MEMORY.items()))
+
+    def row(triton_version, stack=nbytes, local_insts=insts, name=kernel):
+        r = KR.KernelRow(source="triton", kernel=name, arch=arch, dtype=dtype, spec=spec, regs=32, stack=stack,
+                         local_insts=local_insts, used_by=["test"])
+        r.mark_known(triton_version)
+        return r
+
+    known = row(release + ".0")
+    assert known.spilled and known.known == f"Triton {release}" and not known.fails
+    status, text = KR.verdict([known])
+    assert status == 0 and "Known local memory" in text and kernel in text and "beyond the known local memory" in text
+    assert f"(known, Triton {release})" in KR.format_table([known])
+    for failing in (row("3.9.0"), row(release + ".1", stack=nbytes + 4), row(release + ".0", local_insts=insts + 1),
+                    row(release + ".0", name="_other_kernel")):
+        assert failing.fails and not failing.known and KR.verdict([failing])[0] == 1
+    assert not row(release + ".0", stack=0, local_insts=0).known  # nothing to excuse: an ordinary clean row
+    assert KR.KernelRow.from_json(json.loads(json.dumps(known.to_json()))) == known
+
+
 def test_missing_cuobjdump_is_an_error(monkeypatch, tmp_path, capsys):
     missing = str(tmp_path / "no-cuobjdump")
     monkeypatch.setenv("CUOBJDUMP", missing)

@@ -175,3 +175,24 @@ def test_cuda_extension_carries_every_configured_arch():
                                check=True).stdout
         for arch in CUDA_TOOLKIT.cuda_archs():
             assert f"sm_{arch}.cubin" in elves, f"{so.name} lacks sm_{arch} code:\n{elves}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Package metadata with the setuptools installed (CI's compatibility job: an old one)
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_source
+def test_metadata_builds_with_the_installed_setuptools(tmp_path):
+    """setup.py gives the license in the form the running setuptools reads: PEP 639's
+    License-Expression from setuptools 77 on, the License field before (a new Python 3.11 venv
+    has 65.5, which rejects a license string in pyproject.toml and fails the whole build)."""
+    import setuptools
+
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fields = (tmp_path / "tpo_kernels.egg-info" / "PKG-INFO").read_text().splitlines()
+    modern = int(setuptools.__version__.split(".")[0]) >= 77
+    assert ("License-Expression: Apache-2.0" if modern else "License: Apache-2.0") in fields, fields
+    assert "License-File: LICENSE" in fields

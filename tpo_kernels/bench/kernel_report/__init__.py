@@ -32,7 +32,9 @@ the SASS by width in bits (``128x2`` = two 128-bit LDG instructions; LDG.E.128 i
 load), then the stores. ``launched for``: the calls that produced this specialization.
 
 Exit status: 0 when no fp32, bf16 or fp16 kernel spills (fp64 kernels are reported, not
-failed); 1 when one does; 2 when the report could not be made (a missing tool, a compile error).
+failed; so is the local memory ``KNOWN_TRITON_LOCAL_MEMORY`` records for one Triton release,
+under that release only: Triton 3.6's two 8-byte frames, none under 3.9); 1 when one does; 2
+when the report could not be made (a missing tool, a compile error).
 """
 
 from .cuda import _cuda_rows, built_cuda_extensions, collect_cuda, elf_archs
@@ -41,6 +43,7 @@ from .parse import (
     DEFAULT_DTYPES,
     DEFAULT_VOCABS,
     FAIL_DTYPES,
+    KNOWN_TRITON_LOCAL_MEMORY,
     KernelRow,
     ReportError,
     cuda_label,
@@ -53,7 +56,7 @@ from .table import build_parser, format_table, main, verdict
 from .tools import find_cuobjdump, inspect_binary, load_toolkit, package_dir, triton_tool
 from .triton import Scenario, collect_triton, run_triton_workers, triton_scenarios
 
-__all__ = ["DEFAULT_ARCHS", "DEFAULT_DTYPES", "DEFAULT_VOCABS", "FAIL_DTYPES", "KernelRow", "ReportError", "Scenario",
+__all__ = ["DEFAULT_ARCHS", "DEFAULT_DTYPES", "DEFAULT_VOCABS", "FAIL_DTYPES", "KNOWN_TRITON_LOCAL_MEMORY", "KernelRow", "ReportError", "Scenario",
            "_cuda_rows", "build_parser", "built_cuda_extensions", "collect_cuda", "collect_triton", "cuda_label",
            "demangle", "elf_archs", "find_cuobjdump", "format_table", "inspect_binary", "load_toolkit", "main",
            "package_dir", "parse_ptxas_log", "parse_resource_usage", "parse_sass", "run_triton_workers",

@@ -151,6 +151,7 @@ def collect_triton(arch: int, scenarios: Iterable[Scenario], cuobjdump: Optional
     replaces Triton's active driver and ``JITFunction.run`` for the rest of the process."""
     import warnings
 
+    import triton
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
@@ -205,6 +206,7 @@ def collect_triton(arch: int, scenarios: Iterable[Scenario], cuobjdump: Optional
                 smem_dynamic=int(getattr(kernel.metadata, "shared", 0) or 0), loads=facts["loads"],
                 stores=facts["stores"], used_by=[scenario.label], symbol=symbol,
             )
+            rows[key].mark_known(triton.__version__)
     return list(rows.values())
 
 
