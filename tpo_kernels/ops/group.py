@@ -39,6 +39,7 @@ def _group_targets(
     old_seq_logprobs: Optional[Tensor],
     eta: float,
     anchor: bool,
+    score_eps: float,
     backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     layout = BatchLayout.from_op_args(
@@ -46,7 +47,8 @@ def _group_targets(
         max_seq_len, max_group_size, group_size, padded_len,
     )
     result = backend_by_key(backend).group_targets(
-        token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor
+        token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor,
+        score_eps=score_eps,
     )
     coef = result.p - result.q if result.coef is None else result.coef
     return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss, coef)
@@ -55,7 +57,7 @@ def _group_targets(
 @_group_targets.register_fake
 def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
       num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs,
-      eta, anchor, backend):
+      eta, anchor, score_eps, backend):
     n = seq_start.shape[0]
     per_seq = [token_logprobs.new_empty(n) for _ in range(4)]
     return (*per_seq, token_logprobs.new_empty(num_groups), token_logprobs.new_empty(n))
@@ -74,17 +76,20 @@ def _backward(ctx, grad_seq_logprobs, grad_u, grad_p, grad_q, grad_group_loss, g
         grad_seq = grad_seq + grad_seq_logprobs
     inside = token_seq >= 0
     grad_tokens = torch.where(inside, grad_seq[token_seq.clamp(min=0)], 0.0)
-    return (grad_tokens,) + (None,) * 16
+    return (grad_tokens,) + (None,) * 17
 
 
 _group_targets.register_autograd(_backward, setup_context=_setup_context)
 
 
 def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *,
-                  old_seq_logprobs: Optional[Tensor], eta: float, anchor: bool, backend: str) -> GroupResult:
+                  old_seq_logprobs: Optional[Tensor], eta: float, anchor: bool, backend: str,
+                  score_eps: float = 0.0) -> GroupResult:
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
-    ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``."""
-    outputs = _group_targets(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, backend)
+    ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``. ``score_eps``: the
+    near-tie tolerance of :func:`tpo_kernels.group_op.standardize_dense`."""
+    outputs = _group_targets(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, score_eps,
+                             backend)
     return GroupResult(*outputs)
 
 
