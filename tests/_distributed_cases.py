@@ -166,13 +166,18 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
 
 def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction: str = "mean",
             backend: str = "torch", old=None, kl=False, packed=False, seed=0, group_size: int = 4,
-            tie: bool = True) -> dict:
-    """Item 1: groups split over ranks; loss and every gradient vs the whole batch in one process."""
+            tie: bool = True, entropy: bool = False, masked_rank: Optional[int] = None) -> dict:
+    """Item 1: groups split over ranks; loss, every gradient and every aux entry vs the whole
+    batch in one process. ``masked_rank``: every completion of that rank has no counted token
+    (left out of its group, as in one process)."""
     pg = _GROUP
     batch = dp_batch(sizes, grouping=grouping, old=old, kl=kl, packed=packed, seed=seed, group_size=group_size,
                      tie=tie)
+    if masked_rank is not None:
+        starts = _offsets(batch["sizes"])
+        batch["labels"][_token_rows(batch, starts[masked_rank], batch["sizes"][masked_rank])] = -100
     whole, share = _whole(batch), _share(batch, rank)
-    common = dict(reduction=reduction, backend=backend, return_aux=True)
+    common = dict(reduction=reduction, backend=backend, return_aux=True, return_entropy=entropy)
     if path == "logits":
         ref_leaf = _leaf(batch["logits"])
         ref_loss, ref_aux = tpo_kernels.tpo_loss(ref_leaf * 1.0, batch["labels"], batch["scores"], **whole, **common)
@@ -198,15 +203,22 @@ def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction
                  "grad_weight": (_mean_over(pg, w.grad), ref_w.grad),
                  "grad_bias": (_mean_over(pg, b.grad), ref_b.grad)}
         grads = {"hidden": (h.grad, ref_h.grad[share["rows"]])}
+    single_keys = set(ref_aux)
+    assert single_keys <= set(aux) and set(aux) - single_keys == {"seq_offset"}, (sorted(aux), sorted(ref_aux))
+    assert aux["seq_offset"] == share["seqs"].start
     for name in ("p", "q", "u", "coef", "seq_logprobs"):
         pairs[f"aux_{name}"] = (aux[name], ref_aux[name][share["seqs"]])
-    pairs["aux_group_loss"] = (aux["group_loss"], ref_aux["group_loss"])
+    for name in ("token_logprobs",) + (("token_entropy",) if entropy else ()):
+        pairs[f"aux_{name}"] = (aux[name], ref_aux[name][share["rows"]])
+    for name in ("group_loss", "kl_q_p", "entropy_p", "entropy_q", "zero_signal"):
+        pairs[f"aux_{name}"] = (aux[name], ref_aux[name])
     tied = _tied_rows(batch)[share["rows"]]
     zeros = {}
-    if tie and not kl and (old is None):  # zero-signal: tied on-policy groups, exactly zero on both sides
+    if tie and not kl and (old is None) and masked_rank is None:  # zero-signal: tied on-policy groups, exactly zero on both sides
         for name, (got, want) in grads.items():
             zeros[f"tied_{name}_zero"] = bool((got[tied] == 0).all()) and bool((want[tied] == 0).all())
-            zeros[f"untied_{name}_nonzero"] = bool((got[~tied] != 0).any())
+            if (~tied).any():  # a rank holding no completion has nothing to look at
+                zeros[f"untied_{name}_nonzero"] = bool((got[~tied] != 0).any())
     return {"pairs": pairs, "zeros": zeros, "tied_tokens": int(tied.sum())}
 
 
@@ -424,40 +436,137 @@ def bytes_case(rank: int, world: int) -> dict:
     return {"bytes": out}
 
 
-# ----------------------------------------------------------------------------- errors
+# ----------------------------------------------------------------------------- token level, failures
 
 
-def errors_case(rank: int, world: int) -> dict:
-    """Inputs that are fine on each rank but inconsistent across ranks raise the same error on
-    every rank (no rank is left waiting in a collective)."""
+def token_dp_case(rank: int, world: int, *, states: Sequence[int], fused: bool = False, reduction: str = "mean",
+                  backend: str = "torch", old: bool = False) -> dict:
+    """Token-level TPO with states split over ranks: the loss of every rank's states, and (after
+    DDP's average) the single-process gradient."""
+    pg, num_cand = _GROUP, 4
+    gen = torch.Generator().manual_seed(11)
+    total = sum(states)
+    hidden = torch.randn(total, HIDDEN, generator=gen)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.5
+    logits = torch.randn(total, VOCAB, generator=gen) * 2
+    candidates = torch.randint(0, VOCAB, (total, num_cand), generator=gen)
+    scores = torch.randn(total, num_cand, generator=gen)
+    scores[0] = 0.5  # a tied state
+    kwargs = dict(reduction=reduction, backend=backend, return_aux=True)
+    old_all = -torch.rand(total, num_cand, generator=gen) * 3 if old else None
+    starts = _offsets(states)
+    mine = slice(starts[rank], starts[rank + 1])
+    if fused:
+        ref_h, ref_w, h, w = _leaf(hidden), _leaf(weight), _leaf(hidden[mine]), _leaf(weight)
+        ref_loss, ref_aux = tpo_kernels.fused_linear_token_tpo_loss(ref_h, ref_w, candidates, scores,
+                                                                    old_logprobs=old_all, **kwargs)
+        loss, aux = tpo_kernels.fused_linear_token_tpo_loss(
+            h, w, candidates[mine], scores[mine], old_logprobs=None if old_all is None else old_all[mine],
+            process_group=pg, **kwargs)
+        _loss_value(ref_loss).backward()
+        _loss_value(loss).backward()
+        pairs = {"grad_hidden": (h.grad / world, ref_h.grad[mine]), "grad_weight": (_mean_over(pg, w.grad), ref_w.grad)}
+    else:
+        ref_z, z = _leaf(logits), _leaf(logits[mine])
+        ref_loss, ref_aux = tpo_kernels.token_tpo_loss(ref_z, candidates, scores, old_logprobs=old_all, **kwargs)
+        loss, aux = tpo_kernels.token_tpo_loss(z, candidates[mine], scores[mine], process_group=pg,
+                                               old_logprobs=None if old_all is None else old_all[mine], **kwargs)
+        _loss_value(ref_loss).backward()
+        _loss_value(loss).backward()
+        pairs = {"grad_logits": (z.grad / world, ref_z.grad[mine])}
+    pairs["loss"] = (loss.detach(), ref_loss.detach())
+    for name in ("p", "q", "u", "coef", "candidate_logits"):
+        pairs[f"aux_{name}"] = (aux[name], ref_aux[name][mine])
+    pairs["aux_state_loss"] = (aux["state_loss"], ref_aux["state_loss"])
+    assert aux["state_offset"] == mine.start
+    return {"pairs": pairs, "zeros": {}}
+
+
+def failures_case(rank: int, world: int) -> dict:
+    """Calls that fail on one rank (or whose ranks disagree): every rank must raise the same
+    error, fast. Returns, per scenario, ``(error type, message, seconds)`` (None: no error)."""
+    import time
+
     from torch.distributed.tensor import Shard, distribute_tensor
 
     pg = _GROUP
-    batch = dp_batch([5] * world, grouping="size", seed=8)
+    batch = dp_batch([4] * world, grouping="size", seed=9)
     share = _share(batch, rank)
-    messages = {}
+    h, w, labels, scores, logits = share["hidden"], batch["weight"], share["labels"], share["scores"], share["logits"]
+    last = rank == world - 1
+    outcomes = {}
 
     def attempt(name, fn):
+        start = time.monotonic()
         try:
             fn()
-            messages[name] = None
+            outcomes[name] = None
         except (ValueError, TypeError) as exc:
-            messages[name] = f"{type(exc).__name__}: {exc}"
+            outcomes[name] = (type(exc).__name__, str(exc), time.monotonic() - start)
 
-    h, w = share["hidden"], batch["weight"]
-    attempt("group_size_total", lambda: tpo_kernels.fused_linear_tpo_loss(
-        h, w, share["labels"], share["scores"], group_size=3, process_group=pg))
-    old = {"old_logprobs": share["scores"] * 0 - 1.0} if rank == 0 else {}
-    attempt("old_on_one_rank", lambda: tpo_kernels.fused_linear_tpo_loss(
-        h, w, share["labels"], share["scores"], group_size=5, process_group=pg, **old))
+    def fused(**kw):
+        args = dict(hidden=h, weight=w, labels=labels, scores=scores, group_size=4, process_group=pg)
+        args.update(kw)
+        return tpo_kernels.fused_linear_tpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"),
+                                                 args.pop("scores"), **args)
+
+    bad_labels = labels.clone()
+    bad_labels[0, 0] = VOCAB + 3
+    attempt("label_out_of_range", lambda: fused(labels=bad_labels if last else labels))
+    nan_scores = scores.clone()
+    nan_scores[1] = float("nan")
+    attempt("nan_score", lambda: fused(scores=nan_scores if last else scores))
+    everything_masked = torch.full_like(labels, -100)
+    attempt("no_counted_token_anywhere", lambda: fused(labels=everything_masked))
+    attempt("compute_dtype", lambda: tpo_kernels.tpo_loss(
+        logits.double() if last else logits, labels, scores, group_size=4, process_group=pg))
+    attempt("return_entropy", lambda: fused(return_aux=True, return_entropy=last))
+    attempt("eta", lambda: fused(eta=0.5 if last else 1.0))
+    attempt("reduction", lambda: fused(reduction="sum" if last else "mean"))
+    attempt("old_on_one_rank", lambda: fused(old_logprobs=scores * 0 - 1.0 if last else None))
+    attempt("bad_type_on_one_rank", lambda: fused(group_size=4.0 if last else 4))
+    attempt("token_level_nan", lambda: tpo_kernels.token_tpo_loss(
+        logits.reshape(-1, VOCAB)[:3], torch.zeros(3, 2, dtype=torch.int64),
+        torch.full((3, 2), float("nan")) if last else torch.zeros(3, 2), process_group=pg))
+    # Vocabulary-parallel: every rank holds a shard of the head and the same tokens.
+    sizes = vocab_split(VOCAB, world)
+    start = sum(sizes[:rank])
+    w_shard = w[start:start + sizes[rank]]
+    whole_labels = batch["labels"][:4]
+    other_labels = whole_labels.clone()
+    other_labels[0, 0] = (int(other_labels[0, 0]) + 1) % VOCAB
+    vp = dict(vocab_parallel_group=pg)
+    attempt("vp_label_out_of_range", lambda: tpo_kernels.fused_linear_logprobs(
+        batch["hidden"][:4], w_shard, torch.where(whole_labels >= 0, VOCAB + 1, whole_labels), **vp))
+    attempt("vp_labels_differ", lambda: tpo_kernels.fused_linear_logprobs(
+        batch["hidden"][:4], w_shard, other_labels if last else whole_labels, **vp))
+    attempt("vp_tokens_differ", lambda: tpo_kernels.fused_linear_logprobs(
+        batch["hidden"][:3 if last else 4], w_shard, whole_labels[:3 if last else 4], **vp))
+    attempt("vp_dtype", lambda: tpo_kernels.fused_linear_logprobs(
+        batch["hidden"][:4].double() if last else batch["hidden"][:4], w_shard.double() if last else w_shard,
+        whole_labels, **vp))
+    attempt("vp_softcap", lambda: tpo_kernels.selective_logprobs(
+        batch["logits"][:4][..., start:start + sizes[rank]], whole_labels, logit_softcap=30.0, **vp))
     attempt("overlapping_shards", lambda: tpo_kernels.fused_linear_logprobs(
-        h, w[:10], share["labels"], vocab_parallel_group=pg, vocab_start_index=0))
+        batch["hidden"][:4], w[:10], whole_labels, vocab_parallel_group=pg, vocab_start_index=0))
     fsdp_like = distribute_tensor(w, _MESH, [Shard(0)])  # FSDP2's sharded lm_head, outside forward
-    attempt("same_group_for_both", lambda: tpo_kernels.fused_linear_tpo_loss(
-        h, fsdp_like, share["labels"], share["scores"], group_size=5, process_group=pg))
-    attempt("start_without_group", lambda: tpo_kernels.fused_linear_logprobs(
-        h, w, share["labels"], vocab_start_index=0))
-    return {"messages": messages}
+    attempt("same_group_for_both", lambda: fused(weight=fsdp_like))
+    attempt("group_size_total", lambda: fused(group_size=5))
+    attempt("start_without_group", lambda: tpo_kernels.fused_linear_logprobs(h, w, labels, vocab_start_index=0))
+    return {"outcomes": outcomes}
+
+
+def dp_numpy_group_size_case(rank: int, world: int) -> dict:
+    """The split path takes the integers the single-process path takes (np.int64 group_size)."""
+    import numpy as np
+
+    batch = dp_batch([4] * world, grouping="size", seed=5)
+    share = _share(batch, rank)
+    loss = tpo_kernels.fused_linear_tpo_loss(share["hidden"], batch["weight"], share["labels"], share["scores"],
+                                             group_size=np.int64(4), process_group=_GROUP)
+    ref = tpo_kernels.fused_linear_tpo_loss(batch["hidden"], batch["weight"], batch["labels"], batch["scores"],
+                                            group_size=4)
+    return {"pairs": {"loss": (loss.detach(), ref.detach())}, "zeros": {}}
 
 
 # ----------------------------------------------------------------------------- DDP / FSDP2

@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-import tpo_kernels.backends.candidates as torch_ops
+import tpo_kernels.backends.torch_candidates as torch_ops
 from tpo_kernels.backends import Backend
 from tpo_kernels.bench import kernel_report
 from tpo_kernels.layout import pair_runs

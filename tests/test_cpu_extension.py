@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tpo_kernels._dtypes import compute_dtype
-from tpo_kernels.backends import candidates as torch_candidates
+from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tpo_kernels._dtypes import compute_dtype
-from tpo_kernels.backends import candidates as torch_candidates
+from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.group_op import group_targets as torch_group_targets
+from tpo_kernels.group_math import portable_group_targets as torch_group_targets
 from tpo_kernels.layout import build_layout
 
 from _backends import CUDA_EXTENSION, needs_cuda, needs_cuda_extension

@@ -61,7 +61,15 @@ CASES = {
         "bytes": ("bytes_case", {}),
         "train_ddp": ("train_case", dict(wrapper="ddp")),
         "train_fsdp2": ("train_case", dict(wrapper="fsdp2")),
-        "errors": ("errors_case", {}),
+        "dp_fused_entropy_aux": _dp("fused", [5, 7], "size", entropy=True, backend="cpu"),
+        "dp_logits_entropy_ids": _dp("logits", [4, 6], "ids", entropy=True, kl=True),
+        "dp_fused_empty_rank": _dp("fused", [0, 8], "size"),
+        "dp_logits_masked_rank": _dp("logits", [4, 4], "size", masked_rank=0),
+        "dp_numpy_group_size": ("dp_numpy_group_size_case", {}),
+        "token_dp_logits": ("token_dp_case", dict(states=[3, 5])),
+        "token_dp_fused_old_sum": ("token_dp_case", dict(states=[4, 2], fused=True, reduction="sum", old=True)),
+        "token_dp_empty_rank": ("token_dp_case", dict(states=[0, 4], backend="cpu")),
+        "failures": ("failures_case", {}),
     },
     3: {
         "dp_logits_ids_cpu": _dp("logits", [3, 5, 4], "ids", backend="cpu"),
@@ -74,6 +82,9 @@ CASES = {
         "vp_loss_logits_zero": ("vp_loss_case", dict(path="logits", rotate=True)),
         "dtensor_fused": ("dtensor_case", dict(path="fused", backend="cpu")),
         "bytes": ("bytes_case", {}),
+        "dp_fused_empty_middle_rank": _dp("fused", [4, 0, 4], "size", entropy=True),
+        "token_dp_fused": ("token_dp_case", dict(states=[2, 3, 1], fused=True)),
+        "failures": ("failures_case", {}),
     },
     4: {
         "two_d": ("two_d_case", {}),
@@ -112,7 +123,7 @@ def _check_pairs(per_rank, tol=FP32_TOL):
 
 
 CORRECTNESS = [(w, n) for w, cases in CASES.items() for n in cases
-               if n not in ("bytes", "errors") and not n.startswith("train")]
+               if n not in ("bytes", "failures") and not n.startswith("train")]
 
 
 @pytest.mark.parametrize("world,name", CORRECTNESS, ids=[f"{w}ranks-{n}" for w, n in CORRECTNESS])
@@ -137,47 +148,89 @@ def test_training_matches_single_process(wrapper):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_collective_bytes(world):
-    """Item 1 moves O(N): a 5-int64 size record, [max N_r, C] floats, max N_r int64 group ids,
-    the same for any T, V, H, and nothing in the backward. Item 2 moves O(M): [4, M] fp32
-    partials (row max, log-sum, label log-prob, owner flag; 5 rows with entropy) and, in the
-    backward, the [M, H] dH all-reduce; nothing depends on V."""
+    """Groups split over ranks move O(N): the call's agreement record, [max N_r, C] float64 rows,
+    max N_r int64 group ids, the same for any T, V, H, and nothing in the backward. A vocabulary
+    split over ranks moves O(M): the agreement record, [4, M] fp32 partials (row max, log-sum,
+    label log-prob, owner flag; 5 rows with entropy) and, in the backward, the [M, H] dH
+    all-reduce; nothing depends on V."""
     for rank, result in enumerate(_case(world, "bytes")):
         stats = result["bytes"]
         dp_small, dp_large = stats["dp_small"], stats["dp_large"]
         n = dp_small["max_n"]
-        columns = 5  # ell, score, old sequence log-prob, k3 sum, counted tokens
-        expected = [("all_gather", "sizes", 5 * 8, world * 5 * 8),
-                    ("all_gather", "rows", n * columns * 4, world * n * columns * 4),
+        columns = 6  # ell, score, kept, old sequence log-prob, k3 sum, counted tokens
+        record = dp_small["forward"][0][2]
+        expected = [("all_gather", "agreement", record, world * record),
+                    ("all_gather", "rows", n * columns * 8, world * n * columns * 8),
                     ("all_gather", "group_ids", n * 8, world * n * 8)]
+        assert record <= 1024, record
         assert dp_small["forward"] == expected, (rank, dp_small["forward"])
         assert dp_large["forward"] == expected, "item 1 must not depend on T, V or H"
         assert dp_small["backward"] == [] and dp_large["backward"] == []
         for name in ("vp_small", "vp_large"):
             vp = stats[name]
             m, h = vp["tokens"], vp["hidden"]
-            assert vp["forward"] == [("all_gather", "vocab_shards", 16, world * 16),
+            record = vp["forward"][0][2]
+            assert record <= 1024, record
+            assert vp["forward"] == [("all_gather", "agreement", record, world * record),
                                      ("all_gather", "partials", 4 * m * 4, world * 4 * m * 4)], vp["forward"]
             assert vp["backward"] == [("all_reduce", "hidden_grad", m * h * 4)], vp["backward"]
-            assert vp["entropy"] == [("all_gather", "vocab_shards", 16), ("all_gather", "partials", 5 * m * 4)]
+            assert vp["entropy"] == [("all_gather", "agreement", record), ("all_gather", "partials", 5 * m * 4)]
         if rank == 0:
             print(f"\n{world} ranks, bytes per rank: " + "; ".join(
                 f"{k}: fwd {[r[1:3] for r in v['forward']]} bwd {[r[1:] for r in v['backward']]}"
                 for k, v in stats.items()))
 
 
-def test_inconsistent_inputs_fail_on_every_rank():
-    """group_size not dividing the total N, old log-probs on one rank only, overlapping vocabulary
-    shards, the vocabulary and the batch split over the same ranks (FSDP2's sharded weight used
-    outside forward): the same ValueError on every rank, none left hanging."""
-    per_rank = [r["messages"] for r in _case(2, "errors")]
-    expected = {"group_size_total": "group_size must divide the number of completions over all ranks",
-                "old_on_one_rank": "ranks disagree",
-                "overlapping_shards": "must tile",
-                "same_group_for_both": "the vocabulary is sharded over the ranks of process_group",
-                "start_without_group": "vocab_start_index needs vocab_parallel_group"}
-    for name, fragment in expected.items():
-        for rank, messages in enumerate(per_rank):
-            assert messages[name] is not None and fragment in messages[name], (rank, name, messages[name])
+# Scenario -> what every rank's error says. Each fails on the last rank only (or disagrees there),
+# or is inconsistent across ranks; the other ranks must raise the same error, not wait.
+FAILURES = {
+    "label_out_of_range": (ValueError, "process_group: rank {last} failed its input checks; rank {last}: labels must"),
+    "nan_score": (ValueError, "rank {last}: scores must be finite"),
+    "no_counted_token_anywhere": (ValueError, "no completion on any rank of process_group has a counted token"),
+    "compute_dtype": (ValueError, "ranks disagree on compute dtype"),
+    "return_entropy": (ValueError, "ranks disagree on return_entropy"),
+    "eta": (ValueError, "ranks disagree on eta"),
+    "reduction": (ValueError, "ranks disagree on reduction"),
+    "old_on_one_rank": (ValueError, "ranks disagree on old_logprobs"),
+    "bad_type_on_one_rank": (TypeError, "rank {last}: group_size must be an int"),
+    "token_level_nan": (ValueError, "rank {last}: scores must be finite"),
+    "vp_label_out_of_range": (ValueError, "labels must hold ids in [0, 37)"),
+    "vp_labels_differ": (ValueError, "vocab_parallel_group: labels differs on rank {last} from rank 0"),
+    "vp_tokens_differ": (ValueError, "vocab_parallel_group: ranks disagree on tokens"),
+    "vp_dtype": (ValueError, "vocab_parallel_group: ranks disagree on compute dtype"),
+    "vp_softcap": (ValueError, "logit_softcap is not supported with a vocabulary-parallel"),
+    "overlapping_shards": (ValueError, "must tile"),
+    "same_group_for_both": (ValueError, "the vocabulary is sharded over the ranks of process_group"),
+    "group_size_total": (ValueError, "group_size must divide the number of completions over all ranks"),
+    "start_without_group": (ValueError, "vocab_start_index needs vocab_parallel_group"),
+}
+RAISE_WITHIN_S = 10.0  # the process-group timeout of these tests is 60 s; a stranded rank waits that long
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("scenario", sorted(FAILURES))
+def test_failures_raise_the_same_error_on_every_rank(world, scenario):
+    """A local check failing on one rank, or ranks disagreeing on a setting, the dtype, the tokens
+    or the labels of a vocabulary shard: every rank raises the same error (type and message,
+    naming the argument and the rank) within seconds; none waits for the others to time out."""
+    error_type, fragment = FAILURES[scenario]
+    fragment = fragment.format(last=world - 1)
+    outcomes = [r["outcomes"][scenario] for r in _case(world, "failures")]
+    assert all(o is not None for o in outcomes), (scenario, outcomes)
+    assert len({(o[0], o[1]) for o in outcomes}) == 1, f"ranks raised different errors: {outcomes}"
+    kind, message, seconds = outcomes[0]
+    assert kind == error_type.__name__ and fragment in message, outcomes[0]
+    assert max(o[2] for o in outcomes) < RAISE_WITHIN_S, outcomes
+
+
+def test_failure_times_are_reported():
+    """The time each failure scenario took to raise on every rank (printed for the record)."""
+    for world in (2, 3):
+        per_rank = [r["outcomes"] for r in _case(world, "failures")]
+        slowest = {name: max(o[name][2] for o in per_rank) for name in FAILURES}
+        print(f"\n{world} ranks, slowest rank per scenario (s): "
+              + ", ".join(f"{name} {seconds:.3f}" for name, seconds in sorted(slowest.items())))
+        assert max(slowest.values()) < RAISE_WITHIN_S
 
 
 def _example_commands():

@@ -1,7 +1,7 @@
 """Length-normalized sequence log-probs (``length_normalize``, the author's TRL port default): a
 completion's sequence log-prob, and its old log-prob from per-token old log-probs, is the mean
 over its counted tokens instead of the sum. The group stage applies per-token weights ``1/n_i``
-(:func:`tpo_kernels.group_op.length_weights`) to the token log-probs before the group op, so the
+(:func:`tpo_kernels.group_math.length_weights`) to the token log-probs before the group op, so the
 gradients are autograd's, exact. Per-completion ``[N]`` old log-probs are sequence log-probs in
 the loss's convention, taken as given (already means).
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tpo_kernels import reference
-from tpo_kernels.group_op import length_weights, segment_sum
+from tpo_kernels.group_math import length_weights, segment_sum
 from tpo_kernels.layout import build_layout
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS

@@ -1,5 +1,8 @@
 """Every nn.Module gives exactly what its functional form gives with the same settings."""
 
+import inspect
+
+import pytest
 import torch
 
 import tpo_kernels
@@ -41,3 +44,39 @@ def test_fused_linear_token_tpo_loss_module():
     expected = tpo_kernels.fused_linear_token_tpo_loss(hidden, weight, candidates, scores, **SETTINGS)
     module = tpo_kernels.FusedLinearTokenTPOLoss(**SETTINGS)
     assert torch.equal(module(hidden, weight, candidates, scores), expected)
+
+
+MODULES = [
+    (tpo_kernels.TPOLoss, tpo_kernels.tpo_loss),
+    (tpo_kernels.FusedLinearTPOLoss, tpo_kernels.fused_linear_tpo_loss),
+    (tpo_kernels.TokenTPOLoss, tpo_kernels.token_tpo_loss),
+    (tpo_kernels.FusedLinearTokenTPOLoss, tpo_kernels.fused_linear_token_tpo_loss),
+]
+
+
+@pytest.mark.parametrize("module_type, function", MODULES, ids=lambda x: getattr(x, "__name__", ""))
+def test_module_takes_every_keyword_of_its_function(module_type, function):
+    """Every keyword-only argument of the function is a constructor keyword or a forward keyword
+    of its module (validate, return_entropy, process_group, tile_policy, ...), none is lost."""
+    keywords = {name for name, p in inspect.signature(function).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    module = module_type()
+    assert keywords == set(module.settings) | (set(module_type.batch_keywords) & keywords)
+    for name in ("validate", "backend", "eta", "process_group"):
+        assert name in module.settings
+
+
+def test_module_rejects_an_unknown_keyword():
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        tpo_kernels.TPOLoss(etta=0.5)
+
+
+def test_module_forwards_validate_and_entropy():
+    logits = torch.randn(4, 3, 11)
+    labels = torch.randint(0, 11, (4, 3))
+    scores = torch.randn(4)
+    module = tpo_kernels.TPOLoss(validate=False, return_entropy=True, backend="torch")
+    loss, aux = module(logits, labels, scores, group_size=2, return_aux=True)
+    expected, expected_aux = tpo_kernels.tpo_loss(logits, labels, scores, group_size=2, validate=False,
+                                                  return_entropy=True, return_aux=True, backend="torch")
+    assert torch.equal(loss, expected) and torch.equal(aux["token_entropy"], expected_aux["token_entropy"])

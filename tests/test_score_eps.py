@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tpo_kernels import reference
-from tpo_kernels.group_op import standardize_dense
+from tpo_kernels.group_math import standardize_dense
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
 from _batches import make_batch

@@ -12,7 +12,7 @@ values, at 1e-5 for the loss (fp32 math) and 2e-2 for gradients rounded to bf16 
 import pytest
 import torch
 
-import tpo_kernels.backends.candidates as candidate_ops
+import tpo_kernels.backends.torch_candidates as candidate_ops
 from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
 from tpo_kernels.backends import Backend
 from tpo_kernels.layout import pair_runs

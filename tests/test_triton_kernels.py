@@ -1,4 +1,4 @@
-"""Kernel-level tests of the Triton backend against the torch backend and group_op.group_targets.
+"""Kernel-level tests of the Triton backend against the torch backend and group_math.portable_group_targets.
 
 On CPU these run under the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py when
 CUDA is absent), so shapes are kept small. Tolerances: fp32/fp64 inputs are compared tightly
@@ -17,7 +17,7 @@ import torch
 
 from tpo_kernels.backends import get_backend, triton_interpreter_enabled
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.group_op import group_targets as torch_group_targets
+from tpo_kernels.group_math import portable_group_targets as torch_group_targets
 from tpo_kernels.layout import build_layout
 
 from _backends import BACKEND_STATUS, DEVICE, backend_available, needs_triton_nvidia_compiler
@@ -378,7 +378,7 @@ def test_row_forward_all_minus_inf_row_has_no_distribution():
 
 def _check_group(layout, token_logprobs, scores, old, eta, anchor, tol, block_t=None):
     settings = dict(old_seq_logprobs=old, eta=eta, anchor=anchor)
-    got = group_kernel.group_targets(token_logprobs, layout, scores, block_t=block_t, **settings)
+    got = group_kernel.fused_group_targets(token_logprobs, layout, scores, block_t=block_t, **settings)
     ref = torch_group_targets(token_logprobs, layout, scores, **settings)
     for name in ("seq_logprobs", "u", "p", "q", "group_loss"):
         assert getattr(got, name).dtype == getattr(ref, name).dtype, name
@@ -416,7 +416,7 @@ def test_tied_group_on_policy_is_exactly_zero(dtype):
     # std-based tie test would produce u = +-1 noise; group 1 does not tie.
     v = 0.45938294312745087
     scores = torch.tensor([v, v, v, 0.0, 1.0, 0.5], dtype=dtype, device=DEVICE)
-    got = group_kernel.group_targets(token_lp, layout, scores, eta=0.5, anchor=True)
+    got = group_kernel.fused_group_targets(token_lp, layout, scores, eta=0.5, anchor=True)
     assert torch.equal(got.u[:3], torch.zeros(3, dtype=dtype, device=DEVICE))
     assert torch.equal(got.p[:3] - got.q[:3], torch.zeros(3, dtype=dtype, device=DEVICE))
     assert (got.p[3:] - got.q[3:] != 0).all()
@@ -447,8 +447,8 @@ def test_group_targets_deterministic():
     layout = build_layout(n * t, DEVICE, padded_shape=(n, t), group_size=4)
     token_lp = -torch.rand(n * t, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     scores = torch.arange(n, dtype=torch.float32, device=DEVICE) % 3
-    first = group_kernel.group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
-    second = group_kernel.group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
+    first = group_kernel.fused_group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
+    second = group_kernel.fused_group_targets(token_lp, layout, scores, eta=1.0, anchor=True)
     for name in ("seq_logprobs", "u", "p", "q", "group_loss"):
         assert torch.equal(getattr(first, name), getattr(second, name))
 

@@ -325,16 +325,6 @@ def test_logit_transform_bad_values_name_the_argument(function, bad, error, matc
         _transform_calls()[function](**bad)
 
 
-def test_logit_softcap_with_a_vocabulary_shard_is_refused():
-    """The shard merge has no soft cap; a scale alone folds into the temperature there."""
-    from tpo_kernels.ops import pipeline
-
-    logits, labels = torch.randn(4, 5), torch.zeros(4, dtype=torch.int64)
-    with pytest.raises(ValueError, match="logit_softcap is not supported with a vocabulary-parallel"):
-        pipeline.row_logprobs(logits, labels, object(), inv_temperature=1.0, logit_scale=1.0, logit_softcap=30.0,
-                              with_entropy=False, inplace_backward=False, backend="torch")
-
-
 # ----------------------------------------------------------------------------- trainer step benchmark CLI
 
 

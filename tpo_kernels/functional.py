@@ -1,8 +1,9 @@
 """The public functional API, in the style of ``torch.nn.functional``.
 
-Every function is the same short pipeline: check the inputs (:mod:`tpo_kernels._validate`),
-resolve the backend, run the row op (:mod:`tpo_kernels.ops`) and, for the losses, the group
-stage (:class:`tpo_kernels.ops.group.GroupObjective`).
+Every function states its call as a request and runs the one pipeline
+(:mod:`tpo_kernels.pipeline`): checks, the ranks' agreement when the call spans ranks, the row
+op (:mod:`tpo_kernels.ops`) and, for the losses, the group stage
+(:class:`tpo_kernels.ops.group.GroupObjective`).
 
 Shared keywords of the losses:
     eta: target temperature (> 0): ``q ∝ p_old · exp(u / eta)``.
@@ -35,12 +36,9 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _validate as check
-from . import distributed
-from ._dtypes import compute_dtype
-from .backends import Backend, backend_key, get_backend
+from . import pipeline
+from .backends import Backend
 from .ops import TilePolicy
-from .ops import pipeline
 from .token_functional import fused_linear_token_tpo_loss, token_tpo_loss  # token-level TPO, part of this API
 
 BackendArg = Union[str, Backend]
@@ -114,27 +112,14 @@ def tpo_loss(
         process_group, vocab_parallel_group, vocab_start_index: see the module docstring
             (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local).
     """
-    source = logits  # a DTensor's local shard is never overwritten when the DTensor is a leaf
-    logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
-    check.check_logits(logits)
-    inplace_backward = check.check_flag("inplace_backward", inplace_backward)
-    settings, chosen, batch, data_parallel = pipeline.sequence_setup(
-        logits, logits.shape[-1] if shard is None else shard.vocab_size, "logits", labels, scores, backend,
-        dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             return_entropy=return_entropy, validate=validate, logit_scale=logit_scale, logit_softcap=logit_softcap),
-        dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
-             ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
-        process_group, shard,
-    )
-    matrix, copied = pipeline.logits_rows(logits, shard)
-    # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf.
-    # Under torch.compile the graph owns the buffers: the backward is out of place.
-    inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and source.grad_fn is not None))
-    key = backend_key(chosen)
-    token_lp, entropy = pipeline.row_logprobs(matrix, batch.labels, shard, inv_temperature=settings.inv_temperature,
-                                              logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap,
-                                              with_entropy=settings.return_entropy, inplace_backward=inplace, backend=key)
-    return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
+    return pipeline.sequence_loss(pipeline.SequenceRequest(
+        "tpo_loss", pipeline.Logits(logits, inplace_backward),
+        pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
+                       ref_logprobs, beta),
+        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+                         return_entropy, validate),
+        pipeline.Placement(process_group, vocab_parallel_group, vocab_start_index),
+    ))
 
 
 def tpo_loss_from_logprobs(
@@ -169,23 +154,14 @@ def tpo_loss_from_logprobs(
             :func:`tpo_loss`.
         eta, anchor, reduction, backend, return_aux, validate, process_group: see the module docstring.
     """
-    check.check_float_tensor("logprobs", logprobs, (1, 2))
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=1.0, reduction=reduction,
-                                    return_aux=return_aux, validate=validate)
-    chosen = get_backend(backend, logprobs.device)
-    data_parallel = distributed.data_parallel_groups(process_group, group_size, group_ids, logprobs.device,
-                                                     "logprobs")
-    if data_parallel is not None:  # the local batch is checked per completion; groups form after the gather
-        group_size, group_ids = data_parallel.local_grouping()
-    # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
-    labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=logprobs.device)
-    batch = check.prepare_batch(
-        logprobs.shape, 1, logprobs.device, compute_dtype(logprobs.dtype), labels, scores,
-        group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, beta=beta, input_name="logprobs", validate=validate,
-    )
-    token_lp = torch.where(batch.valid, logprobs.reshape(-1).to(compute_dtype(logprobs.dtype)), 0.0)
-    return pipeline.sequence_loss(token_lp, batch, settings, backend_key(chosen), data_parallel=data_parallel)
+    return pipeline.sequence_loss(pipeline.SequenceRequest(
+        "tpo_loss_from_logprobs", pipeline.Logprobs(logprobs),
+        pipeline.Batch(None, scores, group_size, group_ids, cu_seqlens, mask, -100, old_logprobs, ref_logprobs,
+                       beta),
+        pipeline.Options(eta, anchor, 1.0, reduction=reduction, backend=backend, return_aux=return_aux,
+                         validate=validate),
+        pipeline.Placement(process_group),
+    ))
 
 
 def selective_logprobs(
@@ -211,23 +187,12 @@ def selective_logprobs(
     this is the cheap way to get old / reference log-probs. With ``vocab_parallel_group``
     (module docstring) ``logits`` is this rank's vocabulary shard ``[..., V_r]``.
     """
-    logits, shard = distributed.vocab_shard("logits", logits, vocab_parallel_group, vocab_start_index)
-    check.check_logits(logits)
-    inv_temperature = 1.0 / check.check_positive("temperature", temperature)
-    logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
-    return_entropy = check.check_flag("return_entropy", return_entropy)
-    validate = check.check_flag("validate", validate)
-    chosen = get_backend(backend, logits.device)
-    vocab_size = logits.shape[-1] if shard is None else shard.vocab_size
-    flat = check.prepare_labels(labels, logits.shape[:-1], vocab_size, logits.device, "logits", ignore_index, validate)
-    matrix, _ = pipeline.logits_rows(logits, shard)
-    token_lp, entropy = pipeline.row_logprobs(matrix, flat, shard, inv_temperature=inv_temperature,
-                                              logit_scale=logit_scale, logit_softcap=logit_softcap,
-                                              with_entropy=return_entropy, inplace_backward=False,
-                                              backend=backend_key(chosen))
-    if return_entropy:
-        return token_lp.view(labels.shape), entropy.view(labels.shape)
-    return token_lp.view(labels.shape)
+    return pipeline.selective_logprobs(pipeline.LogprobsRequest(
+        "selective_logprobs", pipeline.Logits(logits), labels, ignore_index,
+        pipeline.Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                         backend=backend, return_entropy=return_entropy, validate=validate),
+        pipeline.Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+    ))
 
 
 def fused_linear_tpo_loss(
@@ -290,23 +255,14 @@ def fused_linear_tpo_loss(
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
     supported.
     """
-    hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
-                                                                  vocab_start_index)
-    flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
-    settings, chosen, batch, data_parallel = pipeline.sequence_setup(
-        hidden, weight.shape[0] if shard is None else shard.vocab_size, "hidden", labels, scores, backend,
-        dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
-             return_entropy=return_entropy, validate=validate, logit_scale=logit_scale, logit_softcap=logit_softcap),
-        dict(group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens, mask=mask,
-             ignore_index=ignore_index, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta),
-        process_group, shard,
-    )
-    key = backend_key(chosen)
-    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, batch.labels, shard,
-                                               inv_temperature=settings.inv_temperature,
-                                               logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap,
-                                               with_entropy=settings.return_entropy, backend=key, **tiles)
-    return pipeline.sequence_loss(token_lp, batch, settings, key, entropy, data_parallel)
+    return pipeline.sequence_loss(pipeline.SequenceRequest(
+        "fused_linear_tpo_loss", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy),
+        pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
+                       ref_logprobs, beta),
+        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+                         return_entropy, validate),
+        pipeline.Placement(process_group, vocab_parallel_group, vocab_start_index),
+    ))
 
 
 def fused_linear_logprobs(
@@ -339,20 +295,10 @@ def fused_linear_logprobs(
     ``chunk_size``, ``grad_accum_dtype`` and ``tile_policy`` as in :func:`fused_linear_tpo_loss`;
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
-    hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
-                                                                  vocab_start_index)
-    flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
-    inv_temperature = 1.0 / check.check_positive("temperature", temperature)
-    logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
-    return_entropy = check.check_flag("return_entropy", return_entropy)
-    validate = check.check_flag("validate", validate)
-    chosen = get_backend(backend, hidden.device)
-    vocab_size = weight.shape[0] if shard is None else shard.vocab_size
-    flat_labels = check.prepare_labels(labels, hidden.shape[:-1], vocab_size, hidden.device, "hidden",
-                                       ignore_index, validate)
-    token_lp, entropy = pipeline.head_logprobs(flat, weight, bias, flat_labels, shard, inv_temperature=inv_temperature,
-                                               logit_scale=logit_scale, logit_softcap=logit_softcap,
-                                               with_entropy=return_entropy, backend=backend_key(chosen), **tiles)
-    if return_entropy:
-        return token_lp.view(labels.shape), entropy.view(labels.shape)
-    return token_lp.view(labels.shape)
+    return pipeline.selective_logprobs(pipeline.LogprobsRequest(
+        "fused_linear_logprobs", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy),
+        labels, ignore_index,
+        pipeline.Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                         backend=backend, return_entropy=return_entropy, validate=validate),
+        pipeline.Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+    ))

@@ -1,46 +1,57 @@
-"""``nn.Module`` wrappers of the functional API: the loss hyper-parameters live on the module,
-the batch (and its grouping) is passed to ``forward``."""
+"""``nn.Module`` wrappers of the functional API: every keyword of the function that is not part
+of the batch (hyper-parameters, backend, tiles, validation, the distributed groups) is a
+constructor keyword and lives on the module; the batch (and its grouping) is passed to
+``forward``. A keyword passed to ``forward`` overrides the module's for that call."""
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+from typing import Callable, Tuple
 
-from torch import Tensor, nn
+from torch import nn
 
 from .functional import fused_linear_token_tpo_loss, fused_linear_tpo_loss, token_tpo_loss, tpo_loss
 
+# Per-call keywords: the batch and its grouping, and what to return.
+_SEQUENCE_BATCH = ("group_size", "group_ids", "cu_seqlens", "mask", "old_logprobs", "ref_logprobs", "return_aux",
+                   "bias")
+_TOKEN_BATCH = ("old_logprobs", "return_aux", "bias")
 
-class _TPOSettings(nn.Module):
-    """Holds the loss hyper-parameters shared by every TPO module."""
 
-    def __init__(self, *, eta: float = 1.0, anchor: bool = True, temperature: float = 1.0,
-                 logit_scale: float = 1.0, logit_softcap: Optional[float] = None,
-                 reduction: str = "mean", backend: str = "auto") -> None:
+class _LossModule(nn.Module):
+    """Holds the settings of ``function`` (checked against its signature)."""
+
+    function: Callable
+    batch_keywords: Tuple[str, ...]
+
+    def __init__(self, **settings) -> None:
         super().__init__()
-        self.eta, self.anchor, self.temperature = eta, anchor, temperature
-        self.logit_scale, self.logit_softcap = logit_scale, logit_softcap
-        self.reduction, self.backend = reduction, backend
+        parameters = inspect.signature(type(self).function).parameters
+        allowed = [name for name, p in parameters.items()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in self.batch_keywords]
+        unknown = sorted(set(settings) - set(allowed))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword(s) {unknown}; it takes {allowed} "
+                            f"(and {list(self.batch_keywords)} in forward)")
+        self.settings = {name: settings.get(name, parameters[name].default) for name in allowed}
 
-    def settings(self) -> dict:
-        return dict(eta=self.eta, anchor=self.anchor, temperature=self.temperature, logit_scale=self.logit_scale,
-                    logit_softcap=self.logit_softcap, reduction=self.reduction, backend=self.backend)
+    def __getattr__(self, name: str):
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name]
+        return super().__getattr__(name)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
+        return ", ".join(f"{key}={value!r}" for key, value in self.settings.items())
+
+    def _call(self, *tensors, **batch):
+        unknown = sorted(set(batch) - set(self.batch_keywords) - set(self.settings))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward got unexpected keyword(s) {unknown}")
+        return type(self).function(*tensors, **{**self.settings, **batch})
 
 
-class _SequenceTPOSettings(_TPOSettings):
-    """Adds the sequence-level settings: the k3 KL weight and ignore_index."""
-
-    def __init__(self, *, beta: float = 0.0, ignore_index: int = -100, **settings) -> None:
-        super().__init__(**settings)
-        self.beta, self.ignore_index = beta, ignore_index
-
-    def settings(self) -> dict:
-        return dict(super().settings(), beta=self.beta, ignore_index=self.ignore_index)
-
-
-class TPOLoss(_SequenceTPOSettings):
+class TPOLoss(_LossModule):
     """Module form of :func:`tpo_kernels.tpo_loss`.
 
     Example::
@@ -49,32 +60,14 @@ class TPOLoss(_SequenceTPOSettings):
         loss = loss_fn(logits, labels, scores, group_size=8)
     """
 
-    def __init__(self, *, inplace_backward: bool = True, **settings) -> None:
-        super().__init__(**settings)
-        self.inplace_backward = inplace_backward
+    function = staticmethod(tpo_loss)
+    batch_keywords = _SEQUENCE_BATCH
 
-    def forward(
-        self,
-        logits: Tensor,
-        labels: Tensor,
-        scores: Tensor,
-        *,
-        group_size: Optional[int] = None,
-        group_ids: Optional[Tensor] = None,
-        cu_seqlens: Optional[Tensor] = None,
-        mask: Optional[Tensor] = None,
-        old_logprobs: Optional[Tensor] = None,
-        ref_logprobs: Optional[Tensor] = None,
-        return_aux: bool = False,
-    ):
-        return tpo_loss(
-            logits, labels, scores, group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens,
-            mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, return_aux=return_aux,
-            inplace_backward=self.inplace_backward, **self.settings(),
-        )
+    def forward(self, logits, labels, scores, **batch):
+        return self._call(logits, labels, scores, **batch)
 
 
-class FusedLinearTPOLoss(_SequenceTPOSettings):
+class FusedLinearTPOLoss(_LossModule):
     """Module form of :func:`tpo_kernels.fused_linear_tpo_loss`: TPO on ``hidden @ weight.T``
     without materializing the logits.
 
@@ -84,65 +77,28 @@ class FusedLinearTPOLoss(_SequenceTPOSettings):
         loss = loss_fn(hidden, lm_head.weight, labels, scores, group_size=8)
     """
 
-    def __init__(self, *, chunk_size: Optional[int] = None, **settings) -> None:
-        super().__init__(**settings)
-        self.chunk_size = chunk_size
+    function = staticmethod(fused_linear_tpo_loss)
+    batch_keywords = _SEQUENCE_BATCH
 
-    def forward(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        labels: Tensor,
-        scores: Tensor,
-        *,
-        bias: Optional[Tensor] = None,
-        group_size: Optional[int] = None,
-        group_ids: Optional[Tensor] = None,
-        cu_seqlens: Optional[Tensor] = None,
-        mask: Optional[Tensor] = None,
-        old_logprobs: Optional[Tensor] = None,
-        ref_logprobs: Optional[Tensor] = None,
-        return_aux: bool = False,
-    ):
-        return fused_linear_tpo_loss(
-            hidden, weight, labels, scores, bias=bias, group_size=group_size, group_ids=group_ids,
-            cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            return_aux=return_aux, chunk_size=self.chunk_size, **self.settings(),
-        )
+    def forward(self, hidden, weight, labels, scores, **batch):
+        return self._call(hidden, weight, labels, scores, **batch)
 
 
-class TokenTPOLoss(_TPOSettings):
+class TokenTPOLoss(_LossModule):
     """Module form of :func:`tpo_kernels.token_tpo_loss` (K scored candidate tokens per state)."""
 
-    def forward(
-        self,
-        logits: Tensor,
-        candidates: Tensor,
-        scores: Tensor,
-        *,
-        old_logprobs: Optional[Tensor] = None,
-        return_aux: bool = False,
-    ):
-        return token_tpo_loss(
-            logits, candidates, scores, old_logprobs=old_logprobs, return_aux=return_aux, **self.settings()
-        )
+    function = staticmethod(token_tpo_loss)
+    batch_keywords = _TOKEN_BATCH
+
+    def forward(self, logits, candidates, scores, **batch):
+        return self._call(logits, candidates, scores, **batch)
 
 
-class FusedLinearTokenTPOLoss(_TPOSettings):
+class FusedLinearTokenTPOLoss(_LossModule):
     """Module form of :func:`tpo_kernels.fused_linear_token_tpo_loss`: O(R*K*H), no ``[R, V]``."""
 
-    def forward(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        candidates: Tensor,
-        scores: Tensor,
-        *,
-        bias: Optional[Tensor] = None,
-        old_logprobs: Optional[Tensor] = None,
-        return_aux: bool = False,
-    ):
-        return fused_linear_token_tpo_loss(
-            hidden, weight, candidates, scores, bias=bias, old_logprobs=old_logprobs,
-            return_aux=return_aux, **self.settings(),
-        )
+    function = staticmethod(fused_linear_token_tpo_loss)
+    batch_keywords = _TOKEN_BATCH
+
+    def forward(self, hidden, weight, candidates, scores, **batch):
+        return self._call(hidden, weight, candidates, scores, **batch)

@@ -8,10 +8,8 @@ from typing import Optional, Tuple, Union
 
 from torch import Tensor
 
-from . import _validate as check
-from ._dtypes import compute_dtype
-from .backends import Backend, backend_key, get_backend
-from .ops import candidate_logits, linear_candidate_logits, pipeline
+from . import pipeline
+from .backends import Backend
 
 BackendArg = Union[str, Backend]
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
@@ -32,6 +30,7 @@ def token_tpo_loss(
     backend: BackendArg = "auto",
     return_aux: bool = False,
     validate: bool = True,
+    process_group=None,
 ) -> LossOutput:
     """Token-level TPO (paper Sec. 3.4): at each state, fit the policy's distribution over K
     scored candidate next tokens to the TPO target by cross-entropy.
@@ -56,21 +55,18 @@ def token_tpo_loss(
             ``state_loss``.
         eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, validate: see the
             module docstring.
+        process_group: states split over data-parallel ranks: every rank returns the loss of the
+            concatenated states (the mean over all ranks' states for ``"mean"``) and its states get
+            ``P`` times their gradient of it, so that after DDP averaging every parameter has the
+            single-process gradient (see :mod:`tpo_kernels.distributed`). ``aux["state_loss"]``
+            then covers every rank's states, ``aux["state_offset"]`` is this rank's first.
     """
-    check.check_logits(logits, (2,))
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate, logit_scale=logit_scale,
-                                    logit_softcap=logit_softcap)
-    chosen = get_backend(backend, logits.device)
-    candidates, scores, old_logprobs = check.prepare_candidates(
-        logits.shape[0], logits.shape[1], logits.device, compute_dtype(logits.dtype), candidates, scores,
-        old_logprobs, "logits", validate,
-    )
-    key = backend_key(chosen)
-    matrix, _ = pipeline.rows(logits)
-    cand = pipeline.transformed_candidates(
-        lambda inv_t: candidate_logits(matrix, candidates, inv_temperature=inv_t, backend=key), settings)
-    return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)
+    return pipeline.candidate_loss(pipeline.CandidateRequest(
+        "token_tpo_loss", pipeline.Logits(logits), candidates, scores, old_logprobs,
+        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+                         validate=validate),
+        pipeline.Placement(process_group),
+    ))
 
 
 def fused_linear_token_tpo_loss(
@@ -90,6 +86,7 @@ def fused_linear_token_tpo_loss(
     backend: BackendArg = "auto",
     return_aux: bool = False,
     validate: bool = True,
+    process_group=None,
 ) -> LossOutput:
     """:func:`token_tpo_loss` on the logits ``hidden [R, H] @ weight.T (+ bias)`` without forming
     them: each candidate logit is the dot product ``hidden[r] . weight[y] (+ bias[y])``, so forward
@@ -98,17 +95,9 @@ def fused_linear_token_tpo_loss(
     compute dtype and cast to the weight's dtype; the bias gradient likewise.
     Everything else as in :func:`token_tpo_loss`.
     """
-    check.check_head(hidden, weight, bias, hidden_ndims=(2,), same_dtype=True)
-    settings = check.check_settings(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction,
-                                    return_aux=return_aux, validate=validate, logit_scale=logit_scale,
-                                    logit_softcap=logit_softcap)
-    chosen = get_backend(backend, hidden.device)
-    candidates, scores, old_logprobs = check.prepare_candidates(
-        hidden.shape[0], weight.shape[0], hidden.device, compute_dtype(hidden.dtype), candidates, scores,
-        old_logprobs, "hidden", validate,
-    )
-    key = backend_key(chosen)
-    cand = pipeline.transformed_candidates(
-        lambda inv_t: linear_candidate_logits(hidden, weight, bias, candidates, inv_temperature=inv_t, backend=key),
-        settings)
-    return pipeline.candidate_loss(cand, scores, old_logprobs, settings, key)
+    return pipeline.candidate_loss(pipeline.CandidateRequest(
+        "fused_linear_token_tpo_loss", pipeline.Head(hidden, weight, bias), candidates, scores, old_logprobs,
+        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+                         validate=validate),
+        pipeline.Placement(process_group),
+    ))

@@ -8,7 +8,8 @@ where a host round trip is not allowed). With ``validate=False`` bad values give
 never out-of-bounds memory access: the native backends re-check ids at their pointer boundary.
 """
 
-from .batches import PreparedBatch, check_scores, prepare_batch, prepare_candidates
+from . import placement
+from .batches import PreparedBatch, check_grouping, check_scores, prepare_batch, prepare_candidates
 from .scalars import (
     LossSettings,
     REDUCTIONS,
@@ -46,6 +47,7 @@ __all__ = [
     "check_chunk_size",
     "check_flag",
     "check_float_tensor",
+    "check_grouping",
     "check_grad_accum_dtype",
     "check_head",
     "check_ignore_index",
@@ -61,6 +63,7 @@ __all__ = [
     "check_tile_policy",
     "prepare_batch",
     "prepare_candidates",
+    "placement",
     "prepare_labels",
     "reject_meta",
 ]

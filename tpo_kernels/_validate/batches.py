@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..group_op import segment_sum
+from ..group_math import segment_sum
 from ..layout import BatchLayout, build_layout
 from .scalars import _is_int, check_beta
 from .deferred import ValueChecks
@@ -28,6 +28,10 @@ class PreparedBatch:
     old_seq_logprobs: Optional[Tensor]  # [N] float64, or None (on-policy)
     beta: float
     ref_logprobs: Optional[Tensor]  # [M] compute dtype, 0 where not counted; None when beta == 0
+    # Part of a batch split over ranks: which completions have a counted token ([N] bool, None =
+    # all, unchecked with validate=False); the groups are formed after the gather.
+    kept: Optional[Tensor] = None
+    any_kept: bool = True
 
     @property
     def valid(self) -> Tensor:
@@ -58,15 +62,20 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_n
     return cu_seqlens, (values[0], values[1])
 
 
-def _check_groups(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str) -> Optional[int]:
-    """The checked ``group_size`` as a Python int (None with ``group_ids``)."""
+def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str,
+                   whole: bool = True) -> Optional[int]:
+    """The checked ``group_size`` as a Python int (None with ``group_ids``). ``whole=False``: this
+    rank's part of a batch split over ranks, where ``group_size`` counts over the concatenation
+    (its divisibility is checked once the ranks' sizes are known)."""
     if (group_size is None) == (group_ids is None):
         raise ValueError("pass exactly one of group_size (K contiguous completions per prompt) or group_ids [N]")
     if group_size is not None:
         if not _is_int(group_size):
             raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
         group_size = int(group_size)
-        if group_size < 1 or num_seqs % group_size != 0:
+        if not whole and group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if whole and (group_size < 1 or num_seqs % group_size != 0):
             raise ValueError(f"group_size must be >= 1 and divide the number of completions N={num_seqs}, got {group_size}")
         return group_size
     check_tensor("group_ids", group_ids, device, input_name)
@@ -113,7 +122,7 @@ def _check_float_values(name: str, x, device, input_name: str) -> None:
 
 def prepare_batch(
     token_shape: Tuple[int, ...],
-    vocab_size: int,
+    vocab_size: Optional[int],
     device: torch.device,
     acc: torch.dtype,
     labels,
@@ -129,8 +138,14 @@ def prepare_batch(
     beta=0.0,
     input_name: str = "logits",
     validate: bool = True,
+    whole: bool = True,
 ) -> PreparedBatch:
-    """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout."""
+    """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout.
+
+    ``vocab_size`` None: a vocabulary shard's, not known yet (the upper bound of the labels is
+    checked once the shards are placed). ``whole=False``: this rank's part of a batch split over
+    ranks: it may hold no completion or none with a counted token, its layout has one group per
+    completion, and ``kept`` / ``any_kept`` say which completions the gathered groups keep."""
     token_shape = tuple(token_shape)
     if len(token_shape) == 2:
         if cu_seqlens is not None:
@@ -149,9 +164,11 @@ def prepare_batch(
         num_seqs = cu_seqlens.numel() - 1
     else:
         raise ValueError(f"labels must be [N, T] (padded) or [M] (packed), got shape {token_shape}")
-    if num_seqs == 0:
+    if num_seqs == 0 and whole:
         raise ValueError("the batch holds no completion (N == 0)")
-    group_size = _check_groups(group_size, group_ids, num_seqs, device, input_name)
+    group_size = check_grouping(group_size, group_ids, num_seqs, device, input_name, whole)
+    if not whole:  # one group per completion here; the real groups form after the gather
+        group_size, group_ids = 1, None
     shape = dict(padded_shape=token_shape) if len(token_shape) == 2 else dict(cu_seqlens=cu_seqlens,
                                                                             packed_extent=packed_extent)
     layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids, **shape)
@@ -165,12 +182,15 @@ def prepare_batch(
                                  mask=counted, checks=checks)
     scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, f"shape [N]=({num_seqs},)")
     valid = flat_labels >= 0
-    all_counted = None
+    all_counted = any_counted = None
     if validate:
         # Completions with no counted token (e.g. truncated and masked) are left out of their group.
         counted_seqs = segment_sum(valid.to(torch.int64), layout) > 0
-        checks.require(counted_seqs.any(),
-                       lambda: ValueError("no completion has a counted token (all masked or ignore_index)"))
+        if whole:
+            checks.require(counted_seqs.any(),
+                           lambda: ValueError("no completion has a counted token (all masked or ignore_index)"))
+        else:
+            any_counted = checks.observe(counted_seqs.any())
         all_counted = checks.observe(counted_seqs.all())
 
     # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion,
@@ -204,7 +224,14 @@ def prepare_batch(
             checks.require(torch.isfinite(ref_flat).all(),
                            lambda: ValueError("ref_logprobs must be finite at counted tokens"))
 
-    if validate and not checks.read()[all_counted]:
+    if not validate:
+        return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat)
+    observed = checks.read()
+    if not whole:
+        kept = None if observed[all_counted] else counted_seqs
+        return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat, kept,
+                             bool(observed[any_counted]))
+    if not observed[all_counted]:
         layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
                               members=counted_seqs, **shape)
     return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat)
@@ -214,10 +241,11 @@ def prepare_batch(
 
 
 def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, acc: torch.dtype,
-                       candidates, scores, old_logprobs, input_name: str, validate: bool):
+                       candidates, scores, old_logprobs, input_name: str, validate: bool, whole: bool = True):
     """Checked token-level inputs: ``(candidates int64 [R, K], scores, old_logprobs | None)``,
-    the float ones in float64 (the group math's dtype)."""
-    if num_states == 0:
+    the float ones in float64 (the group math's dtype). ``whole=False``: this rank's part of
+    states split over ranks, which may be empty."""
+    if num_states == 0 and whole:
         raise ValueError(f"{input_name} holds no state (R == 0)")
     check_tensor("candidates", candidates, device, input_name)
     check_integer_dtype("candidates", candidates)

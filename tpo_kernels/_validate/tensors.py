@@ -113,12 +113,13 @@ def _label_error(labels: Tensor, bad: Tensor, vocab_size: int) -> ValueError:
     )
 
 
-def prepare_labels(labels, token_shape, vocab_size: int, device: torch.device, input_name: str,
+def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch.device, input_name: str,
                    ignore_index, validate: bool, mask: Optional[Tensor] = None,
                    checks: Optional[ValueChecks] = None) -> Tensor:
     """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
     or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
-    ``[0, vocab_size)``: added to ``checks`` when given, else read back here."""
+    ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
+    shards are placed): added to ``checks`` when given, else read back here."""
     check_tensor("labels", labels, device, input_name)
     check_integer_dtype("labels", labels)
     if tuple(labels.shape) != tuple(token_shape):
@@ -132,7 +133,7 @@ def prepare_labels(labels, token_shape, vocab_size: int, device: torch.device, i
         counted = counted & mask
     if validate:
         pending = ValueChecks() if checks is None else checks
-        bad = counted & ((flat < 0) | (flat >= vocab_size))
+        bad = counted & (flat < 0) if vocab_size is None else counted & ((flat < 0) | (flat >= vocab_size))
         pending.require(~bad.any(), lambda: _label_error(flat, bad, vocab_size))
         if checks is None:
             pending.read()

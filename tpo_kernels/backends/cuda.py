@@ -23,10 +23,10 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..group_op import GroupResult
+from ..group_math import GroupResult
 from ..layout import BatchLayout
 from . import _reason
-from . import candidates as torch_candidate_ops
+from . import torch_candidates as torch_candidate_ops
 from .native import DTYPE_CODES, NativeBackend, per_row, ptr
 
 
@@ -97,7 +97,7 @@ class CudaBackend(NativeBackend):
         anchor: bool,
         score_eps: float = 0.0,
     ) -> GroupResult:
-        """The fused group op (contract: :func:`tpo_kernels.group_op.group_targets`), one block
+        """The fused group op (contract: :func:`tpo_kernels.group_math.portable_group_targets`), one block
         per group, in float64 (results cast to the token dtype). Takes float32 / float64 token
         log-probs on a CUDA device; not differentiable by itself (the autograd rule lives with the
         op that calls it)."""

@@ -46,7 +46,7 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
   weight rows are summed in a fixed order.
 
 Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None, eta,
-anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_op`; ``score_eps >= 0`` is
+anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_math`; ``score_eps >= 0`` is
 the near-tie tolerance: a group whose scores' population std is at most it gets ``u = s - mean``,
 undivided): the sequence sums and the
 ``[N]``-sized group math run in float64 (``scores`` and ``old_seq_logprobs`` arrive in float64),
@@ -54,7 +54,7 @@ the results come back in the dtype of the token log-probs, with ``coef = p - q``
 the rounding (``None`` lets the caller take the difference of the rounded p and q).
 
 The base class supplies PyTorch implementations of the candidate ops
-(:mod:`tpo_kernels.backends.candidates`) and of the group op; a backend overrides what it has
+(:mod:`tpo_kernels.backends.torch_candidates`) and of the group op; a backend overrides what it has
 kernels for. Inputs reaching a backend are validated: 2-D logits with unit column stride,
 int64 labels in ``[0, V)`` or negative, one device.
 """
@@ -66,8 +66,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import group_op
-from . import candidates
+from .. import group_math
+from . import torch_candidates
 
 
 class Backend:
@@ -103,11 +103,11 @@ class Backend:
         raise NotImplementedError
 
     # PyTorch defaults; plain functions, so a backend overrides one by assigning its own.
-    candidate_forward = staticmethod(candidates.candidate_forward)
-    candidate_backward = staticmethod(candidates.candidate_backward)
-    candidate_linear_forward = staticmethod(candidates.candidate_linear_forward)
-    candidate_linear_backward = staticmethod(candidates.candidate_linear_backward)
-    group_targets = staticmethod(group_op.group_targets)
+    candidate_forward = staticmethod(torch_candidates.candidate_forward)
+    candidate_backward = staticmethod(torch_candidates.candidate_backward)
+    candidate_linear_forward = staticmethod(torch_candidates.candidate_linear_forward)
+    candidate_linear_backward = staticmethod(torch_candidates.candidate_linear_backward)
+    group_targets = staticmethod(group_math.portable_group_targets)
 
     def __repr__(self) -> str:
         return f"<tpo_kernels backend {self.name!r}>"

@@ -1,13 +1,21 @@
 """TPO across devices: groups split over data-parallel ranks, and a vocabulary-parallel lm_head.
 
+This package holds the leaves the one pipeline (:mod:`tpo_kernels.pipeline`) calls when a call
+spans ranks: the collectives, the agreement record every call exchanges before its first
+collective that could wait on a peer (:mod:`.agreement`: a local failure or a disagreement
+becomes the same error on every rank), the vocabulary shard seam (:class:`VocabShard`) and the
+group gather (:class:`GroupGather`). It checks no input and runs no group math of its own.
+
 Two independent modes, combinable on a 2-D (data x tensor) mesh:
 
-**Data parallel** (``process_group=`` on :func:`~tpo_kernels.tpo_loss` and
-:func:`~tpo_kernels.fused_linear_tpo_loss`). The completions of one group may live on different
-ranks. The row op (the vocabulary-sized work) stays local; the group stage needs only per-completion
-numbers, so each rank sends its ``[N_r, C]`` rows (sequence log-prob, score, old sequence log-prob,
-KL sums) plus an int64 group id per completion, and every rank runs the same group op on the
-gathered ``[N, C]``. Nothing token- or vocabulary-sized crosses ranks.
+**Data parallel** (``process_group=`` on every loss: :func:`~tpo_kernels.tpo_loss`,
+:func:`~tpo_kernels.fused_linear_tpo_loss`, :func:`~tpo_kernels.tpo_loss_from_logprobs` and the
+token-level two). The completions of one group may live on different ranks. The row op (the
+vocabulary-sized work) stays local; the group stage needs only per-completion numbers, so each
+rank sends its ``[N_r, C]`` rows (sequence log-prob, score, kept, old sequence log-prob, KL sums,
+in float64) plus an int64 group id per completion, and every rank runs the same group stage on
+the gathered ``[N, C]``. Nothing token- or vocabulary-sized crosses ranks. Token-level TPO
+gathers its ``[R_r * K]`` candidates the same way, each state a group.
 
 Contract: every rank returns the loss of the *concatenated* batch (same value on every rank, so
 the mean of the ranks' losses is the global loss), and its backward sends into this rank's
@@ -37,8 +45,9 @@ The keywords of the public functions (collectives run eagerly, not under ``torch
         different N. Only ``[N]``-sized rows are all-gathered. Every rank returns the loss of the
         whole batch and gives its tokens ``P`` times their gradient of it, so that after DDP /
         FSDP2 averaging every parameter has the single-process gradient of the whole batch.
-        ``aux`` holds this rank's completions (``seq_offset``: the first one's global index) and
-        every group's ``group_loss``.
+        A rank may hold no completion, or none with a counted token. ``aux`` has every key of the
+        single-process aux: per-token and per-completion entries of this rank's completions
+        (``seq_offset``: the first one's global index), per-group entries of every group.
     vocab_parallel_group, vocab_start_index: this rank holds a contiguous vocabulary shard of the
         logits ``[..., V_r]`` or of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``), with the same
         tokens on every rank of the group. Shards are in group-rank order unless
@@ -46,17 +55,11 @@ The keywords of the public functions (collectives run eagerly, not under ``torch
         vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
         fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
 """
-from .collectives import CollectiveLog, CollectiveRecord, count_collectives
-from .data_parallel import DataParallelGroups, data_parallel_groups
-from .vocab_parallel import (
-    VocabShard,
-    replicated_local,
-    vocab_parallel_head,
-    vocab_parallel_linear_logprobs,
-    vocab_parallel_logprobs,
-    vocab_shard,
-)
+from .agreement import Agreement, agree
+from .collectives import CollectiveLog, CollectiveRecord, all_gather_stacked, count_collectives
+from .data_parallel import GroupGather
+from .vocab_parallel import ShardRequest, VocabShard, replicated_local, vocab_parallel_head, vocab_shard
 
-__all__ = ["CollectiveLog", "CollectiveRecord", "DataParallelGroups", "VocabShard", "count_collectives",
-           "data_parallel_groups", "replicated_local", "vocab_parallel_head", "vocab_parallel_linear_logprobs",
-           "vocab_parallel_logprobs", "vocab_shard"]
+__all__ = ["Agreement", "CollectiveLog", "CollectiveRecord", "GroupGather", "ShardRequest", "VocabShard", "agree",
+           "all_gather_stacked", "count_collectives", "replicated_local",
+           "vocab_parallel_head", "vocab_shard"]

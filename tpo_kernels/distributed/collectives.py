@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-
 
 
 @dataclass(frozen=True)
@@ -83,36 +81,3 @@ def all_reduce_sum(x: Tensor, group, purpose: str) -> Tensor:
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     _record("all_reduce", purpose, dist.get_world_size(group), x, x)
     return x
-
-
-def _check_group(name: str, group) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{name} needs torch.distributed initialized (init_process_group)")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather of ``[n_r, C]`` rows (``n_r`` may differ per rank) into ``[sum n_r, C]``.
-
-    Backward: the computation downstream is replicated (every rank runs it on the same gathered
-    rows), so the gradient of the gathered tensor is the same on every rank and its true backward,
-    a reduce-scatter sum, is ``P`` times this rank's slice: no collective."""
-
-    @staticmethod
-    def forward(ctx, local: Tensor, group, sizes: Tuple[int, ...], rank: int, purpose: str) -> Tensor:
-        width = max(sizes)
-        padded = local.new_zeros((width, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        stacked = all_gather_stacked(padded, group, purpose)
-        ctx.start, ctx.count, ctx.world = sum(sizes[:rank]), local.shape[0], len(sizes)
-        return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)])
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad[ctx.start: ctx.start + ctx.count] * ctx.world, None, None, None, None
-
-
-def gather_rows(local: Tensor, group, sizes: Tuple[int, ...], purpose: str) -> Tensor:
-    """Differentiable :class:`_GatherRows` (this rank's rows get ``P`` times their gradient)."""
-    return _GatherRows.apply(local, group, tuple(sizes), dist.get_rank(group), purpose)

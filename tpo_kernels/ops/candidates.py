@@ -54,7 +54,7 @@ def _backward_gather(ctx, grad):
     (candidates,) = ctx.saved_tensors
     grad_logits = _candidate_logits_backward(grad.contiguous(), candidates, ctx.vocab_size, ctx.dtype,
                                              ctx.inv_temperature, ctx.backend)
-    return grad_logits, None, None, None
+    return (grad_logits,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 _candidate_logits.register_autograd(_backward_gather, setup_context=_setup_gather)
@@ -105,7 +105,7 @@ def _backward_dot(ctx, grad):
     grads = _linear_candidate_logits_backward((grad * ctx.inv_temperature).contiguous(), hidden, weight,
                                               candidates, *needs, ctx.backend)
     grads = [g if need else None for g, need in zip(grads, needs)]
-    return (*grads, None, None, None)
+    return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 _linear_candidate_logits.register_autograd(_backward_dot, setup_context=_setup_dot)

@@ -1,7 +1,7 @@
 """``tpo_kernels::group_targets``: the group op as a custom op with its autograd rule, and
 :class:`GroupObjective`, the group stage (group op, reduction, KL term) shared by every loss.
 
-Forward: the backend's group op (:func:`tpo_kernels.group_op.group_targets` or a fused kernel)
+Forward: the backend's group op (:func:`tpo_kernels.group_math.portable_group_targets` or a fused kernel)
 from flat token log-probs to ``(seq_logprobs, u, p, q, group_loss, coef)``. Backward: q is a
 constant of the loss, so ``d group_loss[g] / d ell[i] = p[i] - q[i]`` (``coef``, formed by the
 group op in float64 before rounding) for the members of g, and every token of completion i
@@ -11,18 +11,18 @@ has ``p == q`` bit for bit, so its tokens get exactly zero.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_op import GroupResult, group_sum, segment_sum
+from ..group_math import GroupResult, group_sum, segment_sum
 from ..layout import BatchLayout
 
 
 @torch.library.custom_op("tpo_kernels::group_targets", mutates_args=())
-def _group_targets(
+def _group_targets_op(
     token_logprobs: Tensor,
     seq_start: Tensor,
     seq_len: Tensor,
@@ -54,7 +54,7 @@ def _group_targets(
     return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss, coef)
 
 
-@_group_targets.register_fake
+@_group_targets_op.register_fake
 def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
       num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs,
       eta, anchor, score_eps, backend):
@@ -76,10 +76,10 @@ def _backward(ctx, grad_seq_logprobs, grad_u, grad_p, grad_q, grad_group_loss, g
         grad_seq = grad_seq + grad_seq_logprobs
     inside = token_seq >= 0
     grad_tokens = torch.where(inside, grad_seq[token_seq.clamp(min=0)], 0.0)
-    return (grad_tokens,) + (None,) * 17
+    return (grad_tokens,) + (None,) * (len(ctx.needs_input_grad) - 1)  # layout fields and settings
 
 
-_group_targets.register_autograd(_backward, setup_context=_setup_context)
+_group_targets_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *,
@@ -87,9 +87,9 @@ def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *
                   score_eps: float = 0.0) -> GroupResult:
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
     ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``. ``score_eps``: the
-    near-tie tolerance of :func:`tpo_kernels.group_op.standardize_dense`."""
-    outputs = _group_targets(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, score_eps,
-                             backend)
+    near-tie tolerance of :func:`tpo_kernels.group_math.standardize_dense`."""
+    outputs = _group_targets_op(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, score_eps,
+                                backend)
     return GroupResult(*outputs)
 
 
@@ -102,65 +102,133 @@ def reduce_groups(group_loss: Tensor, reduction: str) -> Tensor:
     return group_loss
 
 
+class RowGather(Protocol):
+    """Where the group stage's completions live when they are split over ranks
+    (:class:`tpo_kernels.distributed.GroupGather`)."""
+
+    world: int
+    mine: slice
+
+    def rows(self, local: Tensor) -> Tensor: ...
+
+    def layout(self, kept: Optional[Tensor], device: torch.device) -> BatchLayout: ...
+
+
+class _Replicated(torch.autograd.Function):
+    """Every rank's ``[N_r, C]`` rows, gathered. The computation downstream is replicated (every
+    rank runs it on the same rows), so the gradient of the gathered rows is the same on every
+    rank and its true backward, a sum over ranks of identical slices, is ``P`` times this rank's
+    slice: no collective in the backward."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, gather: RowGather) -> Tensor:
+        ctx.mine, ctx.world = gather.mine, gather.world
+        return gather.rows(local)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad[ctx.mine] * ctx.world, None
+
+
 class GroupObjective:
     """The group stage every TPO loss runs on the output of its row op: the group op, the
     reduction over groups and, for sequence-level TPO, the optional k3 KL-to-reference term
     ``beta * mean_t(exp(r - lp) - (r - lp) - 1)`` over counted tokens (per group for
     ``reduction="none"``). Token-level TPO is the special case of one-token "completions" with
     the K candidates of a state as a group (:func:`tpo_kernels.layout.candidate_layout`).
+
+    With a ``gather`` the completions are split over ranks: each rank's per-completion rows
+    (sequence log-prob, score, kept, old sequence log-prob, k3 sums) are gathered and every rank
+    runs the same group op on the whole batch, in float64 (the group op's own precision). The
+    KL term, the reduction, the ``1/G`` weight and the aux are the same code either way.
     Everything is differentiable through autograd; :meth:`aux` gives detached results."""
 
     def __init__(self, layout: BatchLayout, scores: Tensor, *, old_seq_logprobs: Optional[Tensor], eta: float,
                  anchor: bool, reduction: str, backend: str, beta: float = 0.0,
-                 ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> None:
+                 ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+                 gather: Optional[RowGather] = None, kept: Optional[Tensor] = None) -> None:
         self.layout, self.scores, self.old_seq_logprobs = layout, scores, old_seq_logprobs
         self.eta, self.anchor, self.reduction, self.backend = eta, anchor, reduction, backend
         self.beta, self.ref_logprobs, self.valid = beta, ref_logprobs, valid
+        self.gather, self.kept = gather, kept
         self.token_logprobs: Optional[Tensor] = None
         self.result: Optional[GroupResult] = None
+        self.group_layout: BatchLayout = layout  # the layout of the groups: the gathered one with a gather
+        self.mine = slice(0, layout.num_seqs)  # this rank's completions in group_layout
 
     def forward(self, token_logprobs: Tensor) -> Tensor:
         """The loss from flat ``[M]`` token log-probs (0 on rows that do not count)."""
         self.token_logprobs = token_logprobs
-        self.result = group_targets(token_logprobs, self.layout, self.scores, old_seq_logprobs=self.old_seq_logprobs,
-                                    eta=self.eta, anchor=self.anchor, backend=self.backend)
+        kl_sums = self._kl_sums(token_logprobs) if self.beta > 0 else None
+        if self.gather is None:
+            self.result = group_targets(token_logprobs, self.layout, self.scores,
+                                        old_seq_logprobs=self.old_seq_logprobs, eta=self.eta, anchor=self.anchor,
+                                        backend=self.backend)
+        else:
+            kl_sums = self._gathered(token_logprobs, kl_sums)
         loss = reduce_groups(self.result.group_loss, self.reduction)
-        if self.beta > 0:
-            loss = loss + self.beta * self._k3_term(token_logprobs)
-        return loss
+        if kl_sums is not None:
+            loss = loss + self.beta * self._kl_term(*kl_sums)
+        return loss.to(token_logprobs.dtype)
 
-    def _k3_term(self, token_logprobs: Tensor) -> Tensor:
+    def _gathered(self, token_logprobs: Tensor, kl_sums):
+        """The group op on every rank's completions; returns the gathered KL sums."""
+        wide = torch.float64
+        kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device) \
+            if self.kept is None else self.kept
+        columns = [segment_sum(token_logprobs.to(wide), self.layout), self.scores.to(wide), kept.to(wide)]
+        if self.old_seq_logprobs is not None:
+            columns.append(self.old_seq_logprobs.to(wide))
+        if kl_sums is not None:
+            columns += [total.to(wide) for total in kl_sums]
+        rows = _Replicated.apply(torch.stack(columns, dim=1), self.gather)
+        self.group_layout = self.gather.layout(rows[:, 2] != 0, token_logprobs.device)
+        self.mine = self.gather.mine
+        old = rows[:, 3].detach().contiguous() if self.old_seq_logprobs is not None else None
+        self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
+                                    old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend)
+        return None if kl_sums is None else (rows[:, -2], rows[:, -1].detach())
+
+    def _kl_sums(self, token_logprobs: Tensor):
+        """Per completion: the k3 terms' sum and the number of counted tokens."""
         diff = self.ref_logprobs - token_logprobs
         k3 = torch.where(self.valid, torch.exp(diff) - diff - 1.0, 0.0)
-        counted = self.valid.to(k3.dtype)
+        return segment_sum(k3, self.layout), segment_sum(self.valid.to(k3.dtype), self.layout)
+
+    def _kl_term(self, seq_k3: Tensor, seq_counted: Tensor) -> Tensor:
         if self.reduction == "mean":
-            return k3.sum() / counted.sum()
+            return seq_k3.sum() / seq_counted.sum()
         if self.reduction == "sum":
-            return k3.sum()
-        per_group = group_sum(segment_sum(k3, self.layout), self.layout)
-        return per_group / group_sum(segment_sum(counted, self.layout), self.layout)
+            return seq_k3.sum()
+        return group_sum(seq_k3, self.group_layout) / group_sum(seq_counted, self.group_layout)
 
     def loss_weight(self) -> float:
-        return 1.0 / self.layout.num_groups if self.reduction == "mean" else 1.0
+        return 1.0 / self.group_layout.num_groups if self.reduction == "mean" else 1.0
 
     def aux(self) -> dict:
-        """Detached per-token, per-member and per-group results; ``coef`` is ``dLoss/d ell``
-        of the group term, ``w * (p - q)`` with ``w = 1/G`` for the mean."""
-        r = self.result
+        """Detached per-token and per-member results of this rank's completions and per-group
+        results of every group; ``coef`` is ``dLoss/d ell`` of the group term, ``w * (p - q)``
+        with ``w = 1/G`` for the mean. With a gather, ``seq_offset`` is the index of this rank's
+        first completion in the gathered batch."""
+        r, layout, mine, out = self.result, self.group_layout, self.mine, self.token_logprobs.dtype
         p, q = r.p.detach(), r.q.detach()
         # Per-group metrics; 0 * log 0 = 0.
         log_p, log_q = torch.log(p), torch.log(q)
         q_log_q = torch.where(q > 0, q * log_q, 0.0)
-        return {
+        aux = {
             "token_logprobs": self.token_logprobs.detach(),
-            "seq_logprobs": r.seq_logprobs.detach(),
-            "p": p,
-            "q": q,
-            "u": r.u.detach(),
-            "coef": r.coef.detach() * self.loss_weight(),
+            "seq_logprobs": r.seq_logprobs.detach()[mine],
+            "p": p[mine],
+            "q": q[mine],
+            "u": r.u.detach()[mine],
+            "coef": r.coef.detach()[mine] * self.loss_weight(),
             "group_loss": r.group_loss.detach(),
-            "kl_q_p": group_sum(q_log_q - torch.where(q > 0, q * log_p, 0.0), self.layout),
-            "entropy_p": -group_sum(torch.where(p > 0, p * log_p, 0.0), self.layout),
-            "entropy_q": -group_sum(q_log_q, self.layout),
-            "zero_signal": group_sum((p != q).to(p.dtype), self.layout) == 0,
+            "kl_q_p": group_sum(q_log_q - torch.where(q > 0, q * log_p, 0.0), layout),
+            "entropy_p": -group_sum(torch.where(p > 0, p * log_p, 0.0), layout),
+            "entropy_q": -group_sum(q_log_q, layout),
         }
+        aux = {name: value.to(out) for name, value in aux.items()}
+        aux["zero_signal"] = group_sum((p != q).to(p.dtype), layout) == 0
+        if self.gather is not None:
+            aux["seq_offset"] = mine.start
+        return aux

@@ -4,7 +4,7 @@
 Logits exist one tile at a time (a block of tokens times a block of the vocabulary, at most
 ``chunk_size * V`` entries). The forward keeps, per token, the row statistics of the row ops
 (max and log-sum), the label's log-prob and, on request, the entropy, merged across vocabulary
-blocks with bounded terms only (:func:`merge_blocks`). The backward receives a
+blocks with bounded terms only (:meth:`~tpo_kernels.ops.row_summary.RowSummary.merge`). The backward receives a
 per-token gradient ``g`` (and ``ge`` for entropies), recomputes the logits of the tokens with a
 nonzero one only, tile by tile, turns them in place into ``dz`` with the backend's row backward
 (the forward's statistics cover the whole vocabulary, so a block's softmax is exact) and applies
@@ -28,50 +28,16 @@ import itertools
 from typing import List, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import Backend, backend_by_key
 from .logprobs import row_gradients
+from .row_summary import RowSummary
 from .tiles import VOCAB_ALIGN, TilePolicy, add_product, balanced_chunks
 from .transform import LogitTransform, folded_inv_temperature
 
-__all__ = ["TiledLinearHead", "TilePolicy", "linear_logprobs", "merge_blocks"]
-
-
-def merge_blocks(a: tuple, b: tuple, inv_temperature: float) -> tuple:
-    """Merge the row summaries of two disjoint vocabulary ranges.
-
-    A summary is ``(row_max, log_sum, logprob, entropy | None, has_label)`` per row, as the row
-    ops return them for a block (``logprob`` meaningful where ``has_label``). With ``c = (row_max -
-    m) * it + log_sum`` each range's log-mass relative to the common max ``m``, the merged
-    ``log_sum`` is ``logaddexp(c_a, c_b)``, the label's log-prob moves by ``-softplus(c_other -
-    c_own)`` (both terms <= 0: no cancellation, and ``1 - p`` of a confident token keeps its
-    relative accuracy), and the entropy is the mixture's, ``sum_k w_k (H_k - log w_k)`` with
-    ``w_k = exp(c_k - log_sum)``: non-negative terms only (the ``lse - sum p z`` form cancels
-    catastrophically for large logits). A range of only ``-inf`` logits (``row_max == -inf``, e.g.
-    a masked block) adds nothing; a label inside it has log-prob ``-inf``.
-    """
-    neg_inf = float("-inf")
-    m_a, ls_a, lp_a, h_a, in_a = a
-    m_b, ls_b, lp_b, h_b, in_b = b
-    empty_a, empty_b = m_a == neg_inf, m_b == neg_inf
-    m = torch.maximum(m_a, m_b)
-    shift = torch.where(m == neg_inf, 0.0, m)
-    c_a = torch.where(empty_a, neg_inf, (m_a - shift) * inv_temperature + ls_a)
-    c_b = torch.where(empty_b, neg_inf, (m_b - shift) * inv_temperature + ls_b)
-    log_sum = torch.logaddexp(c_a, c_b)
-    lp_a = torch.where(empty_a, neg_inf, lp_a)
-    lp_b = torch.where(empty_b, neg_inf, lp_b)
-    log_w_a = -F.softplus(c_b - c_a)  # log of range a's share of the mass
-    log_w_b = -F.softplus(c_a - c_b)
-    logprob = torch.where(in_b, lp_b + log_w_b, lp_a + log_w_a)
-    entropy = None
-    if h_a is not None:
-        mixed = torch.exp(log_w_a) * (h_a - log_w_a) + torch.exp(log_w_b) * (h_b - log_w_b)
-        entropy = torch.where(empty_b, h_a, torch.where(empty_a, h_b, mixed))
-    return m, log_sum, logprob, entropy, in_a | in_b
+__all__ = ["TiledLinearHead", "TilePolicy", "linear_logprobs"]
 
 
 class TiledLinearHead:
@@ -153,7 +119,7 @@ class TiledLinearHead:
         computed).
 
         Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
-        merge with :func:`merge_blocks`."""
+        merge with :meth:`RowSummary.merge`."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         stats = self.hidden.new_zeros(2, num_rows, dtype=compute_dtype(self.dtype))
         logprob = torch.zeros_like(stats[0])
@@ -178,11 +144,11 @@ class TiledLinearHead:
                     logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
                     with_entropy=with_entropy,
                 )
-                block = (block_stats[0], block_stats[1], block_lp, block_entropy, inside)
-                row = block if row is None else merge_blocks(row, block, self.inv_temperature)
-            stats[0, rows], stats[1, rows], logprob[rows] = row[0], row[1], row[2]
+                block = RowSummary(block_stats[0], block_stats[1], block_lp, block_entropy, inside)
+                row = block if row is None else row.merge(block, self.inv_temperature)
+            stats[0, rows], stats[1, rows], logprob[rows] = row.row_max, row.log_sum, row.label_logprob
             if with_entropy:
-                entropy[rows] = row[3]
+                entropy[rows] = row.entropy
         return stats, logprob, entropy
 
     def backward(self, stats: Tensor, logprob: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],

@@ -187,10 +187,11 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
                                                          ctx.with_entropy)
     args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend,
             *ctx.transform)
+    settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)
-        return logits, None, None, None, None, None, None, None
-    return _logprobs_backward(logits, *args), None, None, None, None, None, None, None
+        return (logits, *settings)
+    return (_logprobs_backward(logits, *args), *settings)
 
 
 _logprobs.register_autograd(_backward, setup_context=_setup_context)

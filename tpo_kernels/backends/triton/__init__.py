@@ -25,7 +25,7 @@ class TritonBackend(Backend):
     candidate_backward = staticmethod(candidate_kernels.candidate_backward)
     candidate_linear_forward = staticmethod(candidate_kernels.candidate_linear_forward)
     candidate_linear_backward = staticmethod(candidate_kernels.candidate_linear_backward)
-    group_targets = staticmethod(group_kernel.group_targets)
+    group_targets = staticmethod(group_kernel.fused_group_targets)
 
     def unavailable_reason(self) -> Optional[str]:
         if torch.cuda.is_available() or triton_interpreter_enabled():

@@ -1,4 +1,4 @@
-"""Triton group op (layer 2): one program per group computes what tpo_kernels.group_op does.
+"""Triton group op (layer 2): one program per group computes what tpo_kernels.group_math does.
 
 For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:group_offsets[g+1]]``)::
 
@@ -10,9 +10,9 @@ For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:grou
     loss_g = -sum_i q[i] log p[i]
 
 Everything after the token loads runs in float64 (the sums over long completions and the
-``[N]``-sized math lose digits in fp32; see :mod:`tpo_kernels.group_op`), written to float64
+``[N]``-sized math lose digits in fp32; see :mod:`tpo_kernels.group_math`), written to float64
 outputs that the wrapper casts to the token dtype. Scores are standardized from
-``(s/2 - min/2) / (max/2 - min/2)`` as in :func:`tpo_kernels.group_op.standardize_dense`
+``(s/2 - min/2) / (max/2 - min/2)`` as in :func:`tpo_kernels.group_math.standardize_dense`
 (the near-tie test and the undivided centered scores too); loss
 terms with ``q == 0`` count 0. Members sit in the lanes of a ``BLOCK_K`` vector. The token sums
 walk a ``[BLOCK_K, BLOCK_T]`` tile along the sequences in a fixed order and reduce it once at
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...group_op import GroupResult
+from ...group_math import GroupResult
 from ...layout import BatchLayout
 from .row_kernels import device_guard, scalar_from_parts, split_scalar
 
@@ -144,7 +144,7 @@ def _tile_sizes(layout: BatchLayout, block_t: Optional[int]):
     return block_k, int(block_t)
 
 
-def group_targets(
+def fused_group_targets(
     token_logprobs: Tensor,
     layout: BatchLayout,
     scores: Tensor,
@@ -155,7 +155,7 @@ def group_targets(
     score_eps: float = 0.0,
     block_t: Optional[int] = None,
 ) -> GroupResult:
-    """Same contract as :func:`tpo_kernels.group_op.group_targets`.
+    """Same contract as :func:`tpo_kernels.group_math.portable_group_targets`.
 
     ``block_t`` overrides the token tile width (tests use it to force several tiles)."""
     device = token_logprobs.device

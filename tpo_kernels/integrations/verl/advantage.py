@@ -7,7 +7,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ...group_op import standardize_dense
+from ...group_math import standardize_dense
 
 
 def contiguous_group_size(index: Sequence) -> int:

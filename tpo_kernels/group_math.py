@@ -139,7 +139,7 @@ def standardize_dense(scores: Tensor, valid: Tensor, score_eps: float = 0.0) -> 
 def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], valid: Optional[Tensor],
                      eta: float, anchor: bool, score_eps: float = 0.0):
     """The group math on a dense ``[G, K]`` layout (``valid`` marks real members; None = all).
-    Returns ``(u, p, q, group_loss)`` in the inputs' dtype (float64 in :func:`group_targets`)."""
+    Returns ``(u, p, q, group_loss)`` in the inputs' dtype (float64 in :func:`portable_group_targets`)."""
     neg_inf = float("-inf")
     if valid is None:
         valid = torch.ones_like(scores, dtype=torch.bool)
@@ -154,7 +154,7 @@ def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], val
     return u, p, q, group_loss
 
 
-def group_targets(
+def portable_group_targets(
     token_logprobs: Tensor,
     layout: BatchLayout,
     scores: Tensor,

@@ -1,0 +1,52 @@
+"""The layering the design promises (DESIGN.md section 2): ops/ and distributed/ are leaves below
+the pipeline. ops/ imports neither distributed/ nor _validate/, and neither raises the
+ValueError / TypeError of a user-input check (those live in _validate/)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tpo_kernels"
+
+
+def _modules(folder: str):
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+def _imports(path: pathlib.Path):
+    """Absolute module names a file imports (relative imports resolved)."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = parts[: len(parts) - node.level] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
+@pytest.mark.parametrize("path", _modules("ops"), ids=lambda p: p.name)
+def test_ops_imports_neither_distributed_nor_validation(path):
+    forbidden = [name for name in _imports(path)
+                 if name.startswith(("tpo_kernels.distributed", "tpo_kernels._validate", "tpo_kernels.pipeline"))]
+    assert not forbidden, f"{path.name} imports {forbidden}"
+
+
+@pytest.mark.parametrize("path", _modules("ops") + _modules("distributed"), ids=lambda p: p.name)
+def test_no_user_input_checks_below_the_pipeline(path):
+    raised = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+              and getattr(node.exc.func, "id", None) in ("ValueError", "TypeError")]
+    assert not raised, f"{path.name} raises ValueError/TypeError at lines {raised}: move the check to _validate/"
+
+
+def test_distributed_holds_no_autograd_function():
+    for path in _modules("distributed"):
+        tree = ast.parse(path.read_text())
+        bases = [ast.unparse(b) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for b in node.bases]
+        assert not any("autograd.Function" in b for b in bases), path.name

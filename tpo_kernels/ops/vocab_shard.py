@@ -1,0 +1,131 @@
+"""The row ops on one shard of the vocabulary (a vocabulary-parallel lm_head or logits).
+
+Each rank runs the ordinary row op on its shard and gets a :class:`RowSummary` over its part of
+the vocabulary; the ``seam`` (:class:`tpo_kernels.distributed.VocabShardSeam`, or anything with
+its members) merges the ranks' summaries into the whole vocabulary's, the same bits on every
+rank. The backward is local to the shard: the logits gradient, or ``dW`` / ``db`` of the shard,
+plus the seam's sum of ``dH`` over the ranks for the fused head. These are plain autograd
+Functions: the seam's collectives run eagerly, never under ``torch.compile``.
+
+A counted row whose label lies on another shard is read with label 0 standing in (its log-prob
+unused) and gets no one-hot term in the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+
+from ..backends import backend_by_key
+from .linear import TiledLinearHead, TilePolicy
+from .logprobs import row_gradients
+from .row_summary import RowSummary
+
+
+class ShardSeam(Protocol):
+    """This rank's slice ``[start, start + size)`` of the vocabulary, and the collectives that
+    join the slices."""
+
+    start: int
+    size: int
+
+    def merge(self, summary: RowSummary, inv_temperature: float) -> RowSummary: ...
+
+    def sum_hidden_grad(self, grad_hidden: Tensor) -> Tensor: ...
+
+
+def _owned(labels: Tensor, seam: ShardSeam) -> Tuple[Tensor, Tensor]:
+    """``(owned, local)``: whether this shard holds each label, and its id in the shard."""
+    local = labels - seam.start
+    return (labels >= 0) & (local >= 0) & (local < seam.size), local
+
+
+def _whole(summary: RowSummary, counted: Tensor):
+    """``(stats [2, M], logprob, entropy | None)`` of the merged summary, 0 on uncounted rows."""
+    zero = lambda x: None if x is None else torch.where(counted, x, 0.0)  # noqa: E731
+    stats = torch.stack([zero(summary.row_max), zero(summary.log_sum)])
+    return stats, zero(summary.label_logprob), zero(summary.entropy)
+
+
+class _ShardLogprobs(torch.autograd.Function):
+    """Token log-probs (and entropies) of this rank's ``[M, V_r]`` logits shard."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, seam, inv_temperature, with_entropy, inplace_backward, key):
+        counted = labels >= 0
+        owned, local = _owned(labels, seam)
+        read_labels = torch.where(counted, torch.where(owned, local, 0), -1)  # every counted row is read
+        stats, logprob, entropy = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=inv_temperature,
+                                                                   with_entropy=with_entropy)
+        merged = seam.merge(RowSummary(stats[0], stats[1], logprob, entropy, owned), inv_temperature)
+        stats, logprob, entropy = _whole(merged, counted)
+        ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, stats, logprob, entropy)
+        ctx.settings = (inv_temperature, with_entropy, inplace_backward, key)
+        return logprob, entropy if with_entropy else logprob.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, grad_labels, counted, stats, logprob, entropy = ctx.saved_tensors
+        inv_temperature, with_entropy, inplace_backward, key = ctx.settings
+        grad_logprobs, grad_entropy, entropy = row_gradients(counted, logprob, entropy, grad_logprobs, grad_entropy,
+                                                             with_entropy)
+        args = (grad_labels, stats, logprob, grad_logprobs, grad_entropy, entropy, inv_temperature, key)
+        if inplace_backward:
+            torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
+            grad = logits
+        else:
+            grad = torch.ops.tpo_kernels.logprobs_backward(logits, *args)
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def shard_logprobs(logits: Tensor, labels: Tensor, seam: ShardSeam, *, inv_temperature: float, with_entropy: bool,
+                   inplace_backward: bool, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`tpo_kernels.ops.token_logprobs` over the whole vocabulary from this rank's
+    ``[M, V_r]`` logits shard; the logits gradient is local to the shard."""
+    logprobs, entropy = _ShardLogprobs.apply(logits, labels, seam, inv_temperature, with_entropy, inplace_backward,
+                                             backend)
+    return logprobs, (entropy if with_entropy else None)
+
+
+class _ShardLinearLogprobs(torch.autograd.Function):
+    """Token log-probs (and entropies) of ``hidden @ weight_shard.T (+ bias_shard)``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, seam, inv_temperature, with_entropy, chunk_size, policy,
+                grad_accum_dtype, key):
+        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
+                               policy, vocab_offset=seam.start)
+        stats, logprob, entropy = head.forward(with_entropy)
+        owned, _ = _owned(labels, seam)
+        merged = seam.merge(RowSummary(stats[0], stats[1], logprob, entropy, owned), inv_temperature)
+        stats, logprob, entropy = _whole(merged, labels >= 0)
+        ctx.save_for_backward(hidden, weight, bias, labels, stats, logprob, entropy)
+        ctx.settings = (seam, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key)
+        return logprob, entropy if with_entropy else logprob.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, stats, logprob, entropy = ctx.saved_tensors
+        seam, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key = ctx.settings
+        grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprob, entropy, grad_logprobs,
+                                                             grad_entropy, with_entropy)
+        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
+                               policy, vocab_offset=seam.start)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        grad_hidden, grad_weight, grad_bias = head.backward(stats, logprob, grad_logprobs, grad_entropy, entropy,
+                                                            needs, grad_accum_dtype)
+        if grad_hidden is not None:  # every shard's contribution to dH
+            grad_hidden = seam.sum_hidden_grad(grad_hidden)
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+def shard_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, seam: ShardSeam, *,
+                          inv_temperature: float, with_entropy: bool, chunk_size: int, policy: TilePolicy,
+                          grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`tpo_kernels.ops.linear_logprobs` over the whole vocabulary from this rank's shard
+    of the head (weight ``[V_r, H]``, bias ``[V_r]``)."""
+    logprobs, entropy = _ShardLinearLogprobs.apply(hidden, weight, bias, labels, seam, inv_temperature, with_entropy,
+                                                   chunk_size, policy, grad_accum_dtype, backend)
+    return logprobs, (entropy if with_entropy else None)
