@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_math import GroupResult, group_sum, segment_sum
+from ..group_math import GroupResult, group_sum, length_weights, segment_sum
 from ..layout import BatchLayout
 
 
@@ -141,16 +141,24 @@ class GroupObjective:
     (sequence log-prob, score, kept, old sequence log-prob, k3 sums) are gathered and every rank
     runs the same group op on the whole batch, in float64 (the group op's own precision). The
     KL term, the reduction, the ``1/G`` weight and the aux are the same code either way.
-    Everything is differentiable through autograd; :meth:`aux` gives detached results."""
+    Everything is differentiable through autograd; :meth:`aux` gives detached results.
+
+    ``score_eps``: the near-tie tolerance of the group op. ``length_normalize`` (sequence-level,
+    needs ``valid``): each sequence log-prob is the mean over its counted tokens, through per-token
+    weights ``1/n_i`` applied before the group op (exact gradients; ``old_seq_logprobs`` are
+    expected in the same convention). The KL term and ``aux["token_logprobs"]`` keep the token
+    log-probs themselves."""
 
     def __init__(self, layout: BatchLayout, scores: Tensor, *, old_seq_logprobs: Optional[Tensor], eta: float,
                  anchor: bool, reduction: str, backend: str, beta: float = 0.0,
                  ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None,
-                 gather: Optional[RowGather] = None, kept: Optional[Tensor] = None) -> None:
+                 gather: Optional[RowGather] = None, kept: Optional[Tensor] = None, score_eps: float = 0.0,
+                 length_normalize: bool = False) -> None:
         self.layout, self.scores, self.old_seq_logprobs = layout, scores, old_seq_logprobs
         self.eta, self.anchor, self.reduction, self.backend = eta, anchor, reduction, backend
         self.beta, self.ref_logprobs, self.valid = beta, ref_logprobs, valid
         self.gather, self.kept = gather, kept
+        self.score_eps, self.length_normalize = score_eps, length_normalize
         self.token_logprobs: Optional[Tensor] = None
         self.result: Optional[GroupResult] = None
         self.group_layout: BatchLayout = layout  # the layout of the groups: the gathered one with a gather
@@ -160,10 +168,12 @@ class GroupObjective:
         """The loss from flat ``[M]`` token log-probs (0 on rows that do not count)."""
         self.token_logprobs = token_logprobs
         kl_sums = self._kl_sums(token_logprobs) if self.beta > 0 else None
+        if self.length_normalize:  # the sequence sums become means over counted tokens
+            token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
         if self.gather is None:
             self.result = group_targets(token_logprobs, self.layout, self.scores,
                                         old_seq_logprobs=self.old_seq_logprobs, eta=self.eta, anchor=self.anchor,
-                                        backend=self.backend)
+                                        backend=self.backend, score_eps=self.score_eps)
         else:
             kl_sums = self._gathered(token_logprobs, kl_sums)
         loss = reduce_groups(self.result.group_loss, self.reduction)
@@ -186,7 +196,8 @@ class GroupObjective:
         self.mine = self.gather.mine
         old = rows[:, 3].detach().contiguous() if self.old_seq_logprobs is not None else None
         self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
-                                    old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend)
+                                    old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend,
+                                    score_eps=self.score_eps)
         return None if kl_sums is None else (rows[:, -2], rows[:, -1].detach())
 
     def _kl_sums(self, token_logprobs: Tensor):
