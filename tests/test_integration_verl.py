@@ -136,6 +136,22 @@ def test_estimator_writes_the_group_standardized_score_on_every_counted_token():
     assert returns is advantages
 
 
+def test_near_tied_rewards_give_the_loss_of_the_raw_rewards():
+    """The near-tie rule acts on the raw rewards: a group whose rewards differ by 1e-7 gets the
+    centered 1e-7 advantages from the estimator, and the policy loss on them equals
+    reference.tpo_loss on the raw rewards (default score_eps on both)."""
+    batch = rollout()
+    batch["rewards"][:K] = 0.5 + 1e-7 * torch.tensor([1.0, -1.0, 0.0, 0.5], dtype=torch.float64)
+    lengths = batch["mask"].sum(1)
+    batch["token_rewards"][torch.arange(B), lengths - 1] = batch["rewards"]
+    logits, _, kwargs = policy_inputs(batch)
+    assert kwargs["advantages"][:K].abs().max() < 1e-6
+    loss, _ = tpo_policy_loss(**kwargs, config=actor_config())
+    want, want_grad = expected_loss(batch)
+    torch.testing.assert_close(loss, want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad, rtol=1e-9, atol=1e-11)
+
+
 # -- the batching contract: refusals -----------------------------------------------------------
 
 

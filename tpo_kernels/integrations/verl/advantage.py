@@ -36,12 +36,14 @@ def compute_tpo_outcome_advantage(
     response_mask: Tensor,
     index: Sequence,
     config=None,
+    score_eps: float = 1e-6,
     **unused,
 ) -> Tuple[Tensor, Tensor]:
     """verl advantage estimator ``"tpo"``: the score of a response is the sum of its token-level
     rewards (an outcome reward); the advantage is that score standardized within its group,
     ``u = (s - mean) / std`` (population std; exactly 0 for every member of a group whose scores
-    tie), written on every counted token: ``advantages[b, t] = u[b] * response_mask[b, t]``.
+    tie; ``u = s - mean``, undivided, when the std is at most ``score_eps``: the loss's near-tie
+    rule, applied here to the raw rewards), written on every counted token: ``advantages[b, t] = u[b] * response_mask[b, t]``.
 
     Args:
         token_level_rewards, response_mask: ``[B, T]``, as verl passes them.
@@ -59,6 +61,6 @@ def compute_tpo_outcome_advantage(
         raise ValueError(f"index must hold one uid per response ({token_level_rewards.shape[0]}), got {len(index)}")
     group_size = contiguous_group_size(index)
     scores = token_level_rewards.sum(dim=-1).to(torch.float64).view(-1, group_size)
-    u = standardize_dense(scores, torch.ones_like(scores, dtype=torch.bool)).reshape(-1, 1)
+    u = standardize_dense(scores, torch.ones_like(scores, dtype=torch.bool), score_eps).reshape(-1, 1)
     advantages = (u * response_mask).to(token_level_rewards.dtype)
     return advantages, advantages

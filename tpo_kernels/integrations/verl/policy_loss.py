@@ -96,6 +96,8 @@ def tpo_policy_loss(
     *,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
     backend: str = "auto",
 ) -> Tuple[Tensor, Dict[str, Any]]:
     """verl policy loss ``"tpo"`` (the signature of verl 0.9's ``compute_policy_loss_vanilla``).
@@ -109,7 +111,10 @@ def tpo_policy_loss(
         config: verl's actor config: ``rollout_n`` is the group size K; the batching settings
             are checked; ``global_batch_info`` scales the loss to the mean over the mini-batch.
         rollout_is_weights: must be None (TPO applies no per-token importance weights).
-        eta, anchor, backend: TPO's settings (see :func:`tpo_kernels.tpo_loss`).
+        eta, anchor, score_eps, length_normalize, backend: TPO's settings (see
+            :func:`tpo_kernels.tpo_loss`). The estimator already applied the near-tie rule to the
+            raw rewards; its centered scores (std <= score_eps) stay centered here, its
+            standardized ones (std 1) stay standardized, so the two agree for the same score_eps.
 
     Returns ``(loss, metrics)``; metrics are floats named ``actor/...``.
     """
@@ -128,8 +133,8 @@ def tpo_policy_loss(
     scores = _scores(advantages.detach(), mask, group_size)
     loss, aux = tpo_loss_from_logprobs(
         log_prob, scores, mask=mask, group_size=group_size,
-        old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor,
-        reduction="mean" if scale is None else "sum", backend=backend, return_aux=True,
+        old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor, score_eps=score_eps,
+        length_normalize=length_normalize, reduction="mean" if scale is None else "sum", backend=backend, return_aux=True,
     )
     if scale is not None:
         loss = loss * scale
