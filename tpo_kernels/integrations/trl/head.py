@@ -88,7 +88,7 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
     ``group_size``, ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
-    ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32`` and ``token_entropy``.
+    ``anchor``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32`` and ``token_entropy``.
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
     completion has a counted token), ``kept`` ([N] bool: completions with a counted token), and
     ``labels``, ``mask``, ``ref_logprobs`` on the hidden states' device.
@@ -125,6 +125,10 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
             beta=request["beta"],
             eta=request["eta"],
             anchor=request["anchor"],
+            # The scores are TRL's advantages, not the raw rewards the near-tie tolerance is meant
+            # for: they are standardized exactly, as before score_eps existed.
+            score_eps=0.0,
+            length_normalize=request["length_normalize"],
             temperature=request["temperature"],
             logit_scale=logit_scale,
             logit_softcap=logit_softcap,
