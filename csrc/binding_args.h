@@ -194,6 +194,7 @@ inline GroupArgs group_args(Kwargs& in) {
   a.scores = in.pointer<const double>("scores");
   a.old_seq_logprobs = in.optional_pointer<const double>("old_seq_logprobs");
   a.eta = in.real("eta");
+  a.score_eps = in.real("score_eps");
   a.anchor = in.flag("anchor");
   a.seq_logprobs = in.pointer<double>("seq_logprobs");
   a.u = in.pointer<double>("u");
@@ -311,6 +312,7 @@ inline void check_args(const GroupArgs& a) {
         "group op dtype code must be 0 (float32) or 3 (float64), got " + std::to_string(a.dtype));
   check(a.num_groups >= 0, "num_groups must be >= 0, got " + std::to_string(a.num_groups));
   check(std::isfinite(a.eta) && a.eta > 0.0, "eta must be finite and > 0");
+  check(std::isfinite(a.score_eps) && a.score_eps >= 0.0, "score_eps must be finite and >= 0");
   if (a.num_groups == 0) return;
   check_pointer(a.token_logprobs, "token_logprobs");
   check_pointer(a.seq_start, "seq_start");

@@ -94,7 +94,8 @@ struct CandidateArgs {
 
 // The group op (layer 2), one group at a time: for the members n of group g,
 //   ell[n] = sum of token_logprobs over the member's rows, u = standardized scores (0 when all
-//   scores of the group tie), p = softmax(ell), q = softmax(base + u / eta) with base =
+//   scores of the group tie; s - mean, not divided, when their population std is at most
+//   score_eps), p = softmax(ell), q = softmax(base + u / eta) with base =
 //   old_seq_logprobs (ell when absent) if anchor, else 0, and group_loss[g] = -sum q log p
 //   (terms with q == 0 count 0: their limit, also when log p = -inf).
 // token_logprobs has `dtype` (kFloat32 or kFloat64); everything else, and all the arithmetic, is
@@ -110,6 +111,7 @@ struct GroupArgs {
   const double* scores;           // [N]
   const double* old_seq_logprobs; // [N], optional (on-policy when absent)
   double eta;
+  double score_eps;               // >= 0; 0: divide by every nonzero std
   bool anchor;
   double* seq_logprobs;           // [N]
   double* u;                      // [N]

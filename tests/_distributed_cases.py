@@ -166,10 +166,12 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
 
 def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction: str = "mean",
             backend: str = "torch", old=None, kl=False, packed=False, seed=0, group_size: int = 4,
-            tie: bool = True, entropy: bool = False, masked_rank: Optional[int] = None) -> dict:
+            tie: bool = True, entropy: bool = False, masked_rank: Optional[int] = None,
+            options: Optional[dict] = None) -> dict:
     """Item 1: groups split over ranks; loss, every gradient and every aux entry vs the whole
     batch in one process. ``masked_rank``: every completion of that rank has no counted token
-    (left out of its group, as in one process)."""
+    (left out of its group, as in one process). ``options``: more loss keywords (score_eps,
+    length_normalize)."""
     pg = _GROUP
     batch = dp_batch(sizes, grouping=grouping, old=old, kl=kl, packed=packed, seed=seed, group_size=group_size,
                      tie=tie)
@@ -177,7 +179,7 @@ def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction
         starts = _offsets(batch["sizes"])
         batch["labels"][_token_rows(batch, starts[masked_rank], batch["sizes"][masked_rank])] = -100
     whole, share = _whole(batch), _share(batch, rank)
-    common = dict(reduction=reduction, backend=backend, return_aux=True, return_entropy=entropy)
+    common = dict(reduction=reduction, backend=backend, return_aux=True, return_entropy=entropy, **(options or {}))
     if path == "logits":
         ref_leaf = _leaf(batch["logits"])
         ref_loss, ref_aux = tpo_kernels.tpo_loss(ref_leaf * 1.0, batch["labels"], batch["scores"], **whole, **common)
@@ -523,6 +525,8 @@ def failures_case(rank: int, world: int) -> dict:
     attempt("return_entropy", lambda: fused(return_aux=True, return_entropy=last))
     attempt("eta", lambda: fused(eta=0.5 if last else 1.0))
     attempt("reduction", lambda: fused(reduction="sum" if last else "mean"))
+    attempt("score_eps", lambda: fused(score_eps=0.0 if last else 1e-6))
+    attempt("length_normalize", lambda: fused(length_normalize=last))
     attempt("old_on_one_rank", lambda: fused(old_logprobs=scores * 0 - 1.0 if last else None))
     attempt("bad_type_on_one_rank", lambda: fused(group_size=4.0 if last else 4))
     attempt("token_level_nan", lambda: tpo_kernels.token_tpo_loss(

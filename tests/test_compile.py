@@ -93,7 +93,7 @@ def test_custom_ops_pass_opcheck(op):
 
         layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
         token_lp = (-torch.rand(N * T)).requires_grad_()
-        args = (token_lp, *layout.op_args(), scores, None, 1.0, True, "torch")
+        args = (token_lp, *layout.op_args(), scores, None, 1.0, True, 1e-6, "torch")  # eta, anchor, score_eps
     elif op == "candidate_logits":
         args = (logits, candidates, 1.0, "torch")
     else:

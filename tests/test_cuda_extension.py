@@ -54,11 +54,12 @@ def test_binding_rejects_bad_arguments_before_launching():
     with pytest.raises(TypeError, match="unexpected keyword argument 'weight'"):
         CUDA_EXTENSION.row_forward(**good, weight=1.0)
     group = dict(dtype=0, num_groups=1, token_logprobs=1, seq_start=1, seq_len=1, group_offsets=1,
-                 group_members=1, scores=1, eta=1.0, anchor=True, seq_logprobs=1, u=1, p=1, q=1,
+                 group_members=1, scores=1, eta=1.0, score_eps=0.0, anchor=True, seq_logprobs=1, u=1, p=1, q=1,
                  group_loss=1, device=0, stream=0)
     for change, message in [
         ({"dtype": 1}, "float32.*float64"),
         ({"eta": 0.0}, "eta"),
+        ({"score_eps": -1e-6}, "score_eps"),
         ({"num_groups": -1}, "num_groups"),
         ({"q": 0}, "q is a null pointer"),
     ]:

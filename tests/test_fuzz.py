@@ -88,6 +88,8 @@ BAD_SCALARS = [
     ("reduction", LOSSES, ["avg", None, 1]),
     ("backend", FUNCTIONS, ["gpu", 3, None]),
     ("beta", SEQ, [-1.0, float("nan"), "0.1", True]),
+    ("score_eps", LOSSES, [-1e-6, float("nan"), float("inf"), 1e-300, 1e39, "0", True, None]),
+    ("length_normalize", SEQ, [1, "yes", None]),
     ("ignore_index", LABELLED, [1.5, -100.0, "x", None]),
     ("chunk_size", LINEAR[:1] + LINEAR[2:], [0, -1, 2.5, "8"]),
     ("anchor", LOSSES, [1, "yes", None]),
@@ -99,6 +101,7 @@ NUMPY_SCALARS = [
     ("temperature", FUNCTIONS, [np.float32(0.7), np.float16(1.5), np.int32(2)]),
     ("group_size", SEQ, None),  # np.int64 of the group size
     ("beta", SEQ, [np.float32(0.0)]),
+    ("score_eps", LOSSES, [np.float32(1e-6), np.float64(0.0), np.int64(0)]),
     ("ignore_index", LABELLED, [np.int64(-100), np.int16(-100)]),
     ("chunk_size", LINEAR[:1] + LINEAR[2:], [np.int64(3), np.uint8(1)]),
 ]

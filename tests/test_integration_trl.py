@@ -314,9 +314,11 @@ def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("cast_fp32", [False, True])
-def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast_fp32):
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast_fp32, length_normalize):
     """The head alone: a Cohere-style logit multiplier (logit_scale), a bf16 hidden
-    state under an fp32 head, and completions without a counted token left out of their group."""
+    state under an fp32 head, completions without a counted token left out of their group, and
+    length-normalized sequence log-probs on request."""
     torch.manual_seed(0)
     num_rows, prompt, length, width, vocab = 12, 3, 5, 16, 50
     hidden_all = torch.randn(num_rows, prompt + length, width).to(torch.bfloat16).requires_grad_()
@@ -329,14 +331,15 @@ def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
                    group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
-                   cast_lm_head_to_fp32=cast_fp32, token_entropy=True)
+                   cast_lm_head_to_fp32=cast_fp32, token_entropy=True, length_normalize=length_normalize)
     out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
     kept = mask.any(dim=1)
     expected = reference.tpo_loss(
         logits[kept], labels.masked_fill(~mask, -100)[kept], scores[kept].double(),
-        group_ids=(torch.arange(num_rows) // 4)[kept], eta=0.7, temperature=0.8,
+        group_ids=(torch.arange(num_rows) // 4)[kept], eta=0.7, temperature=0.8, length_normalize=length_normalize,
+        score_eps=0.0,
     )
     assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
     assert out["kept"].tolist() == kept.tolist()
@@ -368,7 +371,7 @@ def test_tpo_head_matches_a_soft_capped_model():
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
                    group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
-                   cast_lm_head_to_fp32=False, token_entropy=False, router_aux_loss=False)
+                   cast_lm_head_to_fp32=False, token_entropy=False, router_aux_loss=False, length_normalize=False)
     out = model(input_ids=input_ids, tpo_request=request)
     logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1].double()
     assert logits.abs().max() <= 2.0  # the model's logits are capped

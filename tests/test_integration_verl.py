@@ -120,6 +120,35 @@ def test_estimator_and_loss_take_the_rows_in_any_order():
     torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad[order], rtol=1e-6, atol=1e-8)
 
 
+def test_near_tied_rewards_give_the_loss_of_the_raw_rewards():
+    """The near-tie rule acts on the raw rewards: a group whose rewards differ by 1e-7 gets the
+    centered 1e-7 advantages from the estimator, and the policy loss on them equals
+    reference.tpo_loss on the raw rewards (default score_eps on both)."""
+    batch = rollout()
+    batch["rewards"][:K] = 0.5 + 1e-7 * torch.tensor([1.0, -1.0, 0.0, 0.5], dtype=torch.float64)
+    lengths = batch["mask"].sum(1)
+    batch["token_rewards"][torch.arange(B), lengths - 1] = batch["rewards"]
+    logits, _, kwargs = policy_inputs(batch)
+    assert kwargs["advantages"][:K].abs().max() < 1e-6
+    loss, _ = tpo_policy_loss(**kwargs, config=actor_config())
+    want, want_grad = expected_loss(batch)
+    torch.testing.assert_close(loss, want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad, rtol=1e-9, atol=1e-11)
+
+
+# -- the batching contract: refusals -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("uids,match", [
+    (["a", "a", "b", "b", "a", "a"], "one run"),  # a group in two runs (reordered batch)
+    (["a", "a", "a", "b", "b", "c"], "sizes"),  # groups of unequal size
+])
+def test_estimator_refuses_groups_that_are_not_contiguous_runs(uids, match):
+    rewards = torch.rand(len(uids), 3)
+    with pytest.raises(ValueError, match=f"index.*{match}"):
+        compute_tpo_outcome_advantage(rewards, torch.ones(len(uids), 3), np.array(uids, dtype=object))
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(rollout_n=None), "config.rollout_n"),
     (dict(use_dynamic_bsz=True), "config.use_dynamic_bsz"),

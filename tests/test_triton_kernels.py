@@ -506,7 +506,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                          "p_ptr", "q_ptr", "group_loss_ptr"]
                 sig = {n: "*i64" if n in names[1:5] else "*fp64" for n in names}
                 sig["token_logprobs_ptr"] = "*" + acc
-                sig.update({n: "fp32" for n in ("inv_eta_hi", "inv_eta_mid", "inv_eta_lo")})
+                sig.update({n: "fp32" for n in ("inv_eta_hi", "inv_eta_mid", "inv_eta_lo", "half_eps_hi",
+                                                "half_eps_mid", "half_eps_lo")})
                 sig.update({n: "constexpr" for n in ("HAS_OLD", "ANCHOR", "BLOCK_K", "BLOCK_T")})
                 build(gk._group_targets_kernel, sig, {"HAS_OLD": flag, "ANCHOR": not flag,
                       "BLOCK_K": 8, "BLOCK_T": 256}, arch)

@@ -8,6 +8,11 @@ op (:mod:`tpo_kernels.ops`) and, for the losses, the group stage
 Shared keywords of the losses:
     eta: target temperature (> 0): ``q ∝ p_old · exp(u / eta)``.
     anchor: use ``p_old`` in q (False: ``q = softmax(u / eta)``).
+    score_eps: near-tie tolerance (0, or in float32's normal range): a group (state) whose scores
+        have a population std of at most ``score_eps`` gets the centered scores ``u = s - mean``,
+        not divided by the std, so reward noise (a spread of 1e-7) carries a signal as small as
+        itself instead of a full-strength one (the paper authors' rule). Exact ties get ``u = 0``
+        either way; ``score_eps=0`` standardizes every group that does not tie exactly.
     temperature: sampling temperature dividing the logits (> 0).
     logit_scale, logit_softcap: the model's own transform of its lm_head output, applied before
         the temperature: ``softcap(logit_scale * z) / temperature`` with ``softcap(x) = c * tanh(x / c)``,
@@ -63,6 +68,8 @@ def tpo_loss(
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -93,7 +100,11 @@ def tpo_loss(
         cu_seqlens: ``[N+1]`` offsets of the completions in packed inputs (flash-attn convention).
         mask: optional ``[N, T]`` / ``[M]`` 0/1 mask of counted tokens (ANDed with ignore_index).
         old_logprobs: rollout-policy log-probs, per token (shape of labels) or per completion
-            ``[N]``; None = on-policy (p_old = p, held constant).
+            ``[N]``; None = on-policy (p_old = p, held constant). Per completion they are the
+            sequence log-probs in the loss's convention (means with ``length_normalize``).
+        length_normalize: each completion's sequence log-prob ``ell`` (and ``ell_old`` from
+            per-token ``old_logprobs``) is the mean over its counted tokens instead of the sum
+            (the default of the author's TRL port, GSPO-style); gradients exact.
         ref_logprobs, beta: per-token reference log-probs and the weight of the k3 KL penalty
             (token mean over counted tokens; per group for ``reduction="none"``).
         inplace_backward: write the logits gradient into the logits buffer (saves a ``[M, V]``
@@ -101,8 +112,8 @@ def tpo_loss(
             saved the same logits raises PyTorch's in-place error instead of reading overwritten
             values. Leaf tensors (e.g. created with ``requires_grad=True``) are never overwritten,
             nor are buffers under ``torch.compile``.
-        eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, validate: see the
-            module docstring.
+        eta, anchor, score_eps, temperature, logit_scale, logit_softcap, reduction, backend, validate:
+            see the module docstring.
         return_aux: also return a dict of detached ``token_logprobs``, ``seq_logprobs``, ``p``,
             ``q``, ``u``, ``coef`` (dL/d ell of the group term), ``group_loss`` and per-group
             metrics: ``kl_q_p`` (KL(q || p)), ``entropy_p``, ``entropy_q`` and ``zero_signal``
@@ -117,7 +128,7 @@ def tpo_loss(
         pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
         pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         return_entropy, validate),
+                         return_entropy, validate, score_eps, length_normalize),
         pipeline.Placement(process_group, vocab_parallel_group, vocab_start_index),
     ))
 
@@ -135,6 +146,8 @@ def tpo_loss_from_logprobs(
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
     reduction: str = "mean",
     backend: BackendArg = "auto",
     return_aux: bool = False,
@@ -150,16 +163,17 @@ def tpo_loss_from_logprobs(
             the sampled tokens under the current policy (already tempered).
         mask: ``[N, T]`` / ``[M]`` 0/1 or bool mask of the tokens that count (response mask);
             None: every token counts.
-        scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, beta: as in
-            :func:`tpo_loss`.
-        eta, anchor, reduction, backend, return_aux, validate, process_group: see the module docstring.
+        scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, beta, length_normalize:
+            as in :func:`tpo_loss`.
+        eta, anchor, score_eps, reduction, backend, return_aux, validate, process_group: see the module
+            docstring.
     """
     return pipeline.sequence_loss(pipeline.SequenceRequest(
         "tpo_loss_from_logprobs", pipeline.Logprobs(logprobs),
         pipeline.Batch(None, scores, group_size, group_ids, cu_seqlens, mask, -100, old_logprobs, ref_logprobs,
                        beta),
         pipeline.Options(eta, anchor, 1.0, reduction=reduction, backend=backend, return_aux=return_aux,
-                         validate=validate),
+                         validate=validate, score_eps=score_eps, length_normalize=length_normalize),
         pipeline.Placement(process_group),
     ))
 
@@ -212,6 +226,8 @@ def fused_linear_tpo_loss(
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -260,7 +276,7 @@ def fused_linear_tpo_loss(
         pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
         pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         return_entropy, validate),
+                         return_entropy, validate, score_eps, length_normalize),
         pipeline.Placement(process_group, vocab_parallel_group, vocab_start_index),
     ))
 

@@ -3,7 +3,8 @@
 Math, per group of K members (completions, or the K candidate tokens of one state)::
 
     ell[i] = sum_t m[i,t] * lp[i,t]           sequence log-prob (one term for a candidate)
-    u[i]   = (s[i] - mean(s)) / std(s)         population std; u = 0 when all scores tie
+    u[i]   = (s[i] - mean(s)) / std(s)         population std; u = 0 when all scores tie;
+                                               u = s[i] - mean(s) when std(s) <= score_eps
     p      = softmax(ell)                      policy within the group            (Eq. 1)
     q      = softmax(ell_old + u / eta)        anchored target (ell_old = ell on-policy);
                                                softmax(u / eta) without the anchor
@@ -14,6 +15,11 @@ Ties are detected as ``max(s) == min(s)`` rather than ``std == 0``: the float me
 values can differ from them in the last bit, which would turn a tie into u = +-1 noise. p and q
 go through the same softmax, so a tied on-policy group gets ``q == p`` bit for bit and
 ``p - q == 0`` exactly: its tokens carry no gradient and the backward can skip them.
+
+Near ties (the authors' rule): a group whose population std is at most ``score_eps`` keeps its
+centered scores undivided, so reward noise of 1e-7 gives a signal of 1e-7, not a full-strength
+one (dividing would blow any nonzero spread up to unit variance). ``score_eps = 0`` divides by
+every nonzero std; an exact tie is ``u = 0`` either way.
 
 Precision: ``ell`` and everything after it are computed in float64 whatever the token dtype
 (a 32k-token completion has ``|ell| ~ 1e5``, where fp32 spacing is 0.008, enough to move p by
@@ -74,6 +80,19 @@ def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
     return dense[: layout.num_seqs].sum(dim=1)
 
 
+def length_weights(valid: Tensor, layout: BatchLayout, dtype: torch.dtype) -> Tensor:
+    """Per-token weights ``1 / n_i`` (``n_i`` the counted tokens of the token's completion i; 0
+    at tokens that do not count), so that the sequence sum of ``weights * token_logprobs`` is
+    the mean over counted tokens (``length_normalize``). Applied to the token log-probs before
+    the group op, it is a product autograd differentiates exactly, and zero-signal tokens keep
+    an exactly zero gradient. ``valid``: ``[M]`` bool of counted tokens."""
+    counted = valid.reshape(-1)
+    n = segment_sum(counted.to(torch.float64), layout)  # exact integer counts
+    per_seq = 1.0 / n.clamp(min=1.0)
+    inside = counted & (layout.token_seq >= 0)
+    return torch.where(inside, per_seq[layout.token_seq.clamp(min=0)], 0.0).to(dtype)
+
+
 def _dense_slots(layout: BatchLayout):
     """(group, slot) of each entry of ``group_members`` in a dense ``[G, max_group_size]`` layout."""
     rows = layout.seq_group[layout.group_members]
@@ -91,34 +110,40 @@ def group_sum(seq_values: Tensor, layout: BatchLayout) -> Tensor:
     return dense.sum(dim=1)
 
 
-def standardize_dense(scores: Tensor, valid: Tensor) -> Tensor:
-    """u = (s - mean) / std (population std) per row of a dense ``[G, K]`` layout, 0 for a row
-    whose scores tie (``max == min``) and at invalid slots. Computed from ``x = (s/2 - min/2) /
-    (max/2 - min/2)`` in ``[0, 1]``: halving is exact and keeps the difference finite, the
-    difference of nearby scores is exact, and the scale-free x neither underflows nor overflows
-    when squared. Use float64."""
+def standardize_dense(scores: Tensor, valid: Tensor, score_eps: float = 0.0) -> Tensor:
+    """u = (s - mean) / std (population std) per row of a dense ``[G, K]`` layout; ``u = s -
+    mean`` (not divided) for a row whose std is at most ``score_eps``; 0 for a row whose scores
+    tie (``max == min``) and at invalid slots. Computed from ``x = (s/2 - min/2) / spread`` with
+    ``spread = max/2 - min/2``: halving is exact and keeps the difference finite, the difference
+    of nearby scores is exact, and the scale-free x neither underflows nor overflows when
+    squared. ``std(s) = 2 * spread * std(x)`` and ``s - mean = 2 * spread * (x - mean(x))``, so the
+    near-tie test (``std(x) <= (score_eps / 2) / spread``: never true for ``score_eps = 0``) and
+    the centered scores come from the same accurate x. Use float64."""
     s_max = torch.where(valid, scores, float("-inf")).amax(dim=1, keepdim=True)
     s_min = torch.where(valid, scores, float("inf")).amin(dim=1, keepdim=True)
     tied = s_max == s_min
     shifted = torch.where(valid, scores * 0.5 - torch.where(tied, 0.0, s_min) * 0.5, 0.0)
     spread = shifted.amax(dim=1, keepdim=True)
     flat = tied | (spread == 0)  # a spread lost to subnormal halving counts as a tie
-    x = shifted / torch.where(flat, 1.0, spread)
+    safe_spread = torch.where(flat, 1.0, spread)
+    x = shifted / safe_spread
     count = valid.sum(dim=1, keepdim=True).to(scores.dtype)
     mean = x.sum(dim=1, keepdim=True) / count
     centered = torch.where(valid, x - mean, 0.0)
     std = torch.sqrt((centered * centered).sum(dim=1, keepdim=True) / count)
-    return torch.where(flat | ~valid, 0.0, centered / torch.where(flat, 1.0, std))
+    near_tie = std <= (score_eps * 0.5) / safe_spread
+    u = torch.where(near_tie, centered * (safe_spread * 2.0), centered / torch.where(flat, 1.0, std))
+    return torch.where(flat | ~valid, 0.0, u)
 
 
 def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], valid: Optional[Tensor],
-                     eta: float, anchor: bool):
+                     eta: float, anchor: bool, score_eps: float = 0.0):
     """The group math on a dense ``[G, K]`` layout (``valid`` marks real members; None = all).
     Returns ``(u, p, q, group_loss)`` in the inputs' dtype (float64 in :func:`portable_group_targets`)."""
     neg_inf = float("-inf")
     if valid is None:
         valid = torch.ones_like(scores, dtype=torch.bool)
-    u = standardize_dense(scores, valid)
+    u = standardize_dense(scores, valid, score_eps)
     policy = torch.where(valid, ell, neg_inf)
     log_p = torch.log_softmax(policy, dim=1)
     p = torch.softmax(policy, dim=1)
@@ -137,6 +162,7 @@ def portable_group_targets(
     old_seq_logprobs: Optional[Tensor] = None,
     eta: float,
     anchor: bool,
+    score_eps: float = 0.0,
 ) -> GroupResult:
     """The portable group op: flat ``[M]`` token log-probs (0 on rows that do not count) ->
     :class:`GroupResult` in the token log-probs' dtype, computed in float64. Not differentiable by
@@ -173,7 +199,8 @@ def portable_group_targets(
             return out
 
     u, p, q, group_loss = dense_group_math(
-        to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor
+        to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor,
+        score_eps,
     )
     results = (ell, from_dense(u), from_dense(p), from_dense(q), group_loss, from_dense(p - q))
     return GroupResult(*(t.to(out_dtype) for t in results))

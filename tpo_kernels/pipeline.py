@@ -57,6 +57,8 @@ class Options:
     return_aux: bool = False
     return_entropy: bool = False
     validate: bool = True
+    score_eps: float = 1e-6
+    length_normalize: bool = False  # sequence-level losses only
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ def _settings(options: Options, temperature: Optional[float] = None) -> _validat
         eta=options.eta, anchor=options.anchor, temperature=options.temperature if temperature is None else temperature,
         reduction=options.reduction, return_aux=options.return_aux, validate=options.validate,
         return_entropy=options.return_entropy, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
+        score_eps=options.score_eps, length_normalize=options.length_normalize,
     )
 
 
@@ -264,6 +267,7 @@ def _check_sequence(request: SequenceRequest, source: Source, sharded: bool, who
         group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
         ignore_index=batch.ignore_index, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
         beta=batch.beta, input_name=input_name, validate=settings.validate, whole=whole,
+        length_normalize=settings.length_normalize,
     )
     return _Checked(settings, key, device, dtype, rows, prepared.labels, prepared, group_size)
 
@@ -274,14 +278,14 @@ def _check_sequence(request: SequenceRequest, source: Source, sharded: bool, who
 def _agreed_settings(function: str, checked: Optional[_Checked], extra: dict) -> dict:
     """Everything that changes the result and must be the same on every rank."""
     names = ("function", "compute dtype", "eta", "anchor", "temperature", "logit_scale", "logit_softcap",
-             "reduction", "return_aux", "return_entropy", "validate", "beta", "old_logprobs", "ref_logprobs",
-             *extra)
+             "reduction", "return_aux", "return_entropy", "validate", "score_eps", "length_normalize", "beta",
+             "old_logprobs", "ref_logprobs", *extra)
     if checked is None:  # this rank failed its checks: the verdict reports that first
         return dict.fromkeys(names)
     s, batch = checked.settings, checked.batch
     values = (function, str(checked.dtype).replace("torch.", ""), s.eta, s.anchor, 1.0 / s.inv_temperature,
               s.logit_scale, s.logit_softcap, s.reduction, s.return_aux, s.return_entropy, s.validate,
-              0.0 if batch is None else batch.beta,
+              s.score_eps, s.length_normalize, 0.0 if batch is None else batch.beta,
               batch is not None and batch.old_seq_logprobs is not None,
               batch is not None and batch.ref_logprobs is not None, *extra.values())
     return dict(zip(names, values))
@@ -415,6 +419,7 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         prepared.layout, prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs, eta=settings.eta,
         anchor=settings.anchor, reduction=settings.reduction, backend=checked.key, beta=prepared.beta,
         ref_logprobs=prepared.ref_logprobs, valid=prepared.valid, gather=gather, kept=prepared.kept,
+        score_eps=settings.score_eps, length_normalize=settings.length_normalize,
     )
     loss = objective.forward(token_lp)
     if not settings.return_aux:
@@ -509,7 +514,7 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
     objective = GroupObjective(
         candidate_layout(num_states, num_cand, cand.device), scores.reshape(-1),
         old_seq_logprobs=None if old is None else old.reshape(-1), eta=settings.eta, anchor=settings.anchor,
-        reduction=settings.reduction, backend=key, gather=gather,
+        reduction=settings.reduction, backend=key, gather=gather, score_eps=settings.score_eps,
     )
     loss = objective.forward(cand.reshape(-1))
     if not settings.return_aux:

@@ -68,8 +68,9 @@ def selective_logprobs(
     return lp, torch.where(labels != ignore_index, ent, torch.zeros_like(ent))
 
 
-def standardize(scores: Tensor) -> Tensor:
-    """Appendix A: (s - mean) / std with the population std; all zeros when the scores tie.
+def standardize(scores: Tensor, score_eps: float = 0.0) -> Tensor:
+    """Appendix A with the authors' near-tie rule: all zeros when the scores tie; ``s - mean``
+    (not divided) when their population std is at most ``score_eps``; else ``(s - mean) / std``.
 
     u does not change when a constant is subtracted or the scores are scaled, so it is computed
     from ``(s - min) / (max - min)``: the difference of nearby scores is exact, and nothing
@@ -77,9 +78,12 @@ def standardize(scores: Tensor) -> Tensor:
     if bool(scores.max() == scores.min()):
         return torch.zeros_like(scores)
     shifted = scores - scores.min()
-    x = shifted / shifted.max()
+    spread = shifted.max()
+    x = shifted / spread
     mean = x.sum() / x.numel()
     std = (((x - mean) ** 2).sum() / x.numel()).sqrt()
+    if bool(spread * std <= score_eps):  # spread * std is the population std of the scores
+        return shifted - shifted.sum() / shifted.numel()  # s - mean(s), from the exact s - min
     return (x - mean) / std
 
 
@@ -114,13 +118,19 @@ def tpo_loss(
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     return_aux: bool = False,
 ):
-    """TPO loss by the book (DESIGN.md section 1). Same arguments as :func:`tpo_kernels.tpo_loss`."""
+    """TPO loss by the book (DESIGN.md section 1). Same arguments as :func:`tpo_kernels.tpo_loss`.
+
+    ``length_normalize``: a completion's sequence log-prob is the mean of its counted token
+    log-probs instead of the sum, and so is ``ell_old`` from per-token ``old_logprobs``; per
+    completion ``[N]`` old log-probs are the sequence log-probs as they are (already means)."""
     valid = labels != ignore_index
     if mask is not None:
         valid = valid & mask.bool()
@@ -132,20 +142,26 @@ def tpo_loss(
     slices = _sequence_slices(labels, cu_seqlens)
     num_seqs = len(slices)
 
-    ell = torch.stack([lp[rows].sum() for rows in slices])
+    def sequence_logprob(token_values: Tensor, rows: Tensor) -> Tensor:
+        total = token_values[rows].sum()
+        if not length_normalize:
+            return total
+        return total / valid_flat[rows].sum().clamp(min=1)  # mean over the counted tokens
+
+    ell = torch.stack([sequence_logprob(lp, rows) for rows in slices])
     if old_logprobs is None:  # on-policy: p_old = p, held constant
         ell_old = ell.detach()
-    elif old_logprobs.shape == labels.shape:  # per-token old log-probs, summed under the mask
+    elif old_logprobs.shape == labels.shape:  # per-token old log-probs, summed (or averaged) under the mask
         old_flat = torch.where(valid, old_logprobs.to(dtype), torch.zeros((), dtype=dtype)).reshape(-1)
-        ell_old = torch.stack([old_flat[rows].sum() for rows in slices])
-    else:  # per-sequence [N]
+        ell_old = torch.stack([sequence_logprob(old_flat, rows) for rows in slices])
+    else:  # per-sequence [N], as given
         ell_old = old_logprobs.to(dtype)
 
     groups = _groups(num_seqs, group_size, group_ids)
     group_losses, ps, qs, us = [], torch.zeros(num_seqs, dtype=dtype), torch.zeros(num_seqs, dtype=dtype), torch.zeros(num_seqs, dtype=dtype)
     for members in groups:
         idx = torch.tensor(members)
-        u = standardize(scores[idx].to(dtype))
+        u = standardize(scores[idx].to(dtype), score_eps)
         log_p = torch.log_softmax(ell[idx], dim=0)  # Eq. 1
         if anchor:  # q ∝ p_old * exp(u / eta)
             q = torch.softmax(torch.log_softmax(ell_old[idx], dim=0) + u / eta, dim=0)
@@ -202,6 +218,7 @@ def token_tpo_loss(
     old_logprobs: Optional[Tensor] = None,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -221,7 +238,7 @@ def token_tpo_loss(
     dtype = cand_logprobs.dtype
     state_losses, ps, qs, us = [], [], [], []
     for r in range(cand_logprobs.shape[0]):
-        u = standardize(scores[r].to(dtype))
+        u = standardize(scores[r].to(dtype), score_eps)
         log_p = torch.log_softmax(cand_logprobs[r], dim=0)  # Eq. 1 over the K candidates
         if anchor:  # q ∝ p_old * exp(u / eta); on-policy p_old = p, held constant
             old = cand_logprobs[r].detach() if old_logprobs is None else old_logprobs[r].to(dtype)

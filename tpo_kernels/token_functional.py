@@ -23,6 +23,7 @@ def token_tpo_loss(
     old_logprobs: Optional[Tensor] = None,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -45,7 +46,8 @@ def token_tpo_loss(
         candidates: ``[R, K]`` integer token ids in ``[0, V)``. A repeated id is a separate group
             member with the same logit; its gradients add up (in ascending k order).
         scores: ``[R, K]`` finite scores of the candidates; standardized within each state
-            (population std; a state whose K scores tie gets u = 0, hence zero on-policy gradient).
+            (population std; a state whose K scores tie gets u = 0, hence zero on-policy gradient;
+            one whose std is at most ``score_eps`` keeps ``u = s - mean``, undivided).
         old_logprobs: ``[R, K]`` candidate log-probs under the rollout policy (anchored target
             ``q ∝ p_old exp(u/eta)``). Only differences within a state matter, so full-vocab
             log-probs and raw logits of the rollout policy both work; they are used as given,
@@ -53,8 +55,8 @@ def token_tpo_loss(
         return_aux: also return a dict of detached ``[R, K]`` ``candidate_logits`` (tempered),
             ``p``, ``q``, ``u``, ``coef`` (dLoss/d candidate logit, ``w (p - q)``) and ``[R]``
             ``state_loss``.
-        eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, validate: see the
-            module docstring.
+        eta, anchor, score_eps, temperature, logit_scale, logit_softcap, reduction, backend, validate:
+            see the :mod:`tpo_kernels.functional` docstring.
         process_group: states split over data-parallel ranks: every rank returns the loss of the
             concatenated states (the mean over all ranks' states for ``"mean"``) and its states get
             ``P`` times their gradient of it, so that after DDP averaging every parameter has the
@@ -64,7 +66,7 @@ def token_tpo_loss(
     return pipeline.candidate_loss(pipeline.CandidateRequest(
         "token_tpo_loss", pipeline.Logits(logits), candidates, scores, old_logprobs,
         pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         validate=validate),
+                         validate=validate, score_eps=score_eps),
         pipeline.Placement(process_group),
     ))
 
@@ -79,6 +81,7 @@ def fused_linear_token_tpo_loss(
     old_logprobs: Optional[Tensor] = None,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -98,6 +101,6 @@ def fused_linear_token_tpo_loss(
     return pipeline.candidate_loss(pipeline.CandidateRequest(
         "fused_linear_token_tpo_loss", pipeline.Head(hidden, weight, bias), candidates, scores, old_logprobs,
         pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         validate=validate),
+                         validate=validate, score_eps=score_eps),
         pipeline.Placement(process_group),
     ))

@@ -5,7 +5,8 @@
 //
 // Matches tpo_kernels.group_op.group_targets: ties are detected as max(s) == min(s) (u = 0), the
 // std is the population std of x = (s/2 - min/2) / spread (exact differences of nearby scores, no
-// overflow or underflow), p and q go through the same block_softmax code, so a tied on-policy
+// overflow or underflow), a near tie (std(s) = 2 spread std(x) <= score_eps) keeps the undivided
+// s - mean = 2 spread (x - mean(x)), p and q go through the same block_softmax code, so a tied on-policy
 // group gets q == p bit for bit (its gradient p - q is exactly 0), and loss terms with q == 0
 // count 0. Token log-probs are read in their dtype (T); every sum and all the group math run in
 // double, into double outputs (fp32 sums over long completions are off by 1e-3 in p). Every
@@ -55,7 +56,8 @@ __global__ void __launch_bounds__(kGroupBlock)
                          const int64_t* __restrict__ group_offsets,
                          const int64_t* __restrict__ group_members,
                          const double* __restrict__ scores,
-                         const double* __restrict__ old_seq_logprobs, double eta, bool anchor,
+                         const double* __restrict__ old_seq_logprobs, double eta,
+                         double score_eps, bool anchor,
                          double* ell, double* u, double* p, double* q,
                          double* __restrict__ group_loss) {
   using A = double;
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(kGroupBlock)
   __syncthreads();  // ell of every member visible to the whole block
 
   // 2. u = (x - mean) / std of x = (s/2 - min/2) / spread, population std; 0 for the whole group
-  //    when all scores tie.
+  //    when all scores tie; 2 spread (x - mean) = s - mean when std(s) <= score_eps (never for 0).
   A local_max = neg_inf<A>(), local_min = -neg_inf<A>();
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const A s = scores[members[j]];
@@ -109,9 +111,11 @@ __global__ void __launch_bounds__(kGroupBlock)
     local_sq += c * c;
   }
   const A std_dev = sqrt(block_reduce<kGroupBlock>(local_sq, SumOp<A>(), scratch) / n_members);
+  const bool near_tie = std_dev <= (score_eps * A(0.5)) / scale;
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const int64_t n = members[j];
-    u[n] = flat ? A(0) : ((scores[n] * A(0.5) - half_min) / scale - mean) / std_dev;
+    const A c = (scores[n] * A(0.5) - half_min) / scale - mean;
+    u[n] = flat ? A(0) : near_tie ? c * (scale * A(2)) : c / std_dev;
     // The softmax input of q, staged in q[] (overwritten by q below).
     const A base = old_seq_logprobs != nullptr ? old_seq_logprobs[n] : ell[n];
     q[n] = anchor ? base + u[n] / eta : u[n] / eta;
@@ -140,7 +144,7 @@ void launch_group_targets(const GroupArgs& a, cudaStream_t stream) {
   for_grid_chunks(a.num_groups, [&](int64_t start, int64_t count) {
     group_targets_kernel<T><<<static_cast<unsigned>(count), kGroupBlock, 0, stream>>>(
         static_cast<const T*>(a.token_logprobs), a.seq_start, a.seq_len, a.group_offsets + start,
-        a.group_members, a.scores, a.old_seq_logprobs, a.eta, a.anchor, a.seq_logprobs, a.u, a.p,
+        a.group_members, a.scores, a.old_seq_logprobs, a.eta, a.score_eps, a.anchor, a.seq_logprobs, a.u, a.p,
         a.q, a.group_loss + start);
   });
 }

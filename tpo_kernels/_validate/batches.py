@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..group_math import segment_sum
+from ..group_math import length_weights, segment_sum
 from ..layout import BatchLayout, build_layout
 from .scalars import _is_int, check_beta
 from .deferred import ValueChecks
@@ -139,13 +139,16 @@ def prepare_batch(
     input_name: str = "logits",
     validate: bool = True,
     whole: bool = True,
+    length_normalize: bool = False,
 ) -> PreparedBatch:
     """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout.
 
     ``vocab_size`` None: a vocabulary shard's, not known yet (the upper bound of the labels is
     checked once the shards are placed). ``whole=False``: this rank's part of a batch split over
     ranks: it may hold no completion or none with a counted token, its layout has one group per
-    completion, and ``kept`` / ``any_kept`` say which completions the gathered groups keep."""
+    completion, and ``kept`` / ``any_kept`` say which completions the gathered groups keep.
+    ``length_normalize``: per-token ``old_logprobs`` give each completion's mean over its counted
+    tokens instead of the sum (per-completion ones are used as given)."""
     token_shape = tuple(token_shape)
     if len(token_shape) == 2:
         if cu_seqlens is not None:
@@ -199,7 +202,10 @@ def prepare_batch(
     if old_logprobs is not None:
         _check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) == token_shape:
-            old_seq = segment_sum(torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0), layout)
+            old_tokens = torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0)
+            if length_normalize:
+                old_tokens = old_tokens * length_weights(valid, layout, torch.float64)
+            old_seq = segment_sum(old_tokens, layout)
         elif tuple(old_logprobs.shape) == (num_seqs,):
             old_seq = old_logprobs.to(torch.float64).contiguous()
         else:

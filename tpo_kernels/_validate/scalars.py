@@ -85,6 +85,19 @@ def _check_finite_positive(name: str, value) -> float:
     return value
 
 
+def check_score_eps(score_eps) -> float:
+    """The near-tie tolerance on a group's score std: 0, or a finite number in float32's normal
+    range (the Triton group kernel takes it as float32 parts)."""
+    if not _is_real(score_eps):
+        raise TypeError(f"score_eps must be a number, got {type(score_eps).__name__}")
+    score_eps = float(score_eps)
+    fp32 = torch.finfo(torch.float32)
+    if not (score_eps == 0 or fp32.tiny <= score_eps <= fp32.max):
+        raise ValueError(f"score_eps must be 0 or a number in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a tolerance on "
+                         f"the population std of a group's scores), got {score_eps!r}")
+    return score_eps
+
+
 def check_flag(name: str, value) -> bool:
     if not _is_bool(value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -126,10 +139,12 @@ class LossSettings:
     return_entropy: bool = False
     logit_scale: float = 1.0
     logit_softcap: Optional[float] = None
+    score_eps: float = 1e-6
+    length_normalize: bool = False
 
 
 def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False,
-                   logit_scale=1.0, logit_softcap=None) -> LossSettings:
+                   logit_scale=1.0, logit_softcap=None, score_eps=1e-6, length_normalize=False) -> LossSettings:
     eta = check_positive("eta", eta)
     inv_temperature = 1.0 / check_positive("temperature", temperature)
     logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, inv_temperature)
@@ -143,6 +158,8 @@ def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate,
         return_entropy=check_flag("return_entropy", return_entropy),
         logit_scale=logit_scale,
         logit_softcap=logit_softcap,
+        score_eps=check_score_eps(score_eps),
+        length_normalize=check_flag("length_normalize", length_normalize),
     )
     if settings.return_entropy and not settings.return_aux:
         raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")

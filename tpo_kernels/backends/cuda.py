@@ -95,6 +95,7 @@ class CudaBackend(NativeBackend):
         old_seq_logprobs: Optional[Tensor] = None,
         eta: float,
         anchor: bool,
+        score_eps: float = 0.0,
     ) -> GroupResult:
         """The fused group op (contract: :func:`tpo_kernels.group_math.portable_group_targets`), one block
         per group, in float64 (results cast to the token dtype). Takes float32 / float64 token
@@ -122,7 +123,7 @@ class CudaBackend(NativeBackend):
             dtype=DTYPE_CODES[dtype], num_groups=g, token_logprobs=ptr(tokens),
             seq_start=ptr(seq_start), seq_len=ptr(seq_len), group_offsets=ptr(offsets),
             group_members=ptr(members), scores=ptr(s), old_seq_logprobs=ptr(old), eta=float(eta),
-            anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
+            score_eps=float(score_eps), anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
             group_loss=ptr(group_loss), **launch,
         )
         return GroupResult(*(t.to(dtype) for t in (ell, u, p, q, group_loss, p - q)))

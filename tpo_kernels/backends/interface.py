@@ -46,7 +46,9 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
   weight rows are summed in a fixed order.
 
 Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None, eta,
-anchor) -> GroupResult`` (see :mod:`tpo_kernels.group_math`): the sequence sums and the
+anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_math`; ``score_eps >= 0`` is
+the near-tie tolerance: a group whose scores' population std is at most it gets ``u = s - mean``,
+undivided): the sequence sums and the
 ``[N]``-sized group math run in float64 (``scores`` and ``old_seq_logprobs`` arrive in float64),
 the results come back in the dtype of the token log-probs, with ``coef = p - q`` formed before
 the rounding (``None`` lets the caller take the difference of the rounded p and q).

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_math import GroupResult, group_sum, segment_sum
+from ..group_math import GroupResult, group_sum, length_weights, segment_sum
 from ..layout import BatchLayout
 
 
@@ -39,6 +39,7 @@ def _group_targets_op(
     old_seq_logprobs: Optional[Tensor],
     eta: float,
     anchor: bool,
+    score_eps: float,
     backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     layout = BatchLayout.from_op_args(
@@ -46,7 +47,8 @@ def _group_targets_op(
         max_seq_len, max_group_size, group_size, padded_len,
     )
     result = backend_by_key(backend).group_targets(
-        token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor
+        token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor,
+        score_eps=score_eps,
     )
     coef = result.p - result.q if result.coef is None else result.coef
     return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss, coef)
@@ -55,7 +57,7 @@ def _group_targets_op(
 @_group_targets_op.register_fake
 def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
       num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs,
-      eta, anchor, backend):
+      eta, anchor, score_eps, backend):
     n = seq_start.shape[0]
     per_seq = [token_logprobs.new_empty(n) for _ in range(4)]
     return (*per_seq, token_logprobs.new_empty(num_groups), token_logprobs.new_empty(n))
@@ -81,10 +83,13 @@ _group_targets_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *,
-                  old_seq_logprobs: Optional[Tensor], eta: float, anchor: bool, backend: str) -> GroupResult:
+                  old_seq_logprobs: Optional[Tensor], eta: float, anchor: bool, backend: str,
+                  score_eps: float = 0.0) -> GroupResult:
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
-    ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``."""
-    outputs = _group_targets_op(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, backend)
+    ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``. ``score_eps``: the
+    near-tie tolerance of :func:`tpo_kernels.group_math.standardize_dense`."""
+    outputs = _group_targets_op(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, score_eps,
+                                backend)
     return GroupResult(*outputs)
 
 
@@ -136,16 +141,24 @@ class GroupObjective:
     (sequence log-prob, score, kept, old sequence log-prob, k3 sums) are gathered and every rank
     runs the same group op on the whole batch, in float64 (the group op's own precision). The
     KL term, the reduction, the ``1/G`` weight and the aux are the same code either way.
-    Everything is differentiable through autograd; :meth:`aux` gives detached results."""
+    Everything is differentiable through autograd; :meth:`aux` gives detached results.
+
+    ``score_eps``: the near-tie tolerance of the group op. ``length_normalize`` (sequence-level,
+    needs ``valid``): each sequence log-prob is the mean over its counted tokens, through per-token
+    weights ``1/n_i`` applied before the group op (exact gradients; ``old_seq_logprobs`` are
+    expected in the same convention). The KL term and ``aux["token_logprobs"]`` keep the token
+    log-probs themselves."""
 
     def __init__(self, layout: BatchLayout, scores: Tensor, *, old_seq_logprobs: Optional[Tensor], eta: float,
                  anchor: bool, reduction: str, backend: str, beta: float = 0.0,
                  ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None,
-                 gather: Optional[RowGather] = None, kept: Optional[Tensor] = None) -> None:
+                 gather: Optional[RowGather] = None, kept: Optional[Tensor] = None, score_eps: float = 0.0,
+                 length_normalize: bool = False) -> None:
         self.layout, self.scores, self.old_seq_logprobs = layout, scores, old_seq_logprobs
         self.eta, self.anchor, self.reduction, self.backend = eta, anchor, reduction, backend
         self.beta, self.ref_logprobs, self.valid = beta, ref_logprobs, valid
         self.gather, self.kept = gather, kept
+        self.score_eps, self.length_normalize = score_eps, length_normalize
         self.token_logprobs: Optional[Tensor] = None
         self.result: Optional[GroupResult] = None
         self.group_layout: BatchLayout = layout  # the layout of the groups: the gathered one with a gather
@@ -155,10 +168,12 @@ class GroupObjective:
         """The loss from flat ``[M]`` token log-probs (0 on rows that do not count)."""
         self.token_logprobs = token_logprobs
         kl_sums = self._kl_sums(token_logprobs) if self.beta > 0 else None
+        if self.length_normalize:  # the sequence sums become means over counted tokens
+            token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
         if self.gather is None:
             self.result = group_targets(token_logprobs, self.layout, self.scores,
                                         old_seq_logprobs=self.old_seq_logprobs, eta=self.eta, anchor=self.anchor,
-                                        backend=self.backend)
+                                        backend=self.backend, score_eps=self.score_eps)
         else:
             kl_sums = self._gathered(token_logprobs, kl_sums)
         loss = reduce_groups(self.result.group_loss, self.reduction)
@@ -181,7 +196,8 @@ class GroupObjective:
         self.mine = self.gather.mine
         old = rows[:, 3].detach().contiguous() if self.old_seq_logprobs is not None else None
         self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
-                                    old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend)
+                                    old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend,
+                                    score_eps=self.score_eps)
         return None if kl_sums is None else (rows[:, -2], rows[:, -1].detach())
 
     def _kl_sums(self, token_logprobs: Tensor):

@@ -3,7 +3,8 @@
 For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:group_offsets[g+1]]``)::
 
     ell[i] = sum of token log-probs over rows [seq_start[i], seq_start[i] + seq_len[i])
-    u[i]   = (s[i] - mean(s)) / std(s)   population std; u = 0 for all when max(s) == min(s)
+    u[i]   = (s[i] - mean(s)) / std(s)   population std; u = 0 for all when max(s) == min(s);
+                                         u = s[i] - mean(s) when std(s) <= score_eps
     p      = softmax(ell)
     q      = softmax(ell_old + u / eta)  (anchor; on-policy ell_old = ell), softmax(u / eta) if not
     loss_g = -sum_i q[i] log p[i]
@@ -11,7 +12,8 @@ For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:grou
 Everything after the token loads runs in float64 (the sums over long completions and the
 ``[N]``-sized math lose digits in fp32; see :mod:`tpo_kernels.group_math`), written to float64
 outputs that the wrapper casts to the token dtype. Scores are standardized from
-``(s/2 - min/2) / (max/2 - min/2)`` as in :func:`tpo_kernels.group_math.standardize_dense`; loss
+``(s/2 - min/2) / (max/2 - min/2)`` as in :func:`tpo_kernels.group_math.standardize_dense`
+(the near-tie test and the undivided centered scores too); loss
 terms with ``q == 0`` count 0. Members sit in the lanes of a ``BLOCK_K`` vector. The token sums
 walk a ``[BLOCK_K, BLOCK_T]`` tile along the sequences in a fixed order and reduce it once at
 the end: deterministic, no atomics. Padded and packed layouts both carry ``seq_start``/``seq_len``, so one code path
@@ -58,6 +60,9 @@ def _group_targets_kernel(
     inv_eta_hi,
     inv_eta_mid,
     inv_eta_lo,
+    half_eps_hi,
+    half_eps_mid,
+    half_eps_lo,
     HAS_OLD: tl.constexpr,
     ANCHOR: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,6 +90,7 @@ def _group_targets_kernel(
 
     # u: standardized scores, population std; an all-tied group gets u = 0. From x = (s/2 -
     # min/2) / spread in [0, 1]: exact differences of nearby scores, no overflow or underflow.
+    # A near tie, std(s) = 2 spread std(x) <= score_eps, keeps s - mean = 2 spread (x - mean(x)).
     scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(tl.float64)
     count = size.to(tl.float64)
     s_max = tl.max(tl.where(valid, scores, float("-inf")), axis=0)
@@ -93,11 +99,15 @@ def _group_targets_kernel(
     shifted = tl.where(valid, scores * 0.5 - tl.where(tied, 0.0, s_min) * 0.5, 0.0)
     spread = tl.max(shifted, axis=0)
     flat = tied | (spread == 0)
-    x = shifted / tl.where(flat, 1.0, spread)
+    safe_spread = tl.where(flat, 1.0, spread)
+    x = shifted / safe_spread
     mean = tl.sum(x, axis=0) / count
     centered = tl.where(valid, x - mean, 0.0)
     std = tl.sqrt(tl.sum(centered * centered, axis=0) / count)
-    u = tl.where(valid, centered / tl.where(flat, 1.0, std), 0.0)
+    half_eps = scalar_from_parts(half_eps_hi, half_eps_mid, half_eps_lo, tl.float64)
+    near_tie = std <= half_eps / safe_spread
+    u = tl.where(near_tie, centered * (safe_spread * 2.0), centered / tl.where(flat, 1.0, std))
+    u = tl.where(valid, u, 0.0)
     u = tl.where(flat, 0.0, u)
 
     inv_eta = scalar_from_parts(inv_eta_hi, inv_eta_mid, inv_eta_lo, tl.float64)
@@ -137,6 +147,7 @@ def fused_group_targets(
     old_seq_logprobs: Optional[Tensor] = None,
     eta: float,
     anchor: bool,
+    score_eps: float = 0.0,
     block_t: Optional[int] = None,
 ) -> GroupResult:
     """Same contract as :func:`tpo_kernels.group_math.portable_group_targets`.
@@ -171,6 +182,7 @@ def fused_group_targets(
                 q,
                 group_loss,
                 *split_scalar(1.0 / eta),
+                *split_scalar(0.5 * score_eps),  # in float32's range (checked with the settings)
                 HAS_OLD=has_old,
                 ANCHOR=bool(anchor),
                 BLOCK_K=block_k,

@@ -25,6 +25,8 @@ class TargetPOConfig(GRPOConfig):
             ``"torch"``.
         tpo_log_token_entropy: log ``tpo/token_entropy`` (computed in the loss's own vocabulary
             pass, not a second one).
+        tpo_length_normalize: sequence log-probs (and the anchor's old ones) as the mean over a
+            completion's counted tokens instead of the sum (the default of the author's TRL port).
 
     ``per_device_train_batch_size`` times the number of processes must be a multiple of
     ``num_generations`` (each step's micro-batch over all processes holds whole groups; a group may
@@ -47,6 +49,10 @@ class TargetPOConfig(GRPOConfig):
     tpo_log_token_entropy: bool = field(
         default=True,
         metadata={"help": "Log tpo/token_entropy (computed in the loss's vocabulary pass)."},
+    )
+    tpo_length_normalize: bool = field(
+        default=False,
+        metadata={"help": "Sequence log-probs as the mean over counted tokens instead of the sum."},
     )
     # GRPO's default multiplies its KL term by a differentiable importance ratio; TPO's KL term is the
     # plain k3 estimator of tpo_kernels, so the default here is False (True is refused when beta != 0).
@@ -85,8 +91,9 @@ def check_tpo_args(args: GRPOConfig) -> None:
     eta = args.tpo_eta
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta <= 0:
         raise ValueError(f"tpo_eta must be a finite number > 0, got {eta!r}")
-    if not isinstance(args.tpo_anchor, bool):
-        raise ValueError(f"tpo_anchor must be True or False, got {args.tpo_anchor!r}")
+    for name in ("tpo_anchor", "tpo_length_normalize"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
     if args.tpo_backend not in _BACKENDS:
         raise ValueError(f"tpo_backend must be one of {', '.join(_BACKENDS)}, got {args.tpo_backend!r}")
     processes = args.world_size

@@ -101,7 +101,7 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
     ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes), ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
-    ``anchor``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``, ``token_entropy`` and
+    ``anchor``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``, ``token_entropy`` and
     ``router_aux_loss`` (read by the patched forward: also return the model's MoE load-balancing
     loss, as ``router_aux_loss``).
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
@@ -143,6 +143,10 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
             beta=request["beta"],
             eta=request["eta"],
             anchor=request["anchor"],
+            # The scores are TRL's advantages, not the raw rewards the near-tie tolerance is meant
+            # for: they are standardized exactly, as before score_eps existed.
+            score_eps=0.0,
+            length_normalize=request["length_normalize"],
             temperature=request["temperature"],
             logit_scale=logit_scale,
             logit_softcap=logit_softcap,

@@ -203,6 +203,7 @@ class TargetPOTrainer(GRPOTrainer):
             "beta": float(self.beta),
             "eta": float(self.args.tpo_eta),
             "anchor": self.args.tpo_anchor,
+            "length_normalize": self.args.tpo_length_normalize,
             "temperature": float(self.temperature),
             "backend": self.args.tpo_backend,
             "cast_lm_head_to_fp32": bool(getattr(self.args, "cast_lm_head_to_fp32", False)),

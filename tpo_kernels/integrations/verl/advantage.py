@@ -59,7 +59,7 @@ def decode_scores(values: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return n * 2.0**-SCORE_BITS, group_ids, valid
 
 
-def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor) -> Tensor:
+def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor, score_eps: float) -> Tensor:
     """u per response within its group (any row order), over the group's responses with a
     counted token; 0 for the others and for every member of a group whose scores tie."""
     order = torch.argsort(group_ids, stable=True)
@@ -73,7 +73,7 @@ def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor) ->
     dense[sorted_ids, slot] = scores[order]
     valid[sorted_ids, slot] = counted[order]
     u = torch.empty_like(scores)
-    u[order] = standardize_dense(dense, valid)[sorted_ids, slot]
+    u[order] = standardize_dense(dense, valid, score_eps)[sorted_ids, slot]
     return u
 
 
@@ -82,6 +82,7 @@ def compute_tpo_outcome_advantage(
     response_mask: Tensor,
     index: Sequence,
     config=None,
+    score_eps: float = 1e-6,
     **unused,
 ) -> Tuple[Tensor, Tensor]:
     """verl advantage estimator ``"tpo"``: the score of a response is the sum of its token-level
@@ -110,7 +111,7 @@ def compute_tpo_outcome_advantage(
     group_ids = group_ids_from_uids(index)
     counted = (response_mask != 0).any(dim=1).cpu()
     scores = token_level_rewards.sum(dim=-1).to(_DTYPE).cpu()
-    u = _standardize_by_group(scores, group_ids, counted)
+    u = _standardize_by_group(scores, group_ids, counted, score_eps)
     encoded = encode_scores(u, group_ids).to(response_mask.device)
     advantages = encoded.unsqueeze(1) * (response_mask != 0)
     return advantages, advantages

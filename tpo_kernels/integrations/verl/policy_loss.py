@@ -124,6 +124,8 @@ def tpo_policy_loss(
     *,
     eta: float = 1.0,
     anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
     backend: str = "auto",
 ) -> Tuple[Tensor, Dict[str, Any]]:
     """verl policy loss ``"tpo"`` (the signature of verl 0.9's ``compute_policy_loss_vanilla``).
@@ -138,7 +140,10 @@ def tpo_policy_loss(
             are checked; ``global_batch_info`` gives the data-parallel size (groups are gathered
             over the ranks when it is > 1) and scales the loss to the mean over the mini-batch.
         rollout_is_weights: must be None (TPO applies no per-token importance weights).
-        eta, anchor, backend: TPO's settings (see :func:`tpo_kernels.tpo_loss`).
+        eta, anchor, score_eps, length_normalize, backend: TPO's settings (see
+            :func:`tpo_kernels.tpo_loss`). The estimator already applied the near-tie rule to the
+            raw rewards; its centered scores (std <= score_eps) stay centered here, its
+            standardized ones (std 1) stay standardized, so the two agree for the same score_eps.
 
     Returns ``(loss, metrics)``; metrics are floats named ``actor/...``.
     """
@@ -159,9 +164,9 @@ def tpo_policy_loss(
     step_ids, step_scores = _step_groups(u, group_ids, process_group)
     loss, aux = tpo_loss_from_logprobs(
         log_prob, u.to(log_prob.dtype), mask=mask, group_ids=group_ids,
-        old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor,
-        reduction="mean" if global_batch is None else "sum", backend=backend, return_aux=True,
-        process_group=process_group,
+        old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor, score_eps=score_eps,
+        length_normalize=length_normalize, reduction="mean" if global_batch is None else "sum", backend=backend,
+        return_aux=True, process_group=process_group,
     )
     if global_batch is not None:
         # Micro-batch gradients add up and data parallelism averages over the ranks. Without a

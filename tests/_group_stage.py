@@ -1,0 +1,44 @@
+"""The sequence-level group stage of one backend on a batch, composed the way the losses compose
+it: token log-probs (``reference.token_logprobs``, plain autograd), the batch layout, the
+length-normalizing weights when asked, ``tpo_kernels::group_targets`` and the mean over groups.
+The tests of the group op's semantics (score_eps, length_normalize) compare it with
+``reference.tpo_loss``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from tpo_kernels import reference
+from tpo_kernels.backends import backend_key, get_backend
+from tpo_kernels.group_math import GroupResult, length_weights, segment_sum
+from tpo_kernels.layout import build_layout
+from tpo_kernels.ops.group import group_targets
+
+
+def group_stage_loss(logits: Tensor, labels: Tensor, scores: Tensor, *, backend: str,
+                     group_size: Optional[int] = None, group_ids: Optional[Tensor] = None,
+                     cu_seqlens: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
+                     eta: float = 1.0, anchor: bool = True, score_eps: float = 0.0,
+                     length_normalize: bool = False) -> tuple[Tensor, GroupResult]:
+    valid = (labels != -100).reshape(-1)
+    token_lp = reference.token_logprobs(logits, labels).reshape(-1)
+    padded_shape = tuple(labels.shape) if cu_seqlens is None else None
+    layout = build_layout(token_lp.numel(), token_lp.device, padded_shape=padded_shape, cu_seqlens=cu_seqlens,
+                          group_size=group_size, group_ids=group_ids)
+    if length_normalize:
+        token_lp = token_lp * length_weights(valid, layout, token_lp.dtype)
+    old_seq = None
+    if old_logprobs is not None and old_logprobs.shape == labels.shape:  # per token: summed / averaged
+        old_tokens = torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0)
+        if length_normalize:
+            old_tokens = old_tokens * length_weights(valid, layout, torch.float64)
+        old_seq = segment_sum(old_tokens, layout)
+    elif old_logprobs is not None:  # per completion: as given
+        old_seq = old_logprobs.to(torch.float64)
+    key = backend_key(get_backend(backend, token_lp.device))
+    result = group_targets(token_lp, layout, scores.to(torch.float64), old_seq_logprobs=old_seq, eta=eta,
+                           anchor=anchor, score_eps=score_eps, backend=key)
+    return result.group_loss.mean(), result
