@@ -257,6 +257,7 @@ def fused_linear_tpo_loss(
     chunk_size: Optional[int] = None,
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
+    logits_cache_bytes: int = 0,
     validate: bool = True,
     process_group=None,
     vocab_parallel_group=None,
@@ -283,6 +284,8 @@ def fused_linear_tpo_loss(
             When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
             block of at most 256 MiB at a time.
         tile_policy: how tiles are sized (:class:`tpo_kernels.ops.TilePolicy`); default per device.
+        logits_cache_bytes: memory the forward may keep for the backward as logits (whole rows, in
+            the logits' dtype): cached tokens cost three matmuls instead of four. 0: none.
         process_group, vocab_parallel_group, vocab_start_index: see the module docstring (weight
             ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors sharded on dim 0).
 
@@ -293,6 +296,7 @@ def fused_linear_tpo_loss(
     hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
                                                                   vocab_start_index)
     flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
+    tiles["policy"] = tiles["policy"].with_logits_cache(logits_cache_bytes, shard is not None)
     settings, chosen, batch, data_parallel = pipeline.sequence_setup(
         hidden, weight.shape[0] if shard is None else shard.vocab_size, "hidden", labels, scores, backend,
         dict(eta=eta, anchor=anchor, temperature=temperature, reduction=reduction, return_aux=return_aux,
@@ -324,6 +328,7 @@ def fused_linear_logprobs(
     backend: BackendArg = "auto",
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
+    logits_cache_bytes: int = 0,
     validate: bool = True,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
@@ -336,12 +341,13 @@ def fused_linear_logprobs(
     ignore_index``; with ``return_entropy`` also the per-token entropy of the tempered
     distribution (0 at ignored positions), whose gradient flows too. Under ``torch.no_grad()``
     this is the memory-light way to get old / reference log-probs from a model's hidden states.
-    ``chunk_size``, ``grad_accum_dtype`` and ``tile_policy`` as in :func:`fused_linear_tpo_loss`;
+    ``chunk_size``, ``grad_accum_dtype``, ``tile_policy`` and ``logits_cache_bytes`` as in :func:`fused_linear_tpo_loss`;
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
     hidden, weight, bias, shard = distributed.vocab_parallel_head(hidden, weight, bias, vocab_parallel_group,
                                                                   vocab_start_index)
     flat, tiles = pipeline.linear_setup(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy)
+    tiles["policy"] = tiles["policy"].with_logits_cache(logits_cache_bytes, shard is not None)
     inv_temperature = 1.0 / check.check_positive("temperature", temperature)
     logit_scale, logit_softcap = check.check_logit_transform(logit_scale, logit_softcap, inv_temperature)
     return_entropy = check.check_flag("return_entropy", return_entropy)

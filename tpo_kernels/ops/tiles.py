@@ -3,6 +3,7 @@ balanced token chunks, and matmul products accumulated into a wider dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import List, Optional, Union
@@ -31,12 +32,17 @@ class TilePolicy:
     (``torch.addmm(..., out_dtype=)``, no product tensor, no conversion pass); False, product in
     the input dtype, converted, then added; None, the first where the installed torch offers it
     for the device and dtypes, else the second.
+    ``logits_cache_bytes``: memory the forward may keep for the backward as whole rows of logits
+    (in the logits' dtype, :meth:`logits_cache_rows`), so that the backward reads those tokens'
+    logits instead of recomputing them: three matmuls per cached token instead of four. 0 (the
+    default) keeps none.
     """
 
     logits_bytes: int
     min_tile_tokens: int
     accum_bytes: int = 256 << 20
     matmul_out_dtype: Optional[bool] = None
+    logits_cache_bytes: int = 0
 
     @staticmethod
     def for_device(device: torch.device) -> "TilePolicy":
@@ -53,6 +59,32 @@ class TilePolicy:
         if rows > ROW_ALIGN:
             rows -= rows % ROW_ALIGN
         return max(1, min(rows, num_rows))
+
+    def logits_cache_rows(self, num_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
+        """Rows of ``vocab_size`` logits of ``dtype`` that fit ``logits_cache_bytes``, at most
+        ``num_rows``: the size of the cache, known before any row is read (static under
+        torch.compile)."""
+        row_bytes = max(vocab_size, 1) * torch.empty(0, dtype=dtype).element_size()
+        return min(num_rows, self.logits_cache_bytes // row_bytes)
+
+    def with_logits_cache(self, logits_cache_bytes: int, vocab_parallel: bool) -> "TilePolicy":
+        """This policy with the ``logits_cache_bytes`` keyword of the public functions applied
+        (0: the policy's own field stands), after checking it."""
+        for name, value in (("logits_cache_bytes", logits_cache_bytes),
+                            ("tile_policy.logits_cache_bytes", self.logits_cache_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int (bytes of logits the forward may keep for the backward), "
+                                f"got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if logits_cache_bytes and self.logits_cache_bytes not in (0, logits_cache_bytes):
+            raise ValueError(f"logits_cache_bytes={logits_cache_bytes} disagrees with "
+                             f"tile_policy.logits_cache_bytes={self.logits_cache_bytes}; give one of them")
+        policy = dataclasses.replace(self, logits_cache_bytes=logits_cache_bytes) if logits_cache_bytes else self
+        if policy.logits_cache_bytes and vocab_parallel:
+            raise ValueError("logits_cache_bytes is not supported with a vocabulary-parallel head "
+                             "(vocab_parallel_group / DTensor shards); pass 0")
+        return policy
 
     def fused_accumulate(self, device: torch.device, dtype: torch.dtype, accum_dtype: torch.dtype) -> bool:
         """Whether products of ``dtype`` operands go into ``accum_dtype`` by one out_dtype matmul."""
