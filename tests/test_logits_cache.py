@@ -268,3 +268,13 @@ def test_custom_op_with_the_cache_passes_opcheck():
     labels = torch.tensor([0, 3, -1, 5, 36, 2], device=DEVICE)
     args = (h, w, None, labels, 1.0, True, 4, 4, 1 << 20, torch.float32, "torch", 1.0, None, None, 4 * _row_bytes())
     torch.library.opcheck(tpo_kernels.ops.linear._linear_logprobs, args)
+
+
+def test_module_passes_the_cache_on():
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)
+    counted = int((labels != -100).sum())
+    loss_fn = tpo_kernels.FusedLinearTPOLoss(chunk_size=4, logits_cache_bytes=FULL, backend="torch")
+    h, w = _leaves(h, w)
+    with MatmulRecorder() as recorder:
+        loss_fn(h, w, labels, scores, **kwargs).backward()
+    assert sum(recorder.multiply_adds()) == 3 * counted * VOCAB * HIDDEN

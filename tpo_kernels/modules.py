@@ -84,9 +84,9 @@ class FusedLinearTPOLoss(_SequenceTPOSettings):
         loss = loss_fn(hidden, lm_head.weight, labels, scores, group_size=8)
     """
 
-    def __init__(self, *, chunk_size: Optional[int] = None, **settings) -> None:
+    def __init__(self, *, chunk_size: Optional[int] = None, logits_cache_bytes: int = 0, **settings) -> None:
         super().__init__(**settings)
-        self.chunk_size = chunk_size
+        self.chunk_size, self.logits_cache_bytes = chunk_size, logits_cache_bytes
 
     def forward(
         self,
@@ -107,7 +107,8 @@ class FusedLinearTPOLoss(_SequenceTPOSettings):
         return fused_linear_tpo_loss(
             hidden, weight, labels, scores, bias=bias, group_size=group_size, group_ids=group_ids,
             cu_seqlens=cu_seqlens, mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            return_aux=return_aux, chunk_size=self.chunk_size, **self.settings(),
+            return_aux=return_aux, chunk_size=self.chunk_size, logits_cache_bytes=self.logits_cache_bytes,
+            **self.settings(),
         )
 
 
