@@ -225,7 +225,7 @@ class TiledLinearHead:
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
         chunks, num_active = self._backward_chunks(active, logits_cache, grad_accum_dtype)
-        token_block, vocab_block = self._tile(num_active, grad_accum_dtype)
+        _, vocab_block = self._tile(num_active, grad_accum_dtype)
         hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
@@ -274,7 +274,7 @@ class TiledLinearHead:
         costs a second one, which splits them into cached and recomputed rows."""
         num_rows = active.shape[0]
         cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
-        slot = torch.cumsum(self.labels >= 0, 0) - 1  # a counted row's place in the cache
+        slot = torch.cumsum(self.labels >= 0, 0) - 1 if cache_rows else None  # a counted row's place in the cache
         if cache_rows == 0:
             cached, recomputed = active.new_empty(0, dtype=torch.long), torch.nonzero(active).squeeze(1)
         elif cache_rows >= num_rows:  # every counted row is cached
