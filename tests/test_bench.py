@@ -354,3 +354,115 @@ def test_nvidia_smi_device_id(monkeypatch):
     assert smi_gpu_id(torch.device("cuda", 0)) == "GPU-1234" and smi_gpu_id(torch.device("cuda", 1)) is None
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert smi_gpu_id(torch.device("cuda", 2)) == "2"
+
+
+# --------------------------------------------------------------------------- peers, rounds, float64 check
+
+PEER_SHAPE = {"G": 1, "K": 2, "T": 4, "H": 8, "V": 64}
+
+
+def _measure_spec(provider, **changes):
+    from tpo_kernels.bench import harness
+
+    spec = dict(case="fused_linear", shape=dict(PEER_SHAPE), dtype="fp32", variant="dense", provider=provider,
+                modes=["full"], device="cpu", seed=0, warmup=1, min_reps=1, max_reps=1, target_time=0.0,
+                check=True, prime=False)
+    spec.update(changes)
+    return harness.measure(spec)
+
+
+@pytest.mark.parametrize("provider", ["tpo:torch", "tpo_cached:torch", "liger_chunked", "cce_compile"])
+def test_providers_agree_in_float64_before_timing(provider):
+    reason = C.CASES["fused_linear"].provider(provider).available(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    (result,) = _measure_spec(provider)
+    assert result["status"] == "ok", result
+    # ours match the float64 reference to float64 rounding; peers that compute in fp32 to fp32's
+    limit = 1e-12 if provider.startswith("tpo") else 1e-4
+    assert result["check_fp64"]["max_rel_diff"] <= limit, result["check_fp64"]
+
+
+def test_a_provider_that_disagrees_in_float64_is_not_timed(monkeypatch):
+    from tpo_kernels.bench import providers as P
+
+    case = C.CASES["fused_linear"]
+    wrong = P.Provider("wrong", "baseline", "the eager loss, doubled", lambda d: None,
+                       lambda inp, shape: P.LossRunner(lambda: 2 * P._linear_call(P.B.naive_tpo_linear, inp, shape), inp))
+    monkeypatch.setattr(case, "providers", case.providers + [wrong])
+    (result,) = _measure_spec("wrong")
+    assert result["status"] == "error" and "float64 check against naive failed" in result["error"]
+    assert "time_s" not in result
+
+
+def test_peer_providers_skip_with_a_message_when_not_installed(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peers(name, *args, **kwargs):
+        if name.split(".")[0] in ("liger_kernel", "cut_cross_entropy"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peers)
+    case = C.CASES["fused_linear"]
+    for name, package in (("cce_compile", "cut-cross-entropy"), ("liger_chunked", "liger-kernel")):
+        reason = case.provider(name).available(torch.device("cpu"))
+        assert reason is not None and f"pip install {package}" in reason
+
+
+@pytest.mark.parametrize("provider, matmuls", [("matmul4", 4), ("matmul3", 3)])
+def test_matmul_floors_run_four_or_three_products(provider, matmuls):
+    inputs = C.CASES["fused_linear"].make_inputs(PEER_SHAPE, torch.float32, torch.device("cpu"), "dense", 0)
+    runner = C.CASES["fused_linear"].provider(provider).build(inputs, PEER_SHAPE)
+    calls = []
+    real_matmul = torch.Tensor.__matmul__
+    try:
+        torch.Tensor.__matmul__ = lambda a, b: calls.append(1) or real_matmul(a, b)
+        runner.backward(runner.forward())
+    finally:
+        torch.Tensor.__matmul__ = real_matmul
+    assert len(calls) == matmuls
+
+
+def test_rounds_merge_into_the_median_of_medians_and_the_largest_peak():
+    row = {"case": "fused_linear", "variant": "dense", "mode": "full", "dtype": "fp32", "shape": {"G": 1},
+           "provider": "tpo:cpu", "role": "ours", "status": "ok", "input_bytes": 10, "kept_grad_bytes": 5}
+    rounds = [[dict(row, time_s={"median": m, "min": m - 1, "max": m + 1, "mean": m}, reps=2, peak_bytes=p)]
+              for m, p in ((3.0, 40), (1.0, 60), (2.0, 50))]
+    rounds[1].append(dict(row, provider="naive", status="error", error="x"))
+    merged = R.merge_rounds(rounds)
+    ours = next(r for r in merged if r["provider"] == "tpo:cpu")
+    assert ours["time_s"]["median"] == 2.0 and ours["time_s"]["min"] == 0.0 and ours["time_s"]["max"] == 4.0
+    assert ours["round_medians"] == [3.0, 1.0, 2.0] and ours["reps"] == 6
+    assert ours["peak_bytes"] == 60 and ours["extra_bytes"] == 45
+    assert next(r for r in merged if r["provider"] == "naive")["status"] == "error"
+
+
+def test_rounds_run_the_plan_interleaved(tmp_path, capsys):
+    args = ["--case", "logprobs", "--shape", "M=32,V=128", "--providers", "naive,tpo:torch", "--mode", "full",
+            "--rounds", "2", "--no-isolate", "--no-plots", "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    order = [line.split()[-2] for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert order == ["naive", "tpo:torch", "naive", "tpo:torch"]
+    results = _load(tmp_path)["results"]
+    assert [len(r["round_medians"]) for r in results] == [2, 2]
+
+
+def test_peak_over_the_gradients_target_metric():
+    row = {"case": "fused_linear", "variant": "dense", "mode": "full", "dtype": "fp32", "shape": {"G": 1},
+           "status": "ok", "provider": "tpo:cpu", "role": "ours", "time_s": {"median": 1.0}, "peak_bytes": 190,
+           "input_bytes": 80, "kept_grad_bytes": 100, "extra_bytes": 10}
+    target = PR.Target("floor", "fused_linear", "dense", "full", "over_grads", "value", "tpo:cpu", None, "<=", 1.25)
+    (verdict,) = R.evaluate_targets([target], [row])
+    assert verdict["value"] == pytest.approx(1.1) and verdict["status"] == "PASS"
+
+
+def test_peers_preset_names_its_targets_providers():
+    preset = PR.PRESETS["fused-linear-peers-cpu"]
+    measured = set(preset.jobs[0].providers)
+    for target in preset.targets:
+        assert target.num in measured and (target.den is None or target.den in measured)
+    gpu = PR.PRESETS["fused-linear-gpu"].jobs[0].providers
+    assert {"cce", "liger", "liger_chunked", "cce_compile", "compile", "matmul3", "tpo_cached:cuda"} <= set(gpu)

@@ -238,6 +238,7 @@ def fused_linear_tpo_loss(
     chunk_size: Optional[int] = None,
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
+    logits_cache_bytes: int = 0,
     validate: bool = True,
     process_group=None,
     vocab_parallel_group=None,
@@ -264,6 +265,8 @@ def fused_linear_tpo_loss(
             When wider than the weight dtype (a bf16 head), ``dW`` is accumulated one vocabulary
             block of at most 256 MiB at a time.
         tile_policy: how tiles are sized (:class:`tpo_kernels.ops.TilePolicy`); default per device.
+        logits_cache_bytes: memory the forward may keep for the backward as logits (whole rows, in
+            the logits' dtype): cached tokens cost three matmuls instead of four. 0: none.
         process_group, vocab_parallel_group, vocab_start_index: see the module docstring (weight
             ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors sharded on dim 0).
 
@@ -272,7 +275,8 @@ def fused_linear_tpo_loss(
     supported.
     """
     return pipeline.sequence_loss(pipeline.SequenceRequest(
-        "fused_linear_tpo_loss", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy),
+        "fused_linear_tpo_loss", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
+                                               logits_cache_bytes),
         pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
         pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
@@ -296,6 +300,7 @@ def fused_linear_logprobs(
     backend: BackendArg = "auto",
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
+    logits_cache_bytes: int = 0,
     validate: bool = True,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
@@ -308,11 +313,12 @@ def fused_linear_logprobs(
     ignore_index``; with ``return_entropy`` also the per-token entropy of the tempered
     distribution (0 at ignored positions), whose gradient flows too. Under ``torch.no_grad()``
     this is the memory-light way to get old / reference log-probs from a model's hidden states.
-    ``chunk_size``, ``grad_accum_dtype`` and ``tile_policy`` as in :func:`fused_linear_tpo_loss`;
+    ``chunk_size``, ``grad_accum_dtype``, ``tile_policy`` and ``logits_cache_bytes`` as in :func:`fused_linear_tpo_loss`;
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
     return pipeline.selective_logprobs(pipeline.LogprobsRequest(
-        "fused_linear_logprobs", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy),
+        "fused_linear_logprobs", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
+                                               logits_cache_bytes),
         labels, ignore_index,
         pipeline.Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
                          backend=backend, return_entropy=return_entropy, validate=validate),

@@ -89,6 +89,7 @@ class Head:
     chunk_size: Optional[int] = None
     grad_accum_dtype: torch.dtype = torch.float32
     tile_policy: Optional[TilePolicy] = None
+    logits_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def _resolve_source(source: Source, where: Placement):
         hidden, weight, bias, shard = distributed.vocab_parallel_head(source.hidden, source.weight, source.bias,
                                                                       where.vocab_parallel_group,
                                                                       where.vocab_start_index)
-        return Head(hidden, weight, bias, source.chunk_size, source.grad_accum_dtype, source.tile_policy), shard, None
+        return Head(hidden, weight, bias, source.chunk_size, source.grad_accum_dtype, source.tile_policy,
+                    source.logits_cache_bytes), shard, None
     return source, None, None
 
 
@@ -228,6 +230,8 @@ def _check_rows(source: Source, sharded: bool, original) -> Tuple[Tuple, torch.d
     accum = _validate.check_grad_accum_dtype(source.grad_accum_dtype, weight.dtype)
     _validate.check_tile_policy(source.tile_policy, TilePolicy)
     policy = source.tile_policy or TilePolicy.for_device(hidden.device)
+    cache = _validate.check_logits_cache(source.logits_cache_bytes, policy.logits_cache_bytes, sharded)
+    policy = policy.with_logits_cache(cache)
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     if chunk_size is None:  # the tile budget, in rows of V
         chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])

@@ -138,3 +138,21 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
         if checks is None:
             pending.read()
     return torch.where(counted, flat.to(torch.int64), -1).contiguous()
+
+
+def check_logits_cache(logits_cache_bytes, policy_bytes, vocab_parallel: bool) -> int:
+    """The bytes of logits the fused head's forward may keep for its backward: an int >= 0 given
+    as the keyword or on the tile policy (not both, unless equal); 0 with a vocabulary shard."""
+    for name, value in (("logits_cache_bytes", logits_cache_bytes), ("tile_policy.logits_cache_bytes", policy_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int (bytes of logits the forward may keep for the backward), "
+                            f"got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if logits_cache_bytes and policy_bytes not in (0, logits_cache_bytes):
+        raise ValueError(f"logits_cache_bytes={logits_cache_bytes} disagrees with "
+                         f"tile_policy.logits_cache_bytes={policy_bytes}; give one of them")
+    if (logits_cache_bytes or policy_bytes) and vocab_parallel:
+        raise ValueError("logits_cache_bytes is not supported with a vocabulary-parallel head "
+                         "(vocab_parallel_group / DTensor shards); pass 0")
+    return logits_cache_bytes

@@ -53,9 +53,15 @@ def sequence_tpo_from_token_logprobs(token_lp: Tensor, scores: Tensor, group_siz
 # --------------------------------------------------------------------------- sequence level
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    """fp32 for half-precision inputs, float64 stays float64 (the harness's float64 check)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def naive_token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """Eager: fp32 log_softmax over the full vocabulary, then gather the labels."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """Eager: fp32 (float64 for float64 inputs) log_softmax over the full vocabulary, then gather
+    the labels."""
+    logp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
     return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
@@ -87,7 +93,7 @@ def torch_lce_tpo(hidden: Tensor, weight: Tensor, labels: Tensor, scores: Tensor
         reduction="none",
         options=torch.nn.LinearCrossEntropyOptions(),
     )
-    return sequence_tpo_from_token_logprobs(-ce.float().view(n, t), scores, group_size)
+    return sequence_tpo_from_token_logprobs(_at_least_fp32(-ce).view(n, t), scores, group_size)
 
 
 def cce_available() -> Optional[str]:
@@ -107,7 +113,18 @@ def cce_tpo(hidden: Tensor, weight: Tensor, labels: Tensor, scores: Tensor, grou
     if "shift" in inspect.signature(linear_cross_entropy).parameters:
         kwargs["shift"] = False  # labels are already aligned with the hidden states
     ce = linear_cross_entropy(hidden.reshape(n * t, h), weight, labels.reshape(n * t), **kwargs)
-    return sequence_tpo_from_token_logprobs(-ce.float().view(n, t), scores, group_size)
+    return sequence_tpo_from_token_logprobs(_at_least_fp32(-ce).view(n, t), scores, group_size)
+
+
+def cce_compile_tpo(hidden: Tensor, weight: Tensor, labels: Tensor, scores: Tensor, group_size: int) -> Tensor:
+    """TPO on Cut Cross-Entropy's ``impl="torch_compile"`` (its portable path: ``torch.compile`` of
+    materialized logits and cross-entropy; the one that runs on a CPU)."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    n, t, h = hidden.shape
+    ce = linear_cross_entropy(hidden.reshape(n * t, h), weight, labels.reshape(n * t), reduction="none",
+                              impl="torch_compile")
+    return sequence_tpo_from_token_logprobs(_at_least_fp32(-ce).view(n, t), scores, group_size)
 
 
 def liger_available() -> Optional[str]:
@@ -136,7 +153,29 @@ def liger_tpo(hidden: Tensor, weight: Tensor, labels: Tensor, scores: Tensor, gr
         ce = LigerFusedLinearCrossEntropyLoss(reduction="none")(weight, x, y)
     if isinstance(ce, tuple):
         ce = ce[0]
-    return sequence_tpo_from_token_logprobs(-ce.float().view(n, t), scores, group_size)
+    return sequence_tpo_from_token_logprobs(_at_least_fp32(-ce).view(n, t), scores, group_size)
+
+
+def liger_chunked_available() -> Optional[str]:
+    reason = liger_available()
+    if reason is not None:
+        return reason
+    try:
+        from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+    except Exception as exc:
+        return f"liger_kernel has no chunked PPO log-probs ({type(exc).__name__}: {exc})"
+    if not hasattr(LigerFusedLinearPPOBase, "chunk_forward"):
+        return "liger_kernel.chunked_loss.fused_linear_ppo.LigerFusedLinearPPOBase has no chunk_forward"
+    return None
+
+
+def liger_chunked_tpo(hidden: Tensor, weight: Tensor, labels: Tensor, scores: Tensor, group_size: int) -> Tensor:
+    """TPO on Liger-Kernel's chunked selective log-probs (the per-token log-probs its GRPO/PPO
+    losses use: PyTorch, sequence x vocabulary chunks, logits recomputed in the backward)."""
+    from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+
+    token_lp = LigerFusedLinearPPOBase.chunk_forward(hidden, weight, labels)
+    return sequence_tpo_from_token_logprobs(_at_least_fp32(token_lp), scores, group_size)
 
 
 # --------------------------------------------------------------------------- token level
@@ -144,7 +183,7 @@ def liger_tpo(hidden: Tensor, weight: Tensor, labels: Tensor, scores: Tensor, gr
 
 def naive_token_tpo_logits(logits: Tensor, candidates: Tensor, scores: Tensor) -> Tensor:
     """Full-vocab reference: fp32 log_softmax over V, gather the K candidates, TPO per state."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
     return group_tpo_loss(logp.gather(-1, candidates), scores)
 
 

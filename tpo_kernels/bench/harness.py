@@ -6,6 +6,12 @@ then the timed region; the median is reported with min/max and the repetition co
 CPU: ``time.perf_counter``. CUDA: a pair of CUDA events around the timed region on the current
 stream, a 256 MiB buffer written before each repetition to flush L2, one synchronize at the end.
 
+Agreement. Before anything is timed, a provider with ``spec["check"]`` runs once on small float64
+inputs next to the case's reference provider (``naive``) on the same values; its loss and every
+gradient must agree within ``FLOAT64_RTOL`` of the largest reference entry (peers that compute in
+fp32 internally land near 1e-7), else the measurement is an error and nothing is timed. The
+maximum relative difference is reported as ``check_fp64``.
+
 Kernel-only times (``spec["kernels"]``, logits case, tpo_kernels providers): after the modes, the
 backend's row forward, group op and row backward alone on the same inputs (``kernel_times``),
 attached to the ``full`` result as ``kernel``.
@@ -172,6 +178,12 @@ def measure(spec: dict) -> list:
     results = []
     check = None
     try:
+        check_fp64 = _float64_check(case, provider, spec, device) if spec.get("check") else None
+        if check_fp64 is not None and check_fp64.get("ok") is False:
+            error = (f"float64 check against {REFERENCE_PROVIDER} failed before timing: max relative difference "
+                     f"{check_fp64['max_rel_diff']:.3g} > {FLOAT64_RTOL:g} ({check_fp64['worst']})")
+            return [dict(ident, mode=m, role=provider.role, status="error", error=error, check_fp64=check_fp64)
+                    for m in spec["modes"]]
         if spec.get("prime", True) and provider.name != "compile":
             _prime(case, provider, spec, device, dtype)
         timer = _Timer(device)  # its L2-flush buffer exists before the baseline
@@ -207,6 +219,8 @@ def measure(spec: dict) -> list:
         result = dict(ident, mode=mode, role=provider.role)
         if check is not None:
             result["check"], check = check, None  # reported once, on the first mode
+        if check_fp64 is not None:
+            result["check_fp64"], check_fp64 = check_fp64, None
         if memory_note:
             result["memory_note"] = memory_note
         try:
@@ -275,12 +289,55 @@ def _kernel_only(case, provider, spec, device, inputs, timer, results) -> None:
         target["kernel"] = {"error": f"{type(exc).__name__}: {exc}"}
 
 
+REFERENCE_PROVIDER = "naive"
+FLOAT64_RTOL = 1e-4
+
+
+def _tiny_shape(shape: dict) -> dict:
+    tiny = {k: min(v, 8) if k in ("G", "T", "R", "M") else v for k, v in shape.items()}
+    tiny.update({k: min(shape[k], 256) for k in ("V",) if k in shape})
+    tiny.update({k: min(shape[k], 32) for k in ("H",) if k in shape})
+    return tiny
+
+
+def _float64_results(case, provider, spec, device) -> list:
+    """Loss and gradients of one forward and backward on the small float64 inputs."""
+    inputs = case.make_inputs(_tiny_shape(spec["shape"]), torch.float64, device, spec["variant"], spec["seed"])
+    runner = provider.build(inputs, _tiny_shape(spec["shape"]))
+    runner.zero_grad()
+    loss = runner.forward()
+    runner.backward(loss)
+    return [("loss", loss.detach().reshape(-1))] + [(name, t.grad) for name, t in inputs.leaves.items()
+                                                    if t.grad is not None]
+
+
+def _float64_check(case, provider, spec, device) -> Optional[dict]:
+    """The provider against the reference provider on small float64 inputs (see the module
+    docstring); None for the reference itself, ``{"error": ...}`` when the provider cannot run in
+    float64 (the run goes on; the fp32 check against the reference still applies)."""
+    if provider.name == REFERENCE_PROVIDER or REFERENCE_PROVIDER not in {p.name for p in case.providers}:
+        return None
+    try:
+        got = dict(_float64_results(case, provider, spec, device))
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    want = _float64_results(case, case.provider(REFERENCE_PROVIDER), spec, device)
+    diffs = {}
+    for name, ref in want:
+        value = got.get(name)
+        if value is None or value.shape != ref.shape:
+            diffs[name] = float("inf")
+        else:
+            scale = float(ref.abs().max()) or 1.0
+            diffs[name] = float((value.double() - ref).abs().max()) / scale
+    worst = max(diffs, key=diffs.get)
+    return {"ok": diffs[worst] <= FLOAT64_RTOL, "max_rel_diff": diffs[worst], "worst": worst, "rel_diff": diffs}
+
+
 def _prime(case, provider, spec, device, dtype):
     """Run the provider once on tiny inputs, so lazy imports and extension loads happen before the
     memory baseline (they are not part of the measured computation)."""
-    tiny = {k: min(v, 8) if k in ("G", "T", "R", "M") else v for k, v in spec["shape"].items()}
-    tiny.update({k: min(spec["shape"][k], 256) for k in ("V",) if k in spec["shape"]})
-    tiny.update({k: min(spec["shape"][k], 32) for k in ("H",) if k in spec["shape"]})
+    tiny = _tiny_shape(spec["shape"])
     try:
         inputs = case.make_inputs(tiny, dtype, device, spec["variant"], spec["seed"])
         runner = provider.build(inputs, tiny)

@@ -26,7 +26,7 @@ class Target:
     case: str
     variant: str
     mode: str
-    metric: str  # "time" | "peak" | "extra" | "throughput" | "kernel_throughput"
+    metric: str  # "time" | "peak" | "extra" | "over_grads" | "throughput" | "kernel_throughput"
     kind: str
     num: str
     den: Optional[str]
@@ -88,14 +88,43 @@ _preset(Preset(
 ))
 _preset(Preset(
     "fused-linear-gpu", "cuda",
-    "Fused hidden x lm_head TPO against the matmul floor and fused cross-entropy kernels: M=16384 (G=16 K=8 T=128) "
-    "H=4096 V=151936 bf16, fwd+bwd",
+    "Fused hidden x lm_head TPO against the matmul floors and the peers (fused cross-entropy kernels, chunked "
+    "log-probs, torch.compile), with and without the logits cache: M=16384 (G=16 K=8 T=128) H=4096 V=151936 bf16, fwd+bwd",
     [Job("fused_linear", [seq(16, 8, 128, 151936, 4096)], ["bf16"], ["dense", "sparse90"],
-         ["tpo:cuda", "tpo:triton", "matmul4", "naive", "torch_lce", "cce", "liger"], ["full"])],
+         ["tpo:cuda", "tpo:triton", "tpo_cached:cuda", "tpo_cached:triton", "matmul4", "matmul3", "naive", "compile",
+          "torch_lce", "cce", "cce_compile", "liger", "liger_chunked"], ["full"])],
     [
         _full("fused_linear", "dense", "time", "ratio", "ours", "matmul4", "<=", 1.15, "time within 1.15x of four cuBLAS matmuls of the same shapes"),
         _full("fused_linear", "dense", "extra", "value", "ours", None, "<", 2.0,
               "extra memory (peak minus inputs and their gradients) under 2 GiB", GiB, "GiB"),
+        *(_full("fused_linear", "dense", "time", "ratio", f"tpo:{b}", "matmul4", "<=", 1.10,
+                "without the cache: time within 1.10x of four cuBLAS matmuls") for b in ("cuda", "triton")),
+        *(_full("fused_linear", "dense", "time", "ratio", f"tpo_cached:{b}", "matmul3", "<=", 1.05,
+                "with the cache of every token: time within 1.05x of three cuBLAS matmuls") for b in ("cuda", "triton")),
+        *(_full("fused_linear", "dense", "time", "ratio", f"tpo_cached:{b}", peer, "<=", 1.0,
+                f"with the cache: time at most that of {peer}") for b in ("cuda", "triton") for peer in ("cce", "liger")),
+    ],
+))
+# M = 4096 tokens: the issue-21 comparison (every group with signal), each provider in a fresh process.
+_FL_PEERS_CPU = seq(4, 8, 128, 32768, 512)
+_preset(Preset(
+    "fused-linear-peers-cpu", "cpu",
+    "Fused hidden x lm_head TPO with and without the logits cache against eager, torch.compile and the peers "
+    "(Cut Cross-Entropy torch_compile, Liger-Kernel chunked log-probs): G=4 K=8 T=128 (M=4096) H=512 V=32768 fp32, "
+    "fwd+bwd, every group with signal",
+    [Job("fused_linear", [_FL_PEERS_CPU], ["fp32"], ["dense"],
+         ["tpo:cpu", "tpo_cached:cpu", "naive", "compile", "cce_compile", "liger_chunked"], ["full"])],
+    [
+        _full("fused_linear", "dense", "time", "ratio", "tpo_cached:cpu", "naive", "<=", 0.85,
+              "with the cache of every token: time at most 0.85x of eager"),
+        _full("fused_linear", "dense", "time", "ratio", "tpo_cached:cpu", "cce_compile", "<=", 1.0,
+              "with the cache: time at most that of Cut Cross-Entropy's torch_compile"),
+        _full("fused_linear", "dense", "peak", "ratio", "tpo_cached:cpu", "cce_compile", "<=", 1.0,
+              "with the cache: peak memory at most that of Cut Cross-Entropy's torch_compile"),
+        _full("fused_linear", "dense", "peak", "ratio", "tpo_cached:cpu", "naive", "<=", 1.0,
+              "with the cache: peak memory at most that of eager"),
+        _full("fused_linear", "dense", "over_grads", "value", "tpo:cpu", None, "<=", 1.25,
+              "default (no cache): peak beyond the inputs at most 1.25x the bytes of dH + dW (the floor)", unit="x"),
     ],
 ))
 _preset(Preset(

@@ -8,9 +8,14 @@ it is skipped) and builds a *runner* for a case's inputs: ``forward()`` -> state
   functions with ``backend=`` each of cuda, triton, cpu, torch.
 * ``naive``: eager PyTorch as people write it (``baselines.py``); also the correctness reference.
 * ``compile``: ``torch.compile`` of ``naive``.
+* ``tpo_cached:<backend>`` (fused-linear case): ``fused_linear_tpo_loss`` with a logits cache of
+  every token (``logits_cache_bytes``), three matmuls instead of four.
 * ``torch_lce``, ``cce``, ``liger``: TPO on PyTorch's, Cut Cross-Entropy's and Liger-Kernel's
-  fused linear cross-entropy (token log-prob = -CE), where installed.
-* ``matmul4``: the fused-linear floor, four full-size matmuls and no softmax.
+  fused linear cross-entropy (token log-prob = -CE), where installed; ``cce_compile``: Cut
+  Cross-Entropy's ``impl="torch_compile"``; ``liger_chunked``: Liger-Kernel's chunked selective
+  log-probs (PyTorch, the path its GRPO/PPO losses use). ``pip install tpo-kernels[peers]``.
+* ``matmul4``, ``matmul3``: the fused-linear floors, four (three, with the logits kept) full-size
+  matmuls and no softmax.
 """
 
 from __future__ import annotations
@@ -69,12 +74,13 @@ class LossRunner:
         return {"loss": value, "grad_norms": norms}
 
 
-class Matmul4Runner:
-    """The fused-linear floor: the four [M,H]x[H,V]-sized matmuls of a chunked fused loss
-    (forward logits, backward recompute, dH = dZ @ W, dW = dZ^T @ h), at full size, no softmax."""
+class MatmulRunner:
+    """The fused-linear floor: the [M,H]x[H,V]-sized matmuls of a chunked fused loss (forward
+    logits, with ``recompute`` the backward's recompute, dH = dZ @ W, dW = dZ^T @ h), at full size,
+    no softmax: four matmuls, or three when the logits are kept."""
 
-    def __init__(self, inputs: Inputs):
-        self.inputs = inputs
+    def __init__(self, inputs: Inputs, recompute: bool):
+        self.inputs, self.recompute = inputs, recompute
         h = inputs["hidden"]
         self.h = h.detach().reshape(-1, h.shape[-1])
         self.w = inputs["weight"].detach()
@@ -86,7 +92,7 @@ class Matmul4Runner:
         return self.h @ self.w.t()
 
     def backward(self, state):
-        z = self.h @ self.w.t()  # recompute
+        z = self.h @ self.w.t() if self.recompute else state
         dh = z @ self.w  # z stands in for dlogits (same shape and dtype)
         dw = z.t() @ self.h
         return dh, dw
@@ -147,6 +153,14 @@ def _gpu_only(check: Callable[[], Optional[str]]):
 
 def _always(device):
     return None
+
+
+def _both(*checks: Callable[[torch.device], Optional[str]]):
+    """Available where every check passes; else the first reason."""
+    def check(device: torch.device) -> Optional[str]:
+        return next((reason for reason in (c(device) for c in checks) if reason is not None), None)
+
+    return check
 
 
 _compiled: Dict[str, Callable] = {}
@@ -212,14 +226,25 @@ def _linear(fn):
     return lambda inp, shape: LossRunner(lambda: _linear_call(fn, inp, shape), inp)
 
 
+def _full_logits_bytes(inp: Inputs) -> int:
+    """Bytes of every token's logits in their dtype: a logits cache that holds them all."""
+    h, w = inp["hidden"], inp["weight"]
+    return h[..., 0].numel() * w.shape[0] * torch.promote_types(h.dtype, w.dtype).itemsize
+
+
 def linear_providers() -> List[Provider]:
-    def ours(fn, b):
+    def ours(fn, b, **settings):
         return lambda inp, shape: LossRunner(
-            lambda: fn(inp["hidden"], inp["weight"], inp["labels"], inp["scores"], group_size=shape["K"], backend=b), inp
+            lambda: fn(inp["hidden"], inp["weight"], inp["labels"], inp["scores"], group_size=shape["K"], backend=b,
+                       **{k: v(inp) for k, v in settings.items()}), inp
         )
+
+    def cached(fn, b):
+        return ours(fn, b, logits_cache_bytes=_full_logits_bytes)
 
     return (
         _ours("fused_linear_tpo_loss", ours)
+        + _ours("fused_linear_tpo_loss", cached, prefix="tpo_cached", what=", logits_cache_bytes = every token's logits")
         + _naive("eager PyTorch: hidden @ W.T materialized, fp32 log_softmax, gather, autograd", B.naive_tpo_linear, _linear_call)
         + [
             Provider(
@@ -230,8 +255,15 @@ def linear_providers() -> List[Provider]:
                 _linear(B.torch_lce_tpo),
             ),
             Provider("cce", "baseline", 'TPO on cut_cross_entropy.linear_cross_entropy(reduction="none")', _gpu_only(B.cce_available), _linear(B.cce_tpo)),
+            Provider("cce_compile", "baseline", 'TPO on cut_cross_entropy.linear_cross_entropy(reduction="none", impl="torch_compile")',
+                     _both(_compile_available, lambda d: B.cce_available()), _linear(B.cce_compile_tpo)),
             Provider("liger", "baseline", 'TPO on Liger-Kernel fused linear cross entropy (reduction="none")', _gpu_only(B.liger_available), _linear(B.liger_tpo)),
-            Provider("matmul4", "floor", "four matmuls of the fused path's shapes (2*M*V*H flops each), no softmax", _always, lambda inp, shape: Matmul4Runner(inp)),
+            Provider("liger_chunked", "baseline", "TPO on Liger-Kernel's chunked selective log-probs (LigerFusedLinearPPOBase.chunk_forward)",
+                     lambda d: B.liger_chunked_available(), _linear(B.liger_chunked_tpo)),
+            Provider("matmul4", "floor", "four matmuls of the fused path's shapes (2*M*V*H flops each), no softmax", _always,
+                     lambda inp, shape: MatmulRunner(inp, recompute=True)),
+            Provider("matmul3", "floor", "three matmuls of the fused path's shapes (logits kept, no recompute), no softmax", _always,
+                     lambda inp, shape: MatmulRunner(inp, recompute=False)),
         ]
     )
 

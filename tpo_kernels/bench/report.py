@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections import OrderedDict, defaultdict
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -87,6 +88,36 @@ def derive(results: List[dict], calibration: Optional[dict] = None) -> None:
         r["check_vs_reference"] = {"ok": ok, "rel_diff": diffs, "rtol": rtol}
 
 
+def merge_rounds(by_round: List[List[dict]]) -> List[dict]:
+    """The results of interleaved rounds of one plan as one list: per measurement the median of
+    the rounds' median times (min and max over all repetitions, each round's median kept as
+    ``round_medians``) and the largest peak memory; rounds that failed are counted in
+    ``rounds_failed``. One round is returned as it is."""
+    if len(by_round) == 1:
+        return by_round[0]
+    groups: Dict[tuple, List[dict]] = OrderedDict()
+    for results in by_round:
+        for r in results:
+            groups.setdefault(_key(r) + (r["provider"],), []).append(r)
+    merged = []
+    for rows in groups.values():
+        ok = [r for r in rows if r.get("status") == "ok"]
+        if not ok:
+            merged.append(rows[0])
+            continue
+        r = dict(ok[0])
+        medians = [x["time_s"]["median"] for x in ok]
+        r["time_s"] = {"median": statistics.median(medians), "min": min(x["time_s"]["min"] for x in ok),
+                       "max": max(x["time_s"]["max"] for x in ok), "mean": statistics.fmean(medians)}
+        r["round_medians"], r["reps"] = medians, sum(x["reps"] for x in ok)
+        r["peak_bytes"] = max(x["peak_bytes"] for x in ok)
+        r["extra_bytes"] = r["peak_bytes"] - r["input_bytes"] - r["kept_grad_bytes"]
+        if len(ok) < len(rows):
+            r["rounds_failed"] = len(rows) - len(ok)
+        merged.append(r)
+    return merged
+
+
 def _rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
@@ -113,6 +144,8 @@ def evaluate_targets(targets: List["Target"], results: List[dict], calibration: 
             return r["peak_bytes"]
         if name == "extra":
             return r["extra_bytes"]
+        if name == "over_grads":  # peak beyond the inputs, in units of the gradients' own bytes
+            return (r["peak_bytes"] - r["input_bytes"]) / r["kept_grad_bytes"] if r.get("kept_grad_bytes") else None
         if name == "throughput":
             return r.get("throughput", {}).get("value")
         if name == "kernel_throughput":
@@ -196,9 +229,14 @@ def _vs(r, field, fmt):
 def _check(r):
     c = r.get("check_vs_reference")
     if c is None:
-        return "ref" if r.get("role") == "reference" and r.get("check") else "-"
-    worst = max(c["rel_diff"].values()) if c["rel_diff"] else 0.0
-    return f"ok ({worst:.0e})" if c["ok"] else f"MISMATCH ({worst:.1e})"
+        text = "ref" if r.get("role") == "reference" and r.get("check") else "-"
+    else:
+        worst = max(c["rel_diff"].values()) if c["rel_diff"] else 0.0
+        text = f"ok ({worst:.0e})" if c["ok"] else f"MISMATCH ({worst:.1e})"
+    fp64 = r.get("check_fp64")
+    if fp64 is not None:
+        text += "; fp64 n/a" if "error" in fp64 else f"; fp64 {fp64['max_rel_diff']:.0e}"
+    return text
 
 
 def markdown(run: dict) -> str:

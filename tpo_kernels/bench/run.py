@@ -50,6 +50,9 @@ def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
     p.add_argument("--no-isolate", dest="isolate", action="store_false", help="measure in this process")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per isolated measurement (default 900)")
     p.add_argument("--budget", type=float, help="stop starting new measurements after this many seconds")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole plan this many times, interleaved (provider A, B, ..., then A, B, ... again), "
+                        "and report the median of the rounds' medians (a shared machine's load spreads evenly)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads in each measurement")
     p.add_argument("--kernels", dest="kernels", action="store_true", default=None,
                    help="also time the logits path's kernels alone (row fwd, group op, row bwd); default on a GPU")
@@ -201,14 +204,30 @@ def _calibrate(args, device, timing) -> dict:
 
 
 def _measure_all(args, specs, timing, isolate, run, json_path, t_start) -> None:
+    from . import report as R
+
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    by_round = []
+    for round_index in range(args.rounds):
+        run["results"] = [r for rs in by_round for r in rs]
+        by_round.append(_measure_round(args, specs, timing, isolate, run, json_path, t_start,
+                                       f"round {round_index + 1}/{args.rounds} " if args.rounds > 1 else ""))
+    run["results"] = R.merge_rounds(by_round)
+    R.write_json(run, json_path)
+
+
+def _measure_round(args, specs, timing, isolate, run, json_path, t_start, prefix) -> list:
+    """One pass over the plan; its results (also appended to ``run`` as they come)."""
     from . import harness as H
     from . import report as R
 
+    results = []
     for i, spec in enumerate(specs, 1):
         spec.update(timing)
         if args.threads:
             spec["threads"] = args.threads
-        label = (f"[{i}/{len(specs)}] {spec['case']} {C.shape_label(spec['shape'])} {spec['dtype']} "
+        label = (f"{prefix}[{i}/{len(specs)}] {spec['case']} {C.shape_label(spec['shape'])} {spec['dtype']} "
                  f"{spec['variant']} {spec['provider']}")
         if args.budget is not None and time.perf_counter() - t_start > args.budget:
             rs = _errors(spec, f"time budget of {args.budget:.0f} s used up", status="skipped")
@@ -226,8 +245,10 @@ def _measure_all(args, specs, timing, isolate, run, json_path, t_start) -> None:
                 r["load_average"] = load
                 print(f"    {r['mode']:8s} {_summary(r)}", flush=True)
             print(f"    [{time.perf_counter() - t0:.1f} s]", flush=True)
+        results.extend(rs)
         run["results"].extend(rs)
         R.write_json(run, json_path)
+    return results
 
 
 def _finish(run, targets, out_dir, no_plots) -> int:

@@ -19,6 +19,16 @@ per vocabulary block, so it stays small. :class:`TilePolicy` holds these budgets
 
 With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
+
+Logits cache (``TilePolicy.logits_cache_bytes``). Memory can buy the recompute back: the forward
+writes the logits of the first counted rows that fit the budget straight into a ``[rows, V]``
+cache (the op returns it, so autograd saves it) instead of a tile buffer, and the backward's row
+op reads those tiles from it: three matmuls per cached token instead of four. The cache holds the
+logits in their own dtype (the wider of hidden and weight), exactly what the forward's row op read,
+so a cached token's gradient differs from a recomputed one only by the recompute's rounding
+(a matmul over other row blocks may sum in another order). Rows that do not count are not cached;
+rows with zero gradient are neither read nor recomputed. The cache is never written in the
+backward (a second backward with ``retain_graph`` sees it intact).
 """
 
 from __future__ import annotations
@@ -65,29 +75,31 @@ class TiledLinearHead:
         self.vocab_offset, self.transform = vocab_offset, transform
 
     @staticmethod
-    def _row_chunks(rows: Tensor, num_rows: int, chunk_size: int) -> List[Union[slice, Tensor]]:
-        """The selected ``rows`` (ascending indices out of ``num_rows``) in balanced chunks of at
-        most ``chunk_size`` (:func:`balanced_chunks`): slices when every row is selected (no
-        gather), index tensors otherwise."""
+    def _row_chunks(rows: Tensor, chunk_size: int, first: Optional[int] = None) -> List[Union[slice, Tensor]]:
+        """The selected ``rows`` (ascending indices) in balanced chunks of at most ``chunk_size``
+        (:func:`balanced_chunks`): slices when the rows are known to be consecutive from row
+        ``first`` (no gather), index tensors otherwise."""
         sizes = balanced_chunks(rows.numel(), chunk_size)
-        if rows.numel() < num_rows:
+        if first is None:
             return list(rows.split(sizes)) if sizes else []
-        ends = itertools.accumulate(sizes)
-        return [slice(end - size, end) for size, end in zip(sizes, ends)]
+        bounds = list(itertools.accumulate(sizes, initial=first))
+        return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
     def _block_weight(self, vocab: slice) -> Tensor:
         return self.weight[vocab].to(self.dtype)
 
-    def _logits(self, h_rows: Tensor, vocab: slice, buffer: Tensor) -> Tensor:
-        """``h_rows @ W[vocab].T (+ b[vocab])`` written into a contiguous view of the buffer."""
+    def _logits(self, h_rows: Tensor, vocab: slice, out: Tensor) -> Tensor:
+        """``h_rows @ W[vocab].T (+ b[vocab])`` written into ``out`` (a tile: unit column stride)."""
         weight, h_rows = self._block_weight(vocab), h_rows.to(self.dtype)
-        out = buffer[: h_rows.shape[0] * weight.shape[0]].view(h_rows.shape[0], weight.shape[0])
         if self.bias is None:
             return torch.mm(h_rows, weight.t(), out=out)
         return torch.addmm(self.bias[vocab].to(self.dtype), h_rows, weight.t(), out=out)
 
     def _buffer(self, rows: int, vocab: int, dtype: Optional[torch.dtype] = None) -> Tensor:
         return self.hidden.new_empty(max(rows, 1) * vocab, dtype=dtype or self.dtype)
+
+    def _vocab_width(self, vocab: slice) -> int:
+        return min(vocab.stop, self.weight.shape[0]) - vocab.start
 
     def _cap_buffers(self, rows: int, vocab: int, count: int) -> List[Tensor]:
         """``count`` tile buffers in the compute dtype for the soft-capped logits (and their
@@ -113,10 +125,12 @@ class TiledLinearHead:
             vocab_block -= vocab_block % VOCAB_ALIGN
         return max(1, logits_budget // vocab_block), vocab_block
 
-    def forward(self, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    def forward(self, with_entropy: bool, cache_rows: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """Per-row ``(stats [2, M], logprob, entropy | None)`` of the tempered logits, as the row
         ops define them, in the compute dtype; 0 on rows that do not count (their logits are never
-        computed).
+        computed). ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits
+        of the first ``cache_rows`` counted rows, in row order (slots past the counted rows stay
+        unwritten).
 
         Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
         merge with :meth:`RowSummary.merge`."""
@@ -124,17 +138,25 @@ class TiledLinearHead:
         stats = self.hidden.new_zeros(2, num_rows, dtype=compute_dtype(self.dtype))
         logprob = torch.zeros_like(stats[0])
         entropy = torch.zeros_like(stats[0]) if with_entropy else None
+        self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
         counted = torch.nonzero(self.labels >= 0).squeeze(1)  # the forward's one read-back
         token_block, vocab_block = self._tile(counted.numel(), self.weight.dtype)
-        chunks = self._row_chunks(counted, num_rows, token_block)
-        tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
+        cached, dense = min(cache_rows, counted.numel()), counted.numel() == num_rows
+        # (rows, slots): slots are the rows' places in the cache, None for a row not cached.
+        chunks = list(zip(self._row_chunks(counted[:cached], token_block, 0 if dense else None),
+                          self._row_chunks(counted[:cached], token_block, 0)))
+        chunks += [(rows, None) for rows in self._row_chunks(counted[cached:], token_block, cached if dense else None)]
+        tile_rows = max((_num_rows(rows) for rows, slots in chunks if slots is None), default=0)
         buffer = self._buffer(tile_rows, vocab_block)
-        capped = self._cap_buffers(tile_rows, vocab_block, 1)
-        for rows in chunks:
+        capped = self._cap_buffers(max((_num_rows(rows) for rows, _ in chunks), default=0), vocab_block, 1)
+        for rows, slots in chunks:
             h_rows, labels = self.hidden[rows], self.labels[rows]
             row = None
             for start in range(0, vocab_size, vocab_block):
-                logits = self._logits(h_rows, slice(start, start + vocab_block), buffer)
+                vocab = slice(start, start + vocab_block)
+                out = (_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)) if slots is None
+                       else self.logits_cache[slots, vocab])
+                logits = self._logits(h_rows, vocab, out)
                 if capped:  # the row op reads the soft-capped tile
                     logits = self.transform.cap(logits, capped[0])
                 local = labels - (self.vocab_offset + start)
@@ -152,29 +174,29 @@ class TiledLinearHead:
         return stats, logprob, entropy
 
     def backward(self, stats: Tensor, logprob: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
-                 entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool],
-                 grad_accum_dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+                 entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool], grad_accum_dtype: torch.dtype,
+                 logits_cache: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
-        per-row gradients of the log-probs and entropies (both 0 on rows that do not count).
+        per-row gradients of the log-probs and entropies (both 0 on rows that do not count), and
+        the forward's ``logits_cache`` (None or empty: every row is recomputed).
 
-        Rows where both are exactly 0 are skipped: no recompute, no matmul. Tiles are vocabulary
-        blocks (outer loop) times token chunks (inner); ``dW`` and ``db`` are summed over token
-        chunks in ``grad_accum_dtype``, ``dH`` over vocabulary blocks (in that dtype too when
-        there is more than one block)."""
+        Rows where both are exactly 0 are skipped: no recompute, no matmul, no cache read. Tiles
+        are vocabulary blocks (outer loop) times token chunks (inner); ``dW`` and ``db`` are summed
+        over token chunks in ``grad_accum_dtype``, ``dH`` over vocabulary blocks (in that dtype too
+        when there is more than one block)."""
         need_hidden, need_weight, need_bias = needs_grad
         hidden, weight = self.hidden, self.weight
         vocab_size, hidden_size = weight.shape
         active = grad_logprob != 0
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
-        active = torch.nonzero(active).squeeze(1)  # the one read-back: which rows, and so the tiles
-        token_block, vocab_block = self._tile(active.numel(), grad_accum_dtype)
+        chunks, num_active = self._backward_chunks(active, logits_cache, grad_accum_dtype)
+        _, vocab_block = self._tile(num_active, grad_accum_dtype)
         hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
-        chunks = self._row_chunks(active, hidden.shape[0], token_block)
-        tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
+        tile_rows = max((_num_rows(rows) for rows, _ in chunks), default=0)
         # The tile buffers first: the size of the forward's, they can take that freed memory.
         buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
         fuse_hidden = self.policy.fused_accumulate(hidden.device, self.dtype, hidden_accum)
@@ -191,9 +213,10 @@ class TiledLinearHead:
                 if need_weight:
                     dw = grad_weight[vocab] if block_accum is None else block_accum[: vocab.stop - start].zero_()
                 block_weight = self._block_weight(vocab) if need_hidden else None
-                for rows in chunks:
+                for rows, slots in chunks:
                     h_rows = hidden[rows]
-                    dlogits = self._block_grad(h_rows, rows, vocab, buffers, stats, logprob, grad_logprob,
+                    cached = None if slots is None else self._cached_tile(logits_cache, slots, vocab, buffers[0])
+                    dlogits = self._block_grad(h_rows, rows, vocab, buffers, cached, stats, logprob, grad_logprob,
                                                grad_entropy, entropy)
                     if need_hidden:
                         add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
@@ -209,23 +232,59 @@ class TiledLinearHead:
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
 
-    def _block_grad(self, h_rows, rows, vocab: slice, buffers, stats, logprob, grad_logprob, grad_entropy,
-                    entropy) -> Tensor:
-        """dz for one tile (token rows x vocabulary block), written in place over the recomputed
-        logits in the first buffer. With a soft cap the row backward runs on the capped tile (the
-        second buffer) and the chain rule multiplies by the cap's derivative (the third)."""
-        dlogits = self._logits(h_rows, vocab, buffers[0])
-        row_logits = dlogits
+    def _backward_chunks(self, active: Tensor, logits_cache: Optional[Tensor], grad_accum_dtype: torch.dtype):
+        """The backward's ``(rows, slots)`` chunks of the ``active`` rows (slots: the rows' places
+        in the cache, None for rows to recompute) and the number of active rows.
+
+        One read-back (``nonzero``) finds the active rows; a cache of fewer rows than the batch
+        costs a second one, which splits them into cached and recomputed rows."""
+        num_rows = active.shape[0]
+        cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
+        slot = torch.cumsum(self.labels >= 0, 0) - 1 if cache_rows else None  # a counted row's place in the cache
+        if cache_rows == 0:
+            cached, recomputed = active.new_empty(0, dtype=torch.long), torch.nonzero(active).squeeze(1)
+        elif cache_rows >= num_rows:  # every counted row is cached
+            cached, recomputed = torch.nonzero(active).squeeze(1), active.new_empty(0, dtype=torch.long)
+        else:
+            in_cache = (self.labels >= 0) & (slot < cache_rows)
+            cached = torch.nonzero(active & in_cache).squeeze(1)
+            recomputed = torch.nonzero(active & ~in_cache).squeeze(1)
+        num_active = cached.numel() + recomputed.numel()
+        token_block, _ = self._tile(num_active, grad_accum_dtype)
+        # Every row active: all count, a row's slot is its index and the cached rows come first.
+        dense = num_active == num_rows
+        cached_chunks = self._row_chunks(cached, token_block, 0 if dense else None)
+        chunks = [(rows, rows if dense else slot[rows]) for rows in cached_chunks]
+        chunks += [(rows, None) for rows in self._row_chunks(recomputed, token_block, cached.numel() if dense else None)]
+        return chunks, num_active
+
+    def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, buffer: Tensor) -> Tensor:
+        """The cached logits of one tile: a view of the cache for consecutive slots, else gathered
+        into the tile buffer (which the row backward then overwrites in place)."""
+        if isinstance(slots, slice):
+            return logits_cache[slots, vocab]
+        out = _tile(buffer, slots.numel(), self._vocab_width(vocab))
+        return torch.index_select(logits_cache[:, vocab], 0, slots, out=out)
+
+    def _block_grad(self, h_rows, rows, vocab: slice, buffers, cached: Optional[Tensor], stats, logprob, grad_logprob,
+                    grad_entropy, entropy) -> Tensor:
+        """dz for one tile (token rows x vocabulary block) in the first buffer: the row backward
+        of the ``cached`` logits, or in place over the logits recomputed there. With a soft cap the
+        row backward runs on the capped tile (the second buffer) and the chain rule multiplies by
+        the cap's derivative (the third)."""
+        dlogits = _tile(buffers[0], h_rows.shape[0], self._vocab_width(vocab))
+        logits = self._logits(h_rows, vocab, dlogits) if cached is None else cached
+        row_logits = logits
         if self.transform is not None:
-            row_logits = self.transform.cap(dlogits, buffers[1])
-            derivative = self.transform.derivative(dlogits, buffers[2])
+            row_logits = self.transform.cap(logits, buffers[1])
+            derivative = self.transform.derivative(logits, buffers[2])
         labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(
             row_logits, labels, stats[:, rows], logprob[rows], grad_logprob[rows],
             grad_entropy=None if grad_entropy is None else grad_entropy[rows],
             entropy=None if entropy is None else entropy[rows],
-            inv_temperature=self.inv_temperature, out=row_logits,
+            inv_temperature=self.inv_temperature, out=row_logits if self.transform is not None else dlogits,
         )
         if self.transform is not None:
             dlogits.copy_(row_logits.mul_(derivative))
@@ -236,13 +295,18 @@ def _num_rows(rows: Union[slice, Tensor]) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
+def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
+    """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
+    return buffer[: rows * vocab].view(rows, vocab)
+
+
 # ----------------------------------------------------------------------------- custom ops
 
 
 def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size, min_tile_tokens,
-          accum_bytes, matmul_out_dtype, backend):
+          accum_bytes, matmul_out_dtype, backend, logits_cache_bytes=0):
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
-                        matmul_out_dtype=matmul_out_dtype)
+                        matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes)
     return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend),
                            folded_inv_temperature(inv_temperature, logit_scale, logit_softcap), chunk_size, policy,
                            transform=LogitTransform.of(logit_scale, logit_softcap))
@@ -252,27 +316,36 @@ def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_soft
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
                      with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
                      grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
-                     logit_softcap: Optional[float] = None,
-                     matmul_out_dtype: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                     logit_softcap: Optional[float] = None, matmul_out_dtype: Optional[bool] = None,
+                     logits_cache_bytes: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
-                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
-    stats, logprob, entropy = head.forward(with_entropy)
+                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes)
+    stats, logprob, entropy = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
     if entropy is None:
         entropy = logprob.new_empty(0)
-    return logprob, entropy, stats
+    return logprob, entropy, stats, head.logits_cache  # the cache: an output, so autograd can save it
+
+
+def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor) -> int:
+    return policy.logits_cache_rows(hidden.shape[0], weight.shape[0], torch.promote_types(hidden.dtype, weight.dtype))
 
 
 @_linear_logprobs.register_fake
-def _(hidden, weight, bias, labels, inv_temperature, with_entropy, *settings):
-    rows, acc = hidden.shape[0], compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
+      grad_accum_dtype, backend, logit_scale=1.0, logit_softcap=None, matmul_out_dtype=None, logits_cache_bytes=0):
+    rows, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, weight.dtype)
+    acc = compute_dtype(dtype)
+    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes)
     return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
-            hidden.new_empty(2, rows, dtype=acc))
+            hidden.new_empty(2, rows, dtype=acc),
+            hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
 @torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
-    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], needs_hidden: bool,
+    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits_cache: Tensor,
+    needs_hidden: bool,
     needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
     accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
     logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
@@ -280,14 +353,14 @@ def _linear_logprobs_backward(
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
     grads = head.backward(stats, logprobs, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
-                          grad_accum_dtype)
+                          grad_accum_dtype, logits_cache)
     # A custom op returns tensors only: an empty one stands for "not requested".
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
 
 
 @_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, needs_hidden,
-      needs_weight, needs_bias, *settings):
+def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, logits_cache,
+      needs_hidden, needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
@@ -295,24 +368,24 @@ def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
-     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype) = inputs
-    logprobs, entropy, stats = output
-    ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy)
+     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, logits_cache_bytes) = inputs
+    logprobs, entropy, stats, logits_cache = output
+    ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
                     logit_scale, logit_softcap, matmul_out_dtype)
     ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
-    hidden, weight, bias, labels, stats, logprobs, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logprobs, grad_entropy, grad_stats, grad_logits_cache):
+    hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache = ctx.saved_tensors
     grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
                                                          ctx.with_entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
-                                      entropy, *needs, *ctx.settings)
+                                      entropy, logits_cache, *needs, *ctx.settings)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads,) + (None,) * 11
+    return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)  # labels and the settings
 
 
 _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
@@ -324,8 +397,11 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
                     backend: str) -> Tuple[Tensor, Optional[Tensor]]:
     """``(logprobs [M], entropy [M] | None)`` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))``
     tempered (:mod:`tpo_kernels.ops.transform`) for int64 ``labels`` (negative: skipped), in the
-    compute dtype; differentiable in hidden, weight, bias."""
-    logprobs, entropy, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
-                                            policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend,
-                                            logit_scale, logit_softcap, policy.matmul_out_dtype)
+    compute dtype; differentiable in hidden, weight, bias. The policy's logits cache is kept only
+    when a gradient will be taken."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    logprobs, entropy, _, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
+                                               policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend,
+                                               logit_scale, logit_softcap, policy.matmul_out_dtype,
+                                               policy.logits_cache_bytes if wants_grad else 0)
     return logprobs, (entropy if with_entropy else None)

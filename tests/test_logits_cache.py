@@ -1,0 +1,280 @@
+"""The fused head's logits cache (``logits_cache_bytes``): the forward keeps whole rows of logits
+for the backward, which then reads them instead of recomputing them. Cached and uncached results
+agree (fp32: to the recompute's rounding, CACHE_TOL; bf16: BF16_CACHE_TOL), cached tokens cost three
+matmuls instead of four, zero-signal tokens are never read, and nothing is kept without a gradient."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import tpo_kernels
+from tpo_kernels import TilePolicy, fused_linear_logprobs, fused_linear_tpo_loss
+
+from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
+from _dispatch import OpRecorder
+from test_fused_linear import (FP32_TOL, HIDDEN, VOCAB, MatmulRecorder, _batch, _check_tpo, _leaves,
+                               _loss_and_grads)
+
+# A cached row's gradient differs from a recomputed one only by the recompute's rounding (a matmul
+# over another block of rows may sum in another order): fp32 rounding of O(1) values.
+CACHE_TOL = dict(atol=1e-6, rtol=1e-5)
+# bf16 logits: the recomputed tile can round one logit to the neighbouring bf16 value.
+BF16_CACHE_TOL = dict(atol=1e-2, rtol=1e-2)
+FULL = 1 << 30  # more than any batch here: every counted row is cached
+
+
+def _row_bytes(dtype=torch.float32) -> int:
+    return VOCAB * torch.empty(0, dtype=dtype).element_size()
+
+
+def _tpo(backend, h, w, b, labels, scores, kwargs, **fused):
+    return _loss_and_grads(lambda h_, w_, b_: fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend=backend,
+                                                                    **kwargs, **fused), h, w, b)
+
+
+def _assert_results_close(got, want, tol):
+    torch.testing.assert_close(got[0], want[0], **tol)
+    for g, r in zip(got[1], want[1]):
+        torch.testing.assert_close(g.float(), r.float(), **tol)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("cache_rows", [1, 7, None])  # None: every counted row
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_cached_matches_uncached_and_reference(backend, cache_rows, layout, softcap):
+    h, w, b, labels, scores, kwargs = _batch(layout=layout, grouping="ids", tie_groups=1)
+    kwargs.update(logit_softcap=softcap, temperature=0.8)
+    cache = FULL if cache_rows is None else cache_rows * _row_bytes()
+    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=3, logits_cache_bytes=cache)
+    uncached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=3)
+    _assert_results_close(cached, uncached, CACHE_TOL)
+    _check_tpo(backend, h, w, b, labels, scores, kwargs, FP32_TOL, chunk_size=3, logits_cache_bytes=cache)
+
+
+@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
+@pytest.mark.parametrize("cache_rows", [2, None])
+def test_interpreted_triton_cached_matches_uncached(backend, cache_rows):
+    h, w, b, labels, scores, kwargs = _batch(num_groups=1, group_size=2, max_len=3)
+    cache = FULL if cache_rows is None else cache_rows * _row_bytes()
+    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=2, logits_cache_bytes=cache)
+    _assert_results_close(cached, _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=2), CACHE_TOL)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_bf16_cached_matches_uncached(backend):
+    h, w, b, labels, scores, kwargs = _batch(dtype=torch.bfloat16, layout="packed")
+    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=3, logits_cache_bytes=FULL)
+    _assert_results_close(cached, _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=3), BF16_CACHE_TOL)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("vocab_blocks", [False, True])
+def test_entropy_gradient_through_the_cache_matches_uncached(backend, vocab_blocks):
+    """fused_linear_logprobs with the entropy's gradient: both row-backward terms read the cache."""
+    policy = dataclasses.replace(TilePolicy.for_device(DEVICE), accum_bytes=8 * HIDDEN * 8) if vocab_blocks else None
+    h, w, b, labels, _, _ = _batch(layout="padded")
+    weights = torch.randn(2, *labels.shape, device=DEVICE)
+
+    def loss_fn(cache):
+        def fn(h_, w_, b_):
+            lp, ent = fused_linear_logprobs(h_, w_, labels, bias=b_, return_entropy=True, backend=backend,
+                                            chunk_size=4, tile_policy=policy, logits_cache_bytes=cache,
+                                            grad_accum_dtype=torch.float64 if vocab_blocks else torch.float32)
+            return (lp * weights[0] + ent * weights[1]).sum()
+        return fn
+
+    _assert_results_close(_loss_and_grads(loss_fn(FULL), h, w, b), _loss_and_grads(loss_fn(0), h, w, b), CACHE_TOL)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_gradcheck_float64_with_a_partial_cache(backend):
+    h, w, b = _leaves(*[torch.randn(*shape, dtype=torch.float64, device=DEVICE) for shape in ((3, 2), (5, 2), (5,))])
+    labels = torch.tensor([1, -100, 4], device=DEVICE)
+
+    def fn(h_, w_, b_):
+        return fused_linear_logprobs(h_, w_, labels, bias=b_, temperature=1.3, return_entropy=True, backend=backend,
+                                     chunk_size=1, logits_cache_bytes=5 * 8)  # one row of float64 logits
+
+    assert torch.autograd.gradcheck(fn, (h, w, b))
+
+
+def _matmul_work(backend, h, w, b, labels, scores, kwargs, **fused):
+    """Multiply-adds of every matmul in one forward and backward, and the loss's aux."""
+    h, w, b = _leaves(h, w, b)
+    with MatmulRecorder() as recorder:
+        loss, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4,
+                                          return_aux=True, **kwargs, **fused)
+        loss.backward()
+    return sum(recorder.multiply_adds()), aux, h.grad
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("cache_rows", [0, 5, None])
+def test_cached_tokens_cost_three_matmuls(backend, cache_rows):
+    """Forward logits of every counted token, dH and dW of every active one, and the recompute of
+    the active tokens the cache does not hold: 4 products of [tokens, V] with H uncached, 3 cached.
+    Fails when the backward ignores the cache."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)  # every group has signal
+    counted = int((labels != -100).sum())
+    cache = FULL if cache_rows is None else cache_rows * _row_bytes()
+    cached = counted if cache_rows is None else cache_rows
+    work, _, _ = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=cache)
+    assert work == (counted + (counted - cached) + 2 * counted) * VOCAB * HIDDEN
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_zero_signal_tokens_are_not_recomputed_with_a_cache(backend):
+    """Tied groups' tokens cost the forward only, cached or not; the others three matmuls."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=2)
+    work, aux, grad = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=FULL)
+    seq = torch.repeat_interleave(torch.arange(len(scores), device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
+    active = (labels != -100) & (aux["coef"][seq] != 0)
+    counted, num_active = int((labels != -100).sum()), int(active.sum())
+    assert 0 < num_active < counted
+    assert work == (counted + 2 * num_active) * VOCAB * HIDDEN
+    assert torch.equal(grad[~active], torch.zeros_like(grad[~active]))
+
+
+class _PoisonCache(torch.autograd.graph.saved_tensors_hooks):
+    """Replaces the rows ``rows`` of the saved ``[rows, V]`` logits cache with NaN when the backward
+    unpacks it (no other saved tensor has that shape here)."""
+
+    def __init__(self, cache_shape, rows):
+        self.poisoned = 0
+
+        def unpack(t):
+            if tuple(t.shape) == cache_shape:
+                t = t.clone()
+                t[rows] = float("nan")
+                self.poisoned += 1
+            return t
+
+        super().__init__(lambda t: t, unpack)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_the_backward_reads_the_cache_of_active_rows_only(backend):
+    """NaN written over the cached logits of the active tokens reaches the gradients (the backward
+    reads the cache); over the zero-signal tokens' rows it changes nothing (they are never read)."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=2)
+    clean = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
+    _, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, return_aux=True, **kwargs)
+    seq = torch.repeat_interleave(torch.arange(len(scores), device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
+    active = aux["coef"][seq] != 0  # packed rows: the cache's slot of a counted row is its rank
+    slots = torch.cumsum(labels != -100, 0) - 1
+    shape = (labels.numel(), VOCAB)  # a cache of every row
+    poison = _PoisonCache(shape, slots[(labels != -100) & ~active])
+    with poison:
+        tied_poisoned = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
+    assert poison.poisoned == 1
+    for got, want in zip(tied_poisoned[1], clean[1]):
+        assert torch.equal(got, want)
+    with _PoisonCache(shape, slots[(labels != -100) & active]):
+        active_poisoned = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
+    assert all(torch.isnan(grad).any() for grad in active_poisoned[1])
+
+
+class _Allocations(OpRecorder):
+    """Shapes of the tensors allocated while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def record(self, func, args, kwargs, out):
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default):
+            self.shapes.append(tuple(out.shape))
+
+
+@pytest.mark.parametrize("cache_rows", [3, None])
+def test_the_cache_holds_at_most_the_budget(cache_rows):
+    """The budget in whole rows of logits, never more rows than the batch has."""
+    h, w, b, labels, scores, kwargs = _batch(layout="padded")
+    budget = FULL if cache_rows is None else cache_rows * _row_bytes() + _row_bytes() - 1
+    h, w, b = _leaves(h, w, b)
+    with _Allocations() as allocations:
+        fused_linear_tpo_loss(h, w, labels, scores, bias=b, chunk_size=2, logits_cache_bytes=budget, **kwargs)
+    caches = [shape for shape in allocations.shapes if len(shape) == 2 and shape[1] == VOCAB]
+    assert caches == [(labels.numel() if cache_rows is None else cache_rows, VOCAB)]
+
+
+def test_no_cache_without_a_gradient():
+    h, w, b, labels, _, _ = _batch(layout="padded")
+    with torch.no_grad(), _Allocations() as allocations:
+        fused_linear_logprobs(h, w, labels, bias=b, chunk_size=2, logits_cache_bytes=FULL)
+    assert [shape for shape in allocations.shapes if len(shape) == 2 and shape[1] == VOCAB] == [(0, VOCAB)]
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_cached_backward_is_deterministic_and_survives_retain_graph(backend):
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", tie_groups=1)
+    h, w, b = _leaves(h, w, b)
+    loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=3,
+                                 logits_cache_bytes=4 * _row_bytes(), **kwargs)
+    first = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w, b))
+    for x, y in zip(first, second):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("value, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("1", TypeError)])
+def test_bad_logits_cache_bytes_is_refused(value, error):
+    h, w, b, labels, scores, kwargs = _batch()
+    with pytest.raises(error, match="logits_cache_bytes"):
+        fused_linear_tpo_loss(h, w, labels, scores, bias=b, logits_cache_bytes=value, **kwargs)
+    with pytest.raises(error, match="logits_cache_bytes"):
+        fused_linear_logprobs(h, w, labels, bias=b, logits_cache_bytes=value)
+
+
+def test_keyword_and_policy_field_must_agree():
+    h, w, b, labels, _, _ = _batch()
+    policy = dataclasses.replace(TilePolicy.for_device(DEVICE), logits_cache_bytes=1 << 20)
+    fused_linear_logprobs(h, w, labels, bias=b, tile_policy=policy, logits_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="disagrees with tile_policy.logits_cache_bytes"):
+        fused_linear_logprobs(h, w, labels, bias=b, tile_policy=policy, logits_cache_bytes=1 << 21)
+
+
+def test_a_vocabulary_parallel_head_refuses_the_cache():
+    with pytest.raises(ValueError, match="vocabulary-parallel"):
+        TilePolicy.for_device(DEVICE).with_logits_cache(1 << 20, vocab_parallel=True)
+
+
+def test_policy_field_alone_turns_the_cache_on():
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)
+    counted = int((labels != -100).sum())
+    policy = dataclasses.replace(TilePolicy.for_device(DEVICE), logits_cache_bytes=FULL)
+    work, _, _ = _matmul_work("torch", h, w, b, labels, scores, kwargs, tile_policy=policy)
+    assert work == 3 * counted * VOCAB * HIDDEN
+
+
+def test_fullgraph_compile_with_the_cache_matches_eager():
+    h, w, b, labels, scores, kwargs = _batch(layout="padded")
+
+    def step(h_, w_, b_):
+        return fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend="torch", chunk_size=3, validate=False,
+                                     logits_cache_bytes=FULL, **kwargs)
+
+    eager = _loss_and_grads(step, h, w, b)
+    torch._dynamo.reset()
+    compiled = _loss_and_grads(torch.compile(step, fullgraph=True, backend="aot_eager"), h, w, b)
+    _assert_results_close(compiled, eager, dict(rtol=0, atol=0))
+
+
+def test_custom_op_with_the_cache_passes_opcheck():
+    h = torch.randn(6, HIDDEN, device=DEVICE, requires_grad=True)
+    w = torch.randn(VOCAB, HIDDEN, device=DEVICE, requires_grad=True)
+    labels = torch.tensor([0, 3, -1, 5, 36, 2], device=DEVICE)
+    args = (h, w, None, labels, 1.0, True, 4, 4, 1 << 20, torch.float32, "torch", 1.0, None, None, 4 * _row_bytes())
+    torch.library.opcheck(tpo_kernels.ops.linear._linear_logprobs, args)
+
+
+def test_module_passes_the_cache_on():
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)
+    counted = int((labels != -100).sum())
+    loss_fn = tpo_kernels.FusedLinearTPOLoss(chunk_size=4, logits_cache_bytes=FULL, backend="torch")
+    h, w = _leaves(h, w)
+    with MatmulRecorder() as recorder:
+        loss_fn(h, w, labels, scores, **kwargs).backward()
+    assert sum(recorder.multiply_adds()) == 3 * counted * VOCAB * HIDDEN
