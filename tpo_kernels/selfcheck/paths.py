@@ -138,7 +138,7 @@ def _token_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
         part, raux = reference.token_tpo_loss(z, inp.candidates[chunk], inp.cand_scores[chunk].double(),
                                               reduction="sum", **kw)
         (part / r).backward()
-        ref_loss += float(part) / r
+        ref_loss += float(part.detach()) / r
         for name, acc in outputs.items():
             acc.add(aux[name][chunk], raux[name], token)
         dz = z.grad.abs()
