@@ -114,6 +114,7 @@ def test_check_catches_a_perturbed_backend(shift, grad_scale, broken):
     assert "FAIL" in report.table()
 
 
+@pytest.mark.quick
 def test_cli_check_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     args = ["check", "--backends", "torch", "--paths", "tpo_loss,selective_logprobs", "--no-gradcheck",
             "--no-edge-cases", "-N", "4", "-K", "2", "-T", "5", "-V", "32", "-H", "8"]
@@ -140,6 +141,7 @@ def test_cli_check_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     assert cli.main(["check", "--paths", "nope"]) == 2
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("where", ["missing_folder", "a_folder"])
 def test_cli_check_refuses_an_unwritable_json_path_before_any_work(where, tmp_path, capsys, monkeypatch):
     def must_not_run(**kwargs):

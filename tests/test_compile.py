@@ -146,8 +146,8 @@ def _run_fresh(*args):
                           timeout=600)
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("backend", ["auto"] + backend_params("torch", "cpu", "triton"))
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=pytest.mark.quick)]
+                         + backend_params("torch", "cpu", "triton"))
 def test_compile_as_the_first_call_of_a_fresh_process(backend):
     result = _run_fresh(backend, "none")
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
