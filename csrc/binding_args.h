@@ -291,6 +291,10 @@ inline void check_args(const CandidateArgs& a, CandidateOp op, Ids ids) {
   check_inv_temperature(a.inv_temperature);
   check(a.num_candidates >= 0,
         "num_candidates must be >= 0, got " + std::to_string(a.num_candidates));
+  // rows * num_candidates ids are read (and range-checked below): the count must fit in int64.
+  check(a.num_candidates == 0 || a.rows <= std::numeric_limits<int64_t>::max() / a.num_candidates,
+        "rows x num_candidates overflows int64: rows " + std::to_string(a.rows) + ", num_candidates " +
+            std::to_string(a.num_candidates));
   if (a.rows == 0) return;
   if (op == CandidateOp::kForward) {
     if (a.num_candidates == 0) return;

@@ -87,6 +87,16 @@ void math_elementwise(const std::string& op, uintptr_t in, uintptr_t out, int64_
   }
 }
 
+// set_isa with the name checked: a typo ('AVX2', 'sse9') raises instead of silently selecting
+// the best supported instruction set.
+const char* set_isa(const std::string& name) {
+  if (name != "" && name != "generic" && name != "avx2" && name != "avx512") {
+    throw std::invalid_argument("set_isa: name must be 'generic', 'avx2', 'avx512' or '' (the best supported), got '" +
+                                name + "'");
+  }
+  return tpo::cpu::set_isa(name.c_str());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_cpu, m) {
@@ -104,7 +114,8 @@ PYBIND11_MODULE(_C_cpu, m) {
         "float_to_bf16 / float_to_half (f32 -> 16-bit pattern), bf16_to_float / half_to_float.");
   m.def("max_threads", &tpo::cpu::max_threads, "OpenMP threads used by the row ops.");
   m.def("isa", &tpo::cpu::isa_name, "Instruction set of the row kernels in use.");
-  m.def("set_isa", &tpo::cpu::set_isa, py::arg("name"),
-        "Force 'generic', 'avx2' or 'avx512' (falls back to the best supported); returns the "
-        "one in use.");
+  m.def("set_isa", &set_isa, py::arg("name"),
+        "Force 'generic', 'avx2' or 'avx512' (falls back to the best supported when the CPU lacks "
+        "it; '' selects the best supported); returns the one in use. Any other name raises "
+        "ValueError.");
 }

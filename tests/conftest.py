@@ -1,8 +1,30 @@
-"""Test configuration: Triton kernels run under the CPU interpreter when there is no GPU."""
+"""Test configuration: Triton kernels run under the CPU interpreter when there is no GPU, and the
+tests import the installed package when the tree they sit in is an unbuilt source tree."""
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+
+def _prefer_the_installed_package() -> None:
+    """In an unpacked sdist (a tree whose tpo_kernels has no built extension), ``python -m pytest``
+    puts the tree first on sys.path and would test its unbuilt sources: drop the tree from the path
+    when an installed tpo_kernels is found without it."""
+    root = Path(__file__).resolve().parents[1]
+    tree = root / "tpo_kernels"
+    if not tree.is_dir() or any(tree.glob("_C_cpu*")):
+        return
+    kept = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
+    saved, sys.path[:] = list(sys.path), kept
+    spec = importlib.util.find_spec("tpo_kernels")
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().parent == tree:
+        sys.path[:] = saved  # no installed package (or an editable one): test the tree
+
+
+_prefer_the_installed_package()
 
 if not torch.cuda.is_available():
     # Must be set before triton is imported anywhere.

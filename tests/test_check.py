@@ -1,6 +1,7 @@
 """``tpo_kernels.check`` / ``tpo-kernels check``: it passes on the backends that run here, its
-table and JSON carry every path and quantity, and it fails (exit status 1) on a deliberately
-perturbed backend."""
+table and JSON carry every path and quantity, it fails (exit status 1) on a deliberately
+perturbed backend, refuses bad usage (exit status 2) before any work, and its chunked float64
+reference gives the chunk size's verdicts and errors whatever the chunk size."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import tpo_kernels
 from tpo_kernels import cli
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.selfcheck import PATHS, CheckReport
+from tpo_kernels.selfcheck import PATHS, CheckReport, inputs as check_inputs
 
 SMALL = dict(N=4, K=2, T=6, V=48, H=16)
 
@@ -28,12 +29,57 @@ def test_check_passes_on_every_section_and_path():
     assert report.passed, report.table()
     assert {r.path for r in report.rows if r.section != "edge"} == set(PATHS)
     assert {r.section for r in report.rows} == {"gradcheck", "reference", "edge"}
+    transformed = {r.path for r in report.rows if r.section == "gradcheck" and "softcap" in r.quantity}
+    assert transformed == set(PATHS) - {"tpo_loss_from_logprobs"}
     quantities = {r.quantity for r in report.rows if r.path == "fused_linear_tpo_loss" and r.section == "reference"}
     assert {"loss", "token_logprobs", "seq_logprobs", "p", "q", "grad_hidden", "grad_weight", "grad_bias"} <= quantities
     table = report.table()
     assert "FAIL" not in table and table.rstrip().endswith("PASS") and "tolerances:" in table
     data = json.loads(report.to_json())
     assert data["passed"] is True and len(data["rows"]) == len(report.rows) and "token" in data["tolerances"]
+    assert "issue" not in (table + report.to_json()).lower()  # no internal tracking numbers
+
+
+def test_public_functions_are_the_checked_paths():
+    public = {name for name in tpo_kernels.__all__ if callable(getattr(tpo_kernels, name))
+              and (name.endswith("_loss") or name.endswith("logprobs"))}
+    assert public == set(PATHS)
+
+
+@pytest.mark.parametrize("transform", [dict(logit_scale=0.25), dict(logit_softcap=3.0),
+                                       dict(logit_scale=0.5, logit_softcap=2.0)], ids=["scale", "softcap", "both"])
+def test_check_reference_section_with_logit_transforms(transform):
+    report = tpo_kernels.check(backends=[_native()], gradcheck=False, edge_cases=False, **transform, **SMALL)
+    assert report.passed, report.table()
+
+
+def test_chunked_reference_gives_the_same_errors_as_one_chunk(monkeypatch):
+    """The float64 reference runs a chunk of rows at a time; the chunk size changes nothing but
+    memory and the float64 matmul's rounding (relative errors are per chunk, so only the absolute
+    ones are compared)."""
+    kw = dict(backends=["torch"], gradcheck=False, edge_cases=False, **SMALL)
+    whole = tpo_kernels.check(**kw)
+    monkeypatch.setattr(check_inputs, "CHUNK_ELEMENTS", 2 * SMALL["V"] + 5)  # 2 rows a chunk
+    chunked = tpo_kernels.check(**kw)
+    assert whole.passed and chunked.passed
+    assert [(r.path, r.quantity) for r in whole.rows] == [(r.path, r.quantity) for r in chunked.rows]
+    for a, b in zip(whole.rows, chunked.rows):
+        assert a.max_abs == pytest.approx(b.max_abs, rel=1e-4, abs=1e-15), (a.path, a.quantity)
+        assert a.tolerance.split()[0] == b.tolerance.split()[0], (a.path, a.quantity)
+        assert float(a.tolerance.split()[-1]) == pytest.approx(float(b.tolerance.split()[-1]), rel=0.02)
+
+
+def test_check_reports_progress_first_and_per_path():
+    lines = []
+    tpo_kernels.check(backends=["torch"], paths=["tpo_loss", "selective_logprobs"], gradcheck=False,
+                      long_tokens=64, progress=lines.append, **SMALL)
+    assert lines[0].startswith("tpo_kernels check on") and "estimated peak memory" in lines[1]
+    assert [line.split()[0] for line in lines[2:]] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert "tpo_loss" in lines[2] and "edge cases" in lines[4] and all("PASS" in line for line in lines[2:])
+
+
+def test_estimated_memory_of_the_readme_example_is_under_4_gib():
+    assert tpo_kernels.selfcheck.estimate_peak_bytes(torch.bfloat16, 16, 512, 32000, 1024) < 4 * 2**30
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
@@ -68,6 +114,7 @@ def test_check_catches_a_perturbed_backend(shift, grad_scale, broken):
     assert "FAIL" in report.table()
 
 
+@pytest.mark.quick
 def test_cli_check_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     args = ["check", "--backends", "torch", "--paths", "tpo_loss,selective_logprobs", "--no-gradcheck",
             "--no-edge-cases", "-N", "4", "-K", "2", "-T", "5", "-V", "32", "-H", "8"]
@@ -92,3 +139,21 @@ def test_cli_check_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     assert cli.main(args) == 1
     assert "FAIL" in capsys.readouterr().out
     assert cli.main(["check", "--paths", "nope"]) == 2
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("where", ["missing_folder", "a_folder"])
+def test_cli_check_refuses_an_unwritable_json_path_before_any_work(where, tmp_path, capsys, monkeypatch):
+    def must_not_run(**kwargs):
+        raise AssertionError("check ran")
+
+    monkeypatch.setattr(tpo_kernels.selfcheck, "check", must_not_run)
+    path = tmp_path / "no" / "report.json" if where == "missing_folder" else tmp_path
+    assert cli.main(["check", "--json", str(path)]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_cli_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--no-such-option"])
+    assert exc.value.code == 2

@@ -1,6 +1,8 @@
 """torch.compile(fullgraph=True) traces a training step through every public path without graph
 breaks (the kernels are custom ops with fake implementations), and gives the eager results."""
 
+import pathlib
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from _backends import backend_available, backend_params
 
 N, T, H, V, K = 4, 6, 16, 50, 2
 COMPILE_BACKENDS = backend_params("torch", "cpu")
+_native_mark = pytest.mark.skipif(not backend_available("cpu"), reason="cpu backend: not built")
 
 
 def _model_and_batch():
@@ -99,3 +102,59 @@ def test_custom_ops_pass_opcheck(op):
     else:
         args = (hidden, weight, None, candidates, 1.0, "torch")
     torch.library.opcheck(getattr(torch.ops.tpo_kernels, op).default, args)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile as the first tpo_kernels call of a process: each case in a fresh interpreter, so
+# that no eager call has loaded a backend (backends load on first use) before Dynamo traces.
+# ----------------------------------------------------------------------------------------------
+
+_FRESH_STEP = """
+import sys, torch, tpo_kernels
+backend, eager_first = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+V, K, H = 40, 2, 8
+lm_head = torch.nn.Linear(H, V, bias=False)
+hidden = torch.randn(4, 5, H)
+labels = torch.randint(0, V, (4, 5))
+scores = torch.tensor([1.0, 0.0, 0.5, 0.5])
+if eager_first != "none":  # an eager call that loads another backend first
+    tpo_kernels.tpo_loss(lm_head(hidden), labels, scores, group_size=K, backend=eager_first)
+
+def step():
+    loss = tpo_kernels.tpo_loss(lm_head(hidden), labels, scores, group_size=K, backend=backend, validate=False)
+    return loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores, group_size=K,
+                                                    backend=backend, validate=False)
+
+compiled = torch.compile(step, fullgraph=True, backend="aot_eager")()
+compiled.backward()
+eager = step()
+torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+print("OK", float(compiled))
+"""
+
+
+def _run_fresh(*args):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)  # the child imports the tpo_kernels this test imported (tree or installed)
+    package_parent = str(pathlib.Path(tpo_kernels.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", _FRESH_STEP, *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=pytest.mark.quick)]
+                         + backend_params("torch", "cpu", "triton"))
+def test_compile_as_the_first_call_of_a_fresh_process(backend):
+    result = _run_fresh(backend, "none")
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend,eager_first", [pytest.param("torch", "cpu", marks=_native_mark, id="cpu_then_torch"),
+                                                 pytest.param("cpu", "torch", marks=_native_mark, id="torch_then_cpu")])
+def test_compile_after_an_eager_call_loaded_another_backend(backend, eager_first):
+    result = _run_fresh(backend, eager_first)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

@@ -17,38 +17,46 @@ Public API::
 
 __version__ = "0.1.0"
 
-from . import reference
-from .backends import Backend, backend_status
-from .functional import (
-    fused_linear_logprobs,
-    fused_linear_token_tpo_loss,
-    fused_linear_tpo_loss,
-    selective_logprobs,
-    token_tpo_loss,
-    tpo_loss,
-    tpo_loss_from_logprobs,
-)
-from .modules import FusedLinearTokenTPOLoss, FusedLinearTPOLoss, TokenTPOLoss, TPOLoss
-from .ops import TilePolicy
+import importlib
 
-from .selfcheck import check
+# Where each public name lives. The package imports them (and torch) on the first access of any of
+# them, not at ``import tpo_kernels``: the command line (``tpo-kernels --help``) then starts
+# without importing torch.
+_PUBLIC = {
+    "reference": (".reference", None),
+    "Backend": (".backends", "Backend"),
+    "backend_status": (".backends", "backend_status"),
+    "fused_linear_logprobs": (".functional", "fused_linear_logprobs"),
+    "fused_linear_token_tpo_loss": (".functional", "fused_linear_token_tpo_loss"),
+    "fused_linear_tpo_loss": (".functional", "fused_linear_tpo_loss"),
+    "selective_logprobs": (".functional", "selective_logprobs"),
+    "token_tpo_loss": (".functional", "token_tpo_loss"),
+    "tpo_loss": (".functional", "tpo_loss"),
+    "tpo_loss_from_logprobs": (".functional", "tpo_loss_from_logprobs"),
+    "FusedLinearTokenTPOLoss": (".modules", "FusedLinearTokenTPOLoss"),
+    "FusedLinearTPOLoss": (".modules", "FusedLinearTPOLoss"),
+    "TokenTPOLoss": (".modules", "TokenTPOLoss"),
+    "TPOLoss": (".modules", "TPOLoss"),
+    "TilePolicy": (".ops", "TilePolicy"),
+    "check": (".selfcheck", "check"),
+}
 
-__all__ = [
-    "__version__",
-    "Backend",
-    "TilePolicy",
-    "backend_status",
-    "check",
-    "reference",
-    "tpo_loss",
-    "tpo_loss_from_logprobs",
-    "fused_linear_tpo_loss",
-    "token_tpo_loss",
-    "fused_linear_token_tpo_loss",
-    "selective_logprobs",
-    "fused_linear_logprobs",
-    "TPOLoss",
-    "FusedLinearTPOLoss",
-    "TokenTPOLoss",
-    "FusedLinearTokenTPOLoss",
-]
+
+def _import_public() -> None:
+    for name, (module, attr) in _PUBLIC.items():
+        loaded = importlib.import_module(module, __name__)
+        globals()[name] = loaded if attr is None else getattr(loaded, attr)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        _import_public()
+        return globals()[name]
+    raise AttributeError(f"module 'tpo_kernels' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+__all__ = ["__version__", *_PUBLIC]

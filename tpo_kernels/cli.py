@@ -2,17 +2,20 @@
 
 * ``status``: which backends run here, and why the others do not.
 * ``check``:  numerical self-check of every backend and path on this device, dtype and shapes
-  (:mod:`tpo_kernels.selfcheck`): a table of errors against tolerances, JSON on request, exit status
-  1 on any failure.
+  (:mod:`tpo_kernels.selfcheck`): progress as it goes, a table of errors against tolerances, JSON
+  on request; exit status 1 on a numerical failure, 2 on a usage error.
 * ``demo``:   a tiny end-to-end TPO step (loss, p, q, backward) on whatever device is present,
   checked against the plain-PyTorch reference; takes seconds.
 * ``bench``:  the benchmark harness, ``tpo_kernels.bench``; all further arguments go to it
   (``tpo-kernels bench --help``).
+
+Parsing and ``--help`` import nothing heavy: torch is imported by the subcommand that runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -100,17 +103,38 @@ def _bench(argv: List[str]) -> int:
     return bench_main(argv)
 
 
+def _writable_file(path: str) -> Optional[str]:
+    """Why ``path`` cannot be written (None when it can), checked before any work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"{path} is not writable"
+    return None
+
+
 def _check(args) -> int:
+    if args.json and args.json != "-":
+        problem = _writable_file(args.json)
+        if problem:
+            print(f"tpo-kernels check: --json: {problem}", file=sys.stderr)
+            return 2
     from tpo_kernels.selfcheck import check
 
     def split(value):
         return [x.strip() for x in value.split(",") if x.strip()] if value else None
 
+    def progress(line):  # stderr: stdout carries the table (or the JSON with --json -)
+        print(line, file=sys.stderr, flush=True)
+
     try:
         report = check(device=args.device, dtype=args.dtype, backends=split(args.backends), paths=split(args.paths),
                        N=args.N, K=args.K, T=args.T, V=args.V, H=args.H, temperature=args.temperature,
-                       eta=args.eta, gradcheck=not args.no_gradcheck, edge_cases=not args.no_edge_cases,
-                       long_tokens=args.long_tokens, seed=args.seed)
+                       eta=args.eta, logit_scale=args.logit_scale, logit_softcap=args.logit_softcap,
+                       gradcheck=not args.no_gradcheck, edge_cases=not args.no_edge_cases,
+                       long_tokens=args.long_tokens, seed=args.seed, progress=progress)
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"tpo-kernels check: {exc}", file=sys.stderr)
         return 2
@@ -119,24 +143,35 @@ def _check(args) -> int:
     else:
         print(report.table())
         if args.json:
-            with open(args.json, "w") as f:
-                f.write(report.to_json(indent=1))
+            try:
+                with open(args.json, "w") as f:
+                    f.write(report.to_json(indent=1))
+            except OSError as exc:
+                print(f"tpo-kernels check: --json: could not write {args.json}: {exc}", file=sys.stderr)
+                return 2
     return 0 if report.passed else 1
 
 
 def _add_check_parser(sub) -> None:
-    chk = sub.add_parser("check", help="numerical self-check of every backend and path here (exit 1 on a failure)")
+    chk = sub.add_parser(
+        "check", help="numerical self-check of every backend and path here (exit 1 on a failure)",
+        description="Numerical self-check: every public function on every backend that runs here, as float64 "
+                    "gradcheck, against the float64 reference at your shapes and dtype, and on numerical edge "
+                    "cases. Prints progress to stderr and a table to stdout. Exit status: 0 all passed, 1 a "
+                    "numerical failure, 2 a usage error.")
     chk.add_argument("--device", help="cpu or cuda (default: cuda if present)")
     chk.add_argument("--dtype", default="float32", help="input dtype: float32, bfloat16, float16, float64")
     chk.add_argument("--backends", help="comma-separated backends (default: every one that runs here)")
-    chk.add_argument("--paths", help="comma-separated public functions (default: all six)")
+    chk.add_argument("--paths", help="comma-separated public functions (default: all seven)")
     chk.add_argument("-N", type=int, default=8, help="completions (default 8)")
     chk.add_argument("-K", type=int, default=4, help="group size, also candidates per state (default 4)")
     chk.add_argument("-T", type=int, default=16, help="tokens per completion (default 16)")
     chk.add_argument("-V", type=int, default=256, help="vocabulary size (default 256)")
     chk.add_argument("-H", type=int, default=64, help="hidden size of the fused-linear paths (default 64)")
-    chk.add_argument("--temperature", type=float, default=0.7)
-    chk.add_argument("--eta", type=float, default=0.5)
+    chk.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    chk.add_argument("--eta", type=float, default=0.5, help="TPO target temperature (default 0.5)")
+    chk.add_argument("--logit-scale", type=float, default=1.0, help="logit_scale of every path (default 1)")
+    chk.add_argument("--logit-softcap", type=float, help="logit_softcap of every path (default: none)")
     chk.add_argument("--no-gradcheck", action="store_true", help="skip the float64 gradcheck section")
     chk.add_argument("--no-edge-cases", action="store_true", help="skip the edge-case section")
     chk.add_argument("--long-tokens", type=int, help="length of the long-completion edge case (default 32768)")

@@ -87,10 +87,11 @@ def standardize(scores: Tensor, score_eps: float = 0.0) -> Tensor:
     return (x - mean) / std
 
 
-def _sequence_slices(labels: Tensor, cu_seqlens: Optional[Tensor]) -> List[tuple]:
-    """(row index tensor into the flat token axis) for each completion."""
+def _sequence_slices(tokens: Tensor, cu_seqlens: Optional[Tensor]) -> List[tuple]:
+    """(row index tensor into the flat token axis) for each completion of ``tokens`` ([N, T], or
+    [M] packed by ``cu_seqlens``)."""
     if cu_seqlens is None:
-        n, t = labels.shape
+        n, t = tokens.shape
         return [torch.arange(i * t, (i + 1) * t) for i in range(n)]
     bounds = cu_seqlens.tolist()
     return [torch.arange(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
@@ -136,10 +137,37 @@ def tpo_loss(
         valid = valid & mask.bool()
     lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, logit_scale=logit_scale,
                         logit_softcap=logit_softcap)
-    lp = torch.where(valid, lp, torch.zeros_like(lp)).reshape(-1)
+    return tpo_loss_from_logprobs(lp, scores, mask=valid, group_size=group_size, group_ids=group_ids,
+                                  cu_seqlens=cu_seqlens, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                  beta=beta, eta=eta, anchor=anchor, score_eps=score_eps,
+                                  length_normalize=length_normalize, reduction=reduction, return_aux=return_aux)
+
+
+def tpo_loss_from_logprobs(
+    logprobs: Tensor,
+    scores: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    group_size: Optional[int] = None,
+    group_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    beta: float = 0.0,
+    eta: float = 1.0,
+    anchor: bool = True,
+    score_eps: float = 1e-6,
+    length_normalize: bool = False,
+    reduction: str = "mean",
+    return_aux: bool = False,
+):
+    """The group stage by the book on per-token log-probs ``[N, T]`` (or ``[M]`` packed with
+    ``cu_seqlens``); same arguments as :func:`tpo_kernels.tpo_loss_from_logprobs`."""
+    valid = torch.ones(logprobs.shape, dtype=torch.bool, device=logprobs.device) if mask is None else mask.bool()
+    lp = torch.where(valid, logprobs, torch.zeros_like(logprobs)).reshape(-1)
     valid_flat = valid.reshape(-1)
     dtype = lp.dtype
-    slices = _sequence_slices(labels, cu_seqlens)
+    slices = _sequence_slices(logprobs, cu_seqlens)
     num_seqs = len(slices)
 
     def sequence_logprob(token_values: Tensor, rows: Tensor) -> Tensor:
@@ -151,7 +179,7 @@ def tpo_loss(
     ell = torch.stack([sequence_logprob(lp, rows) for rows in slices])
     if old_logprobs is None:  # on-policy: p_old = p, held constant
         ell_old = ell.detach()
-    elif old_logprobs.shape == labels.shape:  # per-token old log-probs, summed (or averaged) under the mask
+    elif old_logprobs.shape == logprobs.shape:  # per-token old log-probs, summed (or averaged) under the mask
         old_flat = torch.where(valid, old_logprobs.to(dtype), torch.zeros((), dtype=dtype)).reshape(-1)
         ell_old = torch.stack([sequence_logprob(old_flat, rows) for rows in slices])
     else:  # per-sequence [N], as given
@@ -200,7 +228,7 @@ def tpo_loss(
     if not return_aux:
         return loss
     aux = {
-        "token_logprobs": lp.detach().view(labels.shape),
+        "token_logprobs": lp.detach().view(logprobs.shape),
         "seq_logprobs": ell.detach(),
         "p": ps,
         "q": qs,

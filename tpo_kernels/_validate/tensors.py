@@ -35,12 +35,26 @@ def reject_meta(name: str, x: Tensor) -> None:
 
 def check_float_tensor(name: str, x, ndims: Tuple[int, ...]) -> Tensor:
     check_tensor(name, x)
+    reject_function_transforms(name, x)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if x.dim() not in ndims:
         expected = " or ".join(f"{d}-D" for d in ndims)
         raise ValueError(f"{name} must be {expected}, got shape {tuple(x.shape)}")
     return x
+
+
+def reject_function_transforms(name: str, x: Tensor) -> None:
+    """torch.func.grad / jacrev / jvp wrap their inputs; the losses' gradients are classic
+    autograd.Function rules, which those transforms cannot run (vmap's batched tensors pass)."""
+    if torch.compiler.is_compiling():
+        return
+    functorch = torch._C._functorch
+    if functorch.is_functorch_wrapped_tensor(x) and not functorch.is_batchedtensor(x):
+        raise NotImplementedError(
+            f"{name} comes from a torch.func transform (grad, jacrev, jvp, ...): tpo_kernels does not "
+            "support function transforms other than vmap; use torch.autograd.grad or .backward()"
+        )
 
 
 def check_integer_dtype(name: str, x: Tensor) -> None:
@@ -61,6 +75,9 @@ def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3), sam
     device. Hidden states may have another float dtype than the head unless ``same_dtype``."""
     check_float_tensor("hidden", hidden, hidden_ndims)
     reject_meta("hidden", hidden)
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have a non-empty hidden dimension (shape [..., H] with H > 0), "
+                         f"got {tuple(hidden.shape)}")
     check_float_tensor("weight", weight, (2,))
     if weight.shape[0] == 0:
         raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, H] with V > 0)")

@@ -64,18 +64,33 @@ def get_backend(backend: Union[str, Backend], device: torch.device) -> Backend:
     """Resolve ``backend`` (a name, ``"auto"`` or a :class:`Backend`) to a usable backend for
     ``device``; raises naming ``backend`` when it cannot run there."""
     check_backend_arg(backend, BACKEND_NAMES, Backend)
+    if isinstance(backend, Backend):
+        reason = backend.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"backend {backend.name!r} is not usable here: {reason}")
+        check_backend_device(backend.name, backend.supports_device(device), device)
+        return backend
+    return _REGISTRY[_usable_backend_name(backend, device.type)]
+
+
+@torch.compiler.assume_constant_result
+def _usable_backend_name(backend: str, device_type: str) -> str:
+    """The built-in backend that ``backend`` (a name or "auto") resolves to on ``device_type``,
+    loaded into the registry. Under torch.compile this runs once at trace time and its result is a
+    constant of the graph: loading a backend imports a module, which Dynamo cannot trace, so a
+    compiled step works from the first tpo_kernels call of a process."""
+    device = torch.device(device_type)
     if backend == "auto":
-        for name in _AUTO_ORDER.get(device.type, _AUTO_ORDER_DEFAULT):
+        for name in _AUTO_ORDER.get(device_type, _AUTO_ORDER_DEFAULT):
             if _reason(name) is None and _load(name).supports_device(device):
-                return _load(name)
-        return _load("torch")
-    chosen = backend if isinstance(backend, Backend) else None
-    reason = chosen.unavailable_reason() if chosen is not None else _reason(backend)
+                return name
+        _load("torch")
+        return "torch"
+    reason = _reason(backend)
     if reason is not None:
-        raise RuntimeError(f"backend {getattr(chosen, 'name', backend)!r} is not usable here: {reason}")
-    chosen = chosen or _load(backend)
-    check_backend_device(chosen.name, chosen.supports_device(device), device)
-    return chosen
+        raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
+    check_backend_device(backend, _load(backend).supports_device(device), device)
+    return backend
 
 
 def backend_key(backend: Backend) -> str:

@@ -1,13 +1,12 @@
-"""``tpo-kernels bench`` (also ``python -m tpo_kernels bench`` and ``python -m tpo_kernels.bench``):
+"""tpo-kernels bench (also python -m tpo_kernels bench and python -m tpo_kernels.bench):
 plan, run, report.
 
-Examples::
-
-    tpo-kernels bench                          # default grid for this device (CPU: < 10 min)
-    tpo-kernels bench --quick                  # a few small shapes, fwd+bwd only (seconds to a minute)
-    tpo-kernels bench --preset fused-linear-cpu  # a named setting, with the verdicts on its targets
-    tpo-kernels bench --case logits --shape G=8,K=8,T=128,V=32768 --providers 'tpo:*,naive' --mode full
-    tpo-kernels bench --list                   # cases, providers (and why any is skipped), presets
+examples:
+  tpo-kernels bench                            # default grid for this device (CPU: < 10 min)
+  tpo-kernels bench --quick                    # a few small shapes, fwd+bwd only (seconds to a minute)
+  tpo-kernels bench --preset fused-linear-cpu  # a named setting, with the verdicts on its targets
+  tpo-kernels bench --case logits --shape G=8,K=8,T=128,V=32768 --providers 'tpo:*,naive' --mode full
+  tpo-kernels bench --list                     # cases, providers (and why any is skipped), presets
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ DEFAULT_OUT = "tpo-bench-out"
 
 def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark tpo_kernels against the baselines users would pick instead.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__[__doc__.index("examples:"):])
     p.add_argument("--case", action="append", help="case(s): logits, fused_linear, token, token_logits, logprobs (default: all)")
     p.add_argument("--preset", action="append", help="named preset(s): a fixed setting and the targets it checks (see --list)")
     p.add_argument("--providers", action="append", help="provider names or globs, comma-separated (e.g. 'tpo:*,naive')")

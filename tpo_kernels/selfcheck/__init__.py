@@ -7,7 +7,9 @@ and every public function ("path"), it runs
 1. **gradcheck**: float64 ``torch.autograd.gradcheck`` (fast mode) of the path on small shapes;
 2. **reference**: the path at the chosen shapes and dtype against :mod:`tpo_kernels.reference`
    evaluated in float64 on the same (rounded) inputs: the loss, token and sequence log-probs,
-   entropies, p, q and every gradient;
+   entropies, p, q and every gradient. The float64 reference runs one chunk of rows at a time
+   (16 MiB of ``[rows, V]`` each, see :mod:`.paths`), so the check's memory is the path's own at
+   your shapes plus a few float64 copies of the ``[V, H]`` weight, whatever N and T are;
 3. **edge cases**: the numerical edges the kernels are built for (fp32 inputs, small shapes):
    masked (-inf) vocabularies, confident tokens, logits with a large common offset, large logits
    at a low temperature (entropy), long completions, a -inf label logit on-policy, scores of
@@ -28,6 +30,7 @@ of tempered logits; ``V``, ``T``, ``H``: vocabulary, tokens per completion, hidd
   ~10x over what the kernels reach. The fused-linear paths add the logits' own error: the
   matmul's fp32 accumulation (``H eps |h| |W|``) and, for bf16/fp16 inputs, one rounding of each
   logit to the input dtype (``eps_in |z|``), which is what the model's own lm_head does.
+* with a logit transform, **token** adds ``4 eps max |tempered logit|`` (one more rounding of each).
 * **sequence** (sequence log-probs, p, q, the loss): ``abs <= T * token``: the sum of T token
   errors bounds the error of a sequence log-prob (summed in float64); p and q move by at most the
   spread of those errors and the loss by at most their size.
@@ -38,22 +41,26 @@ of tempered logits; ``V``, ``T``, ``H``: vocabulary, tokens per completion, hidd
   n eps`` for a sum of n terms, and ``w * sequence / tau`` the error the group coefficient ``p - q``
   passes on (w = 1 / groups for the mean).
 * **fp64** inputs use the same formulas with fp64's eps (about 1e-13 here).
-* edge cases state their own tolerance (e.g. "1% of the true-class gradient", issue 11's bar, or
-  "1e-6 absolute", issue 10's entropy bar) in the row's note.
+* edge cases state their own tolerance (e.g. "1% of the true-class gradient" or "1e-6 absolute")
+  in the row's note.
+
+Every path runs with the logit transforms asked for (``logit_scale``, ``logit_softcap``; the
+reference applies the same ones), and gradcheck runs each logits-taking path both plain and with
+a scale and a soft cap.
 """
 
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
 from ..backends import Backend, backend_status, get_backend, triton_interpreter_enabled
-from .report import CheckReport, PATHS, _DTYPES, _Rows
-from .inputs import _make_inputs
-from .paths import _REFERENCE_RUNNERS, _gradcheck
 from .edges import _EDGE_CASES, _edge_long
+from .inputs import CHUNK_ELEMENTS, _make_inputs
+from .paths import _REFERENCE_RUNNERS, _gradcheck
+from .report import _DTYPES, PATHS, CheckReport, CheckRow, _Rows
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -61,14 +68,8 @@ from .edges import _EDGE_CASES, _edge_long
 
 def _resolve(backends, device) -> List[Backend]:
     if backends is None:
-        chosen = []
-        for name, state in backend_status().items():
-            if state != "available":
-                continue
-            backend = get_backend(name, device) if _runs_on(name, device) else None
-            if backend is not None:
-                chosen.append(backend)
-        return chosen
+        return [get_backend(name, device) for name, state in backend_status().items()
+                if state == "available" and _runs_on(name, device)]
     if isinstance(backends, (str, Backend)):
         backends = [backends]
     return [get_backend(b, device) for b in backends]
@@ -80,6 +81,18 @@ def _runs_on(name: str, device) -> bool:
         return True
     except (RuntimeError, ValueError):
         return False
+
+
+def estimate_peak_bytes(dtype: torch.dtype, N: int, T: int, V: int, H: int) -> int:
+    """A rough upper estimate of the check's memory above the process's own: the largest path's
+    tensors at these shapes (logits and their gradient in ``dtype``, the hidden states, weight and
+    their gradients), five float64 ``[V, H]`` tensors of the fused reference (the weight, its
+    gradient, its magnitude, the bound and a product), and the reference's chunks."""
+    size = torch.empty((), dtype=dtype).element_size()
+    rows = N * T
+    path = 2 * rows * V * size + 2 * (rows * H + V * H + V) * size + 4 * rows * V  # + fp32 row buffers
+    reference = 5 * V * H * 8 + 16 * CHUNK_ELEMENTS * 8 + 8 * rows * (H + 8)
+    return path + reference
 
 
 def check(
@@ -95,10 +108,13 @@ def check(
     H: int = 64,
     temperature: float = 0.7,
     eta: float = 0.5,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     gradcheck: bool = True,
     edge_cases: bool = True,
     long_tokens: Optional[int] = None,
     seed: int = 0,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> CheckReport:
     """Check every backend and path numerically on this machine; see the module docstring.
 
@@ -108,17 +124,20 @@ def check(
             works too). Gradcheck runs in float64 and the edge cases in float32 whatever it is.
         backends: names or :class:`~tpo_kernels.backends.Backend` instances (default: every backend
             that runs on ``device``).
-        paths: a subset of :data:`PATHS` (default: all six public functions).
+        paths: a subset of :data:`PATHS` (default: all seven public functions).
         N, K, T, V, H: completions, group size (also candidates per state), tokens per
             completion, vocabulary and hidden size of the reference section (token-level paths use
             ``N * T`` states with K candidates each).
-        temperature, eta: the hyper-parameters of the reference section.
+        temperature, eta, logit_scale, logit_softcap: the hyper-parameters of the reference section.
         gradcheck, edge_cases: run those sections.
         long_tokens: completion length of the long-completion edge case (default 32768; 1024
             under the Triton interpreter, which runs one Python program per row).
         seed: of the random inputs.
+        progress: called with one line of text before the work (what runs, a memory estimate) and
+            after each backend and path (``tpo-kernels check`` prints them).
     """
     start = time.perf_counter()
+    say = progress or (lambda line: None)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -135,23 +154,34 @@ def check(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if N % K:
         raise ValueError(f"K must divide N (groups of K completions), got N={N}, K={K}")
+    if K > V:
+        raise ValueError(f"K (candidates per state) must be <= V, got K={K}, V={V}")
     chosen = _resolve(backends, device)
     if not chosen:
         raise RuntimeError(f"no backend runs on {device} here: {backend_status()}")
     report = CheckReport(device=str(device), dtype=str(dtype).replace("torch.", ""),
                          shapes=dict(N=N, K=K, T=T, V=V, H=H), backends=[b.name for b in chosen])
-    inputs = _make_inputs(device, dtype, N, K, T, V, H, temperature, eta, seed)
+    sections = [s for s, on in (("gradcheck", gradcheck), ("reference", True), ("edge cases", edge_cases)) if on]
+    say(f"tpo_kernels check on {device}, {report.dtype}, N={N} K={K} T={T} V={V} H={H}: "
+        f"{len(chosen)} backend(s) ({', '.join(report.backends)}) x {len(paths)} path(s); {', '.join(sections)}")
+    say(f"estimated peak memory: {estimate_peak_bytes(dtype, N, T, V, H) / 2**30:.2f} GiB above the process's own "
+        f"(inputs: logits {N * T * V * torch.empty((), dtype=dtype).element_size() / 2**30:.2f} GiB)")
+    inputs = _make_inputs(device, dtype, N, K, T, V, H, temperature, eta, seed, logit_scale, logit_softcap)
+    step, steps = 0, len(chosen) * (len(paths) + int(edge_cases))
     for backend in chosen:
         for path in paths:
+            began, before = time.perf_counter(), len(report.rows)
             if gradcheck:
-                rows = _Rows(report, "gradcheck", backend.name, path)
-                _gradcheck(rows, backend, path, device)
+                _gradcheck(_Rows(report, "gradcheck", backend.name, path), backend, path, device)
             rows = _Rows(report, "reference", backend.name, path)
             try:
                 _REFERENCE_RUNNERS[path](rows, backend, inputs)
             except Exception as exc:  # a crash is a failed check, reported like one
                 rows.error("runs", exc)
+            step += 1
+            say(_progress_line(step, steps, backend.name, path, report.rows[before:], began))
         if edge_cases:
+            began, before = time.perf_counter(), len(report.rows)
             rows = _Rows(report, "edge", backend.name, "fp32")
             tokens = long_tokens
             if tokens is None:
@@ -161,11 +191,16 @@ def check(
                     case(rows, backend, device)
                 except Exception as exc:
                     rows.error(getattr(case, "__name__", "edge case").replace("_edge_", ""), exc)
+            step += 1
+            say(_progress_line(step, steps, backend.name, "edge cases", report.rows[before:], began))
     report.seconds = time.perf_counter() - start
     return report
 
 
-__all__ = ["PATHS", "CheckReport", "CheckRow", "check"]
+def _progress_line(step: int, steps: int, backend: str, what: str, rows: List[CheckRow], began: float) -> str:
+    failed = sum(not r.passed for r in rows)
+    verdict = "PASS" if failed == 0 else f"FAIL ({failed} of {len(rows)})"
+    return f"[{step}/{steps}] {backend:6s} {what:28s} {len(rows):3d} checks {verdict}  {time.perf_counter() - began:.1f} s"
 
 
-__all__ = ["PATHS", "CheckReport", "check"]
+__all__ = ["PATHS", "CheckReport", "CheckRow", "check", "estimate_peak_bytes"]

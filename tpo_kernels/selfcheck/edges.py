@@ -56,7 +56,7 @@ def _edge_masked_vocab(rows: _Rows, backend, device):
 
 
 def _edge_confident(rows: _Rows, backend, device):
-    note = "confident token: the true-class gradient 1 - p within 1% of float64 and not 0 (issue 11's bar)"
+    note = "confident token: the true-class gradient 1 - p within 1% of float64 and not 0"
     v = 64
     for k in (3, 5, 7):
         logits = torch.zeros(1, v)
@@ -90,7 +90,7 @@ def _edge_offset(rows: _Rows, backend, device):
 
 
 def _edge_entropy(rows: _Rows, backend, device):
-    note = "logits 1e3 +- 8 at temperature 0.3: entropy within 1e-6 abs (issue 10's bar)"
+    note = "logits 1e3 +- 8 at temperature 0.3: entropy within 1e-6 abs"
     gen = torch.Generator().manual_seed(23)
     logits = (1e3 + 8 * torch.randn(4, 256, generator=gen)).to(device)
     labels = torch.randint(0, 256, (4,), generator=gen).to(device)

@@ -11,9 +11,8 @@ import torch
 from torch import Tensor
 
 
-
-PATHS = ("tpo_loss", "fused_linear_tpo_loss", "token_tpo_loss", "fused_linear_token_tpo_loss",
-         "selective_logprobs", "fused_linear_logprobs")
+PATHS = ("tpo_loss", "fused_linear_tpo_loss", "tpo_loss_from_logprobs", "token_tpo_loss",
+         "fused_linear_token_tpo_loss", "selective_logprobs", "fused_linear_logprobs")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
@@ -154,5 +153,28 @@ class _Rows:
         ok = bool((diff <= bound).all())
         self.add(quantity, max_abs, max_rel, f"{label} <= {float(bound.max()):.1e}", ok, note)
 
+    def accumulated(self, quantity, acc: "_Accumulated", note=""):
+        self.add(quantity, acc.max_abs, acc.max_rel, acc.tolerance(), acc.ok, note)
+
     def error(self, quantity, exc: BaseException):
         self.add(quantity, math.nan, math.nan, "runs", False, f"{type(exc).__name__}: {str(exc)[:160]}")
+
+
+class _Accumulated:
+    """``|actual - expected| <= bound`` elementwise over the chunks of one tensor, for a row of the
+    report once every chunk is in (relative errors: each chunk against its own largest entry)."""
+
+    def __init__(self, label: str = "gradient"):
+        self.label, self.ok = label, True
+        self.max_abs = self.max_rel = self.max_bound = 0.0
+
+    def add(self, actual: Tensor, expected: Tensor, bound) -> None:
+        diff, max_abs, max_rel = _errors(actual, expected)
+        bound = torch.as_tensor(bound, dtype=torch.float64).detach().double().cpu().expand_as(diff)
+        self.ok = self.ok and bool((diff <= bound).all())
+        self.max_abs, self.max_rel = max(self.max_abs, max_abs), max(self.max_rel, max_rel)
+        if bound.numel():
+            self.max_bound = max(self.max_bound, float(bound.max()))
+
+    def tolerance(self) -> str:
+        return f"abs {self.max_bound:.1e}" if self.label == "abs" else f"{self.label} <= {self.max_bound:.1e}"
