@@ -9,6 +9,16 @@ from typing import Optional
 from .reverse_copy_plot import COLORS, _median_curve, _pct
 
 LABELS = {"tpo": "TargetPOTrainer (TPO)", "grpo": "TRL GRPOTrainer"}
+SMOOTH = 10  # steps: the curves are running means (one step's error is a mean of only prompts x K samples)
+
+
+def _smooth(values, window: int = SMOOTH):
+    """Running mean over the last ``window`` points (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def _seconds(values) -> str:
@@ -28,7 +38,7 @@ def markdown(results: dict) -> str:
         f"Final error: mean sampled exact-match error (1 - TRL's logged mean reward) over the last "
         f"{cfg['final_window']} steps. First step ≤{pct}: first step whose sampled error is at most {pct} "
         f"(— never). Greedy: exact-match error of greedy decoding on all 2^H prompts after training. "
-        f"Time: wall and process CPU seconds per optimizer step (generation included), per seed.",
+        f"Time: wall and process CPU seconds per optimizer step (generation included; under torchrun, of the rank-0 process), per seed.",
         "",
         f"| method | processes | median final error % | per-seed final error % | first step ≤{pct} | "
         "greedy error % | s/step wall | s/step CPU |",
@@ -48,7 +58,7 @@ def markdown(results: dict) -> str:
         f"methods start from the same model). Runs under several processes: seed 0, torchrun (gloo), the "
         f"step's prompts split over the processes. {cfg['jobs']} runs at a time, {cfg['threads']} thread(s) per "
         f"process; {machine.get('cpu_count')} CPUs, load average {', '.join(f'{v:.2f}' for v in load)} at the "
-        f"start; total wall {results.get('wall_seconds', 0):.0f} s.",
+        "start" + (f"; total wall {results['wall_seconds']:.0f} s." if results.get("wall_seconds") else "."),
         f"Command: `python -m tpo_kernels.bench.trl_rlvr {' '.join(cfg.get('argv', []))}`",
     ]
     if results.get("note"):
@@ -72,21 +82,21 @@ def plot(results: dict, path: str) -> Optional[str]:
         color = COLORS.get(method)
         one = [r for r in results["runs"] if r["method"] == method and r["processes"] == 1]
         for r in one:
-            err = r["curves"]["error"]
-            ax.plot(range(1, len(err) + 1), err, color=color, alpha=0.3, lw=0.7)
+            err = _smooth(r["curves"]["error"])
+            ax.plot(range(1, len(err) + 1), err, color=color, alpha=0.35, lw=0.8)
         if one:
-            med = _median_curve([r["curves"]["error"] for r in one])
+            med = _median_curve([_smooth(r["curves"]["error"]) for r in one])
             ax.plot(range(1, len(med) + 1), med, color=color, lw=2.2,
                     label=f"{LABELS[method]}: median of {len(one)} seeds, 1 process")
         for r in results["runs"]:
             if r["method"] == method and r["processes"] > 1:
-                err = r["curves"]["error"]
+                err = _smooth(r["curves"]["error"])
                 ax.plot(range(1, len(err) + 1), err, color=color, lw=1.2, ls="--",
                         label=f"{LABELS[method]}: seed {r['seed']}, {r['processes']} processes")
     ax.axhline(cfg["threshold"], color="gray", lw=0.6, ls=":")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("optimizer step (one TRL generation each)")
-    ax.set_ylabel("exact-match error (sampled)")
+    ax.set_ylabel(f"exact-match error (sampled, running mean of {SMOOTH} steps)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")
     ax.set_title(f"Reverse copy through TRL: H={cfg['horizon']}, {cfg['prompts']} prompts x K={cfg['group']} "
