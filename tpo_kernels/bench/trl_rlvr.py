@@ -9,7 +9,7 @@ reversed, word for word, else 0. The policy is a tiny OLMo-2 causal LM built fro
 
 Both trainers get TRL 1.16's defaults except these, identical for both:
 
-* ``learning_rate`` (``--lr``, default 1e-3; TRL's 1e-6 is for pretrained LLMs and does not move
+* ``learning_rate`` (``--lr``, default 3e-3; TRL's 1e-6 is for pretrained LLMs and does not move
   a randomly initialised model in a few hundred steps);
 * ``per_device_train_batch_size = prompts * num_generations`` (TRL's default 8 is one group of 8;
   more prompts per step make the sparse reward informative more often);
@@ -65,11 +65,11 @@ SPECIAL = ("<pad>", "<eos>", "<unk>")
 class TRLRunSpec:
     method: str
     seed: int
-    horizon: int = 6
+    horizon: int = 4
     steps: int = 300
     prompts: int = 16
     group: int = 8
-    lr: float = 1e-3
+    lr: float = 3e-3
     num_iterations: int = 1
     processes: int = 1
     threads: int = 1
@@ -355,13 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "defaults but for lr, batch and generation length. Writes results.json, results.md and a PNG.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a few steps of each method at H=3, one seed (< 3 min)")
-    p.add_argument("--horizon", "-H", type=int, default=6, help="prompt / completion length in words")
+    p.add_argument("--horizon", "-H", type=int, default=4, help="prompt / completion length in words")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (one generation each) per run")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per method")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: tpo, grpo")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (global, over all processes)")
     p.add_argument("--group", "-K", type=int, default=8, help="num_generations: completions per prompt")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (both methods)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (both methods)")
     p.add_argument("--num-iterations", type=int, default=1, help="TRL's num_iterations (both methods)")
     p.add_argument("--processes", default="1",
                    help="comma-separated process counts; 2 runs seed 0 of each method under torchrun (gloo) too")
