@@ -115,3 +115,40 @@ def test_tpo_first_epoch_gradient_exactly_zero_when_all_groups_tie():
     loss, _ = rc.tpo_objective(hidden, policy.head.weight, completions, rewards, 4, old_lp)
     loss.backward()
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in policy.parameters())
+
+
+DENSE_EASY = dict(EASY, horizon=4, episodes=10, reward="dense")
+
+
+def test_dense_reward_scores_each_position():
+    prompts = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    completions = torch.tensor([[1, 0, 0], [0, 0, 1]])  # reversals: [1, 1, 0] and [0, 0, 1]
+    assert rc.position_correct(completions, prompts).tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("lr", [3e-3, 0.0])
+def test_token_level_tpo_raises_dense_reward(lr):
+    run = rc.train_run(rc.RunSpec(method="tpo_token", optimizer="adamw", seed=0, lr=lr, **DENSE_EASY),
+                       log=lambda _: None)
+    reward = run["curves"]["reward"]  # mean fraction of correct positions, 1/2 at chance
+    if lr:
+        assert _mean(reward[-3:]) > _mean(reward[:3]) + 0.15, reward
+    else:  # not vacuous: without steps the dense reward stays at chance
+        assert abs(_mean(reward[-3:]) - 0.5) < 0.1, reward
+
+
+def test_token_level_candidates_are_scored_by_position():
+    # every state's K candidates come from the snapshot policy; a candidate scores 1 iff it is the
+    # target token of its position, so the token-level loss sees the same signal as position_correct
+    torch.manual_seed(0)
+    policy = rc.Policy(3)
+    hidden = torch.randn(12, 64)
+    candidates, old_lp = rc.sample_candidates(hidden, policy.head.weight.detach(), 5, torch.Generator().manual_seed(0))
+    assert candidates.shape == old_lp.shape == (12, 5) and set(candidates.unique().tolist()) <= {0, 1}
+    full = torch.log_softmax(hidden @ policy.head.weight.detach().t(), -1)
+    torch.testing.assert_close(old_lp, full.gather(1, candidates))
+
+
+def test_cli_refuses_token_level_without_dense_reward():
+    with pytest.raises(SystemExit, match="--reward dense"):
+        rc.main(["--methods", "tpo_token", "--out", "unused"])

@@ -32,6 +32,15 @@ Optimizers: ``adamw`` (torch.optim.AdamW on every parameter) and ``muon`` (torch
 every 2-D weight -- the attention / MLP matrices, the embeddings and the output layer -- with
 AdamW on the rest: LayerNorm gains and biases, linear biases). Weight decay 0 everywhere.
 
+Dense reward (``--reward dense``): each position is scored by its correctness (1 where it holds its
+target token); ``tpo`` and ``grpo`` score a completion by its fraction of correct positions, and
+
+* ``tpo_token``: token-level TPO (paper Sec. 3.4) with
+  :func:`tpo_kernels.fused_linear_token_tpo_loss`: at each of the ``B*K*H`` prefix states the sampled
+  completions visit, ``K`` candidate next tokens are drawn from the rollout snapshot (with
+  replacement), scored by the per-position reward (1 for the target token, else 0) and trained
+  toward ``q ∝ p_old exp(u / eta)`` over the candidates, anchored to the snapshot; mean over states.
+
 Metric: exact-match error of an episode = the fraction of its ``B*K`` sampled completions with any
 wrong token (= 1 - mean reward), the quantity the paper plots. The greedy-decoding error of the same
 rollout policy on a fixed set of prompts (all ``2**H`` when that is at most 512) is also recorded
@@ -64,14 +73,22 @@ from .reverse_copy_model import (  # noqa: F401 - re-exported for the tests
     exact_match,
     grpo_objective,
     make_optimizer,
+    position_correct,
+    sample_candidates,
+    target_of,
+    token_tpo_objective,
     tpo_objective,
     tpo_reference_objective,
 )
 
 METHODS = ("tpo", "grpo")
+# tpo_token: token-level TPO, needs the per-position rewards of --reward dense.
+TOKEN_METHODS = ("tpo_token",)
+REWARDS = ("terminal", "dense")
 # tpo_ref: the same TPO objective in plain PyTorch on materialized logits (no tpo_kernels), to tell
 # the kernels apart from the method when a result needs explaining. Not run unless asked for.
 EXTRA_METHODS = ("tpo_ref",)
+ALL_METHODS = METHODS + TOKEN_METHODS + EXTRA_METHODS
 # Documented default learning rates (bench/results/reverse-copy/: the recorded runs and a Muon lr pilot).
 DEFAULT_LR = {"adamw": 1e-4, "muon": 1e-3}
 
@@ -87,6 +104,7 @@ class RunSpec:
     optimizer: str
     seed: int
     lr: float
+    reward: str = "terminal"
     horizon: int = 7
     episodes: int = 300
     batch: int = 100
@@ -150,7 +168,9 @@ def train_run(spec: RunSpec, log=print) -> dict:
             greedy["episode"].append(episode)  # the rollout policy of this episode, before its update
             greedy["error"].append(greedy_error())
         prompts_rep = prompts.repeat_interleave(k, 0)
-        rewards = exact_match(completions, prompts_rep)
+        correct = position_correct(completions, prompts_rep)  # [B*K, H]
+        exact = correct.min(-1).values  # exact_match
+        rewards = exact if spec.reward == "terminal" else correct.mean(-1)
         head_dtype = getattr(torch, spec.head_dtype)
         before = [p.detach().clone() for p in params]
         losses, extra = [], {}
@@ -162,7 +182,14 @@ def train_run(spec: RunSpec, log=print) -> dict:
                 with torch.no_grad():
                     old_lp, entropy = tpo_kernels.fused_linear_logprobs(
                         hidden.detach(), weight.detach(), completions, return_entropy=True)
-            if spec.method == "tpo":
+                    if spec.method == "tpo_token":  # K candidates at each of the B*K*H visited states
+                        states = hidden.detach().reshape(-1, hidden.shape[-1])
+                        candidates, cand_old_lp = sample_candidates(states, weight.detach(), k, data_gen)
+                        cand_scores = (candidates == target_of(prompts_rep).reshape(-1, 1)).to(torch.float32)
+            if spec.method == "tpo_token":
+                loss, extra = token_tpo_objective(hidden.reshape(-1, hidden.shape[-1]), weight, candidates,
+                                                  cand_scores, cand_old_lp, spec.eta)
+            elif spec.method == "tpo":
                 loss, extra = tpo_objective(hidden, weight, completions, rewards, k, old_lp, spec.eta)
             elif spec.method == "tpo_ref":
                 loss, extra = tpo_reference_objective(hidden, weight, completions, rewards, k, old_lp, spec.eta)
@@ -170,7 +197,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
                 loss, extra = grpo_objective(hidden, weight, completions, rewards, k, old_lp, spec.clip_eps,
                                              spec.beta)
             else:
-                raise ValueError(f"unknown method {spec.method!r} (choose from {METHODS + EXTRA_METHODS})")
+                raise ValueError(f"unknown method {spec.method!r} (choose from {ALL_METHODS})")
             opt.zero_grad()
             loss.backward()
             if epoch == 0:
@@ -179,10 +206,12 @@ def train_run(spec: RunSpec, log=print) -> dict:
             losses.append(float(loss.detach()))
         with torch.no_grad():
             update_norm = float(torch.sqrt(sum(((p.double() - q.double()) ** 2).sum() for p, q in zip(params, before))))
-        groups = rewards.view(b, k)
+        # groups (states, for tpo_token) whose scores do not all tie
+        groups = cand_scores if spec.method == "tpo_token" else rewards.view(b, k)
         informative = float(((groups.max(1).values - groups.min(1).values) > 0).float().mean())
         reward = float(rewards.mean())
-        curves["error"].append(1.0 - reward)
+        error = 1.0 - float(exact.mean())
+        curves["error"].append(error)
         curves["reward"].append(reward)
         curves["informative_groups"].append(informative)
         curves["entropy"].append(float(entropy.mean()))  # rollout policy, nats per token
@@ -195,7 +224,7 @@ def train_run(spec: RunSpec, log=print) -> dict:
         if spec.log_every and (episode % spec.log_every == 0 or episode == spec.episodes):
             elapsed = time.perf_counter() - start
             kl = f" kl {extra['kl']:.3g}" if "kl" in extra else ""
-            log(f"[{spec.name}] ep {episode:4d}/{spec.episodes} reward {reward:.3f} error {1 - reward:.3f} "
+            log(f"[{spec.name}] ep {episode:4d}/{spec.episodes} reward {reward:.3f} error {error:.3f} "
                 f"informative {informative:.2f} entropy {curves['entropy'][-1]:.3f} |g| {grad_norm:.2g} "
                 f"|dw| {update_norm:.2g} loss {losses[0]:.4g}->{losses[-1]:.4g}{kl} "
                 f"{elapsed / episode:.3f} s/ep wall, {(time.process_time() - cpu_start) / episode:.3f} s/ep CPU "
@@ -282,7 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", "-H", type=int, default=7, help="prompt / completion length H")
     p.add_argument("--episodes", type=int, default=300, help="episodes (rollout batches) per run")
     p.add_argument("--seeds", default="3", help="a count N (seeds 0..N-1) or a comma-separated list ('0,4,7', '5,')")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: tpo, grpo (and tpo_ref: TPO in plain PyTorch, no kernels, for cross-checks)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated: tpo, grpo, tpo_token (token-level TPO, with --reward dense) and tpo_ref "
+                        "(TPO in plain PyTorch, no kernels, for cross-checks)")
+    p.add_argument("--reward", default="terminal", choices=REWARDS,
+                   help="terminal: 1 only for the exact reversal; dense: each position scored by its correctness "
+                        "(sequence methods get the fraction of correct positions)")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: adamw, muon")
     p.add_argument("--lr-adamw", type=float, default=DEFAULT_LR["adamw"], help="AdamW learning rate")
     p.add_argument("--lr-muon", type=float, default=DEFAULT_LR["muon"], help="Muon learning rate (2-D weights)")
@@ -375,14 +409,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     methods, optimizers = _csv(args.methods), _csv(args.optimizers)
     for m in methods:
-        if m not in METHODS + EXTRA_METHODS:
-            raise SystemExit(f"unknown method {m!r} (choose from {', '.join(METHODS + EXTRA_METHODS)})")
+        if m not in ALL_METHODS:
+            raise SystemExit(f"unknown method {m!r} (choose from {', '.join(ALL_METHODS)})")
+        if m in TOKEN_METHODS and args.reward != "dense":
+            raise SystemExit(f"method {m!r} needs per-position rewards: add --reward dense")
     for o in optimizers:
         if o not in OPTIMIZERS:
             raise SystemExit(f"unknown optimizer {o!r} (choose from {', '.join(OPTIMIZERS)})")
     seeds = _parse_seeds(args.seeds)
     lrs = {"adamw": args.lr_adamw, "muon": args.lr_muon}
-    specs = [RunSpec(method=m, optimizer=o, seed=s, lr=lrs[o], horizon=args.horizon, episodes=args.episodes,
+    specs = [RunSpec(method=m, optimizer=o, seed=s, lr=lrs[o], reward=args.reward, horizon=args.horizon, episodes=args.episodes,
                      batch=args.batch, group=args.group, epochs=args.epochs, eta=args.eta, beta=args.beta,
                      clip_eps=args.clip_eps, muon_adamw_lr=args.muon_adamw_lr, head_dtype=args.head_dtype,
                      threads=args.threads,
@@ -393,7 +429,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     config.update(methods=methods, optimizers=optimizers, seeds=seeds, lrs=lrs, jobs=jobs,
                   argv=list(sys.argv[1:] if argv is None else argv))
     machine_before = _machine()
-    print(f"reverse-copy: H={args.horizon} B={args.batch} K={args.group} epochs={args.epochs} "
+    print(f"reverse-copy: reward={args.reward} H={args.horizon} B={args.batch} K={args.group} epochs={args.epochs} "
           f"episodes={args.episodes} seeds={seeds} methods={methods} optimizers={optimizers} lrs={lrs} "
           f"runs={len(specs)} jobs={jobs} threads/run={args.threads} load={machine_before['loadavg']}", flush=True)
     start = time.perf_counter()

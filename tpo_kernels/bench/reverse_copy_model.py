@@ -30,6 +30,11 @@ def exact_match(completions: Tensor, prompts: Tensor) -> Tensor:
     return (completions == target_of(prompts)).all(-1).to(torch.float32)
 
 
+def position_correct(completions: Tensor, prompts: Tensor) -> Tensor:
+    """``[N, H]``: 1.0 where a position holds its target token (the dense, per-position reward)."""
+    return (completions == target_of(prompts)).to(torch.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Policy: a small pre-norm causal transformer
 # --------------------------------------------------------------------------------------------------
@@ -178,6 +183,26 @@ def tpo_reference_objective(hidden: Tensor, weight: Tensor, completions: Tensor,
     u = torch.where(std > 0, (s - s.mean(1, keepdim=True)) / std.clamp_min(1e-30), torch.zeros_like(s))
     q = torch.softmax(old_logprobs.sum(1).view(-1, k) + u / eta, dim=1)
     loss = -(q * torch.log_softmax(ell, dim=1)).sum(1).mean()
+    return loss, {}
+
+
+def sample_candidates(hidden: Tensor, weight: Tensor, k: int, generator: torch.Generator):
+    """``k`` candidate next tokens per state, drawn from the policy at ``hidden [R, d]`` (with
+    replacement), and their log-probs ``[R, k]`` under it: the rollout snapshot of token-level TPO."""
+    logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    candidates = torch.multinomial(logp.exp(), k, replacement=True, generator=generator)
+    return candidates, logp.gather(1, candidates)
+
+
+def token_tpo_objective(hidden: Tensor, weight: Tensor, candidates: Tensor, scores: Tensor,
+                        old_logprobs: Tensor, eta: float = 1.0):
+    """Token-level TPO (paper Sec. 3.4) through :func:`tpo_kernels.fused_linear_token_tpo_loss`:
+    at each state ``hidden [R, d]`` the ``K`` candidates ``[R, K]`` with their per-position scores,
+    anchored to the snapshot's candidate log-probs; mean over the ``R`` states."""
+    import tpo_kernels
+
+    loss = tpo_kernels.fused_linear_token_tpo_loss(hidden, weight, candidates, scores,
+                                                   old_logprobs=old_logprobs, eta=eta, anchor=True)
     return loss, {}
 
 

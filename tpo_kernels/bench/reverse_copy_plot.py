@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-COLORS = {"tpo": "tab:brown", "grpo": "tab:cyan", "tpo_ref": "tab:olive"}
+COLORS = {"tpo": "tab:brown", "grpo": "tab:cyan", "tpo_ref": "tab:olive", "tpo_token": "tab:purple"}
 LABELS = {"tpo": "TPO (tpo_kernels fused-linear)", "grpo": "GRPO (clip + k3 KL)",
-          "tpo_ref": "TPO (plain PyTorch reference)"}
+          "tpo_ref": "TPO (plain PyTorch reference)", "tpo_token": "token-level TPO (fused-linear)"}
+
+
+def _reward(cfg: dict) -> str:
+    return f"{cfg.get('reward', 'terminal')} reward"
 
 
 def _pct(x: Optional[float]) -> str:
@@ -39,7 +43,7 @@ def markdown(results: dict) -> str:
     spe = [r["seconds_per_episode"] for r in results["runs"]]
     cpe = [r["cpu_seconds_per_episode"] for r in results["runs"] if r.get("cpu_seconds_per_episode")]
     lines = [
-        f"# Reverse copy, terminal reward: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
+        f"# Reverse copy, {_reward(cfg)}: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
         f"{cfg['epochs']} epochs/batch, {cfg['episodes']} episodes",
         "",
         f"Final error: mean sampled exact-match error (% of the B*K completions with any wrong token) over "
@@ -114,7 +118,7 @@ def plot(results: dict, path: str) -> Optional[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
     axes[0][0].set_ylabel("exact-match error (sampled)")
-    fig.suptitle(f"Reverse copy, terminal reward: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
+    fig.suptitle(f"Reverse copy, {_reward(cfg)}: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
                  f"{cfg['epochs']} epochs per batch\n(thin: one line per seed, thick: median over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,81 @@
+"""Smoke tests of the TRL RLVR benchmark (tpo_kernels/bench/trl_rlvr.py): the reverse-copy task
+through TRL's reward-function interface, and a few TargetPOTrainer steps on the easy setting (H=2:
+a random completion is right with probability 1/4) where TPO's reward rises and its loss falls on
+each generation it trains on twice. Bounded: well under a minute on 2 cores."""
+
+import json
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("tokenizers")
+
+from tpo_kernels.bench import trl_rlvr  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+# num_iterations=2: every generation is trained on for two optimizer steps, so the TPO loss of its
+# second step (TRL logs one loss per step) shows whether the first step moved toward the target.
+EASY = dict(horizon=2, steps=12, prompts=8, group=4, lr=1e-2, num_iterations=2, log_every=0)
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_reward_function_scores_only_the_exact_reversal():
+    prompts = ["0 1 1 =", "0 1 1 =", "1 0 0 =", "1 0 0 ="]
+    completions = ["1 1 0", "1 0 0", "0 0 1", "0 0 1 1"]
+    assert trl_rlvr.reverse_exact(prompts, completions) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_tokenizer_round_trip_and_suppressed_tokens():
+    tokenizer = trl_rlvr.build_tokenizer()
+    ids = tokenizer("0 1 1 =")["input_ids"]
+    assert len(ids) == 4 and tokenizer.decode(ids) == "0 1 1 ="
+    kept = set(range(len(tokenizer))) - set(trl_rlvr.suppressed_ids(tokenizer))
+    assert sorted(tokenizer.convert_ids_to_tokens(sorted(kept))) == ["0", "1"]
+
+
+@pytest.fixture(scope="module")
+def tpo_run():
+    return trl_rlvr.train_run(trl_rlvr.TRLRunSpec(method="tpo", seed=0, **EASY), log=lambda _: None)
+
+
+def test_tpo_reward_rises_through_trl(tpo_run):
+    reward = tpo_run["curves"]["reward"]
+    assert len(reward) == EASY["steps"] // EASY["num_iterations"]  # one per generation
+    assert _mean(reward[-2:]) > _mean(reward[:2]) + 0.2, reward
+    assert tpo_run["greedy_final_error"] < 0.75  # greedy decoding beats chance (3/4 wrong) on all 4 prompts
+
+
+def test_tpo_loss_falls_on_reused_generations(tpo_run):
+    # steps 2i+1 and 2i+2 train on generation i toward the same target q (anchored on the rollout
+    # policy): the second step sees the policy after one Adam step toward q, so its loss is lower on
+    # most generations and on average (one Adam step at lr 1e-2 can overshoot on a generation)
+    loss, informative = tpo_run["curves"]["loss"], tpo_run["curves"]["informative_groups"]
+    assert len(loss) == EASY["steps"]
+    pairs = [(loss[2 * i], loss[2 * i + 1]) for i in range(len(informative)) if informative[i] > 0]
+    assert len(pairs) >= 4
+    assert sum(second < first for first, second in pairs) >= 0.75 * len(pairs), pairs
+    assert sum(second for _, second in pairs) < sum(first for first, _ in pairs), pairs
+
+
+def test_no_learning_at_lr_zero():
+    # the rise above is not vacuous: with lr 0 the reward stays near chance (1/4)
+    run = trl_rlvr.train_run(trl_rlvr.TRLRunSpec(method="tpo", seed=0, **{**EASY, "lr": 0.0, "steps": 6}),
+                             log=lambda _: None)
+    assert _mean(run["curves"]["reward"]) < 0.45
+
+
+def test_summary_and_report_from_results_json(tmp_path, tpo_run):
+    run = {**tpo_run, "final_error": 0.5}
+    results = {"config": {**vars(trl_rlvr.build_parser().parse_args([])), "methods": ["tpo"], "processes": [1],
+                          "argv": []},
+               "machine": {"cpu_count": 2, "loadavg": [1.0, 1.0, 1.0]}, "runs": [run]}
+    paths = trl_rlvr.write_outputs(results, str(tmp_path), plot=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["runs"][0]["method"] == "tpo" and saved["runs"][0]["final_error"] == 0.5
+    assert saved["summary"][0]["median_final_error"] == 0.5
+    assert "| tpo | 1 | **50.0** |" in (tmp_path / "results.md").read_text()
+    assert len(paths) == 2
