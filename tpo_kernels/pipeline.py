@@ -124,7 +124,7 @@ class SequenceRequest:
     source: Source
     batch: Batch
     options: Options
-    placement: Placement = Placement()
+    placement: Placement
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class LogprobsRequest:
     labels: Tensor
     ignore_index: int
     options: Options
-    placement: Placement = Placement()
+    placement: Placement
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class CandidateRequest:
     scores: Tensor
     old_logprobs: Optional[Tensor]
     options: Options
-    placement: Placement = Placement()
+    placement: Placement
 
 
 # Every name a setting may take that is longer than a record field: the agreement words a
