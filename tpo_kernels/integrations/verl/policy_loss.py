@@ -12,7 +12,8 @@ from ...functional import tpo_loss_from_logprobs
 from .advantage import decode_scores
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
-# exactly up to the 2**-24 resolution of the encoded scores.
+# exactly up to the 2**-24 resolution of the encoded scores; a near-tied group's centered scores
+# (std <= score_eps, the estimator's near-tie rule) sum to 0 and have a mean square <= score_eps**2.
 _WHOLE_GROUP_ATOL = 1e-5
 
 
@@ -84,7 +85,7 @@ def _scores(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     return torch.where(counted, u, 0.0), torch.where(counted, group_ids, -1)
 
 
-def _step_groups(u: Tensor, group_ids: Tensor, process_group) -> Tuple[Tensor, Tensor]:
+def _step_groups(u: Tensor, group_ids: Tensor, process_group, score_eps: float) -> Tuple[Tensor, Tensor]:
     """The (group id, score) of every counted response of this micro-batch step over the
     data-parallel ranks, on the CPU; raises unless they form whole groups."""
     local = torch.stack([group_ids.to(torch.float64), u.to(torch.float64)], dim=1).cpu()
@@ -99,8 +100,9 @@ def _step_groups(u: Tensor, group_ids: Tensor, process_group) -> Tuple[Tensor, T
     _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
     squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores * scores)
-    tied = squares == 0
-    whole = (sums.abs() <= _WHOLE_GROUP_ATOL * counts) & (tied | ((squares - counts).abs() <= _WHOLE_GROUP_ATOL * counts))
+    near_tied = squares <= counts * (score_eps + 2.0**-24) ** 2  # exact ties included
+    standardized = (squares - counts).abs() <= _WHOLE_GROUP_ATOL * counts
+    whole = (sums.abs() <= _WHOLE_GROUP_ATOL * counts) & (near_tied | standardized)
     if not bool(whole.all()):
         raise ValueError(
             "advantages: this micro-batch step over the data-parallel ranks holds part of a group (its standardized "
@@ -161,7 +163,7 @@ def tpo_policy_loss(
     process_group = _data_parallel_group(dp_size)
     mask = response_mask.bool()
     u, group_ids = _scores(advantages.detach(), mask)
-    step_ids, step_scores = _step_groups(u, group_ids, process_group)
+    step_ids, step_scores = _step_groups(u, group_ids, process_group, score_eps)
     loss, aux = tpo_loss_from_logprobs(
         log_prob, u.to(log_prob.dtype), mask=mask, group_ids=group_ids,
         old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor, score_eps=score_eps,
