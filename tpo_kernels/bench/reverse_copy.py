@@ -381,22 +381,28 @@ def dump_json(results: dict, f) -> None:
     f.write(text + (',\n "runs": [\n  ' + runs + "\n ]\n}\n"))
 
 
-def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
-    """results.json, results.md and (with matplotlib) reverse-copy.png in ``out``."""
-    from . import reverse_copy_plot as rp  # namespace-package relative import works too
-
+def write_report(results: dict, out: str, report, png_name: str, plot: bool = True) -> List[str]:
+    """results.json, results.md (``report.markdown``) and, with matplotlib, ``report.plot``'s
+    ``png_name`` in ``out``: the outputs of every learning benchmark."""
     os.makedirs(out, exist_ok=True)
-    results["summary"] = summarize(results)
     paths = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
     with open(paths[0], "w") as f:
         dump_json(results, f)
     with open(paths[1], "w") as f:
-        f.write(rp.markdown(results))
+        f.write(report.markdown(results))
     if plot:
-        png = rp.plot(results, os.path.join(out, "reverse-copy.png"))
+        png = report.plot(results, os.path.join(out, png_name))
         if png:
             paths.append(png)
     return paths
+
+
+def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
+    """results.json, results.md and (with matplotlib) reverse-copy.png in ``out``."""
+    from . import reverse_copy_plot as rp  # namespace-package relative import works too
+
+    results["summary"] = summarize(results)
+    return write_report(results, out, rp, "reverse-copy.png", plot)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -53,7 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from .reverse_copy import _machine, dump_json, final_error, first_episode_below, median  # noqa: E402
+from .reverse_copy import _machine, final_error, first_episode_below, median, write_report  # noqa: E402
 
 METHODS = ("tpo", "grpo")
 DATA_WORDS = ("0", "1")
@@ -334,18 +334,8 @@ def summarize(results: dict) -> List[dict]:
 def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
     from . import trl_rlvr_report as report
 
-    os.makedirs(out, exist_ok=True)
     results["summary"] = summarize(results)
-    paths = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
-    with open(paths[0], "w") as f:
-        dump_json(results, f)
-    with open(paths[1], "w") as f:
-        f.write(report.markdown(results))
-    if plot:
-        png = report.plot(results, os.path.join(out, "trl-rlvr.png"))
-        if png:
-            paths.append(png)
-    return paths
+    return write_report(results, out, report, "trl-rlvr.png", plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
