@@ -80,10 +80,6 @@ class Agreement:
     counts: List[Dict[str, int]]
     error: Optional[Exception]
 
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
 
 def _status(failure: Optional[Exception]) -> int:
     if failure is None:
