@@ -8,7 +8,7 @@ import torch
 
 import tpo_kernels
 
-from _backends import backend_available, backend_params
+from _backends import backend_available, backend_params, needs_triton
 
 N, T, H, V, K = 4, 6, 16, 50, 2
 COMPILE_BACKENDS = backend_params("torch", "cpu")
@@ -134,7 +134,7 @@ print("OK", float(compiled))
 """
 
 
-def _run_fresh(*args):
+def _run_fresh(*args, script=_FRESH_STEP):
     import os
     import subprocess
     import sys
@@ -142,7 +142,7 @@ def _run_fresh(*args):
     env = dict(os.environ)  # the child imports the tpo_kernels this test imported (tree or installed)
     package_parent = str(pathlib.Path(tpo_kernels.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-c", _FRESH_STEP, *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
                           timeout=600)
 
 
@@ -158,3 +158,67 @@ def test_compile_as_the_first_call_of_a_fresh_process(backend):
 def test_compile_after_an_eager_call_loaded_another_backend(backend, eager_first):
     result = _run_fresh(backend, eager_first)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic shapes: compile(dynamic=True) over several (N, T), and mark_dynamic on the batch or the
+# time dimension, through every public function, in a fresh process per case. Validation stays
+# symbolic (no size is formatted or read back with validate=False), so one graph serves every
+# shape (a second may come from a size guard of PyTorch's own, e.g. for N < 4).
+# ----------------------------------------------------------------------------------------------
+
+_DYNAMIC_STEPS = """
+import sys, torch, tpo_kernels
+from torch._dynamo.utils import counters
+backend, mode = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+V, K, H, C = 40, 2, 8, 3
+lm_head = torch.nn.Linear(H, V, bias=False)
+
+def step(hidden, labels, scores, candidates, candidate_scores, old_seq_logprobs):
+    logits = lm_head(hidden)
+    common = dict(backend=backend, validate=False)
+    token_logprobs = tpo_kernels.selective_logprobs(logits, labels, **common)
+    loss = 0.01 * token_logprobs.sum()
+    loss = loss + tpo_kernels.tpo_loss(logits, labels, scores, group_size=K, **common)
+    loss = loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores, group_size=K, **common)
+    loss = loss + tpo_kernels.tpo_loss_from_logprobs(token_logprobs, scores, mask=labels != -100, group_size=K,
+                                                     old_logprobs=old_seq_logprobs, **common)
+    flat_hidden = hidden.reshape(-1, H)
+    loss = loss + tpo_kernels.token_tpo_loss(lm_head(flat_hidden), candidates, candidate_scores, **common)
+    return loss + tpo_kernels.fused_linear_token_tpo_loss(flat_hidden, lm_head.weight, candidates,
+                                                          candidate_scores, **common)
+
+compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True if mode == "dynamic" else None)
+shapes = {"dynamic": [(4, 5), (6, 7), (2, 3), (10, 9), (6, 4)],
+          "mark_batch": [(4, 5), (6, 5), (8, 5), (10, 5)],
+          "mark_time": [(4, 5), (4, 7), (4, 3), (4, 9)]}[mode]
+for N, T in shapes:
+    hidden = torch.randn(N, T, H)
+    labels = torch.randint(0, V, (N, T))
+    labels[:, -1] = -100
+    scores = torch.randn(N)
+    candidates = torch.randint(0, V, (N * T, C))
+    candidate_scores = torch.randn(N * T, C)
+    args = (hidden, labels, scores, candidates, candidate_scores, torch.randn(N))
+    marked = {"mark_batch": [(x, 0) for x in args],  # token-level rows are N * T
+              "mark_time": [(hidden, 1), (labels, 1), (candidates, 0), (candidate_scores, 0)]}.get(mode, [])
+    for tensor, dim in marked:
+        torch._dynamo.mark_dynamic(tensor, dim)
+    got = compiled(*args)
+    got.backward()
+    torch.testing.assert_close(got, step(*args), rtol=1e-5, atol=1e-5)
+print("GRAPHS", counters["stats"]["unique_graphs"], "SHAPES", len(shapes))
+"""
+
+
+@pytest.mark.parametrize("backend,mode", [
+    *[("torch", mode) for mode in ("dynamic", "mark_batch", "mark_time")],
+    *[pytest.param("cpu", mode, marks=_native_mark) for mode in ("dynamic", "mark_batch", "mark_time")],
+    *[pytest.param("triton", mode, marks=needs_triton) for mode in ("dynamic", "mark_time")],
+])
+def test_dynamic_shapes_compile_at_most_two_graphs(backend, mode):
+    result = _run_fresh(backend, mode, script=_DYNAMIC_STEPS)
+    assert result.returncode == 0 and "GRAPHS" in result.stdout, result.stderr[-3000:]
+    graphs, shapes = (int(word) for word in result.stdout.split()[1::2])
+    assert shapes >= 4 and graphs <= 2, result.stdout

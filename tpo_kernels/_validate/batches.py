@@ -86,15 +86,16 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
 
 
 def check_scores(scores, shape: Tuple[int, ...], device: torch.device, input_name: str,
-                 acc: torch.dtype, checks: Optional[ValueChecks], what: str) -> Tensor:
+                 acc: torch.dtype, checks: Optional[ValueChecks], shape_name: str) -> Tensor:
     """Scores as float64 whatever ``acc``: the group math standardizes them in float64 (fp32 would
     lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution).
-    Finiteness is added to ``checks`` (None: not checked)."""
+    Finiteness is added to ``checks`` (None: not checked). The message formats ``shape`` only on
+    failure: formatting a symbolic size would pin it under torch.compile(dynamic=True)."""
     check_tensor("scores", scores, device, input_name)
     if scores.dtype == torch.bool or scores.dtype.is_complex:
         raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
     if tuple(scores.shape) != shape:
-        raise ValueError(f"scores must have {what}, got {tuple(scores.shape)}")
+        raise ValueError(f"scores must have {shape_name}={shape}, got {tuple(scores.shape)}")
     scores = scores.to(torch.float64).contiguous()
     if checks is not None:
         checks.require(torch.isfinite(scores).all(), lambda: ValueError("scores must be finite (found NaN or inf)"))
@@ -183,7 +184,7 @@ def prepare_batch(
         counted = flat_mask if counted is None else counted & flat_mask
     flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
                                  mask=counted, checks=checks)
-    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, f"shape [N]=({num_seqs},)")
+    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]")
     valid = flat_labels >= 0
     all_counted = any_counted = None
     if validate:
@@ -266,7 +267,7 @@ def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, a
         out_of_range = (candidates < 0) | (candidates >= vocab_size)
         checks.require(~out_of_range.any(), lambda: ValueError(
             f"candidates must hold token ids in [0, {vocab_size}); found {candidates[out_of_range][0].item()}"))
-    scores = check_scores(scores, shape, device, input_name, acc, checks, f"the shape of candidates {shape}")
+    scores = check_scores(scores, shape, device, input_name, acc, checks, "the shape of candidates")
     if old_logprobs is not None:
         _check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) != shape:

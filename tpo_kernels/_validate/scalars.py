@@ -80,7 +80,9 @@ def _check_finite_positive(name: str, value) -> float:
     if not _is_real(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
-    if not (math.isfinite(value) and value > 0):
+    # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float default
+    # is a symbolic float, which math.isfinite cannot take (NaN fails both comparisons).
+    if not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
 
@@ -121,7 +123,7 @@ def check_beta(beta) -> float:
     if not _is_real(beta):
         raise TypeError(f"beta must be a number, got {type(beta).__name__}")
     beta = float(beta)
-    if not math.isfinite(beta) or beta < 0:
+    if not 0 <= beta < math.inf:  # comparisons: see _check_finite_positive
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
     return beta
 

@@ -21,6 +21,7 @@ a scale alone folds into ``inv_temperature``; a soft cap runs the row ops on cap
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -95,7 +96,8 @@ def _forward_pieces(row_op, transform: Optional[LogitTransform], logits: Tensor,
 
 @_logprobs.register_fake
 def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale=1.0, logit_softcap=None):
-    rows, acc = logits.shape[:-1].numel(), compute_dtype(logits.dtype)
+    # math.prod, not Size.numel(): numel() of symbolic sizes pins them under dynamic shapes.
+    rows, acc = math.prod(logits.shape[:-1]), compute_dtype(logits.dtype)
     return (logits.new_empty(rows, dtype=acc), logits.new_empty(rows if with_entropy else 0, dtype=acc),
             logits.new_empty(2, rows, dtype=acc))
 
