@@ -1,5 +1,4 @@
-"""The command line's help: plain text, and (but for the benchmark harness's) printed without
-importing torch, each in a fresh process."""
+"""The command line's help: plain text, printed without importing torch, each in a fresh process."""
 
 import os
 import pathlib
@@ -33,8 +32,9 @@ def _help(*args):
     return result.stdout
 
 
-@pytest.mark.parametrize("args", [["--help"], ["check", "--help"], ["demo", "--help"], ["status", "--help"]],
-                         ids=["main", "check", "demo", "status"])
+@pytest.mark.parametrize("args", [["--help"], ["check", "--help"], ["demo", "--help"], ["status", "--help"],
+                                  ["bench", "--help"]],
+                         ids=["main", "check", "demo", "status", "bench"])
 def test_help_does_not_import_torch(args):
     out = _help(*args)
     assert out.rstrip().endswith("NO_TORCH") and "usage: tpo-kernels" in out

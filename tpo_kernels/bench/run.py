@@ -19,10 +19,10 @@ import shlex
 import sys
 import time
 
-from . import cases as C
 from .machine import describe_machine, loadavg
-from .plan import csv, plan, resolve_device, timing_defaults
-from .presets import PRESETS
+
+# The cases, the plan and the presets import torch: they are imported where used, so that
+# ``tpo-kernels bench --help`` answers without loading torch.
 
 DEFAULT_OUT = "tpo-bench-out"
 
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    from .plan import resolve_device
+
     if args.report:
         return _rereport(args)
     device = resolve_device(args.device)
@@ -121,6 +123,8 @@ def main(argv=None) -> int:
 
 def _main(args, argv, device) -> int:
     import torch
+
+    from .plan import csv, plan, timing_defaults
 
     specs, skipped, targets, title = plan(args, device)
     run_name = (("-".join(csv(args.preset))) if args.preset else ("quick" if args.quick else "default")) + f"-{device.type}"
@@ -160,7 +164,7 @@ def _main(args, argv, device) -> int:
         timing_params=timing,
     )
     run = {"meta": meta, "skipped": skipped, "results": [], "targets": [], "plots": []}
-    json_path, md_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")
+    json_path = os.path.join(out_dir, "results.json")
     n_meas = sum(len(s["modes"]) for s in specs)
     print(f"tpo-kernels bench: {title}; {n_meas} measurements in {len(specs)} runs; output {out_dir}", flush=True)
     print(f"  {meta['machine']}\n  {meta['software']}\n  memory: {meta['memory']}", flush=True)
@@ -218,6 +222,8 @@ def _measure_all(args, specs, timing, isolate, run, json_path, t_start) -> None:
 
 
 def _measure_round(args, specs, timing, isolate, run, json_path, t_start, prefix) -> list:
+    from . import cases as C
+
     """One pass over the plan; its results (also appended to ``run`` as they come)."""
     from . import harness as H
     from . import report as R
@@ -273,6 +279,8 @@ def _finish(run, targets, out_dir, no_plots) -> int:
 
 
 def _rereport(args) -> int:
+    from .presets import PRESETS
+
     out_dir = os.path.abspath(args.report)
     with open(os.path.join(out_dir, "results.json")) as f:
         run = json.load(f)
@@ -292,6 +300,9 @@ def _rereport(args) -> int:
 
 
 def _list(device) -> int:
+    from . import cases as C
+    from .presets import PRESETS
+
     print(f"device: {device}")
     for case in C.CASES.values():
         print(f"\ncase {case.name}: {case.title}")
