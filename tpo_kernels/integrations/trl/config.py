@@ -27,14 +27,13 @@ class TargetPOConfig(GRPOConfig):
             pass, not a second one).
         tpo_length_normalize: sequence log-probs (and the anchor's old ones) as the mean over a
             completion's counted tokens instead of the sum (the default of the author's TRL port).
-
-        tpo_score_eps: the near-tie tolerance (the paper authors' rule) on the raw combined rewards of
-            a group: a population std of at most ``tpo_score_eps`` gives the centered scores
+        tpo_score_eps: the near-tie tolerance (the paper authors' rule) on the raw combined rewards
+            of a group: a population std of at most ``tpo_score_eps`` gives the centered scores
             ``u = s - mean`` (not divided by the std), so reward noise carries a signal as small as
             itself; 0 standardizes every group that does not tie exactly. 0 or a number in
             float32's normal range.
 
-    Any batch layout GRPOConfig accepts is accepted when a group fits in one optimizer step: a
+    A batch layout GRPOConfig accepts is accepted when each group fits in one optimizer step: a
     group lies in a window of ``W = num_generations / gcd(num_generations, per_device_train_batch_size
     * processes)`` consecutive micro-steps (W = 1 when a step's micro-batch over all processes holds
     whole groups), and ``gradient_accumulation_steps`` must be a multiple of W (else a group would be

@@ -117,6 +117,9 @@ class TargetPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise NotImplementedError("TargetPOTrainer supports text-only causal LMs for now (no processors / VLMs).")
         add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        # The token log-probs of the current window's micro-batches, by place (see _detached_rows).
+        self._tpo_window_key: Optional[int] = None
+        self._tpo_window_rows: Dict[int, Any] = {}
 
     # -- batching ----------------------------------------------------------------------------
 
@@ -199,8 +202,9 @@ class TargetPOTrainer(GRPOTrainer):
             groups = torch.randperm(num_groups, generator=generator)
         else:
             groups = torch.arange(num_groups)
-        order = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).view(steps // window, processes, window, -1)
-        order = order.transpose(1, 2).reshape(steps, processes, -1)  # [step, process, row]
+        order = groups.unsqueeze(1) * group_size + torch.arange(group_size)
+        # [window, process, step of the window, row] -> [step, process, row]
+        order = order.view(steps // window, processes, window, -1).transpose(1, 2).reshape(steps, processes, -1)
         holder = order // local_rows  # the process that generated each row
         if bool((holder == torch.arange(processes).view(1, -1, 1)).all()):
             rows, first = batch, rank * local_rows
@@ -230,8 +234,8 @@ class TargetPOTrainer(GRPOTrainer):
     # -- loss --------------------------------------------------------------------------------
 
     def _token_mask(self, inputs: Dict[str, Any]) -> Tensor:
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
-        return mask.bool()
+        mask = inputs["completion_mask"]
+        return (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
 
     def _old_logprobs(self, inputs: Dict[str, Any], mode: str) -> Optional[Tensor]:
         """TRL's stored rollout log-probs when a generation is reused (TPO's anchor), else None."""
@@ -305,7 +309,7 @@ class TargetPOTrainer(GRPOTrainer):
         when the window starts, or from an earlier micro-step's own loss call (kept by
         :meth:`_keep_rows`)."""
         batches, place, key = self._window_place()
-        if getattr(self, "_tpo_window_key", None) != key:
+        if self._tpo_window_key != key:
             self._tpo_window_key, self._tpo_window_rows = key, {}
         kept = self._tpo_window_rows
         parts = []
@@ -363,10 +367,11 @@ class TargetPOTrainer(GRPOTrainer):
         loss = out["loss"]
         if window > 1:
             self._keep_rows(out, inputs["completion_ids"].shape[0])
-            # The call's value is the mean over the window's groups, its gradient that of this
-            # step's rows only: W times the gradient (straight through, value unchanged) makes the
-            # window's W steps sum to the gradient of that mean, and the W values, each divided by
-            # the accumulation steps below, count every group once in the optimizer step's loss.
+            # The call's value is the mean over the window's groups, its gradient that of this step's
+            # rows only: the window's W calls add up to W times that mean's value but to its
+            # gradient once. Divided by the accumulation steps below, the values average to the
+            # optimizer step's mean and the gradients to 1/W of its gradient; W times the gradient,
+            # straight through (value unchanged), makes it whole.
             loss = window * loss - (window - 1) * loss.detach()
         self._log_tpo_metrics(out, request, mode)
         # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
