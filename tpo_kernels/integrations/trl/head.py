@@ -161,8 +161,8 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     if detached is not None:
         def joined(mine, theirs):
             return None if mine is None else torch.cat([mine, theirs.to(device=device, dtype=mine.dtype)])
-        mask, scores, group_ids = joined(mask, detached["mask"]), joined(scores, detached["scores"]), \
-            joined(group_ids, detached["group_ids"])
+        mask, scores = joined(mask, detached["mask"]), joined(scores, detached["scores"])
+        group_ids = joined(group_ids, detached["group_ids"])
         old, ref = joined(old, detached["old_logprobs"]), joined(ref, detached["ref_logprobs"])
     kept = mask.any(dim=1)
     out: Dict[str, Any] = {"kept": kept, "mask": mask, "ref_logprobs": ref}
