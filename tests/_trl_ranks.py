@@ -1,7 +1,7 @@
-"""What each process of the multi-process TRL test runs (tests/test_trl_split_ranks.py): a
-TargetPOTrainer on the tiny OLMo-2 of tests/_trl_tiny.py, with plain SGD at a constant learning
-rate, recording every micro-batch it computed a loss on (its inputs and the unscaled loss) and the
-parameters before each optimizer step and after training, for a single-process replay."""
+"""What each process of the multi-process TRL test runs (tests/test_trl_split_ranks.py), and the
+same in one process: a TargetPOTrainer on the tiny OLMo-2 of tests/_trl_tiny.py, with plain SGD at
+a constant learning rate, recording every micro-batch it computed a loss on (its inputs and the
+unscaled loss) and the parameters before each optimizer step and after training, for a replay."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from _trl_tiny import dataset, even_words
 
 # What the replay needs of a micro-batch (the rest of TRL's dict is not used by the loss).
-RECORDED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "tpo_group_ids",
+RECORDED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tpo_scores", "tpo_group_ids",
             "old_per_token_logps")
 
 
@@ -30,9 +30,17 @@ def trainer_config(output_dir: str, **overrides):
 
 def train_layouts(rank: int, world: int, model_dir: str, output_dir: str,
                   layouts: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Train once per layout (config overrides) in this process; what each run recorded."""
+    """Train once per layout (config overrides) in this process of a gloo group; what each run
+    recorded."""
     os.environ["LOCAL_RANK"] = str(rank)  # accelerate reads its place in the (already initialized) gloo group
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return {name: train_recorded(model_dir, os.path.join(output_dir, name), overrides)
+            for name, overrides in layouts.items()}
+
+
+def train_recorded(model_dir: str, output_dir: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """One training run (config overrides, plus ``eval_prompts``: the size of an eval dataset);
+    its micro-batches, the parameters before each optimizer step and after training, and the logs."""
     from transformers import PreTrainedTokenizerFast
 
     from tpo_kernels.integrations.trl import TargetPOTrainer
@@ -57,19 +65,15 @@ def train_layouts(rank: int, world: int, model_dir: str, output_dir: str,
             return loss
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    results = {}
-    for name, overrides in layouts.items():
-        overrides = dict(overrides)
-        eval_prompts = overrides.pop("eval_prompts", 0)
-        trainer = Recorder(model=model_dir, reward_funcs=even_words,
-                           args=trainer_config(os.path.join(output_dir, name), **overrides),
-                           train_dataset=dataset(), eval_dataset=dataset(eval_prompts) if eval_prompts else None,
-                           processing_class=tokenizer)
-        trainer.train()
-        results[name] = dict(micro_batches=trainer.micro_batches, params_before=trainer.params_before,
-                             params_after=_params(trainer.model),
-                             logs=[entry for entry in trainer.state.log_history if "tpo/loss" in entry])
-    return results
+    overrides = dict(overrides)
+    eval_prompts = overrides.pop("eval_prompts", 0)
+    trainer = Recorder(model=model_dir, reward_funcs=even_words, args=trainer_config(output_dir, **overrides),
+                       train_dataset=dataset(), eval_dataset=dataset(eval_prompts) if eval_prompts else None,
+                       processing_class=tokenizer)
+    trainer.train()
+    return dict(micro_batches=trainer.micro_batches, params_before=trainer.params_before,
+                params_after=_params(trainer.model),
+                logs=[entry for entry in trainer.state.log_history if "tpo/loss" in entry])
 
 
 def _params(model) -> Dict[str, torch.Tensor]:

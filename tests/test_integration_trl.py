@@ -1,9 +1,10 @@
 """TargetPOTrainer (tpo_kernels.integrations.trl) on CPU, offline: a tiny OLMo-2 built from a config
 and a word-level tokenizer built with the tokenizers library (tests/_trl_tiny.py).
 
-Every micro-batch is checked inside the trainer (a recording subclass): its groups are whole, and
-the loss the trainer returns equals ``tpo_kernels.reference.tpo_loss`` on the logits of the same
-batch, recomputed with the model's ordinary forward.
+Every micro-batch is checked inside the trainer (a recording subclass): its groups are whole, the
+scores it carries are the weighted sum of the raw rewards, and the loss the trainer returns equals
+``tpo_kernels.reference.tpo_loss`` on the logits of the same batch, recomputed with the model's
+ordinary forward, with those scores and the config's ``tpo_score_eps``.
 """
 
 import math
@@ -22,6 +23,7 @@ from trl import GRPOConfig  # noqa: E402
 from tpo_kernels import reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffle_groups  # noqa: E402
+from tpo_kernels.integrations.trl.trainer import tpo_scores_from_rewards  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -54,14 +56,9 @@ class RecordingTrainer(TargetPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        # The exactness claim: TRL's advantages standardize, group by group, to the same u as the
-        # weighted sum of the raw rewards (sum_then_normalize), up to float rounding.
-        combined = (self._raw_rewards * self.reward_weights.unsqueeze(0)).sum(dim=1).double()
-        advantages = out["advantages"].double()
-        for start in range(0, advantages.numel(), self.num_generations):
-            rows = slice(start, start + self.num_generations)
-            u_raw, u_adv = reference.standardize(combined[rows]), reference.standardize(advantages[rows])
-            self.score_checks.append(float((u_raw - u_adv).abs().max()))
+        # The scores are the weighted sum of the raw rewards (sum_then_normalize; one process).
+        combined = (self._raw_rewards.double() * self.reward_weights.double().unsqueeze(0)).sum(dim=1)
+        self.score_checks.append(float((out["tpo_scores"].double() - combined).abs().max()))
         return out
 
     def _compute_loss(self, model, inputs):
@@ -96,13 +93,14 @@ class RecordingTrainer(TargetPOTrainer):
                 expected = reference.tpo_loss(
                     logits[kept].double(),
                     labels[kept],
-                    inputs["advantages"][kept].double(),
+                    inputs["tpo_scores"][kept].double(),
                     group_ids=group_ids[kept],
                     old_logprobs=None if old is None else old[kept].double(),
                     ref_logprobs=None if ref is None else ref[kept].double(),
                     beta=self.beta,
                     eta=self.args.tpo_eta,
                     anchor=self.args.tpo_anchor,
+                    score_eps=self.args.tpo_score_eps,
                     temperature=self.temperature,
                 ).item()
             else:
@@ -165,7 +163,7 @@ def check_run(trainer, changed, logs, micro_batches):
         assert record["whole"], "a micro-batch split a group"
         assert math.isfinite(record["loss"])
         assert record["loss"] == pytest.approx(record["expected"], rel=1e-4, abs=1e-5)
-    assert trainer.score_checks and max(trainer.score_checks) < 1e-4
+    assert trainer.score_checks and max(trainer.score_checks) <= 1e-12
     assert "lm_head.weight" in changed and any("layers.0" in name for name in changed)
     assert len(logs) == trainer.args.max_steps
     for entry in logs:
@@ -228,20 +226,22 @@ def test_mask_truncated_completions(tiny, tmp_path):
     assert any(entry["tpo/frac_excluded_completions"] > 0 for entry in logs)
 
 
-def test_group_splitting_batch_is_refused(tiny, tmp_path):
-    split = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4, steps_per_generation=2,
-                 use_cpu=True, bf16=False, report_to="none")
-    GRPOConfig(**split)  # TRL accepts it: each micro-batch would hold half a group
-    with pytest.raises(ValueError, match="multiple of the group size"):
-        TargetPOConfig(**split)
+def test_group_spanning_optimizer_steps_is_refused(tiny, tmp_path):
+    # 2 rows per micro-step, groups of 4: a group spans 2 micro-steps, which must be in one optimizer step.
+    spanning = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4, steps_per_generation=2,
+                    use_cpu=True, bf16=False, report_to="none")
+    GRPOConfig(**spanning)  # TRL accepts it: its per-token loss does not care which step holds a completion
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps \(1\) must be a multiple of 2"):
+        TargetPOConfig(**spanning)
+    TargetPOConfig(**{**spanning, "gradient_accumulation_steps": 2})  # the group within one optimizer step
     args = make_config(tmp_path)
     args.per_device_train_batch_size = 6  # changed after the config checked it
     path, tokenizer = tiny
-    with pytest.raises(ValueError, match="multiple of the group size"):
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps \(1\) must be a multiple of 2"):
         TargetPOTrainer(model=path, reward_funcs=even_words, args=args, train_dataset=dataset(),
                         processing_class=tokenizer)
     with pytest.raises(TypeError, match="TargetPOConfig"):
-        grpo_args = GRPOConfig(**{**split, "per_device_train_batch_size": 4})
+        grpo_args = GRPOConfig(**{**spanning, "per_device_train_batch_size": 4})
         TargetPOTrainer(model=path, reward_funcs=even_words, args=grpo_args, train_dataset=dataset(),
                         processing_class=tokenizer)
 
@@ -255,6 +255,77 @@ def test_config_validation(tmp_path):
         make_config(tmp_path, top_entropy_quantile=0.5)
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
         make_config(tmp_path, beta=0.1, use_bias_correction_kl=True)
+
+
+@pytest.mark.parametrize("score_eps", [-1e-6, float("nan"), float("inf"), 1e-40, True, "1e-6"])
+def test_bad_score_eps_is_refused(tmp_path, score_eps):
+    with pytest.raises(ValueError, match="tpo_score_eps must be 0 or a number"):
+        make_config(tmp_path, tpo_score_eps=score_eps)
+
+
+def scaled_even_words(scale):
+    def reward(completions, **kwargs):
+        return [scale * r for r in even_words(completions)]
+
+    reward.__name__ = "scaled_even_words"
+    return reward
+
+
+class GradientRecorder(RecordingTrainer):
+    """Also keeps the gradient of the (one-micro-step) optimizer step."""
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        out = super().training_step(model, inputs, num_items_in_batch)
+        self.grads = torch.cat([p.grad.detach().flatten().clone() for p in self.model.parameters()])
+        return out
+
+
+def gradient_at_spread(tiny, tmp_path, spread, **overrides):
+    path, tokenizer = tiny
+    trainer = GradientRecorder(model=path, reward_funcs=scaled_even_words(spread),
+                               args=make_config(tmp_path, max_steps=1, **overrides), train_dataset=dataset(),
+                               processing_class=tokenizer)
+    trainer.train()
+    assert len(trainer.records) == 1 and max(trainer.score_checks) <= 1e-12
+    record = trainer.records[0]  # the loss is reference.tpo_loss on the raw rewards with tpo_score_eps
+    assert record["loss"] == pytest.approx(record["expected"], rel=1e-5, abs=1e-6)
+    return trainer.grads
+
+
+def test_score_eps_applies_to_the_raw_rewards(tiny, tmp_path):
+    """A within-group reward spread of 1e-7 is noise under the default tpo_score_eps (1e-6): its
+    gradient is at most 1e-6 of the one at spread 1. With tpo_score_eps=0 every group is standardized,
+    so the gradient is the one at spread 1 (TRL's advantages divide by std + 1e-4, which would turn
+    the small spread into a 1e-3 signal)."""
+    full = gradient_at_spread(tiny, tmp_path / "full", 1.0)
+    noise = gradient_at_spread(tiny, tmp_path / "noise", 1e-7)
+    standardized = gradient_at_spread(tiny, tmp_path / "standardized", 1e-7, tpo_score_eps=0.0)
+    assert full.norm() > 1e-3
+    assert noise.norm() <= 1e-6 * full.norm()
+    assert noise.norm() > 0  # the spread still carries its own, tiny, signal
+    torch.testing.assert_close(standardized, full, rtol=1e-4, atol=1e-6 * float(full.abs().max()))
+
+
+def test_scores_from_rewards():
+    """tpo_scores_from_rewards: weighted sums; an unscored completion (NaN everywhere) takes its
+    group's mean; normalize_then_sum standardizes each reward in its group under the tie rule."""
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.0], [2.0, nan], [3.0, 1.0], [nan, nan],  # group 0
+                            [5.0, 1.0], [5.0, 2.0], [5.0, 3.0], [5.0, 4.0]])  # group 1: reward 0 ties
+    weights = torch.tensor([1.0, 0.5])
+    sums = tpo_scores_from_rewards(rewards, weights, 4, "sum_then_normalize", 1e-6)
+    assert sums[:3].tolist() == [1.0, 2.0, 3.5] and sums[3].item() == pytest.approx(6.5 / 3)
+    assert sums[4:].tolist() == [5.5, 6.0, 6.5, 7.0]
+    normalized = tpo_scores_from_rewards(rewards, weights, 4, "normalize_then_sum", 1e-6)
+    first = reference.standardize(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    second = reference.standardize(torch.tensor([0.0, 1.0], dtype=torch.float64))
+    expected = torch.stack([first[0] + 0.5 * second[0], first[1], first[2] + 0.5 * second[1]])
+    torch.testing.assert_close(normalized[:3], expected)
+    assert normalized[3].item() == pytest.approx(expected.mean().item())
+    torch.testing.assert_close(normalized[4:], 0.5 * reference.standardize(torch.arange(1.0, 5.0).double()))
+    near_tie = torch.tensor([[0.0], [1e-7], [2e-7], [3e-7]])  # std about 1.1e-7 <= score_eps: centered only
+    centered = tpo_scores_from_rewards(near_tie, torch.ones(1), 4, "normalize_then_sum", 1e-6)
+    torch.testing.assert_close(centered, near_tie.double().view(-1) - near_tie.double().mean())
 
 
 def test_shuffle_groups_keeps_groups_whole():
@@ -330,8 +401,9 @@ def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast
     mask[4:8] = False  # group 1 has none at all
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
-                   cast_lm_head_to_fp32=cast_fp32, token_entropy=True, length_normalize=length_normalize)
+                   group_ids=None, process_group=None, detached=None, score_eps=0.0, beta=0.0, eta=0.7, anchor=True,
+                   temperature=0.8, backend="cpu", cast_lm_head_to_fp32=cast_fp32, token_entropy=True,
+                   length_normalize=length_normalize)
     out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
@@ -370,10 +442,56 @@ def test_tpo_head_matches_a_soft_capped_model():
     mask = torch.ones(num_rows, length, dtype=torch.bool)
     scores = torch.randn(num_rows)
     request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   group_ids=None, process_group=None, beta=0.0, eta=0.7, anchor=True, temperature=0.8, backend="cpu",
-                   cast_lm_head_to_fp32=False, token_entropy=False, router_aux_loss=False, length_normalize=False)
+                   group_ids=None, process_group=None, detached=None, score_eps=0.0, beta=0.0, eta=0.7, anchor=True,
+                   temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=False,
+                   router_aux_loss=False, length_normalize=False)
     out = model(input_ids=input_ids, tpo_request=request)
     logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1].double()
     assert logits.abs().max() <= 2.0  # the model's logits are capped
-    expected = reference.tpo_loss(logits, labels, scores.double(), group_size=4, eta=0.7, temperature=0.8)
+    expected = reference.tpo_loss(logits, labels, scores.double(), group_size=4, eta=0.7, temperature=0.8,
+                                  score_eps=0.0)
     assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+
+
+def test_tpo_head_with_detached_rows_is_the_whole_groups_loss():
+    """A group spanning micro-steps: this micro-step's rows carry gradient, the window's other rows
+    enter with their token log-probs detached (as the trainer passes them). The loss is the one of
+    the whole groups; the gradient is the whole groups' gradient with the other rows held constant
+    (so the other micro-step's call adds the rest). Dropping the detached rows, or letting them
+    carry gradient, fails."""
+    torch.manual_seed(0)
+    num_rows, own, prompt, length, width, vocab = 8, 4, 3, 5, 16, 50
+    hidden_all = torch.randn(num_rows, prompt + length, width)
+    head = torch.nn.Linear(width, vocab)
+    labels = torch.randint(0, vocab, (num_rows, length))
+    mask = torch.rand(num_rows, length) > 0.3
+    mask[:, 0] = True
+    scores = torch.randn(num_rows)
+    group_ids = torch.tensor([7, 9, 7, 9, 9, 7, 9, 7])  # two groups, each half in either micro-step
+    ref = -torch.rand(num_rows, length) - 3.0
+    settings = dict(temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=True)
+    with torch.no_grad():
+        theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, dict(labels=labels[own:], mask=mask[own:],
+                                                                        **settings))
+    detached = dict(theirs, mask=mask[own:], scores=scores[own:], group_ids=group_ids[own:], old_logprobs=None,
+                    ref_logprobs=ref[own:])
+    hidden = hidden_all[:own].clone().requires_grad_()
+    request = dict(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
+                   group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=ref[:own],
+                   detached=detached, score_eps=1e-6, beta=0.1, eta=0.7, anchor=True, length_normalize=False,
+                   **settings)
+    out = tpo_trl.head._tpo_head(hidden, head, request)
+    out["loss"].backward()
+
+    hidden64 = hidden_all.double()[:own].requires_grad_()
+    weight64, bias64 = head.weight.detach().double().requires_grad_(), head.bias.detach().double().requires_grad_()
+    logits = torch.cat([hidden64[:, prompt - 1 : -1] @ weight64.T + bias64,
+                        (hidden_all.double()[own:, prompt - 1 : -1] @ weight64.T + bias64).detach()])
+    expected = reference.tpo_loss(logits, labels.masked_fill(~mask, -100), scores.double(), group_ids=group_ids,
+                                  ref_logprobs=ref.double(), beta=0.1, eta=0.7, temperature=0.8)
+    expected.backward()
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(hidden.grad.double(), hidden64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad.double(), weight64.grad, rtol=1e-4, atol=1e-6)
+    assert out["aux"]["p"].shape == (num_rows,) and out["aux"]["token_entropy"].shape == (num_rows, length)
+    assert out["mask"].shape == (num_rows, length) and out["kept"].all()

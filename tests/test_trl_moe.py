@@ -57,7 +57,8 @@ class MoERecorder(TargetPOTrainer):
             kept = mask.any(dim=1)
             tpo = reference.tpo_loss(outputs.logits[:, -length - 1 : -1][kept].double(),
                                      inputs["completion_ids"].masked_fill(~mask, -100)[kept],
-                                     inputs["advantages"][kept].double(), group_ids=(torch.arange(len(kept)) // K)[kept],
+                                     inputs["tpo_scores"][kept].double(),
+                                     group_ids=(torch.arange(len(kept)) // K)[kept],
                                      temperature=TEMPERATURE)
         self.records.append(dict(loss=loss.item(), tpo=tpo.item(), router=outputs.aux_loss.item()))
         return loss

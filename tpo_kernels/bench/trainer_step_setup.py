@@ -92,7 +92,9 @@ def build_batch(spec: StepSpec, device: torch.device) -> dict:
         "completion_mask": completion_mask,
         "advantages": standardize_rows(rewards).reshape(rows).float(),
         "num_items_in_batch": completion_mask.sum().float(),
-        # TargetPOTrainer's addition to a generated batch: each completion's group (stock TRL ignores it)
+        # TargetPOTrainer's additions to a generated batch (stock TRL ignores them): each completion's
+        # raw reward, which the TPO loss standardizes itself, and its group
+        "tpo_scores": rewards.reshape(rows),
         "tpo_group_ids": torch.arange(rows) // spec.group_size,
     }
     return {k: v.to(device) for k, v in batch.items()}

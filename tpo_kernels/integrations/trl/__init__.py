@@ -14,32 +14,59 @@ reference model, vLLM, PEFT and logging are TRL's; only the batching and the los
 
 What the trainer does, and why it is exact:
 
-* **Whole groups in every step.** TPO normalizes over the K completions of a prompt, so all K
-  must be in one loss call. TRL shuffles the generation batch row by row before splitting it
+* **Whole groups in every loss call.** TPO normalizes over the K completions of a prompt, so all
+  K must be in one loss call. TRL shuffles the generation batch row by row before splitting it
   into ``steps_per_generation`` micro-batches, which silently splits groups; this trainer shuffles
   whole groups instead. When ``per_device_train_batch_size`` is a multiple of ``num_generations``,
-  each process's micro-batch holds whole groups. Otherwise (e.g. 2 per device with 4 generations
-  on 2 GPUs, which GRPOTrainer runs) a group spans processes: every completion carries its
-  group's id over the generation batch of all processes, each step's micro-batch over all
-  processes holds whole groups (rows move between processes when a step needs rows another one
-  generated), and the loss gathers the groups through ``process_group`` (the world group): every
-  process returns the loss of the whole step and gives its tokens ``P`` times their gradient, so
-  that DDP / FSDP averaging gives the single-process gradient. Refused (``ValueError``): a
-  ``per_device_train_batch_size`` (``per_device_eval_batch_size``, ``num_generations_eval``) for
-  which the step's micro-batch over all processes is not a whole number of groups (stricter than
-  GRPO, whose per-token loss only needs whole groups per generation batch).
-* **Scores are TRL's advantages.** For every setting of TRL 1.16, the advantage of a completion is
-  a positive affine map of its score that is the same for all completions of a group:
-  ``(r - mean_group) / (std + 1e-4)`` (``scale_rewards="group"`` or ``"batch"``, the std of the
-  group or of the batch), ``r - mean_group`` (``"none"``), where ``r`` is the weighted sum
-  ``sum_k w_k r_k`` of the reward functions (``multi_objective_aggregation="sum_then_normalize"``);
-  with ``"normalize_then_sum"`` the score is ``sum_k w_k (r_k - mean_k) / (std_k + 1e-4)`` (each
-  reward normalized in its group, then weighted, as the user asked TRL to combine them) and the
-  advantage a batch-wide affine map of it. TPO standardizes the scores of each group,
-  ``u = (s - mean) / std``, which is invariant under any such map, so ``u`` (hence the loss) is the
-  same as from the combined rewards, up to float rounding; equal rewards give equal advantages
-  bit for bit, so tied groups stay exactly tied. A completion every reward function scored
-  ``None`` has advantage 0 in TRL, i.e. counts as scoring the mean of its group.
+  each process's micro-batch holds whole groups. Otherwise a group spans processes, micro-steps,
+  or both, and every completion carries its group's id over the generation batch of all
+  processes:
+
+  - *Across processes* (e.g. 2 per device with 4 generations on 2 GPUs, which GRPOTrainer runs):
+    each step's micro-batch over all processes holds whole groups (rows move between processes
+    when a step needs rows another one generated), and the loss gathers the groups through
+    ``process_group`` (the world group): every process returns the loss of the whole step and
+    gives its tokens ``P`` times their gradient, so that DDP / FSDP averaging gives the
+    single-process gradient.
+  - *Across micro-steps* (e.g. 2 per device, 4 generations, ``gradient_accumulation_steps=2`` on
+    one process): the groups fill windows of ``W = K / gcd(K, per_device_train_batch_size x
+    processes)`` consecutive micro-steps. TPO's loss is not a sum over completions, but its
+    gradient is, ``sum_i w (p_i - q_i) grad ell_i``, and the parameters do not change within an
+    optimizer step; so each micro-step's loss call takes its whole groups: its own rows with
+    gradient, and the window's other rows with their token log-probs detached, computed under the
+    same parameters in the same train mode and autocast (one no-grad forward of each of the
+    window's other micro-batches when the window starts; the first micro-step's rows reuse their
+    own forward's values: ``(W - 1) / W`` of the rows get a second, no-grad, forward). The W calls'
+    gradients add up to the gradient of the window's mean; each call's loss is multiplied by W
+    straight through (value unchanged), so that, after TRL's division by the accumulation steps,
+    the optimizer step's gradient and its logged loss are those of the whole step's batch in one
+    loss call (with ``beta > 0`` the KL term's token mean is per window). The detached log-probs
+    are recomputed for every window, so a generation reused for several optimizer steps
+    (``num_iterations > 1``, ``steps_per_generation`` > ``gradient_accumulation_steps``) sees the
+    current parameters. Exact when the model runs
+    without dropout in training (TRL's ``disable_dropout=True``, or a model without dropout): with
+    dropout, a row's log-prob in the other micro-steps' calls is another dropout draw. When a
+    process's rows of a window are not whole groups either, the calls also gather over the
+    processes, as above.
+
+  Refused (``ValueError``): a ``gradient_accumulation_steps`` (or ``steps_per_generation``) that is
+  not a multiple of W (a group would be trained under two sets of parameters: stricter than GRPO,
+  whose per-token loss only needs whole groups per generation batch), and an evaluation batch over
+  all processes that is not a whole number of groups (GRPOConfig refuses it too).
+* **Scores are the raw combined rewards.** The trainer passes the loss ``tpo_scores``, this
+  process's slice of the weighted sum ``sum_k w_k r_k`` of the reward functions' raw outputs
+  (gathered over processes, as TRL combines them before its advantages), and the loss standardizes
+  each group itself with the authors' near-tie rule: a group whose rewards have a population std
+  of at most ``tpo_score_eps`` (default 1e-6) gets ``u = s - mean``, not divided by the std, so
+  reward noise carries a signal as small as itself; other groups get ``u = (s - mean) / std``; exact
+  ties give ``u = 0``. (TRL's advantages ``(r - mean) / (std + 1e-4)`` would turn a 1e-7 spread into
+  a 1e-3 one before any tolerance could see it; they are not used.) With
+  ``multi_objective_aggregation="normalize_then_sum"`` each reward is first standardized within its
+  group by the same rule (population std, ``tpo_score_eps``), then weighted and summed. A
+  completion every reward function scored ``None`` (advantage 0 in TRL) gets its group's mean
+  score. ``scale_rewards`` only shapes TRL's advantages (still logged by TRL): whatever its value,
+  TPO's ``u`` is the per-group standardization above, so ``"batch"`` and ``"none"`` do not change
+  the loss, like GRPO's other loss-shaping fields.
 * **Old log-probs only when a generation is reused.** When TRL reuses a generation across
   optimizer steps (``steps_per_generation * num_iterations`` does not divide
   ``gradient_accumulation_steps``) it stores the rollout policy's per-token log-probs, which become
@@ -54,9 +81,10 @@ What the trainer does, and why it is exact:
   ``logit_scale``, Granite's ``logits_scaling``) and soft-cap (Gemma 2/3's
   ``final_logit_softcapping``), as the model's forward applies them; runs the head in float32 with
   ``cast_lm_head_to_fp32``, and adds TRL's ``beta`` times the k3 KL to the reference log-probs.
-* **Gradient accumulation.** The loss is the mean over the micro-batch's groups (plus the KL
-  term's token mean), divided by the number of accumulation steps, so an optimizer step averages
-  over every group of the accumulation window (``loss_is_scaled_for_ga`` stays True).
+* **Gradient accumulation.** The loss is the mean over the loss call's groups (plus the KL term's
+  token mean over the call's rows), divided by the number of accumulation steps (and multiplied by
+  W straight through when groups span W micro-steps), so an optimizer step averages over every
+  group of the accumulation window (``loss_is_scaled_for_ga`` stays True).
 * **Mixture-of-experts models** get their router load-balancing loss added as GRPOTrainer adds it:
   ``router_aux_loss_coef`` (from the model config unless set) times the model's own ``aux_loss``
   (router logits requested from the model, its logits kept for one position only), divided by
@@ -75,7 +103,7 @@ loss's own vocabulary pass; off with ``tpo_log_token_entropy=False``) and, when
 ``beta > 0``, ``tpo/kl_k3`` (mean over counted tokens of the k3 KL to the reference).
 
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
-the SAPO / VESPO parameters) do not apply to TPO and are ignored; the options that would silently
+the SAPO / VESPO parameters, ``scale_rewards``) do not apply to TPO and are ignored; the options that would silently
 change the objective (``top_entropy_quantile < 1``, an entropy bonus, ``off_policy_mask_threshold``,
 ``use_bias_correction_kl`` with ``beta > 0``) are refused; this config
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
+import torch
 from trl import GRPOConfig
 
 
@@ -27,11 +27,20 @@ class TargetPOConfig(GRPOConfig):
             pass, not a second one).
         tpo_length_normalize: sequence log-probs (and the anchor's old ones) as the mean over a
             completion's counted tokens instead of the sum (the default of the author's TRL port).
+        tpo_score_eps: the near-tie tolerance (the paper authors' rule) on the raw combined rewards
+            of a group: a population std of at most ``tpo_score_eps`` gives the centered scores
+            ``u = s - mean`` (not divided by the std), so reward noise carries a signal as small as
+            itself; 0 standardizes every group that does not tie exactly. 0 or a number in
+            float32's normal range.
 
-    ``per_device_train_batch_size`` times the number of processes must be a multiple of
-    ``num_generations`` (each step's micro-batch over all processes holds whole groups; a group may
-    span processes); ``beta``, ``temperature``, ``cast_lm_head_to_fp32`` and the batching fields
-    keep their GRPO meaning. GRPO's loss-shaping fields (``loss_type``, ``epsilon``...) are ignored.
+    A batch layout GRPOConfig accepts is accepted when each group fits in one optimizer step: a
+    group lies in a window of ``W = num_generations / gcd(num_generations, per_device_train_batch_size
+    * processes)`` consecutive micro-steps (W = 1 when a step's micro-batch over all processes holds
+    whole groups), and ``gradient_accumulation_steps`` must be a multiple of W (else a group would be
+    trained under two sets of parameters). ``beta``, ``temperature``, ``cast_lm_head_to_fp32`` and the
+    batching fields keep their GRPO meaning. GRPO's loss-shaping fields (``loss_type``,
+    ``epsilon``...) and ``scale_rewards`` are ignored (TPO standardizes each group's raw rewards
+    itself).
     """
 
     tpo_eta: float = field(
@@ -54,6 +63,11 @@ class TargetPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Sequence log-probs as the mean over counted tokens instead of the sum."},
     )
+    tpo_score_eps: float = field(
+        default=1e-6,
+        metadata={"help": "Near-tie tolerance on a group's raw rewards: population std <= tpo_score_eps gives u = "
+                          "s - mean (not divided by the std). 0 or a number in float32's normal range."},
+    )
     # GRPO's default multiplies its KL term by a differentiable importance ratio; TPO's KL term is the
     # plain k3 estimator of tpo_kernels, so the default here is False (True is refused when beta != 0).
     use_bias_correction_kl: bool = field(
@@ -66,23 +80,50 @@ class TargetPOConfig(GRPOConfig):
         check_tpo_args(self)
 
 
+def group_window(per_device_batch_size: int, group_size: int, processes: int) -> int:
+    """The number ``W`` of consecutive micro-steps whose micro-batches over all processes hold whole
+    groups: the fewest steps of ``per_device_batch_size * processes`` completions that add up to a
+    multiple of ``group_size``."""
+    return group_size // math.gcd(group_size, per_device_batch_size * processes)
+
+
 def groups_split_over_processes(per_device_batch_size: int, group_size: int, processes: int) -> bool:
-    """True when a per-device micro-batch does not hold whole groups, so that the loss must gather
-    the groups over the processes (``process_group``); each step's global micro-batch still does."""
-    return processes > 1 and per_device_batch_size % group_size != 0
+    """True when a process's rows of a window (:func:`group_window` micro-steps) do not hold whole
+    groups, so that the loss must gather the groups over the processes (``process_group``)."""
+    window = group_window(per_device_batch_size, group_size, processes)
+    return (window * per_device_batch_size) % group_size != 0
 
 
-def _check_layout(name: str, per_device: int, group_size: int, processes: int) -> None:
-    """The micro-batch of one step over all processes (``per_device * processes`` completions)
-    must hold whole groups: one loss call sees every completion of a group, under one set of
-    parameters. GRPO's per-token loss needs only whole groups per generation batch."""
+def _check_train_layout(args: GRPOConfig, processes: int) -> None:
+    """A group must lie in one optimizer step (one set of parameters) and one generation: its
+    window of :func:`group_window` micro-steps must divide ``gradient_accumulation_steps`` and
+    ``steps_per_generation`` (TRL's own check, that the generation batch is a multiple of
+    ``num_generations``, is the second)."""
+    per_device, group_size = args.per_device_train_batch_size, args.num_generations
+    window = group_window(per_device, group_size, processes)
+    rows = per_device * processes
+    for name in ("gradient_accumulation_steps", "steps_per_generation"):
+        value = getattr(args, name)
+        if value % window == 0:
+            continue
+        raise ValueError(
+            f"{name} ({value}) must be a multiple of {window}: a micro-step holds {rows} completions "
+            f"(per_device_train_batch_size {per_device} x {processes} processes), so a group of {group_size} spans "
+            f"{window} consecutive micro-steps, and TPO normalizes over a group within one optimizer step and one "
+            f"generation (the group's loss is not a sum over its completions). Use a multiple of {window}, or a "
+            f"per_device_train_batch_size x processes that is a multiple of {group_size}."
+        )
+
+
+def _check_eval_layout(per_device: int, group_size: int, processes: int) -> None:
+    """An evaluation step (one generation, no accumulation) must hold whole groups over all
+    processes, as GRPOConfig itself requires."""
     if (per_device * processes) % group_size == 0:
         return
     raise ValueError(
-        f"{name} ({per_device}) times the number of processes ({processes}) must be a multiple of the group size "
-        f"({group_size}): TPO normalizes over the {group_size} completions of a prompt, so the micro-batch of one "
-        f"step, over all processes, must hold whole groups. Use a multiple of {group_size // math.gcd(group_size, processes)} "
-        "and adjust gradient_accumulation_steps / steps_per_generation to keep the batch you want."
+        f"per_device_eval_batch_size ({per_device}) times the number of processes ({processes}) must be a multiple "
+        f"of the evaluation group size ({group_size}): TPO normalizes over the completions of a prompt, and an "
+        "evaluation step is one micro-batch."
     )
 
 
@@ -96,11 +137,17 @@ def check_tpo_args(args: GRPOConfig) -> None:
             raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
     if args.tpo_backend not in _BACKENDS:
         raise ValueError(f"tpo_backend must be one of {', '.join(_BACKENDS)}, got {args.tpo_backend!r}")
+    score_eps = args.tpo_score_eps
+    fp32 = torch.finfo(torch.float32)
+    if (isinstance(score_eps, bool) or not isinstance(score_eps, (int, float))
+            or not (score_eps == 0 or fp32.tiny <= score_eps <= fp32.max)):
+        raise ValueError(f"tpo_score_eps must be 0 or a number in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a tolerance on "
+                         f"the population std of a group's raw rewards), got {score_eps!r}")
     processes = args.world_size
-    _check_layout("per_device_train_batch_size", args.per_device_train_batch_size, args.num_generations, processes)
+    _check_train_layout(args, processes)
     if args.do_eval and args.eval_strategy != "no":
-        k_eval = args.num_generations_eval or args.num_generations
-        _check_layout("per_device_eval_batch_size", args.per_device_eval_batch_size, k_eval, processes)
+        _check_eval_layout(args.per_device_eval_batch_size, args.num_generations_eval or args.num_generations,
+                           processes)
     refused = []
     if args.top_entropy_quantile < 1.0:
         refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (TPO trains every counted token)")

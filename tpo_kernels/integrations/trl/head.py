@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
-from ...functional import fused_linear_tpo_loss
+from ...functional import fused_linear_logprobs, fused_linear_tpo_loss, tpo_loss_from_logprobs
 
 
 def _logit_multiplier(text_config) -> float:
@@ -27,7 +27,8 @@ def _logit_multiplier(text_config) -> float:
 
 def add_tpo_head(model) -> None:
     """Patch ``model.forward`` so that ``model(input_ids, attention_mask, tpo_request=request)``
-    returns the TPO loss computed from the final hidden states (see :func:`_tpo_head`); calls
+    returns the TPO loss computed from the final hidden states (see :func:`_tpo_head`), or, for a
+    request with ``logprobs_only``, the completions' token log-probs (:func:`_tpo_logprobs`); calls
     without ``tpo_request`` go to the previous forward unchanged (TRL's fused head, generation).
 
     ``model`` is the transformers causal LM (the base model under PEFT). Idempotent.
@@ -46,6 +47,8 @@ def add_tpo_head(model) -> None:
         kwargs["use_cache"] = False
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
         backbone, head = self.base_model, self.get_output_embeddings()
+        if tpo_request.get("logprobs_only"):
+            return _tpo_logprobs(backbone(*args, **kwargs).last_hidden_state, head, tpo_request, **transform)
         if not tpo_request["router_aux_loss"]:
             return _tpo_head(backbone(*args, **kwargs).last_hidden_state, head, tpo_request, **transform)
         # MoE: the model's own forward computes its load-balancing loss from the router logits (as
@@ -94,32 +97,75 @@ def _head_tensors(hidden: Tensor, head, cast_fp32: bool):
     return hidden, weight, bias
 
 
+def _completion_hidden(hidden_all: Tensor, head, request: Dict[str, Any]):
+    """The hidden states that predict the completion tokens (position t predicts token t), with
+    the lm_head's weight and bias, in the head's compute dtype; labels and mask on their device."""
+    labels, mask = request["labels"], request["mask"]
+    hidden = hidden_all[:, -labels.shape[1] - 1 : -1]
+    hidden, weight, bias = _head_tensors(hidden, head, request["cast_lm_head_to_fp32"])
+    return hidden, weight, bias, labels.to(hidden.device), mask.to(hidden.device)
+
+
+def _vocab_pass(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, mask: Tensor,
+                request: Dict[str, Any], logit_scale: float, logit_softcap: Optional[float]):
+    """Tempered token log-probs (0 where the mask is off) and, with ``token_entropy``, their entropy
+    (else None), by the fused-linear kernel."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = fused_linear_logprobs(hidden, weight, labels.masked_fill(~mask, -100), bias=bias,
+                                    temperature=request["temperature"], logit_scale=logit_scale,
+                                    logit_softcap=logit_softcap, return_entropy=request["token_entropy"],
+                                    backend=request["backend"])
+    return out if request["token_entropy"] else (out, None)
+
+
+def _tpo_logprobs(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale: float = 1.0,
+                  logit_softcap: Optional[float] = None) -> Dict[str, Any]:
+    """The completions' ``token_logprobs`` and ``token_entropy`` (see :func:`_vocab_pass`), as
+    :func:`_tpo_head` computes them, for rows that enter another micro-step's loss call detached
+    (``request`` as there; only ``labels``, ``mask``, ``temperature``, ``backend``,
+    ``cast_lm_head_to_fp32`` and ``token_entropy`` are read)."""
+    hidden, weight, bias, labels, mask = _completion_hidden(hidden_all, head, request)
+    token_logprobs, entropy = _vocab_pass(hidden, weight, bias, labels, mask, request, logit_scale, logit_softcap)
+    return {"token_logprobs": token_logprobs, "token_entropy": entropy}
+
+
 def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale: float = 1.0,
               logit_softcap: Optional[float] = None) -> Dict[str, Any]:
     """The TPO loss of a micro-batch from the backbone's last hidden states ``[N, P + C, H]``; the
     model's logits are ``softcap(logit_scale * (hidden @ W.T + b))`` (see the public functions).
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
-    ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes), ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``,
-    ``anchor``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``, ``token_entropy`` and
-    ``router_aux_loss`` (read by the patched forward: also return the model's MoE load-balancing
-    loss, as ``router_aux_loss``).
+    ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes),
+    ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``, ``anchor``,
+    ``score_eps``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``,
+    ``token_entropy``, ``router_aux_loss`` (read by the patched forward: also return the model's MoE
+    load-balancing loss, as ``router_aux_loss``) and ``detached``: None, or the other rows of this
+    micro-step's groups (a group spanning micro-steps), a dict of ``token_logprobs``,
+    ``token_entropy`` (or None), ``mask``, ``scores``, ``group_ids``, ``old_logprobs`` and
+    ``ref_logprobs`` ([D, C] / [D]), which enter the loss call after the N rows without gradient
+    (their token log-probs computed under the same parameters; ``group_ids`` then required).
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
-    completion has a counted token), ``kept`` ([N] bool: completions with a counted token), and
-    ``labels``, ``mask``, ``ref_logprobs`` on the hidden states' device.
+    completion has a counted token), ``kept`` ([N (+ D)] bool: completions with a counted token), and
+    ``mask``, ``ref_logprobs`` of the call's rows on the hidden states' device.
 
     Completions without a counted token are left out of their group by tpo_kernels itself.
     """
-    labels, mask, scores = request["labels"], request["mask"], request["scores"]
-    length = labels.shape[1]
-    hidden = hidden_all[:, -length - 1 : -1]  # position t predicts completion token t
-    hidden, weight, bias = _head_tensors(hidden, head, request["cast_lm_head_to_fp32"])
+    hidden, weight, bias, labels, mask = _completion_hidden(hidden_all, head, request)
     device = hidden.device
-    labels, mask, scores = labels.to(device), mask.to(device), scores.to(device)
+    scores = request["scores"].to(device)
     old, ref = request["old_logprobs"], request["ref_logprobs"]
+    old = None if old is None else old.to(device)
     ref = None if ref is None else ref.to(device)
+    group_ids = None if request["group_ids"] is None else request["group_ids"].to(device)
+    detached = request["detached"]
+    if detached is not None:
+        def joined(mine, theirs):
+            return None if mine is None else torch.cat([mine, theirs.to(device=device, dtype=mine.dtype)])
+        mask, scores = joined(mask, detached["mask"]), joined(scores, detached["scores"])
+        group_ids = joined(group_ids, detached["group_ids"])
+        old, ref = joined(old, detached["old_logprobs"]), joined(ref, detached["ref_logprobs"])
     kept = mask.any(dim=1)
-    out: Dict[str, Any] = {"kept": kept, "labels": labels, "mask": mask, "ref_logprobs": ref}
+    out: Dict[str, Any] = {"kept": kept, "mask": mask, "ref_logprobs": ref}
     if request["process_group"] is None and not bool(kept.any()):
         # tpo_kernels refuses a batch without any counted token; return a differentiable zero
         # connected to every parameter the loss would touch, so that DDP / FSDP see them all.
@@ -127,33 +173,26 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
         zero = hidden.sum() * 0.0 + weight.sum() * 0.0
         out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
         return out
-    with torch.autocast(device.type, enabled=False):
-        loss, aux = fused_linear_tpo_loss(
-            hidden,
-            weight,
-            labels,
-            scores,
-            bias=bias,
-            mask=mask,
-            group_size=request["group_size"],
-            group_ids=None if request["group_ids"] is None else request["group_ids"].to(device),
-            process_group=request["process_group"],
-            old_logprobs=None if old is None else old.to(device),
-            ref_logprobs=ref,
-            beta=request["beta"],
-            eta=request["eta"],
-            anchor=request["anchor"],
-            # The scores are TRL's advantages, not the raw rewards the near-tie tolerance is meant
-            # for: they are standardized exactly, as before score_eps existed.
-            score_eps=0.0,
-            length_normalize=request["length_normalize"],
-            temperature=request["temperature"],
-            logit_scale=logit_scale,
-            logit_softcap=logit_softcap,
-            reduction="mean",
-            backend=request["backend"],
-            return_aux=True,
-            return_entropy=request["token_entropy"],
-        )
+    settings = dict(group_size=request["group_size"], group_ids=group_ids, process_group=request["process_group"],
+                    old_logprobs=old, ref_logprobs=ref, beta=request["beta"], eta=request["eta"],
+                    anchor=request["anchor"], score_eps=request["score_eps"],
+                    length_normalize=request["length_normalize"], reduction="mean", backend=request["backend"],
+                    return_aux=True)
+    if detached is None:
+        with torch.autocast(device.type, enabled=False):
+            loss, aux = fused_linear_tpo_loss(
+                hidden, weight, labels, scores, bias=bias, mask=mask, temperature=request["temperature"],
+                logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=request["token_entropy"],
+                **settings)
+    else:
+        # The same vocabulary pass on this micro-step's rows, then the group stage on whole groups:
+        # the detached rows take part in each group's p and q but carry no gradient.
+        own = labels.shape[0]
+        token_logprobs, entropy = _vocab_pass(hidden, weight, bias, labels, mask[:own], request, logit_scale,
+                                              logit_softcap)
+        token_logprobs = torch.cat([token_logprobs, detached["token_logprobs"].to(device)])
+        loss, aux = tpo_loss_from_logprobs(token_logprobs, scores, mask=mask, **settings)
+        if entropy is not None:
+            aux["token_entropy"] = torch.cat([entropy.detach(), detached["token_entropy"].to(device)])
     out.update(loss=loss, aux=aux)
     return out

@@ -10,9 +10,10 @@ from torch import Tensor
 
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from .config import TargetPOConfig, check_tpo_args, groups_split_over_processes
+from .config import TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes
 from .head import add_tpo_head
 
 
@@ -50,6 +51,41 @@ def _take_rows(batch: Dict[str, Any], index: Tensor) -> Dict[str, Any]:
             for key, value in batch.items()}
 
 
+def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_size: int, aggregation: str,
+                            score_eps: float) -> Tensor:
+    """Each completion's TPO score (float64) from TRL's ``[rows, reward functions]`` rewards
+    (NaN where a function returned None; rows in groups of ``group_size`` consecutive rows).
+
+    ``"sum_then_normalize"`` (TRL's default): the weighted sum ``sum_k w_k r_k`` of the raw rewards,
+    which the loss standardizes within the group under the tie rule. ``"normalize_then_sum"``: each
+    reward is first standardized within the group by TPO's own rule (population std; centered,
+    undivided, when the std is at most ``score_eps``; 0 when the group ties exactly), then weighted and
+    summed. A completion no function scored gets its group's mean score (TRL's advantage 0: no
+    signal of its own); a group with no scored completion ties at 0.
+    """
+    rewards = rewards_per_func.double()
+    weights = weights.to(rewards).view(1, 1, -1)
+    grouped = rewards.view(-1, group_size, rewards.shape[1])
+    scored = ~torch.isnan(grouped)
+    if aggregation == "normalize_then_sum":
+        count = scored.sum(dim=1, keepdim=True)
+        mean = grouped.nansum(dim=1, keepdim=True) / count
+        centered = grouped - mean
+        std = (centered.square().nansum(dim=1, keepdim=True) / count).sqrt()
+        low = grouped.masked_fill(~scored, float("inf")).amin(dim=1, keepdim=True)
+        high = grouped.masked_fill(~scored, -float("inf")).amax(dim=1, keepdim=True)
+        # Exact ties are tested on the values (the float mean of equal values may differ from them).
+        standardized = torch.where(low == high, 0.0, torch.where(std > score_eps, centered / std, centered))
+        grouped = standardized.masked_fill(~scored, float("nan"))
+    elif aggregation != "sum_then_normalize":
+        raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
+    scores = (grouped * weights).nansum(dim=2)
+    unscored = ~scored.any(dim=2)
+    scores = scores.masked_fill(unscored, float("nan"))
+    fill = torch.nan_to_num(scores.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(scores)
+    return torch.where(unscored, fill, scores).reshape(-1)
+
+
 class TargetPOTrainer(GRPOTrainer):
     """:class:`trl.GRPOTrainer` that trains with the Target Policy Optimization loss.
 
@@ -81,6 +117,9 @@ class TargetPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise NotImplementedError("TargetPOTrainer supports text-only causal LMs for now (no processors / VLMs).")
         add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        # The token log-probs of the current window's micro-batches, by place (see _detached_rows).
+        self._tpo_window_key: Optional[int] = None
+        self._tpo_window_rows: Dict[int, Any] = {}
 
     # -- batching ----------------------------------------------------------------------------
 
@@ -93,26 +132,47 @@ class TargetPOTrainer(GRPOTrainer):
     def _group_size(self, mode: str) -> int:
         return self.num_generations if mode == "train" else self.num_generations_eval
 
+    def _per_device(self, mode: str) -> int:
+        return self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+
+    def _window(self, mode: str) -> int:
+        """The number of consecutive micro-steps a group spans (1 when a step's micro-batch over all
+        processes holds whole groups; always 1 in evaluation, whose steps GRPOConfig makes whole)."""
+        return group_window(self._per_device(mode), self._group_size(mode), self.accelerator.num_processes)
+
     def _groups_split(self, mode: str) -> bool:
-        """True when a group's completions lie on several processes in one step (a per-device
-        batch that is not a multiple of the group size): the loss then gathers them."""
-        per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        return groups_split_over_processes(per_device, self._group_size(mode), self.accelerator.num_processes)
+        """True when a group's completions lie on several processes (a process's rows of a window
+        are not whole groups): the loss then gathers them."""
+        return groups_split_over_processes(self._per_device(mode), self._group_size(mode),
+                                           self.accelerator.num_processes)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (gathered over processes), kept for :meth:`_generate_and_score_completions`."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._tpo_rewards_per_func = rewards_per_func
+        return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's generation, plus ``tpo_group_ids``: each completion's group, numbered over the
-        generation batch of all processes (TRL lays it out process after process, each prompt's
-        completions consecutive), so that rows can move between micro-batches and processes."""
+        """TRL's generation, plus ``tpo_scores``: this process's completions' scores from the raw
+        rewards (:func:`tpo_scores_from_rewards`), which the loss standardizes itself with
+        ``tpo_score_eps`` (TRL's advantages are not used), and ``tpo_group_ids``: each completion's
+        group, numbered over the generation batch of all processes (TRL lays it out process after
+        process, each prompt's completions consecutive), so that rows can move between micro-batches
+        and processes."""
         batch = super()._generate_and_score_completions(inputs)
         rows = batch["completion_ids"].shape[0]
         first = self.accelerator.process_index * rows
         group_size = self._group_size("train" if self.model.training else "eval")
-        batch["tpo_group_ids"] = torch.arange(first, first + rows, device=batch["completion_ids"].device) // group_size
+        device = batch["completion_ids"].device
+        scores = tpo_scores_from_rewards(self._tpo_rewards_per_func, self.reward_weights, group_size,
+                                         self.multi_objective_aggregation, self.args.tpo_score_eps)
+        batch["tpo_scores"] = scores[first : first + rows].to(device)
+        batch["tpo_group_ids"] = torch.arange(first, first + rows, device=device) // group_size
         return batch
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's generation buffering, with micro-batches of whole groups (over all processes)
-        instead of TRL's row shuffle."""
+        """TRL's generation buffering, with micro-batches whose windows (:meth:`_window` consecutive
+        micro-steps, over all processes) hold whole groups, instead of TRL's row shuffle."""
         if not self.model.training:  # eval: one batch, generated and used as is
             return super()._prepare_inputs(generation_batch)
         steps = self.args.steps_per_generation
@@ -129,10 +189,11 @@ class TargetPOTrainer(GRPOTrainer):
     def _split_micro_batches(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
         """This process's ``steps_per_generation`` micro-batches when groups span processes: the
         groups of the whole generation batch, shuffled by group in the same order on every process,
-        fill the steps one after the other; each step's micro-batch over all processes is whole
-        groups, of which this process takes its ``per_device_train_batch_size`` rows. Rows move
-        between processes only when a step needs rows another process generated."""
-        steps, group_size = self.args.steps_per_generation, self.num_generations
+        fill the windows one after the other; each window's micro-batches over all processes are
+        whole groups, of which this process takes ``window * per_device_train_batch_size`` rows, its
+        micro-batch of each step in turn. Rows move between processes only when a step needs rows
+        another process generated."""
+        steps, group_size, window = self.args.steps_per_generation, self.num_generations, self._window("train")
         processes, rank = self.accelerator.num_processes, self.accelerator.process_index
         local_rows = batch["completion_ids"].shape[0]
         num_groups = processes * local_rows // group_size
@@ -141,7 +202,9 @@ class TargetPOTrainer(GRPOTrainer):
             groups = torch.randperm(num_groups, generator=generator)
         else:
             groups = torch.arange(num_groups)
-        order = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).view(steps, processes, -1)
+        order = groups.unsqueeze(1) * group_size + torch.arange(group_size)
+        # [window, process, step of the window, row] -> [step, process, row]
+        order = order.view(steps // window, processes, window, -1).transpose(1, 2).reshape(steps, processes, -1)
         holder = order // local_rows  # the process that generated each row
         if bool((holder == torch.arange(processes).view(1, -1, 1)).all()):
             rows, first = batch, rank * local_rows
@@ -170,55 +233,146 @@ class TargetPOTrainer(GRPOTrainer):
 
     # -- loss --------------------------------------------------------------------------------
 
-    def _tpo_request(self, inputs: Dict[str, Any], mode: str) -> Dict[str, Any]:
-        group_size = self._group_size(mode)
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        split = self._groups_split(mode)
-        num_rows = completion_ids.shape[0]
-        if not split and num_rows % group_size != 0:
-            raise RuntimeError(
-                f"a micro-batch of {num_rows} completions is not a whole number of groups of {group_size}: "
-                "TPO would normalize over split groups"
-            )
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        advantages = inputs["advantages"]
-        if advantages.dim() != 1:
-            raise ValueError(f"TPO needs one score per completion, got advantages of shape {tuple(advantages.shape)}")
-        old = None
-        if mode == "train" and self._generation_reused():
-            old = inputs.get("old_per_token_logps")
-            if old is None:
-                raise RuntimeError("TRL reused a generation but stored no old_per_token_logps")
+    def _token_mask(self, inputs: Dict[str, Any]) -> Tensor:
+        mask = inputs["completion_mask"]
+        return (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
+
+    def _old_logprobs(self, inputs: Dict[str, Any], mode: str) -> Optional[Tensor]:
+        """TRL's stored rollout log-probs when a generation is reused (TPO's anchor), else None."""
+        if mode != "train" or not self._generation_reused():
+            return None
+        old = inputs.get("old_per_token_logps")
+        if old is None:
+            raise RuntimeError("TRL reused a generation but stored no old_per_token_logps")
+        return old
+
+    def _head_settings(self) -> Dict[str, Any]:
+        """The request fields the vocabulary pass reads (the loss's and the detached rows' alike)."""
         return {
-            "labels": completion_ids,
-            "mask": mask.bool(),
-            "scores": advantages,
-            # Groups spanning processes: global ids, gathered over the data-parallel (world) group.
-            "group_size": None if split else group_size,
-            "group_ids": inputs["tpo_group_ids"] if split else None,
-            "process_group": dist.group.WORLD if split else None,
-            "metric_group_ids": inputs["tpo_group_ids"],
-            "old_logprobs": old,
-            "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            "beta": float(self.beta),
-            "eta": float(self.args.tpo_eta),
-            "anchor": self.args.tpo_anchor,
-            "length_normalize": self.args.tpo_length_normalize,
             "temperature": float(self.temperature),
             "backend": self.args.tpo_backend,
             "cast_lm_head_to_fp32": bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
             "token_entropy": bool(self.args.tpo_log_token_entropy),
-            "router_aux_loss": self.aux_loss_enabled,
         }
+
+    def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[Dict[str, Any]] = None
+                     ) -> Dict[str, Any]:
+        group_size = self._group_size(mode)
+        split = self._groups_split(mode)
+        num_rows = inputs["completion_ids"].shape[0] + (0 if detached is None else detached["scores"].shape[0])
+        if not split and num_rows % group_size != 0:
+            raise RuntimeError(
+                f"a loss call of {num_rows} completions is not a whole number of groups of {group_size}: "
+                "TPO would normalize over split groups"
+            )
+        scores = inputs["tpo_scores"]
+        if scores.dim() != 1:
+            raise ValueError(f"TPO needs one score per completion, got tpo_scores of shape {tuple(scores.shape)}")
+        group_ids = inputs["tpo_group_ids"]
+        # Groups spanning processes or micro-steps: global ids (gathered over the world group
+        # when they span processes); whole groups in the micro-batch: consecutive blocks of K.
+        by_ids = split or detached is not None
+        return {
+            "labels": inputs["completion_ids"],
+            "mask": self._token_mask(inputs),
+            "scores": scores,
+            "group_size": None if by_ids else group_size,
+            "group_ids": group_ids if by_ids else None,
+            "process_group": dist.group.WORLD if split else None,
+            "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached["group_ids"]]),
+            "old_logprobs": self._old_logprobs(inputs, mode),
+            "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            "detached": detached,
+            "beta": float(self.beta),
+            "eta": float(self.args.tpo_eta),
+            "anchor": self.args.tpo_anchor,
+            "score_eps": float(self.args.tpo_score_eps),
+            "length_normalize": self.args.tpo_length_normalize,
+            "router_aux_loss": self.aux_loss_enabled,
+            **self._head_settings(),
+        }
+
+    def _window_place(self):
+        """(micro-batches of this step's window in the generation buffer, this step's place in it,
+        the window's key: its first micro-step, unique over the run)."""
+        window = self._window("train")
+        index = self._step % self.args.steps_per_generation
+        place = index % window
+        first = index - place
+        return self._buffered_inputs[first : first + window], place, self._step - place
+
+    def _detached_rows(self, model) -> Dict[str, Any]:
+        """The rows of this step's groups that the window's other micro-steps hold, as the loss call
+        takes them (see ``detached`` in :func:`head._tpo_head`). Their token log-probs are computed
+        once per window under the current parameters (the window lies in one optimizer step), in the
+        same train mode and autocast as the loss: by one no-grad forward of each other micro-batch
+        when the window starts, or from an earlier micro-step's own loss call (kept by
+        :meth:`_keep_rows`)."""
+        batches, place, key = self._window_place()
+        if self._tpo_window_key != key:
+            self._tpo_window_key, self._tpo_window_rows = key, {}
+        kept = self._tpo_window_rows
+        parts = []
+        for other, batch in enumerate(batches):
+            if other == place:
+                continue
+            if other not in kept:
+                kept[other] = self._token_logprobs_no_grad(model, batch)
+            token_logprobs, entropy = kept[other]
+            parts.append({
+                "token_logprobs": token_logprobs,
+                "token_entropy": entropy,
+                "mask": self._token_mask(batch),
+                "scores": batch["tpo_scores"],
+                "group_ids": batch["tpo_group_ids"],
+                "old_logprobs": self._old_logprobs(batch, "train"),
+                "ref_logprobs": batch.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            })
+        return {name: None if parts[0][name] is None else torch.cat([part[name] for part in parts])
+                for name in parts[0]}
+
+    def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):
+        """A micro-batch's token log-probs and entropy (None without ``tpo_log_token_entropy``)."""
+        request = {"logprobs_only": True, "labels": batch["completion_ids"], "mask": self._token_mask(batch),
+                   **self._head_settings()}
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            with self.accelerator.autocast():
+                out = model(input_ids=input_ids, attention_mask=attention_mask, tpo_request=request)
+        return out["token_logprobs"], out["token_entropy"]
+
+    def _keep_rows(self, out: Dict[str, Any], num_rows: int) -> None:
+        """Keep this micro-step's own token log-probs (and entropy) for the window's later steps."""
+        _, place, _ = self._window_place()
+        if place in self._tpo_window_rows:
+            return
+        aux = out["aux"]
+        if aux is None:  # no counted token in the call: the log-probs are 0 under the mask
+            zeros = torch.zeros(out["mask"][:num_rows].shape, device=out["mask"].device)
+            self._tpo_window_rows[place] = (zeros, zeros if self.args.tpo_log_token_entropy else None)
+            return
+        entropy = aux["token_entropy"][:num_rows] if self.args.tpo_log_token_entropy else None
+        self._tpo_window_rows[place] = (aux["token_logprobs"][:num_rows], entropy)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        request = self._tpo_request(inputs, mode)
+        window = self._window(mode)
+        detached = self._detached_rows(model) if window > 1 else None
+        request = self._tpo_request(inputs, mode, detached)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with self.accelerator.autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, tpo_request=request)
         loss = out["loss"]
+        if window > 1:
+            self._keep_rows(out, inputs["completion_ids"].shape[0])
+            # The call's value is the mean over the window's groups, its gradient that of this step's
+            # rows only: the window's W calls add up to W times that mean's value but to its
+            # gradient once. Divided by the accumulation steps below, the values average to the
+            # optimizer step's mean and the gradients to 1/W of its gradient; W times the gradient,
+            # straight through (value unchanged), makes it whole.
+            loss = window * loss - (window - 1) * loss.detach()
         self._log_tpo_metrics(out, request, mode)
         # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
         # as GRPOTrainer adds it (its coefficient and router logits from the model config).
@@ -237,7 +391,7 @@ class TargetPOTrainer(GRPOTrainer):
         per-completion terms (``KL(q || p) = sum_i q_i log(q_i / p_i)``, ``H(p) = -sum_i p_i log p_i``),
         so they hold when a group spans processes; groups are counted by their global id."""
         loss = out["loss"].detach().float()
-        mask = out["mask"]
+        mask = out["mask"]  # the call's rows: this micro-step's, then any detached ones
         columns = torch.zeros(mask.shape[0], 9, device=loss.device)
         columns[:, 0] = request["metric_group_ids"].to(loss.device).float()
         aux = out["aux"]
