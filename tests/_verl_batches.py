@@ -58,3 +58,91 @@ def policy_inputs(batch, dtype=torch.float64, advantages=None):
     kwargs = dict(old_log_prob=batch["old_log_prob"], log_prob=log_prob, advantages=advantages,
                   response_mask=batch["mask"])
     return logits, log_prob, kwargs
+
+
+PROMPT = 2  # prompt tokens of every row
+
+
+def verl_mini_batch(batch, advantages, micro_batch_size: int, use_dynamic_bsz: bool = False):
+    """The mini-batch TensorDict verl's engine ``train_batch`` receives (padded layout: prompts,
+    right-padded responses, attention mask over both), with the batching keys verl's
+    ``TrainingWorker.train_batch`` adds; ``row`` says which row of the policy's logits a row is."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    rows = len(batch["uids"])
+    mask = batch["mask"]
+    data = TensorDict(dict(
+        prompts=torch.zeros(rows, PROMPT, dtype=torch.int64), responses=batch["responses"],
+        input_ids=torch.cat([torch.zeros(rows, PROMPT, dtype=torch.int64), batch["responses"]], dim=1),
+        attention_mask=torch.cat([torch.ones(rows, PROMPT, dtype=torch.int64), mask.long()], dim=1),
+        response_mask=mask.long(), old_log_probs=batch["old_log_prob"], advantages=advantages,
+        row=torch.arange(rows)), batch_size=[rows])
+    tu.assign_non_tensor(data, global_batch_size=rows, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
+                         max_token_len_per_gpu=PROMPT + T + micro_batch_size)
+    return data
+
+
+class TinyEngine:
+    """verl 0.9.1's engine contract as tpo_kernels uses it (``infer_batch``, ``train_batch``,
+    ``get_data_parallel_group``), on one rank, with FSDPEngine's micro-batching (fixed
+    ``micro_batch_size_per_gpu`` chunks, or verl's ``rearrange_micro_batches`` by token count with
+    ``use_dynamic_bsz``); the policy is a leaf of per-row logits ``[B, T, V]``. Its model output is
+    verl's no-padding log-probs: one value per valid token of each sequence, the log-prob of the
+    next token."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+        self.micro_batch_rows = []  # the rows of each micro-batch of the last call
+        self.forward_only_calls = 0
+
+    def get_data_parallel_group(self):
+        return None
+
+    def _micro_batches(self, data):
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            micro_batches, indices = rearrange_micro_batches(data, max_token_len=data["max_token_len_per_gpu"])
+            return micro_batches, [index for part in indices for index in part]
+        return tu.chunk_tensordict(data, len(data) // data["micro_batch_size_per_gpu"]), list(range(len(data)))
+
+    def _model_output(self, micro_batch):
+        token_logprobs = reference.token_logprobs(self.logits[micro_batch["row"]], micro_batch["responses"])
+        lengths = micro_batch["attention_mask"].sum(1)
+        return {"log_probs": torch.cat([torch.cat([token_logprobs.new_zeros(PROMPT - 1), token_logprobs[b, : length - PROMPT],
+                                                   token_logprobs.new_zeros(1)])
+                                        for b, length in enumerate(lengths.tolist())])}
+
+    def _forward_backward(self, data, loss_function, forward_only):
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["response_mask"].sum()))
+        micro_batches, order = self._micro_batches(data)
+        self.micro_batch_rows = [micro_batch["row"].tolist() for micro_batch in micro_batches]
+        outputs, losses = [], []
+        for micro_batch in micro_batches:
+            output = self._model_output(micro_batch)
+            if forward_only:
+                outputs.append(output["log_probs"].split(micro_batch["attention_mask"].sum(1).tolist()))
+                continue
+            loss, _ = loss_function(model_output=output, data=micro_batch, dp_group=None)
+            loss.backward()
+            losses.append(loss.detach())
+        if forward_only:  # back in the mini-batch's row order, as verl restores it
+            per_row = [row for part in outputs for row in part]
+            restored = [None] * len(per_row)
+            for position, index in enumerate(order):
+                restored[index] = per_row[position]
+            return {"model_output": {"log_probs": torch.cat(restored)}}
+        return {"loss": losses}
+
+    def infer_batch(self, data, loss_function=None):
+        self.forward_only_calls += 1
+        with torch.no_grad():
+            return self._forward_backward(data, loss_function, forward_only=True)
+
+    def train_batch(self, data, loss_function):
+        self.logits.grad = None
+        return self._forward_backward(data, loss_function, forward_only=False)

@@ -123,6 +123,35 @@ def train_batch_with_record(engine, train_batch: Callable, data, loss_function: 
 
     def loss_with_record(model_output, data, dp_group=None):
         with recorded_rows(record, data[ROW_FIELD]):
-            return loss_function(model_output, data=data, dp_group=dp_group)
+            return loss_function(model_output=model_output, data=data, dp_group=dp_group)
 
     return train_batch(data, loss_function=loss_with_record)
+
+
+def _is_tpo_loss(loss_function) -> bool:
+    """Whether verl's actor loss (``partial(ppo_loss, config=actor_config)``) calls a TPO policy loss."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from .policy_loss import tpo_policy_loss
+
+    config = getattr(loss_function, "keywords", {}).get("config")
+    if config is None or config.get("policy_loss") is None:
+        return False
+    policy_loss = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+    return getattr(policy_loss, "func", policy_loss) is tpo_policy_loss
+
+
+def train_batch_for_tpo(engine, train_batch: Callable, data, loss_function: Callable):
+    """verl's ``engine.train_batch(data, loss_function)``, through :func:`train_batch_with_record`
+    when the loss is TPO's and a rank's mini-batch spans several micro-batches (dynamic batch
+    sizes, or more rows than ``micro_batch_size_per_gpu``); one micro-batch per rank needs no
+    record (the policy loss gathers the step's groups over the ranks itself)."""
+    from verl.utils import tensordict_utils as tu
+
+    dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+    micro_batch_size = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+    several = dynamic or micro_batch_size is None or len(data) > micro_batch_size
+    if several and _is_tpo_loss(loss_function):
+        return train_batch_with_record(engine, train_batch, data, loss_function)
+    return train_batch(data, loss_function=loss_function)
+
