@@ -1,4 +1,5 @@
-"""verl-shaped batches for the verl integration tests (one rank and split over ranks)."""
+"""verl-shaped batches for the verl integration tests (one rank and split over ranks), and a stub
+of verl's engine that trains a mini-batch in micro-batches as verl 0.9.1's FSDP engine forms them."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def verl_mini_batch(batch, advantages, micro_batch_size: int, use_dynamic_bsz: b
         attention_mask=torch.cat([torch.ones(rows, PROMPT, dtype=torch.int64), mask.long()], dim=1),
         response_mask=mask.long(), old_log_probs=batch["old_log_prob"], advantages=advantages,
         row=torch.arange(rows)), batch_size=[rows])
-    tu.assign_non_tensor(data, global_batch_size=rows, use_dynamic_bsz=use_dynamic_bsz, micro_batch_size_per_gpu=micro_batch_size,
-                         max_token_len_per_gpu=PROMPT + T + micro_batch_size)
+    tu.assign_non_tensor(data, global_batch_size=rows, use_dynamic_bsz=use_dynamic_bsz,
+                         micro_batch_size_per_gpu=micro_batch_size, max_token_len_per_gpu=PROMPT + T + micro_batch_size)
     return data
 
 
@@ -110,10 +111,10 @@ class TinyEngine:
 
     def _model_output(self, micro_batch):
         token_logprobs = reference.token_logprobs(self.logits[micro_batch["row"]], micro_batch["responses"])
-        lengths = micro_batch["attention_mask"].sum(1)
-        return {"log_probs": torch.cat([torch.cat([token_logprobs.new_zeros(PROMPT - 1), token_logprobs[b, : length - PROMPT],
-                                                   token_logprobs.new_zeros(1)])
-                                        for b, length in enumerate(lengths.tolist())])}
+        lengths = micro_batch["attention_mask"].sum(1).tolist()
+        pad = token_logprobs.new_zeros(PROMPT - 1)  # positions predicting prompt tokens; the last predicts nothing
+        return {"log_probs": torch.cat([torch.cat([pad, token_logprobs[b, : length - PROMPT], pad.new_zeros(1)])
+                                        for b, length in enumerate(lengths)])}
 
     def _forward_backward(self, data, loss_function, forward_only):
         from verl.utils import tensordict_utils as tu

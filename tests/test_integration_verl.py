@@ -3,8 +3,11 @@
 The functions are checked with verl-shaped tensors ([B, T] log-probs, right-padded response masks,
 rewards on the last response token, uids as an object array) against
 ``tpo_kernels.reference.tpo_loss`` on the logits the log-probs come from. When verl is installed
-(CI installs verl 0.9.1), the last tests go through verl's own registries and config classes.
-Groups split over data-parallel ranks: tests/test_verl_split_ranks.py.
+(CI installs verl 0.9.1), the last tests go through verl's own registries and config classes, and a
+mini-batch goes through verl's ``ppo_loss`` and micro-batching (tests/_verl_batches.TinyEngine).
+Gradient accumulation: micro-batches of a recorded mini-batch (tpo_kernels' verl worker) must add
+up to the unsplit loss and gradient, in float64 to 1e-12, in any row layout. Groups split over
+data-parallel ranks: tests/test_verl_split_ranks.py.
 """
 
 import functools
@@ -253,7 +256,8 @@ def test_record_of_part_of_a_group_is_refused():
     mini_batch, _ = gather_record(group_ids[first], u[first], log_prob[first], kwargs["old_log_prob"][first],
                                   kwargs["response_mask"][first])
     part = torch.arange(B - K, B - 1)
-    with recorded_rows(mini_batch, part), pytest.raises(ValueError, match="different mini-batches.*ppo_mini_batch_size"):
+    refused = pytest.raises(ValueError, match="different mini-batches.*ppo_mini_batch_size")
+    with recorded_rows(mini_batch, part), refused:
         tpo_policy_loss(**{name: value[part] for name, value in kwargs.items()}, config=actor_config())
 
 
