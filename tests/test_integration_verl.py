@@ -246,16 +246,28 @@ def test_recorded_micro_batches_give_the_unsplit_loss_and_gradient(layout, setti
     torch.testing.assert_close(grad, want_grad, **EXACT)
 
 
-def test_record_of_part_of_a_group_is_refused():
+def test_recorded_micro_batches_leave_out_a_response_without_counted_token():
+    batch = reorder(rollout(), balanced_order())
+    batch["mask"][5] = False
+    loss, grad = accumulate(batch, micro_batch_layouts()["chunks_of_5"])
+    want_loss, want_grad = unsplit(batch)
+    torch.testing.assert_close(loss, want_loss, **EXACT)
+    torch.testing.assert_close(grad, want_grad, **EXACT)
+    assert torch.equal(grad[5], torch.zeros_like(grad[5]))
+
+
+@pytest.mark.parametrize("group", [2, 1], ids=["scored_group", "tied_group"])
+def test_record_of_part_of_a_group_is_refused(group):
     """A group whose responses are in different mini-batches (verl's balancing with several
-    mini-batches per step) has no single current policy: refused, naming the settings."""
+    mini-batches per step) has no single current policy: refused, naming the settings; a tied
+    group's part too (fewer than rollout_n responses)."""
     batch = rollout()
-    logits, log_prob, kwargs = policy_inputs(batch)
+    _, log_prob, kwargs = policy_inputs(batch)
     u, group_ids = decode_advantages(kwargs["advantages"], kwargs["response_mask"])
-    first = torch.arange(B) < B - 1  # the mini-batch lacks the last response of the last group
-    mini_batch, _ = gather_record(group_ids[first], u[first], log_prob[first], kwargs["old_log_prob"][first],
-                                  kwargs["response_mask"][first])
-    part = torch.arange(B - K, B - 1)
+    kept = torch.arange(B) != group * K + K - 1  # the mini-batch lacks the group's last response
+    mini_batch, _ = gather_record(group_ids[kept], u[kept], log_prob[kept], kwargs["old_log_prob"][kept],
+                                  kwargs["response_mask"][kept])
+    part = torch.arange(group * K, group * K + K - 1)  # its rows in the batch and in the record
     refused = pytest.raises(ValueError, match="different mini-batches.*ppo_mini_batch_size")
     with recorded_rows(mini_batch, part), refused:
         tpo_policy_loss(**{name: value[part] for name, value in kwargs.items()}, config=actor_config())
@@ -367,6 +379,32 @@ def test_the_worker_module_installs_its_training_worker(verl_core):
     from tpo_kernels.integrations.verl.worker import TPOTrainingWorker
 
     assert engine_workers.ActorRolloutRefWorker.actor_worker_cls is TPOTrainingWorker
+
+
+def test_verl_balancing_with_several_mini_batches_per_step_is_refused(verl_core):
+    """verl 0.9.1's trainer balances sequence lengths over the ranks on the whole batch (each rank's
+    share in row order), then each rank cuts its share into mini-batches of
+    ppo_mini_batch_size * rollout.n / ranks rows: with 2 mini-batches per step over 2 ranks, a
+    mini-batch holds parts of groups, and the record of it is refused."""
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    ranks, rows_per_mini_batch = 2, B // 4  # per rank: 2 mini-batches
+    batch = rollout()
+    partitions = get_seqlen_balanced_partitions(calculate_workload(batch["mask"].sum(1)), k_partitions=ranks,
+                                                equal_size=True)
+    batch = reorder(batch, torch.tensor([row for part in partitions for row in part]))
+    share = B // ranks
+    first = torch.cat([torch.arange(rank * share, rank * share + rows_per_mini_batch) for rank in range(ranks)])
+    uids = batch["uids"]
+    assert any(list(uids[first.numpy()]).count(uid) not in (0, K) for uid in set(uids))  # a group spans both
+    _, log_prob, kwargs = policy_inputs(batch)
+    u, group_ids = decode_advantages(kwargs["advantages"], kwargs["response_mask"])
+    mini_batch, _ = gather_record(group_ids[first], u[first], log_prob[first], kwargs["old_log_prob"][first],
+                                  kwargs["response_mask"][first])  # both ranks' rows, as the gather gives them
+    part = torch.arange(rows_per_mini_batch)  # rank 0's micro-batch: its whole share of the mini-batch
+    refused = pytest.raises(ValueError, match="different mini-batches")
+    with recorded_rows(mini_batch, part), refused:
+        tpo_policy_loss(**{name: value[first[part]] for name, value in kwargs.items()}, config=actor_config())
 
 
 def test_register_adds_a_loss_with_other_settings(verl_core):

@@ -48,8 +48,10 @@ group raises a ``ValueError`` (on every rank) naming the worker and the one-micr
 What verl must still guarantee, and where it is checked:
 
 * **Each mini-batch holds whole groups** (over the ranks): a group trained under two parameter
-  versions has no single current policy. Checked on the record (a group's standardized scores
-  sum to 0 and their squares to its size; a part of a tied group is not detected). verl 0.9.1's
+  versions has no single current policy. Checked on the record: a group with fewer than
+  ``rollout_n`` responses there is a part, unless a response of the mini-batch has no counted
+  token (it carries no group); then its standardized scores must sum to 0 and their squares to
+  its size (a part of a tied group is then not detected). verl 0.9.1's
   trainers balance sequence lengths over the whole batch, which spreads groups over the ranks'
   mini-batches: use one mini-batch per step (``ppo_mini_batch_size`` = ``data.train_batch_size``;
   ``ppo_epochs`` may be > 1), one rank, or the legacy trainer (``trainer.use_v1=False``) with

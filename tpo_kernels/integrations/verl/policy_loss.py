@@ -18,18 +18,26 @@ from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
 _WHOLE_GROUP_ATOL = 1e-5
 
 
-def _batching(config) -> Tuple[int, int, Optional[int]]:
-    """(K, dp_size, global_batch_size) from verl's actor config, after checking the batching
-    settings that would split groups in ways the loss cannot see."""
+def _group_size(config) -> int:
+    """K, the responses per prompt (verl's ``rollout_n``), from verl's actor config."""
     if config is None:
         raise ValueError("config: the TPO policy loss needs verl's actor config (rollout_n, batching settings)")
     group_size = config.get("rollout_n", None)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"config.rollout_n must be the number of responses per prompt (int >= 1), got {group_size!r}")
+    return group_size
+
+
+def _batching(config) -> Tuple[int, int, Optional[int]]:
+    """(K, dp_size, global_batch_size) from verl's actor config, after checking the batching
+    settings that would split groups in ways the loss cannot see."""
+    group_size = _group_size(config)
     if config.get("use_dynamic_bsz", False):
         raise ValueError(
             "config.use_dynamic_bsz: dynamic batch sizes regroup rows by token count, so a micro-batch step over the "
-            "data-parallel ranks no longer holds whole groups; set actor.use_dynamic_bsz=False"
+            "data-parallel ranks no longer holds whole groups; record each mini-batch first "
+            "(actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker) or set "
+            "actor.use_dynamic_bsz=False"
         )
     if config.get("shuffle", False):
         raise ValueError("config.shuffle: shuffling the mini-batch rows splits TPO groups; set actor.shuffle=False")
@@ -88,12 +96,13 @@ def _step_groups(u: Tensor, group_ids: Tensor, process_group, score_eps: float) 
     if not bool(_whole(ids, scores, score_eps).all()):
         raise ValueError(
             "advantages: this micro-batch step over the data-parallel ranks holds part of a group (its standardized "
-            "scores do not sum to 0): verl's gradient accumulation splits the group, and TPO's group softmax needs "
-            "the current log-probs of all its responses. Either record each mini-batch first "
+            "scores do not sum to 0), and TPO's group softmax needs the current log-probs of all its responses. "
+            "If verl's gradient accumulation split it, record each mini-batch first "
             "(actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker: any micro-batching, "
-            "use_dynamic_bsz included), or train each rank's share of the mini-batch in one micro-batch "
-            "(ppo_micro_batch_size_per_gpu = ppo_mini_batch_size * rollout.n / data-parallel size, "
-            "use_dynamic_bsz=False)"
+            "use_dynamic_bsz included) or train each rank's share of the mini-batch in one micro-batch "
+            "(ppo_micro_batch_size_per_gpu = ppo_mini_batch_size * rollout.n / data-parallel size). Either way a "
+            "group must not span mini-batches: verl's sequence balancing spreads groups over the whole batch, so "
+            "train one mini-batch per step (ppo_mini_batch_size = data.train_batch_size)"
         )
     return ids, scores
 
@@ -147,7 +156,7 @@ def tpo_policy_loss(
     settings = dict(eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, backend=backend)
     recorded = current_rows()
     if recorded is not None:  # inside verl's micro-batch loop, with the mini-batch recorded
-        return _recorded_loss(*recorded, u, group_ids, log_prob, old_log_prob, mask, **settings)
+        return _recorded_loss(*recorded, _group_size(config), u, group_ids, log_prob, old_log_prob, mask, **settings)
     group_size, dp_size, global_batch = _batching(config)
     process_group = _data_parallel_group(dp_size)
     step_ids, step_scores = _step_groups(u, group_ids, process_group, score_eps)
@@ -166,9 +175,9 @@ def tpo_policy_loss(
     return loss, metrics
 
 
-def _recorded_loss(record: MiniBatchRecord, rows: Tensor, u: Tensor, group_ids: Tensor, log_prob: Tensor,
-                   old_log_prob: Tensor, mask: Tensor, *, eta: float, anchor: bool, score_eps: float,
-                   length_normalize: bool, backend: str) -> Tuple[Tensor, Dict[str, Any]]:
+def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Tensor, group_ids: Tensor,
+                   log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, eta: float, anchor: bool,
+                   score_eps: float, length_normalize: bool, backend: str) -> Tuple[Tensor, Dict[str, Any]]:
     """The micro-batch's exact share of the mini-batch loss: its groups' TPO loss on its own
     responses (differentiable) together with the recorded current log-probs of their other members
     (constants), so each response gets the gradient of the unsplit group. Each group's value
@@ -187,11 +196,18 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, u: Tensor, group_ids: 
     touched = torch.isin(record.group_ids, torch.unique(ids_cpu[own]))
     members = touched.clone()
     members[rows[own]] = False  # the other members of this micro-batch's groups
-    whole = _whole(record.group_ids[touched], record.scores[touched], score_eps)
+    _, recorded_sizes = torch.unique(record.group_ids[touched], return_counts=True)
+    if bool((recorded_sizes > group_size).any()):
+        raise ValueError(f"config.rollout_n: the record holds a group of {int(recorded_sizes.max())} responses, more "
+                         f"than rollout_n = {group_size}")
+    # Fewer than K responses is part of a group, unless some response of the mini-batch has no counted
+    # token (it carries no group); then the scores' sums tell (blind to a part of a tied group).
+    short = (recorded_sizes < group_size) & ~bool((record.group_ids < 0).any())
+    whole = ~short & _whole(record.group_ids[touched], record.scores[touched], score_eps)
     if not bool(whole.all()):
         raise ValueError(
-            "advantages: a group's responses are in different mini-batches (its standardized scores over the recorded "
-            "mini-batch do not sum to 0), so they are trained under different parameters and TPO has no single "
+            "advantages: a group's responses are in different mini-batches (the recorded mini-batch holds fewer than "
+            "rollout_n of them, or their standardized scores do not sum to 0), so they are trained under different parameters and TPO has no single "
             "current policy for the group. verl 0.9.1's trainer balances sequence lengths over the whole batch, "
             "which spreads each group over the ranks' mini-batches: train one mini-batch per step "
             "(actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size; ppo_epochs may be > 1), or use "
