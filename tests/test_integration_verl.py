@@ -246,6 +246,22 @@ def test_recorded_micro_batches_give_the_unsplit_loss_and_gradient(layout, setti
     torch.testing.assert_close(grad, want_grad, **EXACT)
 
 
+def test_recorded_metrics_of_one_micro_batch_are_the_unsplit_ones():
+    """Each group weighs with the fraction of its responses held: with the whole mini-batch in one
+    micro-batch, the means over its groups, as without the record."""
+    batch = reorder(rollout(), balanced_order())
+    _, log_prob, kwargs = policy_inputs(batch)
+    info = dict(dp_size=1, batch_num_tokens=None, global_batch_size=B)
+    _, want = tpo_policy_loss(**kwargs, config=actor_config(global_batch_info=info))
+    u, group_ids = decode_advantages(kwargs["advantages"], kwargs["response_mask"])
+    mini_batch, _ = gather_record(group_ids, u, log_prob, kwargs["old_log_prob"], kwargs["response_mask"])
+    with recorded_rows(mini_batch, torch.arange(B)):
+        _, metrics = tpo_policy_loss(**kwargs, config=actor_config())
+    assert metrics.keys() == want.keys()
+    for name, value in want.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
+
+
 def test_recorded_micro_batches_leave_out_a_response_without_counted_token():
     batch = reorder(rollout(), balanced_order())
     batch["mask"][5] = False

@@ -175,6 +175,40 @@ def tpo_policy_loss(
     return loss, metrics
 
 
+def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u: Tensor, group_size: int,
+                     score_eps: float) -> Tensor:
+    """The record indices of the other members of the micro-batch's groups, after checking that
+    the micro-batch's rows are the recorded ones and that the record holds its groups whole."""
+    if len(rows) != len(u):
+        raise ValueError(f"{ROW_FIELD}: {len(rows)} recorded rows for a micro-batch of {len(u)} responses")
+    if not (torch.equal(record.group_ids[rows], group_ids) and torch.equal(record.scores[rows], u)):
+        raise ValueError(
+            f"{ROW_FIELD}: the micro-batch's responses are not the recorded rows (their groups or scores differ): "
+            "the mini-batch changed between tpo_kernels' record and verl's training step"
+        )
+    own = group_ids >= 0
+    touched = torch.isin(record.group_ids, torch.unique(group_ids[own]))
+    _, recorded_sizes = torch.unique(record.group_ids[touched], return_counts=True)
+    if bool((recorded_sizes > group_size).any()):
+        raise ValueError(f"config.rollout_n: the record holds a group of {int(recorded_sizes.max())} responses, more "
+                         f"than rollout_n = {group_size}")
+    # Fewer than K responses is part of a group, unless a response of the mini-batch has no counted
+    # token (it carries no group); then the scores' sums tell (blind to a part of a tied group).
+    short = (recorded_sizes < group_size) & ~bool((record.group_ids < 0).any())
+    if not bool((~short & _whole(record.group_ids[touched], record.scores[touched], score_eps)).all()):
+        raise ValueError(
+            "advantages: a group's responses are in different mini-batches (the recorded mini-batch holds fewer "
+            "than rollout_n of them, or their standardized scores do not sum to 0), so they are trained under "
+            "different parameters and TPO has no single current policy for the group. verl 0.9.1's trainer "
+            "balances sequence lengths over the whole batch, which spreads each group over the ranks' "
+            "mini-batches: train one mini-batch per step (actor_rollout_ref.actor.ppo_mini_batch_size = "
+            "data.train_batch_size; ppo_epochs may be > 1), or use one data-parallel rank, or the legacy trainer "
+            "with trainer.balance_batch=False, shuffle=False and mini-batches of whole groups"
+        )
+    touched[rows[own]] = False
+    return touched.nonzero().squeeze(1)
+
+
 def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Tensor, group_ids: Tensor,
                    log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, eta: float, anchor: bool,
                    score_eps: float, length_normalize: bool, backend: str) -> Tuple[Tensor, Dict[str, Any]]:
@@ -183,70 +217,42 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
     (constants), so each response gets the gradient of the unsplit group. Each group's value
     counts with the fraction of its responses held here (the micro-batches' values add up to the
     mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages."""
-    if len(rows) != len(u):
-        raise ValueError(f"{ROW_FIELD}: {len(rows)} recorded rows for a micro-batch of {len(u)} responses")
-    rows = rows.to(torch.int64)
     ids_cpu, u_cpu = group_ids.cpu(), u.to(torch.float64).cpu()
-    if not (torch.equal(record.group_ids[rows], ids_cpu) and torch.equal(record.scores[rows], u_cpu)):
-        raise ValueError(
-            f"{ROW_FIELD}: the micro-batch's responses are not the recorded rows (their groups or scores differ): "
-            "the mini-batch changed between tpo_kernels' record and verl's training step"
-        )
+    others = _recorded_others(record, rows.to(torch.int64), ids_cpu, u_cpu, group_size, score_eps)
     own = ids_cpu >= 0
-    touched = torch.isin(record.group_ids, torch.unique(ids_cpu[own]))
-    members = touched.clone()
-    members[rows[own]] = False  # the other members of this micro-batch's groups
-    _, recorded_sizes = torch.unique(record.group_ids[touched], return_counts=True)
-    if bool((recorded_sizes > group_size).any()):
-        raise ValueError(f"config.rollout_n: the record holds a group of {int(recorded_sizes.max())} responses, more "
-                         f"than rollout_n = {group_size}")
-    # Fewer than K responses is part of a group, unless some response of the mini-batch has no counted
-    # token (it carries no group); then the scores' sums tell (blind to a part of a tied group).
-    short = (recorded_sizes < group_size) & ~bool((record.group_ids < 0).any())
-    whole = ~short & _whole(record.group_ids[touched], record.scores[touched], score_eps)
-    if not bool(whole.all()):
-        raise ValueError(
-            "advantages: a group's responses are in different mini-batches (the recorded mini-batch holds fewer than "
-            "rollout_n of them, or their standardized scores do not sum to 0), so they are trained under different parameters and TPO has no single "
-            "current policy for the group. verl 0.9.1's trainer balances sequence lengths over the whole batch, "
-            "which spreads each group over the ranks' mini-batches: train one mini-batch per step "
-            "(actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size; ppo_epochs may be > 1), or use "
-            "one data-parallel rank, or the legacy trainer with trainer.balance_batch=False, shuffle=False and "
-            "mini-batches of whole groups"
-        )
+    if not bool(own.any()):  # no counted response here: no loss, no gradient
+        return log_prob.sum() * 0.0, _recorded_metrics(None, None, log_prob, old_log_prob, mask)
+    device, dtype = log_prob.device, log_prob.dtype
     own_mask = mask[own.to(mask.device)]
-    others = members.nonzero().squeeze(1)
+    # Packed rows: this micro-batch's counted responses token by token, then each other member as
+    # one token carrying its sequence log-prob (its mean over its tokens with length_normalize,
+    # which a one-token mean leaves unchanged).
     lengths = torch.cat([own_mask.sum(1).cpu(), torch.ones(len(others), dtype=torch.int64)])
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(log_prob.device)
-    # A member held elsewhere enters as one token carrying its sequence log-prob (its mean over
-    # its tokens with length_normalize, which a one-token mean leaves unchanged).
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
     other_tokens = record.num_tokens[others].to(torch.float64) if length_normalize else 1.0
-    other_ell = (record.seq_logprobs[others] / other_tokens).to(log_prob.device, log_prob.dtype)
-    logprobs = torch.cat([log_prob[own.to(mask.device)][own_mask], other_ell])
+    logprobs = torch.cat([log_prob[own.to(device)][own_mask],
+                          (record.seq_logprobs[others] / other_tokens).to(device, dtype)])
     old_ell = None
     if anchor:
-        own_old = (old_log_prob.detach()[own.to(mask.device)].to(torch.float64) * own_mask).sum(1)
+        own_old = (old_log_prob.detach()[own.to(device)].to(torch.float64) * own_mask).sum(1).cpu()
         if length_normalize:
-            own_old = own_old / own_mask.sum(1)
-        old_ell = torch.cat([own_old.cpu(), record.old_seq_logprobs[others] / other_tokens])
-        old_ell = old_ell.to(log_prob.device, log_prob.dtype)
+            own_old = own_old / lengths[: len(own_old)]
+        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens]).to(device, dtype)
     ids = torch.cat([ids_cpu[own], record.group_ids[others]])
-    scores = torch.cat([u_cpu[own], record.scores[others]]).to(log_prob.device, log_prob.dtype)
-    if len(ids) == 0:  # no counted response here: no loss, no gradient
-        return log_prob.sum() * 0.0, _recorded_metrics(None, None, log_prob, old_log_prob, mask)
+    scores = torch.cat([u_cpu[own], record.scores[others]])
     per_group, aux = tpo_loss_from_logprobs(
-        logprobs, scores, cu_seqlens=cu_seqlens, group_ids=ids.to(log_prob.device), old_logprobs=old_ell, eta=eta,
-        anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, reduction="none", backend=backend,
-        return_aux=True,
+        logprobs, scores.to(device, dtype), cu_seqlens=cu_seqlens, group_ids=ids.to(device), old_logprobs=old_ell,
+        eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, reduction="none",
+        backend=backend, return_aux=True,
     )
     _, inverse, sizes = torch.unique(ids, return_inverse=True, return_counts=True)  # per_group's order
-    held = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, inverse[: int(own.sum())],
-                                                                    torch.ones(int(own.sum()), dtype=torch.float64))
-    fraction = (held / sizes).to(per_group.device, per_group.dtype)
-    loss = (per_group - (1 - fraction) * per_group.detach()).sum() * (record.dp_size / record.num_groups)
-    signal = torch.zeros(len(sizes), dtype=torch.bool).index_put_((inverse,), scores.cpu() != 0, accumulate=True)
+    held = torch.bincount(inverse[: int(own.sum())], minlength=len(sizes))  # own responses come first
+    fraction = held.to(torch.float64) / sizes
+    weight = fraction.to(per_group.device, per_group.dtype)
+    loss = (per_group - (1 - weight) * per_group.detach()).sum() * (record.dp_size / record.num_groups)
+    signal = torch.zeros(len(sizes), dtype=torch.bool).index_put_((inverse,), scores != 0, accumulate=True)
     aux["zero_signal"] = ~signal  # no reward signal: every score of the group is 0
-    return loss, _recorded_metrics(aux, fraction.cpu(), log_prob, old_log_prob, mask)
+    return loss, _recorded_metrics(aux, fraction, log_prob, old_log_prob, mask)
 
 
 def _recorded_metrics(aux, fraction: Optional[Tensor], log_prob: Tensor, old_log_prob: Tensor,
