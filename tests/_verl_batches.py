@@ -3,6 +3,8 @@ of verl's engine that trains a mini-batch in micro-batches as verl 0.9.1's FSDP 
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import torch
 
@@ -77,7 +79,7 @@ def verl_mini_batch(batch, advantages, micro_batch_size: int, use_dynamic_bsz: b
         prompts=torch.zeros(rows, PROMPT, dtype=torch.int64), responses=batch["responses"],
         input_ids=torch.cat([torch.zeros(rows, PROMPT, dtype=torch.int64), batch["responses"]], dim=1),
         attention_mask=torch.cat([torch.ones(rows, PROMPT, dtype=torch.int64), mask.long()], dim=1),
-        response_mask=mask.long(), old_log_probs=batch["old_log_prob"], advantages=advantages,
+        response_mask=mask.long(), loss_mask=mask.long(), old_log_probs=batch["old_log_prob"], advantages=advantages,
         row=torch.arange(rows)), batch_size=[rows])
     tu.assign_non_tensor(data, global_batch_size=rows, use_dynamic_bsz=use_dynamic_bsz,
                          micro_batch_size_per_gpu=micro_batch_size, max_token_len_per_gpu=PROMPT + T + micro_batch_size)
@@ -147,3 +149,49 @@ class TinyEngine:
     def train_batch(self, data, loss_function):
         self.logits.grad = None
         return self._forward_backward(data, loss_function, forward_only=False)
+
+
+def fsdp_engine_class():
+    """A subclass of verl 0.9.1's real FSDPEngine (its micro-batch loop ``forward_backward_batch``,
+    ``prepare_micro_batches``, ``postprocess_batch_func`` and BaseEngine's ``train_batch`` /
+    ``infer_batch``) whose model is TinyEngine's per-row logits; no FSDP wrapping, optimizer step or
+    device. Needs verl's full dependencies; call under a 1-rank process group, with verl's device
+    lookups pointed at the CPU."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    class LogitsEngine(FSDPEngine):
+        def __init__(self, logits: torch.Tensor):  # FSDPEngine's builds a model, mesh and optimizer
+            self.tiny = TinyEngine(logits)
+            self.logits = logits
+            self.module = torch.nn.Module()  # not FSDP-wrapped: no gradient-sync deferral
+            self.engine_config = types.SimpleNamespace()
+            self.ulysses_sequence_parallel_size, self.ulysses_device_mesh = 1, None
+            self.forward_only_calls = 0
+
+        def forward_step(self, micro_batch, loss_function, forward_only):
+            flat = self.tiny._model_output(micro_batch)["log_probs"]
+            lengths = micro_batch["attention_mask"].sum(1).tolist()
+            nested = torch.nested.as_nested_tensor(list(flat.split(lengths)), layout=torch.jagged)
+            if loss_function is None:
+                loss, metrics = torch.tensor(1.0), {}
+            else:
+                loss, metrics = loss_function(model_output={"log_probs": nested}, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+            return loss, {"model_output": {"log_probs": nested.detach()}, "loss": loss.detach().item(),
+                          "metrics": metrics}
+
+        def infer_batch(self, data, loss_function=None):
+            self.forward_only_calls += 1
+            return super().infer_batch(data, loss_function)
+
+        def optimizer_zero_grad(self):
+            self.logits.grad = None
+
+        def optimizer_step(self):
+            return 0.0
+
+        def is_mp_src_rank_with_outputs(self):
+            return True
+
+    return LogitsEngine
+

@@ -389,6 +389,40 @@ def test_the_record_runs_only_for_tpo_over_several_micro_batches(verl_core, micr
     assert engine.forward_only_calls == int(recorded)
 
 
+@pytest.fixture
+def one_rank_on_cpu(monkeypatch):
+    """A 1-rank gloo process group, with verl's device lookups pointed at the CPU."""
+    fsdp = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl's FSDP engine needs "
+                               "verl's full dependencies (installed --no-deps here)")
+    import torch.distributed as dist
+    from _distributed import free_port
+    from verl.utils import seqlen_balancing
+
+    monkeypatch.setattr(fsdp, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("micro_batch_size,use_dynamic_bsz", [(3, False), (B, True)])
+def test_verl_fsdp_engine_micro_batches_with_the_record(verl_core, one_rank_on_cpu, micro_batch_size,
+                                                        use_dynamic_bsz):
+    """verl's own FSDPEngine micro-batch loop (tests/_verl_batches.fsdp_engine_class) with the
+    record: the accumulated gradient and the summed loss are the unsplit mini-batch's."""
+    from _verl_batches import fsdp_engine_class
+
+    batch = reorder(rollout(), balanced_order())
+    advantages, _ = compute_tpo_outcome_advantage(batch["token_rewards"], batch["mask"].double(), batch["uids"])
+    engine = fsdp_engine_class()(batch["logits"].clone().requires_grad_())
+    data = verl_mini_batch(batch, advantages, micro_batch_size, use_dynamic_bsz=use_dynamic_bsz)
+    output = train_batch_for_tpo(engine, engine.train_batch, data, verl_actor_loss())
+    assert engine.forward_only_calls == 1 and len(output["loss"]) > 1
+    want_loss, want_grad = unsplit(batch)
+    torch.testing.assert_close(torch.tensor(sum(output["loss"]), dtype=torch.float64), want_loss, **EXACT)
+    torch.testing.assert_close(engine.logits.grad, want_grad, **EXACT)
+
+
 def test_the_worker_module_installs_its_training_worker(verl_core):
     engine_workers = pytest.importorskip("verl.workers.engine_workers", reason="verl's engine workers need verl's "
                                          "full dependencies (installed --no-deps here)")
