@@ -423,12 +423,23 @@ def test_verl_fsdp_engine_micro_batches_with_the_record(verl_core, one_rank_on_c
     torch.testing.assert_close(engine.logits.grad, want_grad, **EXACT)
 
 
-def test_the_worker_module_installs_its_training_worker(verl_core):
+def test_the_worker_module_installs_a_training_worker_whose_engine_records(verl_core, monkeypatch):
+    """Importing the worker module (what external_lib does) makes verl build the actor's training
+    worker as TPOTrainingWorker, whose engine records TPO mini-batches (TrainingWorker's own setup,
+    which builds a model engine on GPUs, replaced by a TinyEngine)."""
     engine_workers = pytest.importorskip("verl.workers.engine_workers", reason="verl's engine workers need verl's "
                                          "full dependencies (installed --no-deps here)")
     from tpo_kernels.integrations.verl.worker import TPOTrainingWorker
 
     assert engine_workers.ActorRolloutRefWorker.actor_worker_cls is TPOTrainingWorker
+    batch = reorder(rollout(), balanced_order())
+    advantages, _ = compute_tpo_outcome_advantage(batch["token_rewards"], batch["mask"].double(), batch["uids"])
+    engine = TinyEngine(batch["logits"].clone().requires_grad_())
+    monkeypatch.setattr(engine_workers.TrainingWorker, "__init__", lambda self, config: setattr(self, "engine", engine))
+    worker = TPOTrainingWorker(config=None)
+    worker.engine.train_batch(verl_mini_batch(batch, advantages, micro_batch_size=3), loss_function=verl_actor_loss())
+    assert engine.forward_only_calls == 1
+    torch.testing.assert_close(engine.logits.grad, unsplit(batch)[1], **EXACT)
 
 
 def test_verl_balancing_with_several_mini_batches_per_step_is_refused(verl_core):

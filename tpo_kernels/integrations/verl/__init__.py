@@ -64,8 +64,9 @@ What verl must still guarantee, and where it is checked:
   its group (it carries no advantage, hence no group).
 
 Tested against verl's registries, config classes, call signatures, ``ppo_loss``, micro-batching
-functions and balancing function, with groups split over micro-batches and over 2 gloo ranks; not
-in an end-to-end verl run (verl's workers and engines need its full dependencies and GPUs).
+functions, balancing function and FSDP engine micro-batch loop (with a stand-in model; that test
+needs verl's full dependencies), with groups split over micro-batches and over 2 gloo ranks; not in
+an end-to-end verl run (Ray workers, model engines, rollouts).
 
 The loss is anchored on ``old_log_prob`` (verl's proximal policy: ``p_old``); tied groups then
 get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only. Scaling: with

@@ -12,7 +12,12 @@ tokens)`` over the data-parallel ranks into a :class:`MiniBatchRecord`, and tags
 place in the record (the tensor field ``tpo_row``, which verl's micro-batching carries along);
 while verl computes each micro-batch's loss it makes the record and that micro-batch's rows
 visible to the ``tpo`` policy loss (:func:`recorded_rows`). Costs: one extra forward per
-mini-batch, and ``[N, 5]`` float64 values all-gathered once per mini-batch.
+mini-batch (without entropy), and ``[N, 5]`` float64 values all-gathered once per mini-batch.
+
+Exact in exact arithmetic; in floating point the other members' ``ell`` come from the record's
+forward, the micro-batch's own from the training forward, which agree to the forward's own
+run-to-run differences (bitwise for a deterministic forward over the same micro-batches; a
+model with active dropout has no single current policy either).
 
 What stays required: every group's responses in one mini-batch (over the ranks). A group whose
 responses are trained under different parameters has no single current policy; the policy loss
@@ -105,8 +110,12 @@ def record_mini_batch(engine, data) -> Tuple[MiniBatchRecord, int]:
     ``engine.train_batch`` receives it) and gather its :class:`MiniBatchRecord`."""
     from verl.workers.utils.padding import no_padding_2_padding
 
+    from verl.utils import tensordict_utils as tu
+
+    probe = data.copy()  # the same rows (shallow); the record needs no entropy
+    tu.assign_non_tensor(probe, calculate_entropy=False)
     with torch.no_grad():
-        output = engine.infer_batch(data, loss_function=None)
+        output = engine.infer_batch(probe, loss_function=None)
     log_prob = no_padding_2_padding(output["model_output"]["log_probs"], data)
     fields = data.select("response_mask", "old_log_probs", "advantages").to_padded_tensor()
     mask = fields["response_mask"].bool()
