@@ -108,9 +108,8 @@ def current_rows() -> Optional[Tuple[MiniBatchRecord, Tensor]]:
 def record_mini_batch(engine, data) -> Tuple[MiniBatchRecord, int]:
     """Run verl's engine forward-only over the mini-batch ``data`` (a TensorDict as verl's
     ``engine.train_batch`` receives it) and gather its :class:`MiniBatchRecord`."""
+    from verl.utils import tensordict_utils as tu  # verl's: imported when verl trains, not with tpo_kernels
     from verl.workers.utils.padding import no_padding_2_padding
-
-    from verl.utils import tensordict_utils as tu
 
     probe = data.copy()  # the same rows (shallow); the record needs no entropy
     tu.assign_non_tensor(probe, calculate_entropy=False)
@@ -141,7 +140,7 @@ def _is_tpo_loss(loss_function) -> bool:
     """Whether verl's actor loss (``partial(ppo_loss, config=actor_config)``) calls a TPO policy loss."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from .policy_loss import tpo_policy_loss
+    from .policy_loss import tpo_policy_loss  # which imports this module
 
     config = getattr(loss_function, "keywords", {}).get("config")
     if config is None or config.get("policy_loss") is None:
