@@ -9,7 +9,9 @@ unsplit result (one rank, the whole reordered batch): every rank's loss equals i
 gradient is ``dp_size`` times its rows of the unsplit gradient (so that data parallelism, which
 averages, gives the unsplit gradient); the metrics averaged over ranks (as verl aggregates them)
 equal the unsplit ones. A rank share split into two micro-batches holds parts of groups in each
-micro-batch step: both ranks refuse it, with the same error. A response without a counted token
+micro-batch step: both ranks refuse it, with the same error, unless the mini-batch was recorded
+first (tpo_kernels' verl worker): then each micro-batch on each rank takes its groups' other
+members from the record and the accumulated gradients equal the unsplit ones. A response without a counted token
 carries no group (group -1 on its own, no loss, no gradient): it is left out of its group as in the
 unsplit batch.
 """
@@ -18,7 +20,7 @@ import pytest
 import torch
 from _distributed import run_ranks
 from _verl_batches import actor_config, policy_inputs, reorder, rollout
-from _verl_ranks import policy_loss_on_share
+from _verl_ranks import policy_loss_on_share, recorded_share_in_micro_batches
 
 from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
 
@@ -90,3 +92,15 @@ def test_micro_batch_steps_holding_parts_of_groups_are_refused_on_every_rank(run
     errors = [micro.get("error") for result in results for micro in result["micro_batches"]]
     assert errors[0] is not None and "holds part of a group" in errors[0]
     assert errors[0] == errors[len(errors) // 2]  # the same error on every rank, in the same step
+
+
+@pytest.mark.parametrize("micro_batch_size", [2])
+def test_recorded_micro_batches_on_split_ranks_give_the_unsplit_loss_and_gradient(micro_batch_size):
+    batch, advantages = balanced_batch()
+    results = run_ranks(WORLD, recorded_share_in_micro_batches, batch, advantages, micro_batch_size, deadline_s=120)
+    loss, _, grad = unsplit(batch, advantages)
+    # verl averages the ranks' summed micro-batch losses, and data parallelism their gradients.
+    torch.testing.assert_close(sum(result["loss"] for result in results) / WORLD, loss, **TOL)
+    for result in results:
+        torch.testing.assert_close(result["grad"] / WORLD, grad[result["rows"]], **TOL)
+

@@ -10,9 +10,10 @@ which ``import verl`` loads. Without verl the functions below work alone (verl-s
     python -m verl.trainer.main_ppo algorithm.adv_estimator=tpo \\
         actor_rollout_ref.actor.policy_loss.loss_mode=tpo actor_rollout_ref.rollout.n=8 \\
         data.train_batch_size=64 actor_rollout_ref.actor.ppo_mini_batch_size=64 \\
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 actor_rollout_ref.actor.use_dynamic_bsz=False ...
+        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \\
+        actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker ...
 
-(on 8 GPUs: 64 prompts x 8 responses / 8 ranks = 64 responses per rank, one micro-batch each).
+(on 8 GPUs: 64 prompts x 8 responses / 8 ranks = 64 responses per rank, in 4 micro-batches).
 
 How scores and groups reach the loss. verl hands a policy loss ``old_log_prob``, ``log_prob``,
 ``advantages`` and ``response_mask`` (``[B, T]``) and the actor config, but no uids, and its
@@ -33,27 +34,39 @@ trainer reorders the batch before the advantage step. So:
   ``[N]``-sized rows cross ranks, every rank returns the loss of the step's groups, and data
   parallelism's averaging gives every parameter the gradient of the unsplit batch.
 
+Gradient accumulation. When a rank trains its mini-batch in several micro-batches (more rows than
+``ppo_micro_batch_size_per_gpu``, or ``use_dynamic_bsz``), a micro-batch holds parts of groups.
+Add ``actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker``: verl then builds
+the actor with :class:`.worker.TPOTrainingWorker`, which records each such mini-batch first (one
+no-grad forward, every response's current sequence log-prob gathered over the ranks; see
+:mod:`.mini_batch`), and each micro-batch's loss takes its groups' other members from the record.
+The parameters are fixed over a mini-batch, so the accumulated gradient is the unsplit one, in any
+micro-batch layout. Without the worker, a micro-batch step over the ranks that holds part of a
+group raises a ``ValueError`` (on every rank) naming the worker and the one-micro-batch setting
+(``ppo_micro_batch_size_per_gpu`` = the rank's share, ``use_dynamic_bsz=False``, ``shuffle=False``).
+
 What verl must still guarantee, and where it is checked:
 
-* **Each micro-batch step over the data-parallel ranks holds whole groups**: every response of a
-  group is trained in the same micro-batch step, on whichever rank. Checked after the gather
-  (a group's standardized scores sum to 0 and their squares to its size; a part of a tied group
-  is not detected): every rank raises the same ``ValueError``. verl 0.9.1's default (v1)
-  trainer always balances sequence lengths over the ranks, which spreads a group over the ranks'
-  whole shares of the batch; it trains with one mini-batch per step (``ppo_mini_batch_size`` =
-  ``data.train_batch_size``) and one micro-batch per rank (``ppo_micro_batch_size_per_gpu`` = the
-  rank's share of the batch). The legacy trainer (``trainer.use_v1=False``) with
-  ``trainer.balance_batch=False`` gives each rank whole consecutive groups: any
-  ``ppo_micro_batch_size_per_gpu`` that is a multiple of ``rollout.n`` works there.
-* **No reordering inside the actor**: ``use_dynamic_bsz`` and ``shuffle`` are refused.
+* **Each mini-batch holds whole groups** (over the ranks): a group trained under two parameter
+  versions has no single current policy. Checked on the record: a group with fewer than
+  ``rollout_n`` responses there is a part, unless a response of the mini-batch has no counted
+  token (it carries no group); then its standardized scores must sum to 0 and their squares to
+  its size (a part of a tied group is then not detected). verl 0.9.1's
+  trainers balance sequence lengths over the whole batch, which spreads groups over the ranks'
+  mini-batches: use one mini-batch per step (``ppo_mini_batch_size`` = ``data.train_batch_size``;
+  ``ppo_epochs`` may be > 1), one rank, or the legacy trainer (``trainer.use_v1=False``) with
+  ``trainer.balance_batch=False``, ``shuffle=False`` and per-rank mini-batches
+  (``ppo_mini_batch_size * rollout.n / ranks``) that are whole groups.
 * **Pure data parallelism**: the loss cannot see the actor's data-parallel group, so it refuses
   a ``dp_size`` other than the world size (sequence / tensor / pipeline parallelism).
 * **float64 advantages** from the estimator to the loss (verl keeps the estimator's dtype).
 * Every response of a group that has a counted token; a response without one is left out of
   its group (it carries no advantage, hence no group).
 
-Tested against verl's registries, config classes, call signatures and its balancing function, with
-groups split over 2 gloo ranks, not in an end-to-end verl run.
+Tested against verl's registries, config classes, call signatures, ``ppo_loss``, micro-batching
+functions, balancing function and FSDP engine micro-batch loop (with a stand-in model; that test
+needs verl's full dependencies), with groups split over micro-batches and over 2 gloo ranks; not in
+an end-to-end verl run (Ray workers, model engines, rollouts).
 
 The loss is anchored on ``old_log_prob`` (verl's proximal policy: ``p_old``); tied groups then
 get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only. Scaling: with

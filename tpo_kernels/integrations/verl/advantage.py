@@ -59,6 +59,30 @@ def decode_scores(values: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return n * 2.0**-SCORE_BITS, group_ids, valid
 
 
+def decode_advantages(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """(score u, group id) per response from the tpo estimator's advantages on its counted
+    tokens; a response without a counted token gets u = 0 and group -1 (tpo_kernels leaves it
+    out). Checks that the advantage is one encoded value per response."""
+    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)  # first counted token (0 if none)
+    counted = mask.any(dim=1)
+    values = advantages.gather(1, first).squeeze(1)
+    u, group_ids, marked = decode_scores(values)
+    varying, unmarked = torch.stack([((advantages != values.unsqueeze(1)) & mask).any(),
+                                     (counted & ~marked).any()]).tolist()  # one read-back
+    if unmarked:
+        raise ValueError(
+            "advantages: the TPO policy loss needs the advantages of algorithm.adv_estimator=tpo, which carry each "
+            "response's score and group in float64; got values it did not write (another estimator, or advantages "
+            f"cast to {advantages.dtype} on the way)"
+        )
+    if varying:
+        raise ValueError(
+            "advantages: TPO needs one score per response, constant over its tokens (algorithm.adv_estimator=tpo), "
+            "got advantages that vary along a response"
+        )
+    return torch.where(counted, u, 0.0), torch.where(counted, group_ids, -1)
+
+
 def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor, score_eps: float) -> Tensor:
     """u per response within its group (any row order), over the group's responses with a
     counted token; 0 for the others and for every member of a group whose scores tie."""

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...functional import tpo_loss_from_logprobs
-from .advantage import decode_scores
+from .advantage import decode_advantages
+from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
 # exactly up to the 2**-24 resolution of the encoded scores; a near-tied group's centered scores
@@ -17,18 +18,26 @@ from .advantage import decode_scores
 _WHOLE_GROUP_ATOL = 1e-5
 
 
-def _batching(config) -> Tuple[int, int, Optional[int]]:
-    """(K, dp_size, global_batch_size) from verl's actor config, after checking the batching
-    settings that would split groups in ways the loss cannot see."""
+def _group_size(config) -> int:
+    """K, the responses per prompt (verl's ``rollout_n``), from verl's actor config."""
     if config is None:
         raise ValueError("config: the TPO policy loss needs verl's actor config (rollout_n, batching settings)")
     group_size = config.get("rollout_n", None)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"config.rollout_n must be the number of responses per prompt (int >= 1), got {group_size!r}")
+    return group_size
+
+
+def _batching(config) -> Tuple[int, int, Optional[int]]:
+    """(K, dp_size, global_batch_size) from verl's actor config, after checking the batching
+    settings that would split groups in ways the loss cannot see."""
+    group_size = _group_size(config)
     if config.get("use_dynamic_bsz", False):
         raise ValueError(
             "config.use_dynamic_bsz: dynamic batch sizes regroup rows by token count, so a micro-batch step over the "
-            "data-parallel ranks no longer holds whole groups; set actor.use_dynamic_bsz=False"
+            "data-parallel ranks no longer holds whole groups; record each mini-batch first "
+            "(actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker) or set "
+            "actor.use_dynamic_bsz=False"
         )
     if config.get("shuffle", False):
         raise ValueError("config.shuffle: shuffling the mini-batch rows splits TPO groups; set actor.shuffle=False")
@@ -61,28 +70,15 @@ def _data_parallel_group(dp_size: int):
     return dist.group.WORLD
 
 
-def _scores(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
-    """(score u, group id) per response from the tpo estimator's advantages on its counted
-    tokens; a response without a counted token gets u = 0 and group -1 (tpo_kernels leaves it
-    out). Checks that the advantage is one encoded value per response."""
-    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)  # first counted token (0 if none)
-    counted = mask.any(dim=1)
-    values = advantages.gather(1, first).squeeze(1)
-    u, group_ids, marked = decode_scores(values)
-    varying, unmarked = torch.stack([((advantages != values.unsqueeze(1)) & mask).any(),
-                                     (counted & ~marked).any()]).tolist()  # one read-back
-    if unmarked:
-        raise ValueError(
-            "advantages: the TPO policy loss needs the advantages of algorithm.adv_estimator=tpo, which carry each "
-            "response's score and group in float64; got values it did not write (another estimator, or advantages "
-            f"cast to {advantages.dtype} on the way)"
-        )
-    if varying:
-        raise ValueError(
-            "advantages: TPO needs one score per response, constant over its tokens (algorithm.adv_estimator=tpo), "
-            "got advantages that vary along a response"
-        )
-    return torch.where(counted, u, 0.0), torch.where(counted, group_ids, -1)
+def _whole(ids: Tensor, scores: Tensor, score_eps: float) -> Tensor:
+    """``[G]`` bool per distinct id (sorted): whether the responses given are its whole group
+    (scores summing to 0, squares to the count or, near-tied, at most score_eps**2 each)."""
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
+    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores * scores)
+    near_tied = squares <= counts * (score_eps + 2.0**-24) ** 2  # exact ties included
+    standardized = (squares - counts).abs() <= _WHOLE_GROUP_ATOL * counts
+    return (sums.abs() <= _WHOLE_GROUP_ATOL * counts) & (near_tied | standardized)
 
 
 def _step_groups(u: Tensor, group_ids: Tensor, process_group, score_eps: float) -> Tuple[Tensor, Tensor]:
@@ -97,20 +93,16 @@ def _step_groups(u: Tensor, group_ids: Tensor, process_group, score_eps: float) 
         dist.all_gather_object(shares, local, group=process_group)
         rows = torch.cat(shares)
     ids, scores = rows[:, 0].to(torch.int64), rows[:, 1]
-    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
-    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores * scores)
-    near_tied = squares <= counts * (score_eps + 2.0**-24) ** 2  # exact ties included
-    standardized = (squares - counts).abs() <= _WHOLE_GROUP_ATOL * counts
-    whole = (sums.abs() <= _WHOLE_GROUP_ATOL * counts) & (near_tied | standardized)
-    if not bool(whole.all()):
+    if not bool(_whole(ids, scores, score_eps).all()):
         raise ValueError(
             "advantages: this micro-batch step over the data-parallel ranks holds part of a group (its standardized "
-            "scores do not sum to 0): every group's responses must be trained in the same micro-batch step on some "
-            "rank. verl's sequence balancing spreads groups over the ranks' whole share of the batch, so use one "
-            "mini-batch per step (ppo_mini_batch_size = data.train_batch_size) and one micro-batch per rank "
-            "(ppo_micro_batch_size_per_gpu = its share), or the legacy trainer with trainer.balance_batch=False and "
-            "micro-batches of whole groups (see tpo_kernels.integrations.verl)"
+            "scores do not sum to 0), and TPO's group softmax needs the current log-probs of all its responses. "
+            "If verl's gradient accumulation split it, record each mini-batch first "
+            "(actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker: any micro-batching, "
+            "use_dynamic_bsz included) or train each rank's share of the mini-batch in one micro-batch "
+            "(ppo_micro_batch_size_per_gpu = ppo_mini_batch_size * rollout.n / data-parallel size). Either way a "
+            "group must not span mini-batches: verl's sequence balancing spreads groups over the whole batch, so "
+            "train one mini-batch per step (ppo_mini_batch_size = data.train_batch_size)"
         )
     return ids, scores
 
@@ -159,10 +151,14 @@ def tpo_policy_loss(
     for name, tensor in (("old_log_prob", old_log_prob), ("advantages", advantages), ("response_mask", response_mask)):
         if tensor.shape != log_prob.shape:
             raise ValueError(f"{name} must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(tensor.shape)}")
+    mask = response_mask.bool()
+    u, group_ids = decode_advantages(advantages.detach(), mask)
+    settings = dict(eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, backend=backend)
+    recorded = current_rows()
+    if recorded is not None:  # inside verl's micro-batch loop, with the mini-batch recorded
+        return _recorded_loss(*recorded, _group_size(config), u, group_ids, log_prob, old_log_prob, mask, **settings)
     group_size, dp_size, global_batch = _batching(config)
     process_group = _data_parallel_group(dp_size)
-    mask = response_mask.bool()
-    u, group_ids = _scores(advantages.detach(), mask)
     step_ids, step_scores = _step_groups(u, group_ids, process_group, score_eps)
     loss, aux = tpo_loss_from_logprobs(
         log_prob, u.to(log_prob.dtype), mask=mask, group_ids=group_ids,
@@ -177,6 +173,99 @@ def tpo_policy_loss(
         loss = loss * (group_size / global_batch) * (1 if process_group is not None else dp_size)
     metrics = _metrics(aux, step_ids, step_scores, log_prob, old_log_prob, mask, dp_size)
     return loss, metrics
+
+
+def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u: Tensor, group_size: int,
+                     score_eps: float) -> Tensor:
+    """The record indices of the other members of the micro-batch's groups, after checking that
+    the micro-batch's rows are the recorded ones and that the record holds its groups whole."""
+    if len(rows) != len(u):
+        raise ValueError(f"{ROW_FIELD}: {len(rows)} recorded rows for a micro-batch of {len(u)} responses")
+    if not (torch.equal(record.group_ids[rows], group_ids) and torch.equal(record.scores[rows], u)):
+        raise ValueError(
+            f"{ROW_FIELD}: the micro-batch's responses are not the recorded rows (their groups or scores differ): "
+            "the mini-batch changed between tpo_kernels' record and verl's training step"
+        )
+    own = group_ids >= 0
+    touched = torch.isin(record.group_ids, torch.unique(group_ids[own]))
+    _, recorded_sizes = torch.unique(record.group_ids[touched], return_counts=True)
+    if bool((recorded_sizes > group_size).any()):
+        raise ValueError(f"config.rollout_n: the record holds a group of {int(recorded_sizes.max())} responses, more "
+                         f"than rollout_n = {group_size}")
+    # Fewer than K responses is part of a group, unless a response of the mini-batch has no counted
+    # token (it carries no group); then the scores' sums tell (blind to a part of a tied group).
+    short = (recorded_sizes < group_size) & ~bool((record.group_ids < 0).any())
+    if not bool((~short & _whole(record.group_ids[touched], record.scores[touched], score_eps)).all()):
+        raise ValueError(
+            "advantages: a group's responses are in different mini-batches (the recorded mini-batch holds fewer "
+            "than rollout_n of them, or their standardized scores do not sum to 0), so they are trained under "
+            "different parameters and TPO has no single current policy for the group. verl 0.9.1's trainer "
+            "balances sequence lengths over the whole batch, which spreads each group over the ranks' "
+            "mini-batches: train one mini-batch per step (actor_rollout_ref.actor.ppo_mini_batch_size = "
+            "data.train_batch_size; ppo_epochs may be > 1), or use one data-parallel rank, or the legacy trainer "
+            "with trainer.balance_batch=False, shuffle=False and mini-batches of whole groups"
+        )
+    touched[rows[own]] = False
+    return touched.nonzero().squeeze(1)
+
+
+def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Tensor, group_ids: Tensor,
+                   log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, eta: float, anchor: bool,
+                   score_eps: float, length_normalize: bool, backend: str) -> Tuple[Tensor, Dict[str, Any]]:
+    """The micro-batch's exact share of the mini-batch loss: its groups' TPO loss on its own
+    responses (differentiable) together with the recorded current log-probs of their other members
+    (constants), so each response gets the gradient of the unsplit group. Each group's value
+    counts with the fraction of its responses held here (the micro-batches' values add up to the
+    mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages."""
+    ids_cpu, u_cpu = group_ids.cpu(), u.to(torch.float64).cpu()
+    others = _recorded_others(record, rows.to(torch.int64), ids_cpu, u_cpu, group_size, score_eps)
+    own = ids_cpu >= 0
+    if not bool(own.any()):  # no counted response here: no loss, no gradient
+        return log_prob.sum() * 0.0, _recorded_metrics(None, None, log_prob, old_log_prob, mask)
+    device, dtype = log_prob.device, log_prob.dtype
+    own_mask = mask[own.to(mask.device)]
+    # Packed rows: this micro-batch's counted responses token by token, then each other member as
+    # one token carrying its sequence log-prob (its mean over its tokens with length_normalize,
+    # which a one-token mean leaves unchanged).
+    lengths = torch.cat([own_mask.sum(1).cpu(), torch.ones(len(others), dtype=torch.int64)])
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
+    other_tokens = record.num_tokens[others].to(torch.float64) if length_normalize else 1.0
+    logprobs = torch.cat([log_prob[own.to(device)][own_mask],
+                          (record.seq_logprobs[others] / other_tokens).to(device, dtype)])
+    old_ell = None
+    if anchor:
+        own_old = (old_log_prob.detach()[own.to(device)].to(torch.float64) * own_mask).sum(1).cpu()
+        if length_normalize:
+            own_old = own_old / lengths[: len(own_old)]
+        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens]).to(device, dtype)
+    ids = torch.cat([ids_cpu[own], record.group_ids[others]])
+    scores = torch.cat([u_cpu[own], record.scores[others]])
+    per_group, aux = tpo_loss_from_logprobs(
+        logprobs, scores.to(device, dtype), cu_seqlens=cu_seqlens, group_ids=ids.to(device), old_logprobs=old_ell,
+        eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, reduction="none",
+        backend=backend, return_aux=True,
+    )
+    _, inverse, sizes = torch.unique(ids, return_inverse=True, return_counts=True)  # per_group's order
+    held = torch.bincount(inverse[: int(own.sum())], minlength=len(sizes))  # own responses come first
+    fraction = held.to(torch.float64) / sizes
+    weight = fraction.to(per_group.device, per_group.dtype)
+    loss = (per_group - (1 - weight) * per_group.detach()).sum() * (record.dp_size / record.num_groups)
+    signal = torch.zeros(len(sizes), dtype=torch.bool).index_put_((inverse,), scores != 0, accumulate=True)
+    aux["zero_signal"] = ~signal  # no reward signal: every score of the group is 0
+    return loss, _recorded_metrics(aux, fraction, log_prob, old_log_prob, mask)
+
+
+def _recorded_metrics(aux, fraction: Optional[Tensor], log_prob: Tensor, old_log_prob: Tensor,
+                      mask: Tensor) -> Dict[str, float]:
+    """The micro-batch's groups' KL(q || p), H(p), H(q) and no-signal fraction, each group
+    weighted by the fraction of its responses held here; verl's ``ppo_kl`` of this micro-batch."""
+    log_ratio = (log_prob.detach() - old_log_prob).float()
+    metrics = {"actor/ppo_kl": float(-(log_ratio * mask).sum() / mask.sum().clamp_min(1))}
+    names = ("kl_q_p", "entropy_p", "entropy_q", "zero_signal")
+    for name in names:
+        value = float("nan") if aux is None else float((aux[name].cpu().double() * fraction).sum() / fraction.sum())
+        metrics["actor/tpo_frac_zero_signal_groups" if name == "zero_signal" else f"actor/tpo_{name}"] = value
+    return metrics
 
 
 def _metrics(aux, step_ids: Tensor, step_scores: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor,
