@@ -129,9 +129,8 @@ def test_cached_tokens_cost_three_matmuls(backend, cache_rows):
 def test_zero_signal_tokens_are_not_recomputed_with_a_cache(backend):
     """Tied groups' tokens cost the forward only, cached or not; the others three matmuls."""
     h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=2)
-    work, aux, grad = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=FULL)
-    seq = torch.repeat_interleave(torch.arange(len(scores), device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
-    active = (labels != -100) & (aux["coef"][seq] != 0)
+    work, _, grad = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=FULL)
+    active = _active_tokens(h, w, b, labels, scores, kwargs)
     counted, num_active = int((labels != -100).sum()), int(active.sum())
     assert 0 < num_active < counted
     assert work == (counted + 2 * num_active) * VOCAB * HIDDEN
@@ -183,21 +182,32 @@ def _active_tokens(h, w, b, labels, scores, kwargs):
     return (labels != -100) & (aux["coef"][seq] != 0)
 
 
-@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-@pytest.mark.parametrize("grouping", ["size", "ids"])
-def test_a_budget_of_the_signal_tokens_caches_every_one_of_them(backend, grouping):
-    """Half the groups tie (the first: without the selection their tokens would fill the cache):
-    a cache of exactly the signal groups' tokens holds them all, so the backward recomputes
-    nothing, and the results are the uncached ones."""
-    h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping=grouping, num_groups=4, tie_groups=2)
+def _check_a_budget_of_the_signal_tokens(backend, chunk_size, **batch):
+    """A cache of exactly the signal groups' tokens holds them all (the tied groups come first:
+    without the selection their tokens would fill it), so the backward recomputes nothing, and the
+    results are the uncached ones."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", **batch)
     active = _active_tokens(h, w, b, labels, scores, kwargs)
     counted, num_active = int((labels != -100).sum()), int(active.sum())
     assert 0 < num_active < counted
     budget = num_active * _row_bytes()
     work, _, _ = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=budget)
     assert work == (counted + 2 * num_active) * VOCAB * HIDDEN
-    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=3, logits_cache_bytes=budget)
-    _assert_results_close(cached, _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=3), CACHE_TOL)
+    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=chunk_size, logits_cache_bytes=budget)
+    uncached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=chunk_size)
+    _assert_results_close(cached, uncached, CACHE_TOL)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("grouping", ["size", "ids"])
+def test_a_budget_of_the_signal_tokens_caches_every_one_of_them(backend, grouping):
+    """Half the groups tie."""
+    _check_a_budget_of_the_signal_tokens(backend, 3, grouping=grouping, num_groups=4, tie_groups=2)
+
+
+@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
+def test_interpreted_triton_caches_the_signal_tokens_only(backend):
+    _check_a_budget_of_the_signal_tokens(backend, 2, num_groups=2, group_size=2, max_len=3, tie_groups=1)
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
@@ -221,18 +231,6 @@ def test_tied_groups_keep_their_slots_when_they_carry_gradient(backend, signal):
     tied_rows = int(kwargs["cu_seqlens"][2 * kwargs["group_size"]])  # the two tied groups' tokens
     assert bool(active[:tied_rows].any())
     assert work == (int(counted.sum()) + 2 * int(active.sum())) * VOCAB * HIDDEN
-
-
-@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
-def test_interpreted_triton_caches_the_signal_tokens_only(backend):
-    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=2, group_size=2, max_len=3, tie_groups=1)
-    active = _active_tokens(h, w, b, labels, scores, kwargs)
-    counted, num_active = int((labels != -100).sum()), int(active.sum())
-    budget = num_active * _row_bytes()
-    work, _, _ = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=budget)
-    assert work == (counted + 2 * num_active) * VOCAB * HIDDEN
-    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=2, logits_cache_bytes=budget)
-    _assert_results_close(cached, _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=2), CACHE_TOL)
 
 
 @pytest.mark.parametrize("validate", [True, False], ids=["validate", "no-validate"])
