@@ -234,10 +234,11 @@ def test_tied_groups_keep_their_slots_when_they_carry_gradient(backend, signal):
 
 
 @pytest.mark.parametrize("validate", [True, False], ids=["validate", "no-validate"])
-def test_choosing_the_cached_tokens_costs_no_read_back(validate):
+@pytest.mark.parametrize("grouping", ["size", "ids"])
+def test_choosing_the_cached_tokens_costs_no_read_back(validate, grouping):
     """With tied groups and a partial cache, the forward and backward read back no more than
     without a cache: the selection runs on the device."""
-    h, w, b, labels, scores, kwargs = _batch(layout="padded", num_groups=4, tie_groups=2)
+    h, w, b, labels, scores, kwargs = _batch(layout="padded", grouping=grouping, num_groups=4, tie_groups=2)
 
     def read_backs(cache):
         h_, w_, b_ = _leaves(h, w, b)
