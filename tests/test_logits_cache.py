@@ -1,7 +1,8 @@
 """The fused head's logits cache (``logits_cache_bytes``): the forward keeps whole rows of logits
 for the backward, which then reads them instead of recomputing them. Cached and uncached results
 agree (fp32: to the recompute's rounding, CACHE_TOL; bf16: BF16_CACHE_TOL), cached tokens cost three
-matmuls instead of four, zero-signal tokens are never read, and nothing is kept without a gradient."""
+matmuls instead of four, zero-signal tokens are never read and take no slot (the slots go to the
+tokens of groups with signal), and nothing is kept without a gradient."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ import tpo_kernels
 from tpo_kernels import TilePolicy, fused_linear_logprobs, fused_linear_tpo_loss
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
-from _dispatch import OpRecorder
+from _dispatch import OpRecorder, ReadBacks
 from test_fused_linear import (FP32_TOL, HIDDEN, VOCAB, MatmulRecorder, _batch, _check_tpo, _leaves,
                                _loss_and_grads)
 
@@ -128,9 +129,8 @@ def test_cached_tokens_cost_three_matmuls(backend, cache_rows):
 def test_zero_signal_tokens_are_not_recomputed_with_a_cache(backend):
     """Tied groups' tokens cost the forward only, cached or not; the others three matmuls."""
     h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=2)
-    work, aux, grad = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=FULL)
-    seq = torch.repeat_interleave(torch.arange(len(scores), device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
-    active = (labels != -100) & (aux["coef"][seq] != 0)
+    work, _, grad = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=FULL)
+    active = _active_tokens(h, w, b, labels, scores, kwargs)
     counted, num_active = int((labels != -100).sum()), int(active.sum())
     assert 0 < num_active < counted
     assert work == (counted + 2 * num_active) * VOCAB * HIDDEN
@@ -156,24 +156,99 @@ class _PoisonCache(torch.autograd.graph.saved_tensors_hooks):
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_the_backward_reads_the_cache_of_active_rows_only(backend):
-    """NaN written over the cached logits of the active tokens reaches the gradients (the backward
-    reads the cache); over the zero-signal tokens' rows it changes nothing (they are never read)."""
+    """The active tokens take the cache's first slots, in row order: NaN written over them reaches
+    the gradients (the backward reads the cache); over the other slots (the zero-signal tokens',
+    without the selection) it changes nothing (they are never read)."""
     h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=2)
     clean = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
-    _, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, return_aux=True, **kwargs)
-    seq = torch.repeat_interleave(torch.arange(len(scores), device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
-    active = aux["coef"][seq] != 0  # packed rows: the cache's slot of a counted row is its rank
-    slots = torch.cumsum(labels != -100, 0) - 1
+    active = _active_tokens(h, w, b, labels, scores, kwargs)
+    num_active = int(active.sum())
     shape = (labels.numel(), VOCAB)  # a cache of every row
-    poison = _PoisonCache(shape, slots[(labels != -100) & ~active])
+    poison = _PoisonCache(shape, slice(num_active, None))
     with poison:
-        tied_poisoned = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
+        rest_poisoned = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
     assert poison.poisoned == 1
-    for got, want in zip(tied_poisoned[1], clean[1]):
+    for got, want in zip(rest_poisoned[1], clean[1]):
         assert torch.equal(got, want)
-    with _PoisonCache(shape, slots[(labels != -100) & active]):
+    with _PoisonCache(shape, slice(0, num_active)):
         active_poisoned = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=4, logits_cache_bytes=FULL)
     assert all(torch.isnan(grad).any() for grad in active_poisoned[1])
+
+
+def _active_tokens(h, w, b, labels, scores, kwargs):
+    """[M] bool: the counted tokens of completions with a nonzero coef (aux), packed rows."""
+    _, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, return_aux=True, **kwargs)
+    seq = torch.repeat_interleave(torch.arange(len(scores), device=DEVICE), torch.diff(kwargs["cu_seqlens"].long()))
+    return (labels != -100) & (aux["coef"][seq] != 0)
+
+
+def _check_a_budget_of_the_signal_tokens(backend, chunk_size, **batch):
+    """A cache of exactly the signal groups' tokens holds them all (the tied groups come first:
+    without the selection their tokens would fill it), so the backward recomputes nothing, and the
+    results are the uncached ones."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", **batch)
+    active = _active_tokens(h, w, b, labels, scores, kwargs)
+    counted, num_active = int((labels != -100).sum()), int(active.sum())
+    assert 0 < num_active < counted
+    budget = num_active * _row_bytes()
+    work, _, _ = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=budget)
+    assert work == (counted + 2 * num_active) * VOCAB * HIDDEN
+    cached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=chunk_size, logits_cache_bytes=budget)
+    uncached = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=chunk_size)
+    _assert_results_close(cached, uncached, CACHE_TOL)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("grouping", ["size", "ids"])
+def test_a_budget_of_the_signal_tokens_caches_every_one_of_them(backend, grouping):
+    """Half the groups tie."""
+    _check_a_budget_of_the_signal_tokens(backend, 3, grouping=grouping, num_groups=4, tie_groups=2)
+
+
+@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
+def test_interpreted_triton_caches_the_signal_tokens_only(backend):
+    _check_a_budget_of_the_signal_tokens(backend, 2, num_groups=2, group_size=2, max_len=3, tie_groups=1)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("signal", ["no anchor", "off-policy", "kl term", "near tie"])
+def test_tied_groups_keep_their_slots_when_they_carry_gradient(backend, signal):
+    """Tied scores are zero-signal only on-policy with the anchor and without a KL term, and a
+    near tie (std <= score_eps) keeps its small signal: then the tied groups' tokens are active
+    and a cache of every token leaves nothing to recompute."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=2,
+                                             old="seq" if signal == "off-policy" else None,
+                                             with_ref=signal == "kl term")
+    if signal == "no anchor":
+        kwargs["anchor"] = False
+    if signal == "near tie":  # float64 scores: 1e-9 apart is below fp32's resolution at 0.5
+        scores = scores.double() + 1e-9 * torch.arange(len(scores), device=DEVICE)
+        kwargs["score_eps"] = 1e-6
+    counted = labels != -100
+    work, _, grad = _matmul_work(backend, h, w, b, labels, scores, kwargs, logits_cache_bytes=FULL)
+    # Active: a nonzero gradient (a member that softmax rounds to p = q = 0 has none).
+    active = counted & (grad != 0).any(dim=1)
+    tied_rows = int(kwargs["cu_seqlens"][2 * kwargs["group_size"]])  # the two tied groups' tokens
+    assert bool(active[:tied_rows].any())
+    assert work == (int(counted.sum()) + 2 * int(active.sum())) * VOCAB * HIDDEN
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "no-validate"])
+@pytest.mark.parametrize("grouping", ["size", "ids"])
+def test_choosing_the_cached_tokens_costs_no_read_back(validate, grouping):
+    """With tied groups and a partial cache, the forward and backward read back no more than
+    without a cache: the selection runs on the device."""
+    h, w, b, labels, scores, kwargs = _batch(layout="padded", grouping=grouping, num_groups=4, tie_groups=2)
+
+    def read_backs(cache):
+        h_, w_, b_ = _leaves(h, w, b)
+        recorder = ReadBacks()
+        with recorder:
+            fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, chunk_size=3, validate=validate,
+                                  logits_cache_bytes=cache, **kwargs).backward()
+        return recorder.reads
+
+    assert len(read_backs(5 * _row_bytes())) == len(read_backs(0))
 
 
 class _Allocations(OpRecorder):
@@ -253,12 +328,14 @@ def test_policy_field_alone_turns_the_cache_on():
     assert work == 3 * counted * VOCAB * HIDDEN
 
 
-def test_fullgraph_compile_with_the_cache_matches_eager():
-    h, w, b, labels, scores, kwargs = _batch(layout="padded")
+@pytest.mark.parametrize("cache", [FULL, 4 * _row_bytes()])
+def test_fullgraph_compile_with_the_cache_matches_eager(cache):
+    """With a tied group, so that the compiled graph chooses the cached tokens too."""
+    h, w, b, labels, scores, kwargs = _batch(layout="padded", tie_groups=1)
 
     def step(h_, w_, b_):
         return fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend="torch", chunk_size=3, validate=False,
-                                     logits_cache_bytes=FULL, **kwargs)
+                                     logits_cache_bytes=cache, **kwargs)
 
     eager = _loss_and_grads(step, h, w, b)
     torch._dynamo.reset()
@@ -272,6 +349,8 @@ def test_custom_op_with_the_cache_passes_opcheck():
     labels = torch.tensor([0, 3, -1, 5, 36, 2], device=DEVICE)
     args = (h, w, None, labels, 1.0, True, 4, 4, 1 << 20, torch.float32, "torch", 1.0, None, None, 4 * _row_bytes())
     torch.library.opcheck(tpo_kernels.ops.linear._linear_logprobs, args)
+    candidates = torch.tensor([True, True, False, False, True, True], device=DEVICE)  # fills the cache
+    torch.library.opcheck(tpo_kernels.ops.linear._linear_logprobs, args + (candidates,))
 
 
 def test_module_passes_the_cache_on():

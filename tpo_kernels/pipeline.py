@@ -30,6 +30,7 @@ from . import _validate
 from . import distributed
 from ._dtypes import compute_dtype
 from ._validate import placement
+from .group_math import group_sum, portable_group_targets
 from .backends import backend_key, get_backend
 from .layout import candidate_layout
 from .ops import TilePolicy, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
@@ -366,8 +367,10 @@ def _checked_or_failure(check: Callable[[], _Checked], distributed_call: bool):
 # ----------------------------------------------------------------------------- row ops
 
 
-def _row_logprobs(checked: _Checked, shard, with_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """The row op on the whole vocabulary, or on this rank's shard of it."""
+def _row_logprobs(checked: _Checked, shard, with_entropy: bool,
+                  cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """The row op on the whole vocabulary, or on this rank's shard of it; ``cache_candidates``:
+    the tokens a fused head's logits cache may hold (None: every counted token)."""
     s, kind = checked.settings, checked.rows[0]
     if kind == "logprobs":
         return torch.where(checked.labels >= 0, checked.rows[1].reshape(-1).to(checked.dtype), 0.0), None
@@ -386,7 +389,28 @@ def _row_logprobs(checked: _Checked, shard, with_entropy: bool) -> Tuple[Tensor,
         _, matrix, inplace = checked.rows
         return token_logprobs(matrix, checked.labels, inplace_backward=inplace, **transform)
     _, flat, weight, bias, tiles = checked.rows
-    return linear_logprobs(flat, weight, bias, checked.labels, **transform, **tiles)
+    return linear_logprobs(flat, weight, bias, checked.labels, **transform, **tiles, cache_candidates=cache_candidates)
+
+
+def _signal_tokens(checked: _Checked, gather) -> Optional[Tensor]:
+    """``[M]`` bool: the tokens of the groups that can carry a gradient, the candidates of a fused
+    head's logits cache. On-policy with the anchor and no KL term, a group whose standardized
+    scores are all 0 (its scores tie) has ``q == p`` bit for bit, so its tokens' gradient is
+    exactly 0 and the backward never reads their logits: the cache's slots go to the others.
+    Decided from the scores alone, on the device (no read-back). None (every counted token) when
+    there is no cache, or when the gradient's support is not known before the forward: off-policy,
+    without the anchor, with a KL term, or with the groups gathered over ranks."""
+    s, batch = checked.settings, checked.batch
+    if checked.rows[0] != "head" or not checked.rows[4]["policy"].logits_cache_bytes or gather is not None:
+        return None
+    if not s.anchor or batch.old_seq_logprobs is not None or batch.beta > 0 or batch.layout.num_groups == 0:
+        return None
+    layout = batch.layout
+    # u from the group op itself (u does not depend on the log-probs): one tie rule, not two.
+    u = portable_group_targets(torch.zeros(layout.num_tokens, dtype=torch.float64, device=checked.device), layout,
+                               batch.scores, eta=1.0, anchor=True, score_eps=s.score_eps).u
+    signal = group_sum((u != 0).to(torch.float64), layout) > 0
+    return (layout.token_seq >= 0) & signal[layout.seq_group[layout.token_seq.clamp(min=0)]]
 
 
 # ----------------------------------------------------------------------------- the three runs
@@ -418,7 +442,7 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         raise failure
 
     settings, prepared = checked.settings, checked.batch
-    token_lp, entropy = _row_logprobs(checked, shard, settings.return_entropy)
+    token_lp, entropy = _row_logprobs(checked, shard, settings.return_entropy, _signal_tokens(checked, gather))
     objective = GroupObjective(
         prepared.layout, prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs, eta=settings.eta,
         anchor=settings.anchor, reduction=settings.reduction, backend=checked.key, beta=prepared.beta,

@@ -21,14 +21,18 @@ With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped int
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
 
 Logits cache (``TilePolicy.logits_cache_bytes``). Memory can buy the recompute back: the forward
-writes the logits of the first counted rows that fit the budget straight into a ``[rows, V]``
+writes the logits of the first candidate rows that fit the budget straight into a ``[rows, V]``
 cache (the op returns it, so autograd saves it) instead of a tile buffer, and the backward's row
-op reads those tiles from it: three matmuls per cached token instead of four. The cache holds the
-logits in their own dtype (the wider of hidden and weight), exactly what the forward's row op read,
-so a cached token's gradient differs from a recomputed one only by the recompute's rounding
-(a matmul over other row blocks may sum in another order). Rows that do not count are not cached;
-rows with zero gradient are neither read nor recomputed. The cache is never written in the
-backward (a second backward with ``retain_graph`` sees it intact).
+op reads those tiles from it: three matmuls per cached token instead of four. The candidates are
+the counted rows, or those of them a ``cache_candidates`` mask keeps: the caller's prediction of the
+rows that will have a gradient (the TPO pipeline leaves out the tokens of zero-signal groups), so
+that no slot goes to a row the backward never reads. The cache's size is the budget's whatever the
+mask (a static shape under ``torch.compile``); a mispredicted row only costs its recompute. The
+cache holds the logits in their own dtype (the wider of hidden and weight), exactly what the
+forward's row op read, so a cached token's gradient differs from a recomputed one only by the
+recompute's rounding (a matmul over other row blocks may sum in another order). Rows that do not
+count are not cached; rows with zero gradient are neither read nor recomputed. The cache is never
+written in the backward (a second backward with ``retain_graph`` sees it intact).
 """
 
 from __future__ import annotations
@@ -63,27 +67,65 @@ class TiledLinearHead:
     vocabulary-parallel head (:mod:`tpo_kernels.distributed`). Labels stay global ids; a counted
     row whose label lies on another shard gets its logsumexp (and entropy) over this shard,
     target 0, and no one-hot term in the backward.
+
+    ``cache_candidates``: ``[M]`` bool, the rows a logits cache may hold (the counted ones among
+    them, first come); None: every counted row.
     """
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                  backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
-                 vocab_offset: int = 0, transform: Optional[LogitTransform] = None) -> None:
+                 vocab_offset: int = 0, transform: Optional[LogitTransform] = None,
+                 cache_candidates: Optional[Tensor] = None) -> None:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
         self.chunk_size, self.policy = chunk_size, policy
         self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
         self.vocab_offset, self.transform = vocab_offset, transform
+        self.cache_candidates = cache_candidates
 
     @staticmethod
-    def _row_chunks(rows: Tensor, chunk_size: int, first: Optional[int] = None) -> List[Union[slice, Tensor]]:
-        """The selected ``rows`` (ascending indices) in balanced chunks of at most ``chunk_size``
-        (:func:`balanced_chunks`): slices when the rows are known to be consecutive from row
-        ``first`` (no gather), index tensors otherwise."""
-        sizes = balanced_chunks(rows.numel(), chunk_size)
-        if first is None:
+    def _row_chunks(rows: Union[slice, Tensor], chunk_size: int) -> List[Union[slice, Tensor]]:
+        """Selected rows (a slice, or ascending indices) in balanced chunks of at most
+        ``chunk_size`` (:func:`balanced_chunks`): slices of a slice (no gather), index tensors of
+        indices. Two selections of one size split alike."""
+        sizes = balanced_chunks(_num_rows(rows), chunk_size)
+        if isinstance(rows, Tensor):
             return list(rows.split(sizes)) if sizes else []
-        bounds = list(itertools.accumulate(sizes, initial=first))
+        bounds = list(itertools.accumulate(sizes, initial=rows.start))
         return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+    def _cache_slots(self, cache_rows: int) -> Tensor:
+        """``[M]`` int64: each row's place in a cache of ``cache_rows`` rows, -1 for the rows it
+        does not hold. The cache holds the first counted candidate rows, in row order; the forward
+        and the backward derive the same places from the labels and the candidates."""
+        wanted = self.labels >= 0
+        if self.cache_candidates is not None:
+            wanted = wanted & self.cache_candidates
+        slot = torch.cumsum(wanted, 0) - 1
+        return torch.where(wanted & (slot < cache_rows), slot, -1)
+
+    def _split_rows(self, active: Tensor, cache_rows: int):
+        """The ``active`` rows (``[M]`` bool) as ``(cached, slots, recomputed)``: the rows a cache of
+        ``cache_rows`` rows holds, their places in it, and the other active rows. Each is a slice
+        when consecutive (no gather), else ascending indices; one read-back finds the sizes.
+
+        The slots run from 0 when every row the cache holds is active, and the cached rows too
+        when the cache holds rows ``0, 1, ...`` (each at its own index); the recomputed rows are
+        then the rest of the batch when every row is active."""
+        num_rows = active.shape[0]
+        slot = self._cache_slots(cache_rows)
+        in_cache = slot >= 0
+        cached, recomputed = active & in_cache, active & ~in_cache
+        misplaced = in_cache & (slot != torch.arange(num_rows, device=slot.device))
+        num_cached, num_recomputed, num_in_cache, num_misplaced = torch.stack(
+            (cached.sum(), recomputed.sum(), in_cache.sum(), misplaced.sum())).tolist()
+        slots_from_0 = num_cached == num_in_cache
+        rows_from_0 = slots_from_0 and num_misplaced == 0
+        cached_rows = slice(0, num_cached) if rows_from_0 else _indices(cached, num_cached)
+        slots = slice(0, num_cached) if slots_from_0 else slot[cached_rows]
+        if rows_from_0 and num_cached + num_recomputed == num_rows:
+            return cached_rows, slots, slice(num_cached, num_rows)
+        return cached_rows, slots, _indices(recomputed, num_recomputed)
 
     def _block_weight(self, vocab: slice) -> Tensor:
         return self.weight[vocab].to(self.dtype)
@@ -129,7 +171,7 @@ class TiledLinearHead:
         """Per-row ``(stats [2, M], logprob, entropy | None)`` of the tempered logits, as the row
         ops define them, in the compute dtype; 0 on rows that do not count (their logits are never
         computed). ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits
-        of the first ``cache_rows`` counted rows, in row order (slots past the counted rows stay
+        of the first ``cache_rows`` counted candidate rows, in row order (slots past them stay
         unwritten).
 
         Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
@@ -139,13 +181,11 @@ class TiledLinearHead:
         logprob = torch.zeros_like(stats[0])
         entropy = torch.zeros_like(stats[0]) if with_entropy else None
         self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
-        counted = torch.nonzero(self.labels >= 0).squeeze(1)  # the forward's one read-back
-        token_block, vocab_block = self._tile(counted.numel(), self.weight.dtype)
-        cached, dense = min(cache_rows, counted.numel()), counted.numel() == num_rows
+        cached, slots, uncached = self._split_rows(self.labels >= 0, cache_rows)  # the forward's one read-back
+        token_block, vocab_block = self._tile(_num_rows(cached) + _num_rows(uncached), self.weight.dtype)
         # (rows, slots): slots are the rows' places in the cache, None for a row not cached.
-        chunks = list(zip(self._row_chunks(counted[:cached], token_block, 0 if dense else None),
-                          self._row_chunks(counted[:cached], token_block, 0)))
-        chunks += [(rows, None) for rows in self._row_chunks(counted[cached:], token_block, cached if dense else None)]
+        chunks = list(zip(self._row_chunks(cached, token_block), self._row_chunks(slots, token_block)))
+        chunks += [(rows, None) for rows in self._row_chunks(uncached, token_block)]
         tile_rows = max((_num_rows(rows) for rows, slots in chunks if slots is None), default=0)
         buffer = self._buffer(tile_rows, vocab_block)
         capped = self._cap_buffers(max((_num_rows(rows) for rows, _ in chunks), default=0), vocab_block, 1)
@@ -234,28 +274,13 @@ class TiledLinearHead:
 
     def _backward_chunks(self, active: Tensor, logits_cache: Optional[Tensor], grad_accum_dtype: torch.dtype):
         """The backward's ``(rows, slots)`` chunks of the ``active`` rows (slots: the rows' places
-        in the cache, None for rows to recompute) and the number of active rows.
-
-        One read-back (``nonzero``) finds the active rows; a cache of fewer rows than the batch
-        costs a second one, which splits them into cached and recomputed rows."""
-        num_rows = active.shape[0]
+        in the cache, None for rows to recompute) and the number of active rows; one read-back."""
         cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
-        slot = torch.cumsum(self.labels >= 0, 0) - 1 if cache_rows else None  # a counted row's place in the cache
-        if cache_rows == 0:
-            cached, recomputed = active.new_empty(0, dtype=torch.long), torch.nonzero(active).squeeze(1)
-        elif cache_rows >= num_rows:  # every counted row is cached
-            cached, recomputed = torch.nonzero(active).squeeze(1), active.new_empty(0, dtype=torch.long)
-        else:
-            in_cache = (self.labels >= 0) & (slot < cache_rows)
-            cached = torch.nonzero(active & in_cache).squeeze(1)
-            recomputed = torch.nonzero(active & ~in_cache).squeeze(1)
-        num_active = cached.numel() + recomputed.numel()
+        cached, slots, recomputed = self._split_rows(active, cache_rows)
+        num_active = _num_rows(cached) + _num_rows(recomputed)
         token_block, _ = self._tile(num_active, grad_accum_dtype)
-        # Every row active: all count, a row's slot is its index and the cached rows come first.
-        dense = num_active == num_rows
-        cached_chunks = self._row_chunks(cached, token_block, 0 if dense else None)
-        chunks = [(rows, rows if dense else slot[rows]) for rows in cached_chunks]
-        chunks += [(rows, None) for rows in self._row_chunks(recomputed, token_block, cached.numel() if dense else None)]
+        chunks = list(zip(self._row_chunks(cached, token_block), self._row_chunks(slots, token_block)))
+        chunks += [(rows, None) for rows in self._row_chunks(recomputed, token_block)]
         return chunks, num_active
 
     def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, buffer: Tensor) -> Tensor:
@@ -295,6 +320,11 @@ def _num_rows(rows: Union[slice, Tensor]) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
+def _indices(mask: Tensor, count: int) -> Tensor:
+    """The ascending indices of the ``count`` True entries of ``mask``, without a read-back."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
 def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
     """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
     return buffer[: rows * vocab].view(rows, vocab)
@@ -304,12 +334,12 @@ def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
 
 
 def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size, min_tile_tokens,
-          accum_bytes, matmul_out_dtype, backend, logits_cache_bytes=0):
+          accum_bytes, matmul_out_dtype, backend, logits_cache_bytes=0, cache_candidates=None):
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
                         matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes)
     return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend),
                            folded_inv_temperature(inv_temperature, logit_scale, logit_softcap), chunk_size, policy,
-                           transform=LogitTransform.of(logit_scale, logit_softcap))
+                           transform=LogitTransform.of(logit_scale, logit_softcap), cache_candidates=cache_candidates)
 
 
 @torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=())
@@ -317,9 +347,10 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
                      with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
                      grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
                      logit_softcap: Optional[float] = None, matmul_out_dtype: Optional[bool] = None,
-                     logits_cache_bytes: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                     logits_cache_bytes: int = 0,
+                     cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
-                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes)
+                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes, cache_candidates)
     stats, logprob, entropy = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
     if entropy is None:
         entropy = logprob.new_empty(0)
@@ -332,7 +363,8 @@ def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor) -> int:
 
 @_linear_logprobs.register_fake
 def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
-      grad_accum_dtype, backend, logit_scale=1.0, logit_softcap=None, matmul_out_dtype=None, logits_cache_bytes=0):
+      grad_accum_dtype, backend, logit_scale=1.0, logit_softcap=None, matmul_out_dtype=None, logits_cache_bytes=0,
+      cache_candidates=None):
     rows, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, weight.dtype)
     acc = compute_dtype(dtype)
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes)
@@ -345,13 +377,13 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits_cache: Tensor,
-    needs_hidden: bool,
+    cache_candidates: Optional[Tensor], needs_hidden: bool,
     needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
     accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
     logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
-                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend)
+                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, cache_candidates=cache_candidates)
     grads = head.backward(stats, logprobs, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
                           grad_accum_dtype, logits_cache)
     # A custom op returns tensors only: an empty one stands for "not requested".
@@ -360,7 +392,7 @@ def _linear_logprobs_backward(
 
 @_linear_logprobs_backward.register_fake
 def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, logits_cache,
-      needs_hidden, needs_weight, needs_bias, *settings):
+      cache_candidates, needs_hidden, needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
@@ -368,9 +400,10 @@ def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
-     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, logits_cache_bytes) = inputs
+     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, logits_cache_bytes,
+     cache_candidates) = inputs
     logprobs, entropy, stats, logits_cache = output
-    ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache)
+    ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache, cache_candidates)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
                     logit_scale, logit_softcap, matmul_out_dtype)
@@ -378,14 +411,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_logprobs, grad_entropy, grad_stats, grad_logits_cache):
-    hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache = ctx.saved_tensors
+    hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache, cache_candidates = ctx.saved_tensors
     grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
                                                          ctx.with_entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
-                                      entropy, logits_cache, *needs, *ctx.settings)
+                                      entropy, logits_cache, cache_candidates, *needs, *ctx.settings)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
-    return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)  # labels and the settings
+    return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)  # labels, the settings and the candidates
 
 
 _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
@@ -393,15 +426,17 @@ _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
                     inv_temperature: float, logit_scale: float, logit_softcap: Optional[float], with_entropy: bool,
-                    chunk_size: int, policy: TilePolicy, grad_accum_dtype: torch.dtype,
-                    backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+                    chunk_size: int, policy: TilePolicy, grad_accum_dtype: torch.dtype, backend: str,
+                    cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """``(logprobs [M], entropy [M] | None)`` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))``
     tempered (:mod:`tpo_kernels.ops.transform`) for int64 ``labels`` (negative: skipped), in the
     compute dtype; differentiable in hidden, weight, bias. The policy's logits cache is kept only
-    when a gradient will be taken."""
+    when a gradient will be taken, for the counted rows among ``cache_candidates`` (``[M]`` bool;
+    None: every counted row) that fit it."""
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    cache_bytes = policy.logits_cache_bytes if wants_grad else 0
     logprobs, entropy, _, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
                                                policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend,
-                                               logit_scale, logit_softcap, policy.matmul_out_dtype,
-                                               policy.logits_cache_bytes if wants_grad else 0)
+                                               logit_scale, logit_softcap, policy.matmul_out_dtype, cache_bytes,
+                                               cache_candidates if cache_bytes else None)
     return logprobs, (entropy if with_entropy else None)
