@@ -403,6 +403,8 @@ def _signal_tokens(checked: _Checked, gather) -> Optional[Tensor]:
     s, batch = checked.settings, checked.batch
     if checked.rows[0] != "head" or not checked.rows[4]["policy"].logits_cache_bytes or gather is not None:
         return None
+    if not torch.is_grad_enabled():  # nothing is cached without a backward
+        return None
     if not s.anchor or batch.old_seq_logprobs is not None or batch.beta > 0 or batch.layout.num_groups == 0:
         return None
     layout = batch.layout
