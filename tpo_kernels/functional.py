@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import pipeline
+from .requests import Batch, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
 from .backends import Backend
 from .ops import TilePolicy
 from .token_functional import fused_linear_token_tpo_loss, token_tpo_loss  # token-level TPO, part of this API
@@ -123,13 +124,13 @@ def tpo_loss(
         process_group, vocab_parallel_group, vocab_start_index: see the module docstring
             (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local).
     """
-    return pipeline.sequence_loss(pipeline.SequenceRequest(
-        "tpo_loss", pipeline.Logits(logits, inplace_backward),
-        pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
+    return pipeline.sequence_loss(SequenceRequest(
+        "tpo_loss", Logits(logits, inplace_backward),
+        Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
-        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
                          return_entropy, validate, score_eps, length_normalize),
-        pipeline.Placement(process_group, vocab_parallel_group, vocab_start_index),
+        Placement(process_group, vocab_parallel_group, vocab_start_index),
     ))
 
 
@@ -168,13 +169,13 @@ def tpo_loss_from_logprobs(
         eta, anchor, score_eps, reduction, backend, return_aux, validate, process_group: see the module
             docstring.
     """
-    return pipeline.sequence_loss(pipeline.SequenceRequest(
-        "tpo_loss_from_logprobs", pipeline.Logprobs(logprobs),
-        pipeline.Batch(None, scores, group_size, group_ids, cu_seqlens, mask, -100, old_logprobs, ref_logprobs,
+    return pipeline.sequence_loss(SequenceRequest(
+        "tpo_loss_from_logprobs", Logprobs(logprobs),
+        Batch(None, scores, group_size, group_ids, cu_seqlens, mask, -100, old_logprobs, ref_logprobs,
                        beta),
-        pipeline.Options(eta, anchor, 1.0, reduction=reduction, backend=backend, return_aux=return_aux,
+        Options(eta, anchor, 1.0, reduction=reduction, backend=backend, return_aux=return_aux,
                          validate=validate, score_eps=score_eps, length_normalize=length_normalize),
-        pipeline.Placement(process_group),
+        Placement(process_group),
     ))
 
 
@@ -201,11 +202,11 @@ def selective_logprobs(
     this is the cheap way to get old / reference log-probs. With ``vocab_parallel_group``
     (module docstring) ``logits`` is this rank's vocabulary shard ``[..., V_r]``.
     """
-    return pipeline.selective_logprobs(pipeline.LogprobsRequest(
-        "selective_logprobs", pipeline.Logits(logits), labels, ignore_index,
-        pipeline.Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+    return pipeline.selective_logprobs(LogprobsRequest(
+        "selective_logprobs", Logits(logits), labels, ignore_index,
+        Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
                          backend=backend, return_entropy=return_entropy, validate=validate),
-        pipeline.Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+        Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
     ))
 
 
@@ -274,14 +275,14 @@ def fused_linear_tpo_loss(
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
     supported.
     """
-    return pipeline.sequence_loss(pipeline.SequenceRequest(
-        "fused_linear_tpo_loss", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
+    return pipeline.sequence_loss(SequenceRequest(
+        "fused_linear_tpo_loss", Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
                                                logits_cache_bytes),
-        pipeline.Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
+        Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
-        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
                          return_entropy, validate, score_eps, length_normalize),
-        pipeline.Placement(process_group, vocab_parallel_group, vocab_start_index),
+        Placement(process_group, vocab_parallel_group, vocab_start_index),
     ))
 
 
@@ -316,11 +317,11 @@ def fused_linear_logprobs(
     ``chunk_size``, ``grad_accum_dtype``, ``tile_policy`` and ``logits_cache_bytes`` as in :func:`fused_linear_tpo_loss`;
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
-    return pipeline.selective_logprobs(pipeline.LogprobsRequest(
-        "fused_linear_logprobs", pipeline.Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
+    return pipeline.selective_logprobs(LogprobsRequest(
+        "fused_linear_logprobs", Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
                                                logits_cache_bytes),
         labels, ignore_index,
-        pipeline.Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+        Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
                          backend=backend, return_entropy=return_entropy, validate=validate),
-        pipeline.Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+        Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
     ))

@@ -1,7 +1,7 @@
 """The one pipeline every public function runs, for one rank and many.
 
-A public function states its call as a frozen request (:class:`SequenceRequest`,
-:class:`LogprobsRequest`, :class:`CandidateRequest`); the pipeline
+A public function states its call as a frozen request (:mod:`tpo_kernels.requests`:
+:class:`SequenceRequest`, :class:`LogprobsRequest`, :class:`CandidateRequest`); the pipeline
 
 1. checks it (:mod:`tpo_kernels._validate`: every check lives there),
 2. decides where the vocabulary lives -- whole, or sharded over ``vocab_parallel_group`` (the
@@ -37,116 +37,10 @@ from .ops import TilePolicy, candidate_logits, linear_candidate_logits, linear_l
 from .ops.group import GroupObjective
 from .ops.transform import LogitTransform, folded_inv_temperature
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
+from .requests import (CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest,
+                       Source)
 
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]
-
-
-# ----------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class Options:
-    """The settings of a call, as the user passed them."""
-
-    eta: float = 1.0
-    anchor: bool = True
-    temperature: float = 1.0
-    logit_scale: float = 1.0
-    logit_softcap: Optional[float] = None
-    reduction: str = "mean"
-    backend: object = "auto"
-    return_aux: bool = False
-    return_entropy: bool = False
-    validate: bool = True
-    score_eps: float = 1e-6
-    length_normalize: bool = False  # sequence-level losses only
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the call's data lives: groups split over ``process_group``, the vocabulary over
-    ``vocab_parallel_group`` (see :mod:`tpo_kernels.distributed`)."""
-
-    process_group: object = None
-    vocab_parallel_group: object = None
-    vocab_start_index: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class Logits:
-    """Vocabulary logits ``[..., V]`` (or this rank's shard ``[..., V_r]``)."""
-
-    logits: Tensor
-    inplace_backward: bool = False
-
-
-@dataclass(frozen=True)
-class Head:
-    """Hidden states and an lm_head (or this rank's vocabulary shard of it): logits tile by tile."""
-
-    hidden: Tensor
-    weight: Tensor
-    bias: Optional[Tensor] = None
-    chunk_size: Optional[int] = None
-    grad_accum_dtype: torch.dtype = torch.float32
-    tile_policy: Optional[TilePolicy] = None
-    logits_cache_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class Logprobs:
-    """Per-token log-probs a trainer has already computed: the row op is done."""
-
-    logprobs: Tensor
-
-
-Source = Union[Logits, Head, Logprobs]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The batch arguments of a sequence-level loss."""
-
-    labels: Optional[Tensor]
-    scores: Tensor
-    group_size: Optional[int] = None
-    group_ids: Optional[Tensor] = None
-    cu_seqlens: Optional[Tensor] = None
-    mask: Optional[Tensor] = None
-    ignore_index: int = -100
-    old_logprobs: Optional[Tensor] = None
-    ref_logprobs: Optional[Tensor] = None
-    beta: float = 0.0
-
-
-@dataclass(frozen=True)
-class SequenceRequest:
-    function: str
-    source: Source
-    batch: Batch
-    options: Options
-    placement: Placement
-
-
-@dataclass(frozen=True)
-class LogprobsRequest:
-    function: str
-    source: Union[Logits, Head]
-    labels: Tensor
-    ignore_index: int
-    options: Options
-    placement: Placement
-
-
-@dataclass(frozen=True)
-class CandidateRequest:
-    function: str
-    source: Union[Logits, Head]
-    candidates: Tensor
-    scores: Tensor
-    old_logprobs: Optional[Tensor]
-    options: Options
-    placement: Placement
 
 
 # Every name a setting may take that is longer than a record field: the agreement words a

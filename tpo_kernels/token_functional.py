@@ -9,6 +9,7 @@ from typing import Optional, Tuple, Union
 from torch import Tensor
 
 from . import pipeline
+from .requests import CandidateRequest, Head, Logits, Options, Placement
 from .backends import Backend
 
 BackendArg = Union[str, Backend]
@@ -63,11 +64,11 @@ def token_tpo_loss(
             single-process gradient (see :mod:`tpo_kernels.distributed`). ``aux["state_loss"]``
             then covers every rank's states, ``aux["state_offset"]`` is this rank's first.
     """
-    return pipeline.candidate_loss(pipeline.CandidateRequest(
-        "token_tpo_loss", pipeline.Logits(logits), candidates, scores, old_logprobs,
-        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+    return pipeline.candidate_loss(CandidateRequest(
+        "token_tpo_loss", Logits(logits), candidates, scores, old_logprobs,
+        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
                          validate=validate, score_eps=score_eps),
-        pipeline.Placement(process_group),
+        Placement(process_group),
     ))
 
 
@@ -98,9 +99,9 @@ def fused_linear_token_tpo_loss(
     compute dtype and cast to the weight's dtype; the bias gradient likewise.
     Everything else as in :func:`token_tpo_loss`.
     """
-    return pipeline.candidate_loss(pipeline.CandidateRequest(
-        "fused_linear_token_tpo_loss", pipeline.Head(hidden, weight, bias), candidates, scores, old_logprobs,
-        pipeline.Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
+    return pipeline.candidate_loss(CandidateRequest(
+        "fused_linear_token_tpo_loss", Head(hidden, weight, bias), candidates, scores, old_logprobs,
+        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
                          validate=validate, score_eps=score_eps),
-        pipeline.Placement(process_group),
+        Placement(process_group),
     ))

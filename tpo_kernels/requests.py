@@ -1,0 +1,119 @@
+"""The frozen, typed request a public function hands to :mod:`tpo_kernels.pipeline`: the
+arguments as the user passed them (checked by the pipeline, not here), grouped by what they
+describe: the settings (:class:`Options`), where the data lives (:class:`Placement`), the source
+of the log-probs (:class:`Logits`, :class:`Head` or :class:`Logprobs`) and the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .ops import TilePolicy
+
+
+@dataclass(frozen=True)
+class Options:
+    """The settings of a call, as the user passed them."""
+
+    eta: float = 1.0
+    anchor: bool = True
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None
+    reduction: str = "mean"
+    backend: object = "auto"
+    return_aux: bool = False
+    return_entropy: bool = False
+    validate: bool = True
+    score_eps: float = 1e-6
+    length_normalize: bool = False  # sequence-level losses only
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the call's data lives: groups split over ``process_group``, the vocabulary over
+    ``vocab_parallel_group`` (see :mod:`tpo_kernels.distributed`)."""
+
+    process_group: object = None
+    vocab_parallel_group: object = None
+    vocab_start_index: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Vocabulary logits ``[..., V]`` (or this rank's shard ``[..., V_r]``)."""
+
+    logits: Tensor
+    inplace_backward: bool = False
+
+
+@dataclass(frozen=True)
+class Head:
+    """Hidden states and an lm_head (or this rank's vocabulary shard of it): logits tile by tile."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor] = None
+    chunk_size: Optional[int] = None
+    grad_accum_dtype: torch.dtype = torch.float32
+    tile_policy: Optional[TilePolicy] = None
+    logits_cache_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Per-token log-probs a trainer has already computed: the row op is done."""
+
+    logprobs: Tensor
+
+
+Source = Union[Logits, Head, Logprobs]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The batch arguments of a sequence-level loss."""
+
+    labels: Optional[Tensor]
+    scores: Tensor
+    group_size: Optional[int] = None
+    group_ids: Optional[Tensor] = None
+    cu_seqlens: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    ignore_index: int = -100
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    beta: float = 0.0
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    function: str
+    source: Source
+    batch: Batch
+    options: Options
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class LogprobsRequest:
+    function: str
+    source: Union[Logits, Head]
+    labels: Tensor
+    ignore_index: int
+    options: Options
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class CandidateRequest:
+    function: str
+    source: Union[Logits, Head]
+    candidates: Tensor
+    scores: Tensor
+    old_logprobs: Optional[Tensor]
+    options: Options
+    placement: Placement
