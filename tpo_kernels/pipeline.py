@@ -157,10 +157,6 @@ def _check_sequence(request: SequenceRequest, source: Source, sharded: bool, who
     _check_sharded_transform(settings, sharded)
     key = backend_key(get_backend(request.options.backend, device))
     input_name = {"logits": "logits", "head": "hidden", "logprobs": "logprobs"}[rows[0]]
-    group_size = None
-    if not whole:  # K counts over every rank's completions: checked once the sizes are agreed
-        group_size = _validate.check_grouping(batch.group_size, batch.group_ids, 0, device, input_name, whole=False) \
-            if batch.group_ids is None else None
     prepared = _validate.prepare_batch(
         _token_shape(source), None if sharded else vocab_size, device, dtype, labels, batch.scores,
         group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
@@ -168,7 +164,8 @@ def _check_sequence(request: SequenceRequest, source: Source, sharded: bool, who
         beta=batch.beta, input_name=input_name, validate=settings.validate, whole=whole,
         length_normalize=settings.length_normalize,
     )
-    return _Checked(settings, key, device, dtype, rows, prepared.labels, prepared, group_size)
+    # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
+    return _Checked(settings, key, device, dtype, rows, prepared.labels, prepared, prepared.split_group_size)
 
 
 # ----------------------------------------------------------------------------- agreement

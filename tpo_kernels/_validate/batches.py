@@ -32,6 +32,8 @@ class PreparedBatch:
     # all, unchecked with validate=False); the groups are formed after the gather.
     kept: Optional[Tensor] = None
     any_kept: bool = True
+    # Of such a part: the checked group_size, K over the concatenation (None with group_ids).
+    split_group_size: Optional[int] = None
 
     @property
     def valid(self) -> Tensor:
@@ -171,6 +173,7 @@ def prepare_batch(
     if num_seqs == 0 and whole:
         raise ValueError("the batch holds no completion (N == 0)")
     group_size = check_grouping(group_size, group_ids, num_seqs, device, input_name, whole)
+    split_group_size = None if whole else group_size
     if not whole:  # one group per completion here; the real groups form after the gather
         group_size, group_ids = 1, None
     shape = dict(padded_shape=token_shape) if len(token_shape) == 2 else dict(cu_seqlens=cu_seqlens,
@@ -232,12 +235,13 @@ def prepare_batch(
                            lambda: ValueError("ref_logprobs must be finite at counted tokens"))
 
     if not validate:
-        return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat)
+        return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat,
+                             split_group_size=split_group_size)
     observed = checks.read()
     if not whole:
         kept = None if observed[all_counted] else counted_seqs
         return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat, kept,
-                             bool(observed[any_counted]))
+                             bool(observed[any_counted]), split_group_size)
     if not observed[all_counted]:
         layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
                               members=counted_seqs, **shape)
