@@ -63,7 +63,7 @@ class _Checked:
     device: torch.device
     dtype: torch.dtype  # the compute dtype
     rows: Tuple  # what the row op reads (per source kind)
-    labels: Tensor  # [M] int64, -1 where not counted
+    labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
     batch: Optional[_validate.PreparedBatch] = None
     group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
 
@@ -408,12 +408,12 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
             num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
             input_name, settings.validate, whole=data_group is None,
         )
-        return _Checked(settings, key, device, dtype, (input_name, candidates, scores, old), candidates)
+        return _Checked(settings, key, device, dtype, (input_name, candidates, scores, old), None)
 
     checked, failure = _checked_or_failure(check, data_group is not None)
     gather = None
     if data_group is not None:
-        num_states, num_cand = (0, 0) if checked is None else tuple(checked.labels.shape)
+        num_states, num_cand = (0, 0) if checked is None else tuple(checked.rows[1].shape)
         gather, failure = _agree_on_groups(
             data_group, request.function, checked, failure, group_size=None, group_ids=None, count=num_states,
             any_kept=True, all_kept=True, per_item=num_cand, extra={"candidates per state": num_cand}, what="state",
