@@ -282,13 +282,36 @@ def _launch(spec: TRLRunSpec, tmp: str):
     return subprocess.Popen(cmd, env=env), out_path
 
 
-def run_all(specs: List[TRLRunSpec], jobs: int) -> List[dict]:
-    """Every spec in its own subprocess, ``jobs`` at a time; results in the order of ``specs``."""
+def _run_path(runs_dir: str, spec: TRLRunSpec) -> str:
+    return os.path.join(runs_dir, f"{spec.method}-seed{spec.seed}-{spec.processes}proc.json")
+
+
+def run_all(specs: List[TRLRunSpec], jobs: int, runs_dir: Optional[str] = None, resume: bool = False) -> List[dict]:
+    """Every spec in its own subprocess, at most ``jobs`` processes at a time (a torchrun spec of ``n``
+    processes takes ``n``, or all of them when ``jobs < n``); results in the order of ``specs``.
+
+    ``runs_dir``: each finished run is also written there at once (a long command that is stopped keeps its
+    finished runs); with ``resume``, a spec whose file there holds the same spec is read back, not run again.
+    """
     results: Dict[int, dict] = {}
+    pending = []
+    for i, spec in enumerate(specs):
+        path = _run_path(runs_dir, spec) if runs_dir else None
+        if resume and path and os.path.exists(path):
+            with open(path) as f:
+                run = json.load(f)
+            if {k: run.get(k) for k in asdict(spec)} == asdict(spec):
+                results[i] = run
+                print(f"[{spec.name}] read back from {path}", flush=True)
+                continue
+        pending.append((i, spec))
+    if runs_dir:
+        os.makedirs(runs_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        pending, running = list(enumerate(specs)), []
+        running = []
         while pending or running:
-            while pending and len(running) < jobs:
+            # start the next spec (in order) while its processes fit; one always starts on an idle machine
+            while pending and (not running or sum(s.processes for _, s, _, _ in running) + pending[0][1].processes <= jobs):
                 i, spec = pending.pop(0)
                 running.append((i, spec) + _launch(spec, tmp))
             time.sleep(0.5)
@@ -301,6 +324,9 @@ def run_all(specs: List[TRLRunSpec], jobs: int) -> List[dict]:
                     raise RuntimeError(f"run {spec.name} failed with exit status {proc.returncode}")
                 with open(out_path) as f:
                     results[i] = json.load(f)
+                if runs_dir:
+                    with open(_run_path(runs_dir, spec), "w") as f:
+                        json.dump(results[i], f)
     return [results[i] for i in range(len(specs))]
 
 
@@ -356,7 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", default="1",
                    help="comma-separated process counts; 2 runs seed 0 of each method under torchrun (gloo) too")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each a subprocess)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="training processes at a time (a run is a subprocess; a torchrun run counts its processes)")
+    p.add_argument("--resume", action="store_true",
+                   help="read back the runs of the same spec already in OUT/runs/ instead of running them again")
     p.add_argument("--log-every", type=int, default=25, help="progress line every N steps")
     p.add_argument("--final-window", type=int, default=20, help="final error = mean over the last N steps")
     p.add_argument("--threshold", type=float, default=0.10, help="error threshold for 'first step at'")
@@ -397,14 +426,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs = [TRLRunSpec(method=m, seed=s, processes=1, **common) for s in range(args.seeds) for m in methods
              if 1 in processes]
     specs += [TRLRunSpec(method=m, seed=0, processes=n, **common) for n in processes if n > 1 for m in methods]
-    config = {k: v for k, v in vars(args).items() if k not in ("report", "worker")}
+    config = {k: v for k, v in vars(args).items() if k not in ("report", "worker", "resume")}
     config.update(methods=methods, processes=processes, argv=list(sys.argv[1:] if argv is None else argv))
     machine = _machine()
     print(f"trl-rlvr: H={args.horizon} prompts={args.prompts} K={args.group} steps={args.steps} lr={args.lr:g} "
           f"num_iterations={args.num_iterations} runs={len(specs)} jobs={args.jobs} load={machine['loadavg']}",
           flush=True)
     start = time.perf_counter()
-    runs = run_all(specs, args.jobs)
+    runs = run_all(specs, args.jobs, os.path.join(args.out, "runs"), args.resume)
     for run in runs:
         run["final_error"] = final_error(run, args.final_window)
     results = {"benchmark": "trl-rlvr", "date": _dt.datetime.now().isoformat(timespec="seconds"),
