@@ -68,6 +68,14 @@ def test_no_learning_at_lr_zero():
     assert _mean(run["curves"]["reward"]) < 0.45
 
 
+def test_supervised_check_learns_the_reversal():
+    # the capacity check itself must be able to reach 0: at H=2 cross-entropy on the 4 reversals
+    curve = trl_rlvr.supervised_run(trl_rlvr.TRLRunSpec(method="supervised", seed=0, horizon=2, steps=100,
+                                                        prompts=8, lr=1e-2), eval_every=50)
+    assert curve["step"] == [50, 100]
+    assert curve["greedy_error"][-1] == 0.0, curve
+
+
 def test_summary_and_report_from_results_json(tmp_path, tpo_run):
     run = {**tpo_run, "final_error": 0.5}
     results = {"config": {**vars(trl_rlvr.build_parser().parse_args([])), "methods": ["tpo"], "processes": [1],

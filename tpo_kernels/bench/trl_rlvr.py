@@ -159,6 +159,42 @@ def greedy_error(model, tokenizer, horizon: int) -> float:
     return 1.0 - sum(reverse_exact(prompts, texts)) / len(prompts)
 
 
+def supervised_run(spec: TRLRunSpec, eval_every: int = 50) -> Dict[str, list]:
+    """The capacity check: the same model (``build_model(spec)``) trained by cross-entropy on the
+    reversals themselves for ``spec.steps`` steps of ``spec.prompts`` random prompts (AdamW at
+    ``spec.lr`` with linear decay and grad-norm clip 1, as the RL runs, but no sampling and no reward).
+    Returns the greedy exact-match error on all ``2**H`` prompts every ``eval_every`` steps: when this
+    reaches 0 and the RL runs plateau, the plateau is the RL, not what the model can represent."""
+    import torch
+
+    torch.set_num_threads(spec.threads)
+    tokenizer = build_tokenizer()
+    model = build_model(spec, tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / spec.steps)
+    gen = torch.Generator().manual_seed(10_000 + spec.seed)
+    ids = tokenizer.convert_tokens_to_ids(list(DATA_WORDS))
+    out: Dict[str, list] = {"step": [], "greedy_error": []}
+    model.train()
+    for step in range(1, spec.steps + 1):
+        bits = torch.randint(0, 2, (spec.prompts, spec.horizon), generator=gen)
+        words = torch.tensor(ids)[bits]
+        sep = torch.full((spec.prompts, 1), tokenizer.convert_tokens_to_ids(SEPARATOR))
+        input_ids = torch.cat([words, sep, words.flip(1)], dim=1)
+        labels = input_ids.clone()
+        labels[:, : spec.horizon + 1] = -100  # the loss is on the completion only
+        loss = model(input_ids=input_ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay.step()
+        if step % eval_every == 0 or step == spec.steps:
+            out["step"].append(step)
+            out["greedy_error"].append(greedy_error(model, tokenizer, spec.horizon))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # One run (in its own process, or under torchrun)
 # --------------------------------------------------------------------------------------------------
@@ -392,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench/out/trl-rlvr", help="output folder")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--report", metavar="DIR", help="only rebuild results.md and the PNG from DIR/results.json")
+    p.add_argument("--supervised", action="store_true",
+                   help="only the capacity check: train the same model by cross-entropy on the reversals "
+                        "(--steps, --prompts, --lr, seeds) and print its greedy error")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p
 
@@ -413,6 +452,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.smoke:
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
+    if args.supervised:
+        for seed in range(args.seeds):
+            spec = TRLRunSpec(method="supervised", seed=seed, horizon=args.horizon, steps=args.steps,
+                              prompts=args.prompts, lr=args.lr, threads=args.threads)
+            start, cpu = time.perf_counter(), time.process_time()
+            curve = supervised_run(spec)
+            print(f"supervised H={args.horizon} seed {seed}: greedy error % by step "
+                  + ", ".join(f"{s}: {100 * e:.1f}" for s, e in zip(curve["step"], curve["greedy_error"]))
+                  + f" ({time.perf_counter() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)", flush=True)
+        return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
