@@ -31,6 +31,11 @@ sampled completions that are wrong; one generation per step unless ``--num-itera
 prompts. Each run is a subprocess (``--processes 2``: ``torchrun --nproc_per_node 2``, gloo; each
 process then holds half the prompts of a step, so the global batch is the same as in one process).
 
+``--jobs`` is the number of training processes at a time (a torchrun run takes its ``n``); each finished
+run is also written to ``OUT/runs/`` and ``--resume`` reads back the runs of the same spec from there.
+``--supervised`` is the capacity check: the same model trained by cross-entropy on the reversals
+(:func:`supervised_run`), to tell a plateau of the RL apart from what the model can represent.
+
 ``python -m tpo_kernels.bench.trl_rlvr --smoke`` runs a few steps of both methods (< 3 minutes);
 ``--out DIR`` writes ``DIR/results.json`` (``{"runs": [{"method", "seed", "final_error", ...}]}``),
 ``DIR/results.md`` and ``DIR/trl-rlvr.png``.
@@ -248,7 +253,8 @@ def _recorder(spec: TRLRunSpec, curves: Dict[str, list], log):
             curves["reward"].append(logs["reward"])
             curves["informative_groups"].append(1.0 - logs.get("frac_reward_zero_std", 0.0))
             step = state.global_step
-            if state.is_world_process_zero and spec.log_every and (step % spec.log_every == 0 or step == spec.steps):
+            last, every = step + spec.num_iterations - 1, spec.log_every  # the last step this generation serves
+            if state.is_world_process_zero and every and (last // every > (step - 1) // every or step == spec.steps):
                 elapsed = time.perf_counter() - self.start
                 log(f"[{spec.name}] step {step:4d}/{spec.steps} reward {logs['reward']:.3f} "
                     f"informative {curves['informative_groups'][-1]:.2f} loss {logs.get('loss', float('nan')):.4g} "
