@@ -68,6 +68,14 @@ def test_no_learning_at_lr_zero():
     assert _mean(run["curves"]["reward"]) < 0.45
 
 
+def test_supervised_check_learns_the_reversal():
+    # the capacity check itself must be able to reach 0: at H=2 cross-entropy on the 4 reversals
+    curve = trl_rlvr.supervised_run(trl_rlvr.TRLRunSpec(method="supervised", seed=0, horizon=2, steps=100,
+                                                        prompts=8, lr=1e-2), eval_every=50)
+    assert curve["step"] == [50, 100]
+    assert curve["greedy_error"][-1] == 0.0, curve
+
+
 def test_summary_and_report_from_results_json(tmp_path, tpo_run):
     run = {**tpo_run, "final_error": 0.5}
     results = {"config": {**vars(trl_rlvr.build_parser().parse_args([])), "methods": ["tpo"], "processes": [1],
@@ -79,3 +87,59 @@ def test_summary_and_report_from_results_json(tmp_path, tpo_run):
     assert saved["summary"][0]["median_final_error"] == 0.5
     assert "| tpo | 1 | **50.0** |" in (tmp_path / "results.md").read_text()
     assert len(paths) == 2
+
+
+class _FakeProcess:
+    """Stands in for a run's subprocess: finishes on its second poll, writing its run file."""
+
+    def __init__(self, spec, out_path, live):
+        self.spec, self.out_path, self.live, self.polls, self.returncode = spec, out_path, live, 0, None
+        live.append(spec)
+
+    def poll(self):
+        self.polls += 1
+        if self.polls < 2:
+            return None
+        self.live.remove(self.spec)
+        with open(self.out_path, "w") as f:
+            json.dump({**trl_rlvr.asdict(self.spec), "name": self.spec.name}, f)
+        self.returncode = 0
+        return 0
+
+
+@pytest.fixture
+def fake_launch(monkeypatch, tmp_path):
+    """Replaces the subprocess launch; returns (launched specs, the most processes live at once)."""
+    launched, live, peak = [], [], [0]
+
+    def launch(spec, tmp):
+        launched.append(spec)
+        proc = _FakeProcess(spec, str(tmp_path / f"{len(launched)}.json"), live)
+        peak[0] = max(peak[0], sum(s.processes for s in live))
+        return proc, proc.out_path
+
+    monkeypatch.setattr(trl_rlvr, "_launch", launch)
+    monkeypatch.setattr(trl_rlvr.time, "sleep", lambda _: None)
+    return launched, peak
+
+
+@pytest.mark.parametrize("jobs, peak_processes", [(1, 2), (2, 2), (3, 3)])
+def test_jobs_counts_the_processes_of_torchrun_runs(fake_launch, jobs, peak_processes):
+    # jobs 1: a 2-process run still starts (alone); jobs 3: a 2-process run shares with one 1-process run
+    launched, peak = fake_launch
+    specs = [trl_rlvr.TRLRunSpec(method=m, seed=s) for s in range(2) for m in trl_rlvr.METHODS]
+    specs += [trl_rlvr.TRLRunSpec(method=m, seed=0, processes=2) for m in trl_rlvr.METHODS]
+    runs = trl_rlvr.run_all(specs, jobs)
+    assert [r["name"] for r in runs] == [s.name for s in specs]
+    assert peak[0] == peak_processes
+
+
+def test_resume_reads_back_only_runs_of_the_same_spec(fake_launch, tmp_path):
+    launched, _ = fake_launch
+    runs_dir = str(tmp_path / "runs")
+    done, changed = trl_rlvr.TRLRunSpec(method="tpo", seed=0), trl_rlvr.TRLRunSpec(method="grpo", seed=0)
+    trl_rlvr.run_all([done, trl_rlvr.TRLRunSpec(method="grpo", seed=0, steps=5)], 2, runs_dir)
+    launched.clear()
+    runs = trl_rlvr.run_all([done, changed], 2, runs_dir, resume=True)
+    assert [s.name for s in launched] == [changed.name]  # grpo's file holds steps=5: run again
+    assert [r["steps"] for r in runs] == [done.steps, changed.steps]

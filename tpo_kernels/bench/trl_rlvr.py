@@ -31,6 +31,11 @@ sampled completions that are wrong; one generation per step unless ``--num-itera
 prompts. Each run is a subprocess (``--processes 2``: ``torchrun --nproc_per_node 2``, gloo; each
 process then holds half the prompts of a step, so the global batch is the same as in one process).
 
+``--jobs`` is the number of training processes at a time (a torchrun run takes its ``n``); each finished
+run is also written to ``OUT/runs/`` and ``--resume`` reads back the runs of the same spec from there.
+``--supervised`` is the capacity check: the same model trained by cross-entropy on the reversals
+(:func:`supervised_run`), to tell a plateau of the RL apart from what the model can represent.
+
 ``python -m tpo_kernels.bench.trl_rlvr --smoke`` runs a few steps of both methods (< 3 minutes);
 ``--out DIR`` writes ``DIR/results.json`` (``{"runs": [{"method", "seed", "final_error", ...}]}``),
 ``DIR/results.md`` and ``DIR/trl-rlvr.png``.
@@ -159,6 +164,42 @@ def greedy_error(model, tokenizer, horizon: int) -> float:
     return 1.0 - sum(reverse_exact(prompts, texts)) / len(prompts)
 
 
+def supervised_run(spec: TRLRunSpec, eval_every: int = 50) -> Dict[str, list]:
+    """The capacity check: the same model (``build_model(spec)``) trained by cross-entropy on the
+    reversals themselves for ``spec.steps`` steps of ``spec.prompts`` random prompts (AdamW at
+    ``spec.lr`` with linear decay and grad-norm clip 1, as the RL runs, but no sampling and no reward).
+    Returns the greedy exact-match error on all ``2**H`` prompts every ``eval_every`` steps: when this
+    reaches 0 and the RL runs plateau, the plateau is the RL, not what the model can represent."""
+    import torch
+
+    torch.set_num_threads(spec.threads)
+    tokenizer = build_tokenizer()
+    model = build_model(spec, tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / spec.steps)
+    gen = torch.Generator().manual_seed(10_000 + spec.seed)
+    ids = tokenizer.convert_tokens_to_ids(list(DATA_WORDS))
+    out: Dict[str, list] = {"step": [], "greedy_error": []}
+    model.train()
+    for step in range(1, spec.steps + 1):
+        bits = torch.randint(0, 2, (spec.prompts, spec.horizon), generator=gen)
+        words = torch.tensor(ids)[bits]
+        sep = torch.full((spec.prompts, 1), tokenizer.convert_tokens_to_ids(SEPARATOR))
+        input_ids = torch.cat([words, sep, words.flip(1)], dim=1)
+        labels = input_ids.clone()
+        labels[:, : spec.horizon + 1] = -100  # the loss is on the completion only
+        loss = model(input_ids=input_ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay.step()
+        if step % eval_every == 0 or step == spec.steps:
+            out["step"].append(step)
+            out["greedy_error"].append(greedy_error(model, tokenizer, spec.horizon))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # One run (in its own process, or under torchrun)
 # --------------------------------------------------------------------------------------------------
@@ -212,7 +253,8 @@ def _recorder(spec: TRLRunSpec, curves: Dict[str, list], log):
             curves["reward"].append(logs["reward"])
             curves["informative_groups"].append(1.0 - logs.get("frac_reward_zero_std", 0.0))
             step = state.global_step
-            if state.is_world_process_zero and spec.log_every and (step % spec.log_every == 0 or step == spec.steps):
+            last, every = step + spec.num_iterations - 1, spec.log_every  # the last step this generation serves
+            if state.is_world_process_zero and every and (last // every > (step - 1) // every or step == spec.steps):
                 elapsed = time.perf_counter() - self.start
                 log(f"[{spec.name}] step {step:4d}/{spec.steps} reward {logs['reward']:.3f} "
                     f"informative {curves['informative_groups'][-1]:.2f} loss {logs.get('loss', float('nan')):.4g} "
@@ -282,13 +324,36 @@ def _launch(spec: TRLRunSpec, tmp: str):
     return subprocess.Popen(cmd, env=env), out_path
 
 
-def run_all(specs: List[TRLRunSpec], jobs: int) -> List[dict]:
-    """Every spec in its own subprocess, ``jobs`` at a time; results in the order of ``specs``."""
+def _run_path(runs_dir: str, spec: TRLRunSpec) -> str:
+    return os.path.join(runs_dir, f"{spec.method}-seed{spec.seed}-{spec.processes}proc.json")
+
+
+def run_all(specs: List[TRLRunSpec], jobs: int, runs_dir: Optional[str] = None, resume: bool = False) -> List[dict]:
+    """Every spec in its own subprocess, at most ``jobs`` processes at a time (a torchrun spec of ``n``
+    processes takes ``n``, or all of them when ``jobs < n``); results in the order of ``specs``.
+
+    ``runs_dir``: each finished run is also written there at once (a long command that is stopped keeps its
+    finished runs); with ``resume``, a spec whose file there holds the same spec is read back, not run again.
+    """
     results: Dict[int, dict] = {}
+    pending = []
+    for i, spec in enumerate(specs):
+        path = _run_path(runs_dir, spec) if runs_dir else None
+        if resume and path and os.path.exists(path):
+            with open(path) as f:
+                run = json.load(f)
+            if {k: run.get(k) for k in asdict(spec)} == asdict(spec):
+                results[i] = run
+                print(f"[{spec.name}] read back from {path}", flush=True)
+                continue
+        pending.append((i, spec))
+    if runs_dir:
+        os.makedirs(runs_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        pending, running = list(enumerate(specs)), []
+        running = []
         while pending or running:
-            while pending and len(running) < jobs:
+            # start the next spec (in order) while its processes fit; one always starts on an idle machine
+            while pending and (not running or sum(s.processes for _, s, _, _ in running) + pending[0][1].processes <= jobs):
                 i, spec = pending.pop(0)
                 running.append((i, spec) + _launch(spec, tmp))
             time.sleep(0.5)
@@ -301,6 +366,9 @@ def run_all(specs: List[TRLRunSpec], jobs: int) -> List[dict]:
                     raise RuntimeError(f"run {spec.name} failed with exit status {proc.returncode}")
                 with open(out_path) as f:
                     results[i] = json.load(f)
+                if runs_dir:
+                    with open(_run_path(runs_dir, spec), "w") as f:
+                        json.dump(results[i], f)
     return [results[i] for i in range(len(specs))]
 
 
@@ -356,13 +424,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", default="1",
                    help="comma-separated process counts; 2 runs seed 0 of each method under torchrun (gloo) too")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each a subprocess)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="training processes at a time (a run is a subprocess; a torchrun run counts its processes)")
+    p.add_argument("--resume", action="store_true",
+                   help="read back the runs of the same spec already in OUT/runs/ instead of running them again")
     p.add_argument("--log-every", type=int, default=25, help="progress line every N steps")
     p.add_argument("--final-window", type=int, default=20, help="final error = mean over the last N steps")
     p.add_argument("--threshold", type=float, default=0.10, help="error threshold for 'first step at'")
     p.add_argument("--out", default="bench/out/trl-rlvr", help="output folder")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--report", metavar="DIR", help="only rebuild results.md and the PNG from DIR/results.json")
+    p.add_argument("--supervised", action="store_true",
+                   help="only the capacity check: train the same model by cross-entropy on the reversals "
+                        "(--steps, --prompts, --lr, seeds) and print its greedy error")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p
 
@@ -384,6 +458,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.smoke:
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
+    if args.supervised:
+        for seed in range(args.seeds):
+            spec = TRLRunSpec(method="supervised", seed=seed, horizon=args.horizon, steps=args.steps,
+                              prompts=args.prompts, lr=args.lr, threads=args.threads)
+            start, cpu = time.perf_counter(), time.process_time()
+            curve = supervised_run(spec)
+            print(f"supervised H={args.horizon} seed {seed}: greedy error % by step "
+                  + ", ".join(f"{s}: {100 * e:.1f}" for s, e in zip(curve["step"], curve["greedy_error"]))
+                  + f" ({time.perf_counter() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)", flush=True)
+        return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
@@ -397,14 +481,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs = [TRLRunSpec(method=m, seed=s, processes=1, **common) for s in range(args.seeds) for m in methods
              if 1 in processes]
     specs += [TRLRunSpec(method=m, seed=0, processes=n, **common) for n in processes if n > 1 for m in methods]
-    config = {k: v for k, v in vars(args).items() if k not in ("report", "worker")}
+    config = {k: v for k, v in vars(args).items() if k not in ("report", "worker", "resume")}
     config.update(methods=methods, processes=processes, argv=list(sys.argv[1:] if argv is None else argv))
     machine = _machine()
     print(f"trl-rlvr: H={args.horizon} prompts={args.prompts} K={args.group} steps={args.steps} lr={args.lr:g} "
           f"num_iterations={args.num_iterations} runs={len(specs)} jobs={args.jobs} load={machine['loadavg']}",
           flush=True)
     start = time.perf_counter()
-    runs = run_all(specs, args.jobs)
+    runs = run_all(specs, args.jobs, os.path.join(args.out, "runs"), args.resume)
     for run in runs:
         run["final_error"] = final_error(run, args.final_window)
     results = {"benchmark": "trl-rlvr", "date": _dt.datetime.now().isoformat(timespec="seconds"),

@@ -56,8 +56,8 @@ def markdown(results: dict) -> str:
         "",
         f"Seeds 0..{cfg['seeds'] - 1} (a seed fixes the initial model, the prompt stream and TRL's seed: both "
         f"methods start from the same model). Runs under several processes: seed 0, torchrun (gloo), the "
-        f"step's prompts split over the processes. {cfg['jobs']} runs at a time, {cfg['threads']} thread(s) per "
-        f"process; {machine.get('cpu_count')} CPUs, load average {', '.join(f'{v:.2f}' for v in load)} at the "
+        f"step's prompts split over the processes. At most {cfg['jobs']} training processes at a time, "
+        f"{cfg['threads']} thread(s) per process; {machine.get('cpu_count')} CPUs, load average {', '.join(f'{v:.2f}' for v in load)} at the "
         "start" + (f"; total wall {results['wall_seconds']:.0f} s." if results.get("wall_seconds") else "."),
         f"Command: `python -m tpo_kernels.bench.trl_rlvr {' '.join(cfg.get('argv', []))}`",
     ]
