@@ -12,9 +12,10 @@ so its reference (``reference.token_tpo_loss``) runs chunk by chunk in one pass.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .. import functional as F
 from .. import reference
@@ -23,6 +24,19 @@ from .report import _Accumulated, _Rows, _unit
 
 
 # ----------------------------------------------------------------------------- the reference section
+
+
+def _add_magnitudes(sums: Optional[Tuple[Tensor, Tensor, Tensor]], dz: Tensor, h_abs: Tensor):
+    """The running ``(|dz|^T |h|, sum |dz|, sum |h|)`` of a fused path's weight and bias bounds,
+    accumulated in place: the first is a float64 ``[V, H]``, and an out-of-place sum would hold
+    two more of them at once."""
+    if sums is None:
+        return dz.T @ h_abs, dz.sum(0), h_abs.sum(0)
+    weight_mag, bias_mag, hidden_abs_sum = sums
+    weight_mag.addmm_(dz.T, h_abs)
+    bias_mag.add_(dz.sum(0))
+    hidden_abs_sum.add_(h_abs.sum(0))
+    return sums
 
 
 def _sequence_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
@@ -54,7 +68,7 @@ def _sequence_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
     coef_err = seq / (n // k) * abs(inp.logit_scale) / tau
     w64, b64 = head.leaves()
     grads = {name: _Accumulated() for name in (("grad_hidden",) if fused else ("grad_logits",))}
-    weight_mag = bias_mag = hidden_abs_sum = 0.0
+    magnitudes = None
     for chunk in head.chunks():
         z, xin = head.chunk_with_grad(chunk, w64, b64)
         reference.token_logprobs(z, head.flat_labels[chunk], **inp.transform).backward(grad_lp[chunk])
@@ -63,14 +77,13 @@ def _sequence_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
             h_abs = head.hidden[chunk].double().abs()
             grads["grad_hidden"].add(h.grad.reshape(head.rows, -1)[chunk], xin.grad,
                                      tol.grad_k(head.vocab) * (dz @ head.w_abs) + coef_err * head.w_abs.sum(0))
-            weight_mag = weight_mag + dz.T @ h_abs
-            bias_mag = bias_mag + dz.sum(0)
-            hidden_abs_sum = hidden_abs_sum + h_abs.sum(0)
+            magnitudes = _add_magnitudes(magnitudes, dz, h_abs)
         else:
             grads["grad_logits"].add(x.grad.reshape(head.rows, -1)[chunk], z.grad, tol.grad_k() * dz + coef_err)
     if fused:
+        weight_mag, bias_mag, hidden_abs_sum = magnitudes
         grads["grad_weight"], grads["grad_bias"] = _Accumulated(), _Accumulated()
-        grads["grad_weight"].add(w.grad, w64.grad, tol.grad_k(head.rows) * weight_mag + coef_err * hidden_abs_sum)
+        grads["grad_weight"].add(w.grad, w64.grad, weight_mag.mul_(tol.grad_k(head.rows)).add_(coef_err * hidden_abs_sum))
         grads["grad_bias"].add(b.grad, b64.grad, tol.grad_k(head.rows) * bias_mag + coef_err * head.rows)
     for name, acc in grads.items():
         rows.accumulated(name, acc)
@@ -132,7 +145,7 @@ def _token_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
     outputs = {name: _Accumulated("abs") for name in ("candidate_logits", "p", "q")}
     grads = {name: _Accumulated() for name in (("grad_hidden",) if fused else ("grad_logits",))}
     ref_loss = 0.0
-    weight_mag = bias_mag = hidden_abs_sum = 0.0
+    magnitudes = None
     for chunk in head.chunks():
         z, xin = head.chunk_with_grad(chunk, w64, b64)
         part, raux = reference.token_tpo_loss(z, inp.candidates[chunk], inp.cand_scores[chunk].double(),
@@ -146,17 +159,16 @@ def _token_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
             h_abs = hid[chunk].double().abs()
             grads["grad_hidden"].add(h.grad[chunk], xin.grad,
                                      tol.grad_k(kc) * (dz @ head.w_abs) + coef_err * kc * head.w_abs.max())
-            weight_mag = weight_mag + dz.T @ h_abs
-            bias_mag = bias_mag + dz.sum(0)
-            hidden_abs_sum = hidden_abs_sum + h_abs.sum(0)
+            magnitudes = _add_magnitudes(magnitudes, dz, h_abs)
         else:
             grads["grad_logits"].add(x.grad[chunk], z.grad, tol.grad_k() * dz + coef_err)
     rows.abs_bound("loss", loss, torch.tensor(ref_loss, dtype=torch.float64), 2 * token)
     for name, acc in outputs.items():
         rows.accumulated(name, acc)
     if fused:
+        weight_mag, bias_mag, hidden_abs_sum = magnitudes
         grads["grad_weight"], grads["grad_bias"] = _Accumulated(), _Accumulated()
-        grads["grad_weight"].add(w.grad, w64.grad, tol.grad_k(r) * weight_mag + coef_err * hidden_abs_sum)
+        grads["grad_weight"].add(w.grad, w64.grad, weight_mag.mul_(tol.grad_k(r)).add_(coef_err * hidden_abs_sum))
         grads["grad_bias"].add(b.grad, b64.grad, tol.grad_k(r) * bias_mag + coef_err * r)
     for name, acc in grads.items():
         rows.accumulated(name, acc)
@@ -185,7 +197,7 @@ def _logprob_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
     w64, b64 = head.leaves()
     w_lp, w_h = w_lp.reshape(-1), w_h.reshape(-1)
     grads = {name: _Accumulated() for name in (("grad_hidden",) if fused else ("grad_logits",))}
-    weight_mag = bias_mag = 0.0
+    magnitudes = None
     for chunk in head.chunks():
         z, xin = head.chunk_with_grad(chunk, w64, b64)
         labels = head.flat_labels[chunk]
@@ -207,13 +219,13 @@ def _logprob_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
             h_abs = head.hidden[chunk].double().abs()
             grads["grad_hidden"].add(h.grad.reshape(head.rows, -1)[chunk], xin.grad,
                                      (k + head.vocab * tol.eps) * (dz_mag @ head.w_abs))
-            weight_mag = weight_mag + dz_mag.T @ h_abs
-            bias_mag = bias_mag + dz_mag.sum(0)
+            magnitudes = _add_magnitudes(magnitudes, dz_mag, h_abs)
         else:
             grads["grad_logits"].add(x.grad.reshape(head.rows, -1)[chunk], z.grad, k * dz_mag)
     if fused:
+        weight_mag, bias_mag, _ = magnitudes
         grads["grad_weight"], grads["grad_bias"] = _Accumulated(), _Accumulated()
-        grads["grad_weight"].add(w.grad, w64.grad, (k + head.rows * tol.eps) * weight_mag)
+        grads["grad_weight"].add(w.grad, w64.grad, weight_mag.mul_(k + head.rows * tol.eps))
         grads["grad_bias"].add(b.grad, b64.grad, (k + head.rows * tol.eps) * bias_mag)
     for name, acc in grads.items():
         rows.accumulated(name, acc)
