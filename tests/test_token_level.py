@@ -210,6 +210,35 @@ def test_logits_path_is_deterministic(logits_backend):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_logits_path_backward_allocates_only_the_gradient(logits_backend):
+    """bf16 logits: the backward's largest tensor is the bf16 [R, V] gradient it returns, not an
+    fp32 [R, V] accumulator (R spans several of the PyTorch scatter's chunks of states)."""
+    num_states, num_cand, vocab = 600, 4, 8192
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(num_states, vocab, generator=gen) * 2).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    cands = _candidates(num_states, num_cand, vocab, gen).to(DEVICE)
+    scores = torch.randn(num_states, num_cand, generator=gen).to(DEVICE)
+    loss = token_tpo_loss(logits, cands, scores, backend=logits_backend)
+    with OutputSizes() as recorder:
+        loss.backward()
+    assert max(nbytes for _, nbytes in recorder.outputs) == num_states * vocab * 2
+
+
+def test_torch_scatter_rounds_each_sum_once_over_chunks_of_states():
+    """The PyTorch scatter into bf16 sums each id's gradients in fp32 in ascending k, then rounds
+    once, chunk of states by chunk: equal to a dense fp32 accumulation cast at the end."""
+    num_states, num_cand, vocab = 700, 6, 8192  # 256 states per chunk: three chunks
+    gen = torch.Generator().manual_seed(8)
+    cands = torch.randint(0, 16, (num_states, num_cand), generator=gen)  # many duplicates
+    grad = torch.randn(num_states, num_cand, generator=gen)
+    dense = torch.zeros(num_states, vocab)
+    for k in range(num_cand):
+        dense.scatter_add_(1, cands[:, k : k + 1], grad[:, k : k + 1] * (1 / 0.7))
+    out = torch.full((num_states, vocab), float("nan"), dtype=torch.bfloat16)
+    candidate_ops.candidate_backward(grad, cands, inv_temperature=1 / 0.7, out=out)
+    assert torch.equal(out, dense.to(torch.bfloat16))
+
+
 # ----------------------------------------------------------------------------- fused-linear path
 
 

@@ -26,13 +26,22 @@ def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: fl
 
 
 def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor) -> None:
-    """``out`` = 0 except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``."""
+    """``out`` = 0 except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``, summed in
+    ``grad_cand``'s dtype and rounded to ``out``'s once. A lower-precision ``out`` gets its sums
+    from a compute-dtype accumulator of one chunk of states at a time (8 MiB), never ``[R, V]``."""
     out.zero_()
-    acc = out.new_zeros(out.shape, dtype=grad_cand.dtype) if out.dtype != grad_cand.dtype else out
-    for k in range(candidates.shape[1]):  # one column at a time: no index collisions, fixed order
+    if out.dtype == grad_cand.dtype:
+        _scatter_columns(out, candidates, grad_cand, inv_temperature)
+        return
+    for states in _state_chunks(candidates.shape[0], out.shape[1]):
+        acc = out.new_zeros((states.stop - states.start, out.shape[1]), dtype=grad_cand.dtype)
+        _scatter_columns(acc, candidates[states], grad_cand[states], inv_temperature)
+        out[states] = acc
+
+
+def _scatter_columns(acc: Tensor, candidates: Tensor, grad_cand: Tensor, inv_temperature: float) -> None:
+    for k in range(candidates.shape[1]):  # one column at a time: no index collisions, ascending k
         acc.scatter_add_(1, candidates[:, k : k + 1], grad_cand[:, k : k + 1] * inv_temperature)
-    if acc is not out:
-        out.copy_(acc)
 
 
 def _state_chunks(num_states: int, per_state: int):
