@@ -16,6 +16,8 @@ from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.selfcheck import PATHS, CheckReport, inputs as check_inputs
 
+from _dispatch import OpRecorder
+
 SMALL = dict(N=4, K=2, T=6, V=48, H=16)
 
 
@@ -67,6 +69,31 @@ def test_chunked_reference_gives_the_same_errors_as_one_chunk(monkeypatch):
         assert a.max_abs == pytest.approx(b.max_abs, rel=1e-4, abs=1e-15), (a.path, a.quantity)
         assert a.tolerance.split()[0] == b.tolerance.split()[0], (a.path, a.quantity)
         assert float(a.tolerance.split()[-1]) == pytest.approx(float(b.tolerance.split()[-1]), rel=0.02)
+
+
+class _Float64Sizes(OpRecorder):
+    """The element counts of every float64 tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = [0]
+
+    def record(self, func, args, kwargs, out):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.sizes.append(t.numel())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_reference_never_forms_a_float64_tensor_of_every_row(monkeypatch, path):
+    """The float64 reference runs a chunk of rows at a time: with 256 rows of V = 128, no float64
+    tensor comes near ``[rows, V]`` (the [V, H] weight and [rows, H] hidden copies are 8x smaller)."""
+    monkeypatch.setattr(check_inputs, "CHUNK_ELEMENTS", 2 * 128 + 5)  # 2 rows a chunk
+    shapes = dict(N=8, K=2, T=32, V=128, H=8)
+    with _Float64Sizes() as recorder:
+        report = tpo_kernels.check(backends=["torch"], paths=[path], gradcheck=False, edge_cases=False, **shapes)
+    assert report.passed, report.table()
+    assert max(recorder.sizes) <= 2 * 256 * 8 < 256 * 128
 
 
 def test_check_reports_progress_first_and_per_path():

@@ -135,7 +135,7 @@ def _token_rows(rows: _Rows, backend, inp: _Inputs, fused: bool):
             if fused:
                 z = torch.einsum("rh,rkh->rk", hid[chunk].double(), inp.weight.double()[cand]) + inp.bias.double()[cand]
             else:
-                z = inp.logits.reshape(r, -1)[chunk].double().gather(1, cand)
+                z = inp.logits.reshape(r, -1)[chunk].gather(1, cand).double()  # gather first: [rows, K], not [rows, V]
             tempered = reference.tempered_logits(z, **inp.transform)
             spread, max_tempered = max(spread, _max_spread(tempered)), max(max_tempered, float(tempered.abs().max()))
     tol = head.tolerance(inp.hidden.dtype if fused else inp.logits.dtype, vocab=kc, spread=spread,
