@@ -14,7 +14,7 @@ import tpo_kernels
 from tpo_kernels import cli
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.selfcheck import PATHS, CheckReport, inputs as check_inputs
+from tpo_kernels.selfcheck import PATHS, CheckReport, inputs as check_inputs, report as check_report
 
 from _dispatch import OpRecorder
 
@@ -94,6 +94,29 @@ def test_reference_never_forms_a_float64_tensor_of_every_row(monkeypatch, path):
         report = tpo_kernels.check(backends=["torch"], paths=[path], gradcheck=False, edge_cases=False, **shapes)
     assert report.passed, report.table()
     assert max(recorder.sizes) <= 2 * 256 * 8 < 256 * 128
+
+
+@pytest.mark.parametrize("bound_shape", [(40, 16), (16,), ()], ids=["elementwise", "per_column", "scalar"])
+def test_large_comparisons_run_a_slice_of_rows_at_a_time(monkeypatch, bound_shape):
+    """A [V, H]-sized gradient is compared 4 rows (64 entries) at a time: no float64 temporary
+    of the whole, the same verdict and largest error as one comparison, a bad entry in the last
+    slice still caught."""
+    gen = torch.Generator().manual_seed(0)
+    expected = torch.randn(40, 16, generator=gen, dtype=torch.float64)
+    actual = (expected + 1e-4 * torch.randn(40, 16, generator=gen, dtype=torch.float64)).float()
+    bound = torch.full(bound_shape, 1e-3, dtype=torch.float64)
+    whole = check_report._Accumulated()
+    whole.add(actual, expected, bound)
+    monkeypatch.setattr(check_report, "_COMPARE_ELEMENTS", 64)
+    sliced = check_report._Accumulated()
+    with _Float64Sizes() as recorder:
+        sliced.add(actual, expected, bound)
+    assert max(recorder.sizes) <= 64
+    assert sliced.ok and whole.ok and sliced.max_abs == whole.max_abs and sliced.max_bound == whole.max_bound
+    actual[-1, -1] += 1.0
+    caught = check_report._Accumulated()
+    caught.add(actual, expected, bound)
+    assert not caught.ok
 
 
 def test_check_reports_progress_first_and_per_path():

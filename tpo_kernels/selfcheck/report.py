@@ -160,6 +160,10 @@ class _Rows:
         self.add(quantity, math.nan, math.nan, "runs", False, f"{type(exc).__name__}: {str(exc)[:160]}")
 
 
+# Entries one comparison of _Accumulated takes at a time (2^21: 16 MiB of float64).
+_COMPARE_ELEMENTS = 1 << 21
+
+
 class _Accumulated:
     """``|actual - expected| <= bound`` elementwise over the chunks of one tensor, for a row of the
     report once every chunk is in (relative errors: each chunk against its own largest entry)."""
@@ -169,8 +173,20 @@ class _Accumulated:
         self.max_abs = self.max_rel = self.max_bound = 0.0
 
     def add(self, actual: Tensor, expected: Tensor, bound) -> None:
+        """Compare one chunk; a large one (a ``[V, H]`` weight gradient) is compared a slice of
+        rows at a time, so that its float64 temporaries stay ~16 MiB each."""
+        bound = torch.as_tensor(bound, dtype=torch.float64)
+        if actual.dim() == 0 or actual.numel() <= _COMPARE_ELEMENTS:
+            return self._add(actual, expected, bound)
+        per_row = bound.dim() == actual.dim() and bound.shape[0] == actual.shape[0]
+        step = max(1, _COMPARE_ELEMENTS // max(actual[0].numel(), 1))
+        for start in range(0, actual.shape[0], step):
+            rows = slice(start, start + step)
+            self._add(actual[rows], expected[rows], bound[rows] if per_row else bound)
+
+    def _add(self, actual: Tensor, expected: Tensor, bound: Tensor) -> None:
         diff, max_abs, max_rel = _errors(actual, expected)
-        bound = torch.as_tensor(bound, dtype=torch.float64).detach().double().cpu().expand_as(diff)
+        bound = bound.detach().double().cpu().expand_as(diff)
         self.ok = self.ok and bool((diff <= bound).all())
         self.max_abs, self.max_rel = max(self.max_abs, max_abs), max(self.max_rel, max_rel)
         if bound.numel():
