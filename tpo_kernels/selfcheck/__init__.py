@@ -86,12 +86,13 @@ def _runs_on(name: str, device) -> bool:
 def estimate_peak_bytes(dtype: torch.dtype, N: int, T: int, V: int, H: int) -> int:
     """A rough upper estimate of the check's memory above the process's own: the largest path's
     tensors at these shapes (logits and their gradient in ``dtype``, the hidden states, weight and
-    their gradients), five float64 ``[V, H]`` tensors of the fused reference (the weight, its
-    gradient, its magnitude, the bound and a product), and the reference's chunks."""
+    their gradients), four float64 ``[V, H]`` tensors of the fused reference (the weight, its
+    gradient, its magnitude and the gradient's bound; gradients are compared a slice of rows at a
+    time), and the reference's chunks."""
     size = torch.empty((), dtype=dtype).element_size()
     rows = N * T
     path = 2 * rows * V * size + 2 * (rows * H + V * H + V) * size + 4 * rows * V  # + fp32 row buffers
-    reference = 5 * V * H * 8 + 16 * CHUNK_ELEMENTS * 8 + 8 * rows * (H + 8)
+    reference = 4 * V * H * 8 + 16 * CHUNK_ELEMENTS * 8 + 8 * rows * (H + 8)
     return path + reference
 
 
