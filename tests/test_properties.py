@@ -1,6 +1,5 @@
 """Property tests (hypothesis): random batch structures, torch backend vs reference in float64."""
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

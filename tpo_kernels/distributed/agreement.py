@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .collectives import all_gather_stacked

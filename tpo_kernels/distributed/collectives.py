@@ -6,7 +6,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
