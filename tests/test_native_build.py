@@ -197,3 +197,42 @@ def test_metadata_builds_with_the_installed_setuptools(tmp_path):
     modern = int(setuptools.__version__.split(".")[0]) >= 77
     assert ("License-Expression: Apache-2.0" if modern else "License: Apache-2.0") in fields, fields
     assert "License-File: LICENSE" in fields
+
+
+# ----------------------------------------------------------------------------------------------
+# The sdist
+
+
+def _shipped_by_manifest(path: str, manifest: str) -> bool:
+    """Whether MANIFEST.in's ``include`` / ``recursive-include`` lines take ``path`` (relative,
+    POSIX) and no ``global-exclude`` drops it: the subset of its grammar this project uses."""
+    import fnmatch
+
+    taken = False
+    for line in manifest.splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        command, args = words[0], words[1:]
+        if command == "include" and any(fnmatch.fnmatch(path, pattern) for pattern in args):
+            taken = True
+        elif command == "recursive-include" and path.startswith(args[0].rstrip("/") + "/"):
+            taken = taken or any(fnmatch.fnmatch(path.rsplit("/", 1)[-1], pattern) for pattern in args[1:])
+        elif command == "global-exclude" and any(fnmatch.fnmatch(path.rsplit("/", 1)[-1], p) for p in args):
+            return False
+    return taken
+
+
+@pytest.mark.skipif(not (ROOT / "MANIFEST.in").exists(), reason="no MANIFEST.in (not a source tree)")
+def test_sdist_ships_every_repository_file_the_tests_read():
+    """Each file a test names as ``ROOT / ...`` outside the package (which the wheel carries) is
+    in the sdist, so that the tests of an unpacked sdist find it."""
+    manifest = (ROOT / "MANIFEST.in").read_text()
+    named = set()
+    for test_file in (ROOT / "tests").glob("*.py"):
+        for match in re.finditer(r'ROOT((?:\s*/\s*"[^"]+")+)', test_file.read_text()):
+            named.add("/".join(re.findall(r'"([^"]+)"', match.group(1))))
+    files = sorted(p for p in named if (ROOT / p).is_file() and not p.startswith("tpo_kernels/")
+                   and p not in ("pyproject.toml", "MANIFEST.in"))  # every sdist has them
+    assert ".ci/run" in files and "bench/gpu_machine_versions.txt" in files  # the scan finds them
+    assert [p for p in files if not _shipped_by_manifest(p, manifest)] == []
