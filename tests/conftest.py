@@ -1,5 +1,6 @@
-"""Test configuration: Triton kernels run under the CPU interpreter when there is no GPU, and the
-tests import the installed package when the tree they sit in is an unbuilt source tree."""
+"""Test configuration: Triton kernels run under the CPU interpreter when there is no GPU, the
+tests import the installed package when the tree they sit in is an unbuilt source tree, and the
+tree's ``bench`` (experiments run from a clone) is importable either way."""
 
 import importlib.util
 import os
@@ -24,7 +25,18 @@ def _prefer_the_installed_package() -> None:
         sys.path[:] = saved  # no installed package (or an editable one): test the tree
 
 
+def _the_workshop_importable() -> None:
+    """``bench`` (the experiments the tests run) is never installed: the tree's root goes last on
+    sys.path when absent (plain ``pytest`` adds only tests/; the installed-package choice above
+    may have dropped the root), after any installed tpo_kernels."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "bench" / "__init__.py").is_file() and \
+            all(Path(p or os.getcwd()).resolve() != root for p in sys.path):
+        sys.path.append(str(root))
+
+
 _prefer_the_installed_package()
+_the_workshop_importable()
 
 if not torch.cuda.is_available():
     # Must be set before triton is imported anywhere.

@@ -1,4 +1,4 @@
-"""The trainer step benchmark (tpo_kernels.bench.trainer_step) on a tiny Qwen2-shaped model.
+"""The trainer step benchmark (bench.trainer_step) on a tiny Qwen2-shaped model.
 
 All four variants run once, each in a fresh process, on the same seed: every one must finish with
 a finite loss and a positive loss-phase memory, and the three TPO variants (eager on logits,
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from tpo_kernels.bench import trainer_step  # noqa: E402
+from bench import trainer_step  # noqa: E402
 
 TINY = trainer_step.StepSpec(vocab=512, hidden=32, layers=1, intermediate=64, heads=4, kv_heads=2, groups=2,
                              group_size=4, prompt_len=4, completion_len=8, warmup=1, reps=1, threads=1)

@@ -21,7 +21,7 @@ import torch
 
 import tpo_kernels.backends.torch_candidates as torch_ops
 from tpo_kernels.backends import Backend
-from tpo_kernels.bench import kernel_report
+from bench import kernel_report
 from tpo_kernels.layout import pair_runs
 
 from _backends import DEVICE, ROOT, needs_triton
@@ -219,7 +219,7 @@ def test_cuda_backend_linear_ops_run_the_chosen_module(ck, monkeypatch):
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from tpo_kernels.bench import kernel_report as KR
+    from bench import kernel_report as KR
 
     scenarios = [s for s in KR.triton_scenarios(vocabs=(50257,), dtypes=("bf16", "fp64"))
                  if s.label.startswith("candidate")]

@@ -78,7 +78,7 @@ def test_row_kernel_pack_loops_are_short_enough_to_be_bound_by_memory():
     below the ~100 at which an H100/H200 becomes bound by instruction issue, with several packs
     loaded per iteration (the previous kernels, one pack and 150-250 / 70-130 instructions per
     pack, fail)."""
-    from tpo_kernels.bench.kernel_report.loops import binary_loops
+    from bench.kernel_report.loops import binary_loops
 
     loops = binary_loops(CUDA_EXTENSION.__file__, "90")
     found = {(l.kernel, l.dtype, l.variant) for l in loops}

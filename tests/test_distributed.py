@@ -240,7 +240,7 @@ def test_failure_times_are_reported():
 
 
 def _example_commands():
-    """The ``torchrun ... -m tpo_kernels.examples.distributed_training`` lines of the README's
+    """The ``torchrun ... -m bench.examples.distributed_training`` lines of the README's
     bash blocks."""
     commands = []
     for name in ("README.md",):
@@ -248,7 +248,7 @@ def _example_commands():
         if path.exists():
             for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
                 commands += [line.split() for line in block.splitlines()
-                             if "tpo_kernels.examples.distributed_training" in line]
+                             if "bench.examples.distributed_training" in line]
     return commands or [["torchrun", "(no example command found in the docs)"]]
 
 
@@ -256,7 +256,7 @@ def _example_commands():
 def test_torchrun_example(command):
     """The documented example commands run as written under torchrun (2 CPU processes, two
     steps instead of three) and match one-process training."""
-    assert command[0] == "torchrun" and "tpo_kernels.examples.distributed_training" in command, command
+    assert command[0] == "torchrun" and "bench.examples.distributed_training" in command, command
     env = dict(os.environ, **loopback_env(), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", *command[1:], "--steps", "2"]

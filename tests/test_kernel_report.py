@@ -1,4 +1,4 @@
-"""The kernel report (``python -m tpo_kernels.bench.kernel_report``): its parsers of ptxas and
+"""The kernel report (``python -m bench.kernel_report``): its parsers of ptxas and
 cuobjdump output, the spill rule, a real spill found in a real compile (CUDA with nvcc, Triton
 through the report's own launch capture), and the failure when cuobjdump is missing. The full
 report (every kernel, sm_80 and sm_90) runs in .ci/run."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tpo_kernels.bench import kernel_report as KR
+from bench import kernel_report as KR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,7 +235,7 @@ TRITON_SCRIPT = textwrap.dedent("""\
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path.insert(0, sys.argv[2])
     import torch
-    from tpo_kernels.bench import kernel_report as KR
+    from bench import kernel_report as KR
     import spill_kernel
 
     def spill(backend):
@@ -298,7 +298,7 @@ def test_triton_launches_compiled_as_specialized_and_a_spill_found(tmp_path):
 def test_ci_runs_the_kernel_report_before_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     commands = [line.strip() for line in ci if line.strip() and not line.strip().startswith("#")]
-    report = [i for i, c in enumerate(commands) if "tpo_kernels.bench.kernel_report" in c]
+    report = [i for i, c in enumerate(commands) if "bench.kernel_report" in c]
     assert report, "CI does not run the kernel report"
     assert commands[-1] == "python3 -m pytest -q tests"
     assert max(report) < len(commands) - 1

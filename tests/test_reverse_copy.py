@@ -1,4 +1,4 @@
-"""Smoke test of the reverse-copy learning benchmark (tpo_kernels/bench/reverse_copy.py): on the easy
+"""Smoke test of the reverse-copy learning benchmark (bench/reverse_copy.py): on the easy
 setting (H=2, a completion is right with probability 1/4 at initialization) TPO through the
 fused-linear path must lower its loss within each rollout batch and raise its reward within a few
 episodes; GRPO must run; the CLI must write its JSON, Markdown and PNG. Runs in a few seconds."""
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tpo_kernels.bench import reverse_copy as rc
+from bench import reverse_copy as rc
 
 EASY = dict(horizon=2, episodes=12, batch=32, group=8, epochs=4, eval_every=6, log_every=0)
 

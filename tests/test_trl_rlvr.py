@@ -1,4 +1,4 @@
-"""Smoke tests of the TRL RLVR benchmark (tpo_kernels/bench/trl_rlvr.py): the reverse-copy task
+"""Smoke tests of the TRL RLVR benchmark (bench/trl_rlvr.py): the reverse-copy task
 through TRL's reward-function interface, and a few TargetPOTrainer steps on the easy setting (H=2:
 a random completion is right with probability 1/4) where TPO's reward rises and its loss falls on
 each generation it trains on twice. Bounded: well under a minute on 2 cores."""
@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from tpo_kernels.bench import trl_rlvr  # noqa: E402
+from bench import trl_rlvr  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

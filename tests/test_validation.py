@@ -336,7 +336,7 @@ def test_logit_transform_bad_values_name_the_argument(function, bad, error, matc
     (["--vocab", "0"], "--vocab"),
 ])
 def test_trainer_step_cli_bad_option_names_it(argv, match):
-    from tpo_kernels.bench import trainer_step
+    from bench import trainer_step
 
     with pytest.raises(SystemExit, match=match):
         trainer_step.main(argv)

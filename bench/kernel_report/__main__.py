@@ -1,4 +1,4 @@
-"""``python -m tpo_kernels.bench.kernel_report``."""
+"""``python -m bench.kernel_report``."""
 
 import sys
 

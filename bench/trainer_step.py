@@ -1,6 +1,6 @@
 """One TRL training step of a Qwen2-shaped model, four ways to compute the loss, side by side.
 
-``python -m tpo_kernels.bench.trainer_step`` (see bench/README.md, "Trainer step"). Variants:
+``python -m bench.trainer_step``, from the repository root (see bench/README.md, "Trainer step"). Variants:
 
 * ``trl`` (a): TRL's stock ``GRPOTrainer`` loss (its default ``loss_type``, through TRL's own
   tiled log-prob head, which never holds the ``[tokens, V]`` logits).
@@ -48,6 +48,10 @@ from typing import List, Optional
 
 import torch
 
+from tpo_kernels.bench.harness import peak_rss_bytes, reset_peak_rss, rss_bytes, run_fresh_worker
+from tpo_kernels.bench.machine import describe_machine, loadavg
+
+from .experiment import bench_importable_in_children
 from .trainer_step_setup import VARIANTS, StepSpec, build_batch, build_model, build_trainer
 
 MIB = 2.0**20
@@ -57,8 +61,6 @@ MIB = 2.0**20
 
 def measure_variant(variant: str, spec: StepSpec) -> dict:
     """Warm-up and timed ``training_step`` calls of one variant; see the module docstring."""
-    from .harness import peak_rss_bytes, reset_peak_rss, rss_bytes
-
     if spec.threads:
         torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
@@ -121,10 +123,9 @@ def _worker(argv: List[str]) -> int:
 
 def run_fresh(variant: str, spec: StepSpec, timeout: float = 3600.0) -> dict:
     """``measure_variant`` in a fresh Python process that imports the tpo_kernels imported here."""
-    from .harness import run_fresh_worker
-
-    result = run_fresh_worker(["tpo_kernels.bench.trainer_step", "--worker"],
-                              {"variant": variant, "spec": asdict(spec)}, timeout)
+    with bench_importable_in_children():
+        result = run_fresh_worker(["bench.trainer_step", "--worker"], {"variant": variant, "spec": asdict(spec)},
+                                  timeout)
     if isinstance(result, str):
         return {"variant": variant, "label": VARIANTS[variant], "error": result}
     return result
@@ -134,8 +135,6 @@ def run_fresh(variant: str, spec: StepSpec, timeout: float = 3600.0) -> dict:
 
 
 def run(spec: StepSpec, variants: List[str], log=print) -> dict:
-    from .machine import describe_machine, loadavg
-
     load_start = loadavg()
     results = []
     for variant in variants:
@@ -194,7 +193,7 @@ def markdown(report: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = StepSpec()
-    p = argparse.ArgumentParser(prog="python -m tpo_kernels.bench.trainer_step",
+    p = argparse.ArgumentParser(prog="python -m bench.trainer_step",
                                 description="One TRL training step, four TPO/GRPO loss paths, each in a fresh process.")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     for name in ("vocab", "hidden", "layers", "intermediate", "heads", "kv_heads", "groups", "group_size",

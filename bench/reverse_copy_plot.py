@@ -1,12 +1,23 @@
-"""Report of the reverse-copy benchmark (:mod:`tpo_kernels.bench.reverse_copy`): the Markdown table
+"""Report of the reverse-copy benchmark (:mod:`bench.reverse_copy`): the Markdown table
 and the PNG of exact-match error against episode (median over seeds and per-seed lines, one panel
 per optimizer). Both are built from ``results.json`` alone, so ``--report DIR`` can rebuild them."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
-COLORS = {"tpo": "tab:brown", "grpo": "tab:cyan", "tpo_ref": "tab:olive", "tpo_token": "tab:purple"}
+from .experiment import (
+    COLORS,
+    command_line,
+    finish_error_axes,
+    load_text,
+    pct,
+    plot_seed_curves,
+    pyplot,
+    runs_of,
+    save_figure,
+)
+
 LABELS = {"tpo": "TPO (tpo_kernels fused-linear)", "grpo": "GRPO (clip + k3 KL)",
           "tpo_ref": "TPO (plain PyTorch reference)", "tpo_token": "token-level TPO (fused-linear)"}
 
@@ -15,27 +26,9 @@ def _reward(cfg: dict) -> str:
     return f"{cfg.get('reward', 'terminal')} reward"
 
 
-def _pct(x: Optional[float]) -> str:
-    return "—" if x is None else f"{100 * x:.1f}"
-
-
-def _median_curve(curves: List[List[float]]) -> List[float]:
-    n = min(len(c) for c in curves)
-    out = []
-    for i in range(n):
-        col = sorted(c[i] for c in curves)
-        m = len(col)
-        out.append(col[m // 2] if m % 2 else 0.5 * (col[m // 2 - 1] + col[m // 2]))
-    return out
-
-
-def _load(values) -> str:
-    return "?" if not values else ", ".join(f"{v:.2f}" for v in values)
-
-
 def markdown(results: dict) -> str:
     """The results table (and the settings it was run with) as Markdown."""
-    from .reverse_copy import summarize  # noqa: WPS433 (local: keeps this module importable alone)
+    from .reverse_copy import summarize  # here: reverse_copy imports this module
 
     cfg, machine = results["config"], results.get("machine", {})
     rows = results.get("summary") or summarize(results)
@@ -56,10 +49,10 @@ def markdown(results: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        per_seed = ", ".join(_pct(x) for x in r["final_error"])
+        per_seed = ", ".join(pct(x) for x in r["final_error"])
         firsts = ", ".join("—" if x is None else str(x) for x in r["first_episode_at_threshold"])
-        greedy = ", ".join(_pct(x) for x in r["greedy_final_error"])
-        lines.append(f"| {r['optimizer']} ({r['lr']:g}) | {r['method']} | **{_pct(r['median_final_error'])}** | "
+        greedy = ", ".join(pct(x) for x in r["greedy_final_error"])
+        lines.append(f"| {r['optimizer']} ({r['lr']:g}) | {r['method']} | **{pct(r['median_final_error'])}** | "
                      f"{per_seed} | {firsts} | {greedy} |")
     lines += [
         "",
@@ -75,9 +68,9 @@ def markdown(results: dict) -> str:
             + (f" ({min(cpe):.3f}–{max(cpe):.3f} s of process CPU time)" if cpe else "")
             + f"; {cfg['jobs']} runs in parallel, "
             f"{cfg['threads']} thread(s) each; {machine.get('cpu_count')} CPUs, load average "
-            f"{_load(machine.get('loadavg'))} at the start, {_load(machine.get('loadavg_end'))} at the end; "
+            f"{load_text(machine.get('loadavg'))} at the start, {load_text(machine.get('loadavg_end'))} at the end; "
             f"total wall {results.get('wall_seconds', 0):.0f} s.")
-    lines.append(f"Command: `python -m tpo_kernels.bench.reverse_copy {' '.join(cfg.get('argv', []))}`")
+    lines.append(f"Command: `{command_line('reverse_copy', cfg.get('argv', []))}`")
     if results.get("note"):
         lines.append(f"Note: {results['note']}.")
     return "\n".join(lines) + "\n"
@@ -86,13 +79,8 @@ def markdown(results: dict) -> str:
 def plot(results: dict, path: str) -> Optional[str]:
     """Exact-match error against episode: one panel per optimizer, per-seed lines (thin) and the
     median over seeds (thick) per method. Returns the path, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     cfg = results["config"]
     optimizers = cfg["optimizers"]
@@ -100,27 +88,13 @@ def plot(results: dict, path: str) -> Optional[str]:
                              sharey=True)
     for ax, optimizer in zip(axes[0], optimizers):
         for method in cfg["methods"]:
-            runs = [r for r in results["runs"] if r["method"] == method and r["optimizer"] == optimizer]
-            if not runs:
-                continue
-            color = COLORS.get(method, None)
-            for r in runs:
-                err = r["curves"]["error"]
-                ax.plot(range(1, len(err) + 1), err, color=color, alpha=0.35, lw=0.7)
-            med = _median_curve([r["curves"]["error"] for r in runs])
-            ax.plot(range(1, len(med) + 1), med, color=color, lw=2.2,
-                    label=f"{LABELS.get(method, method)}: median of {len(runs)} seeds")
-        lr = cfg["lrs"][optimizer]
-        ax.set_title(f"{optimizer} (lr {lr:g})")
-        ax.set_xlabel("episode")
-        ax.set_ylim(-0.02, 1.02)
-        ax.axhline(cfg["threshold"], color="gray", lw=0.6, ls=":")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower left")
+            runs = runs_of(results, method=method, optimizer=optimizer)
+            if runs:
+                plot_seed_curves(ax, [r["curves"]["error"] for r in runs], COLORS.get(method),
+                                 LABELS.get(method, method))
+        ax.set_title(f"{optimizer} (lr {cfg['lrs'][optimizer]:g})")
+        finish_error_axes(ax, cfg["threshold"], "episode")
     axes[0][0].set_ylabel("exact-match error (sampled)")
     fig.suptitle(f"Reverse copy, {_reward(cfg)}: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
                  f"{cfg['epochs']} epochs per batch\n(thin: one line per seed, thick: median over seeds)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

@@ -224,23 +224,27 @@ def _triton_worker(args) -> int:
     return 0
 
 
-def run_triton_workers(archs: Sequence[str], args) -> List[KernelRow]:
+def run_triton_workers(archs: Sequence[str], args, progress: Optional[Callable[[str], None]] = None) -> List[KernelRow]:
     """One fresh process per architecture (Triton must not be in interpreter mode, and the
-    stand-in driver is process-wide); they run side by side."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    stand-in driver is process-wide); they run side by side. ``progress`` hears what is running."""
+    from ..experiment import child_env
+
+    env = child_env(TRITON_INTERPRET="0")
     parent = os.path.dirname(package_dir())
-    env["PYTHONPATH"] = parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryDirectory(prefix="tpo-kernel-report-") as tmp:
         procs = []
         for arch in archs:
             out = os.path.join(tmp, f"triton-{arch}.json")
-            cmd = [sys.executable, "-m", "tpo_kernels.bench.kernel_report", "--triton-worker", str(arch), "--json", out,
+            cmd = [sys.executable, "-m", "bench.kernel_report", "--triton-worker", str(arch), "--json", out,
                    "--hidden", str(args.hidden), "--vocab", ",".join(map(str, args.vocab)), "--dtype", ",".join(args.dtype)]
             procs.append((arch, out, subprocess.Popen(cmd, cwd=parent, env=env, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True)))
         rows: List[KernelRow] = []
         errors = []
-        for arch, out, proc in procs:
+        for done, (arch, out, proc) in enumerate(procs):
+            if progress:
+                progress(f"compiling for {', '.join('sm_' + a for a, _, _ in procs[done:])} "
+                         f"({len(procs) - done} worker process(es) running)")
             log, _ = proc.communicate()
             if proc.returncode != 0 or not os.path.exists(out):
                 errors.append(f"Triton sm_{arch} worker exited with {proc.returncode}:\n{log[-3000:]}")

@@ -6,14 +6,13 @@ whole groups, and one ``GRPOTrainer`` subclass per variant whose generation is s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import torch
 
-import torch  # noqa: E402
+from .experiment import offline_hub
+
+offline_hub()
 
 VARIANTS = {
     "trl": "(a) TRL GRPOTrainer, stock loss",
@@ -78,7 +77,7 @@ def build_tokenizer():
 
 def build_batch(spec: StepSpec, device: torch.device) -> dict:
     """The dict ``_generate_and_score_completions`` would return: whole groups, full masks."""
-    from .baselines import standardize_rows
+    from tpo_kernels.bench.baselines import standardize_rows
 
     g = torch.Generator().manual_seed(spec.seed + 1)
     rows = spec.groups * spec.group_size
@@ -107,7 +106,7 @@ def build_trainer(variant: str, model, spec: StepSpec, out_dir: str):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from ..integrations.trl import TargetPOConfig, TargetPOTrainer
+    from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer
 
     class FixedBatch:
         """Generation stubbed out: the batch handed to ``training_step`` is used as generated."""
@@ -149,7 +148,7 @@ def build_trainer(variant: str, model, spec: StepSpec, out_dir: str):
 def logits_loss(variant, logits, labels, scores, group_size, backend):
     """(b) or (c): TPO of [N, C, V] logits, on-policy, eta = temperature = 1, mean over groups."""
     if variant == "eager":
-        from .baselines import naive_tpo_logits
+        from tpo_kernels.bench.baselines import naive_tpo_logits
 
         return naive_tpo_logits(logits, labels, scores, group_size)
     import tpo_kernels

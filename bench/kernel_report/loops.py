@@ -1,8 +1,8 @@
 """Instructions per 16-byte pack in the main loops of the CUDA row kernels, from their SASS: the
 measure of whether a row kernel is bound by memory or by instruction issue, without a GPU.
 
-    python -m tpo_kernels.bench.kernel_report.loops                   # the built extension, sm_90
-    python -m tpo_kernels.bench.kernel_report.loops old/_C_cuda.so --arch 80  # any binaries
+    python -m bench.kernel_report.loops                   # the built extension, sm_90
+    python -m bench.kernel_report.loops old/_C_cuda.so --arch 80  # any binaries
 
 A kernel's pack loop is its loop (a backward branch) with the most 128-bit global loads; the
 backward has one per variant, the one with the entropy term being the loop with FMNMX (the floor
@@ -136,7 +136,7 @@ def format_table(loops: Sequence[PackLoop]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tpo_kernels.bench.kernel_report.loops",
+    parser = argparse.ArgumentParser(prog="python -m bench.kernel_report.loops",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("binaries", nargs="*", help="cubins / objects / extensions (default: the built _C_cuda)")
     parser.add_argument("--arch", default="90", help="compute capability of the SASS to read (default 90)")

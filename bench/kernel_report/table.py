@@ -12,6 +12,7 @@ from .parse import DEFAULT_ARCHS, DEFAULT_DTYPES, DEFAULT_VOCABS, KernelRow, Rep
 from .tools import triton_tool
 from .triton import _triton_worker, run_triton_workers
 from .cuda import collect_cuda
+from .progress import PROGRESS_EVERY_S, Progress
 
 
 # --------------------------------------------------------------------------- the table
@@ -78,7 +79,7 @@ def _csv(text: str) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tpo_kernels.bench.kernel_report", description="Registers, spills, shared memory and load widths of every kernel, without a GPU",
+    p = argparse.ArgumentParser(prog="python -m bench.kernel_report", description="Registers, spills, shared memory and load widths of every kernel, without a GPU",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default=",".join(DEFAULT_ARCHS), help="compute capabilities, e.g. 80,90 (default)")
     p.add_argument("--vocab", default=",".join(map(str, DEFAULT_VOCABS)), help="vocabularies of the Triton calls")
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-from-source", action="store_true", help="compile csrc/cuda even when a built extension exists")
     p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="parallel nvcc runs")
     p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_S, metavar="SECONDS",
+                   help="seconds between the progress lines printed to stderr while the kernels compile")
     p.add_argument("--triton-worker", help=argparse.SUPPRESS)
     return p
 
@@ -104,6 +107,10 @@ def main(argv=None) -> int:
         return 2
     if args.triton_worker:
         return _triton_worker(args)
+    if not args.progress_every > 0:
+        print(f"kernel_report: --progress-every must be a positive number of seconds, got {args.progress_every}",
+              file=sys.stderr)
+        return 2
     archs = [a.replace("sm_", "").replace(".", "") for a in _csv(args.arch)]
     t0 = time.perf_counter()
     rows: List[KernelRow] = []
@@ -112,7 +119,8 @@ def main(argv=None) -> int:
         import concurrent.futures
 
         cuda_rows: List[KernelRow] = []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        with Progress(args.progress_every) as progress, \
+                concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             triton_future = None
             if not args.cuda_only:  # Triton workers (one process per arch) run beside the CUDA part
                 import triton
@@ -120,12 +128,17 @@ def main(argv=None) -> int:
                 notes.append(f"Triton {triton.__version__}: kernels compiled as the launchers specialize them "
                              f"(V in {args.vocab}, dtypes {','.join(args.dtype)}, H={args.hidden}); ptxas "
                              f"{triton_tool('ptxas') or '(Triton default)'}")
-                triton_future = pool.submit(run_triton_workers, archs, args)
+                progress.update("Triton", "starting the workers")
+                triton_future = pool.submit(run_triton_workers, archs, args, lambda text: progress.update("Triton", text))
             if not args.triton_only:
-                cuda_rows, cuda_notes = collect_cuda(archs, from_source=args.cuda_from_source, jobs=args.jobs)
+                progress.update("CUDA", "looking for the built extension and the tools")
+                cuda_rows, cuda_notes = collect_cuda(archs, from_source=args.cuda_from_source, jobs=args.jobs,
+                                                     progress=lambda text: progress.update("CUDA", text))
+                progress.finish("CUDA")
                 notes += cuda_notes
             if triton_future is not None:
                 rows += triton_future.result()
+                progress.finish("Triton")
         rows += cuda_rows
     except ReportError as exc:
         print(f"kernel_report: {exc}", file=sys.stderr)

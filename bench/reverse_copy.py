@@ -46,8 +46,8 @@ wrong token (= 1 - mean reward), the quantity the paper plots. The greedy-decodi
 rollout policy on a fixed set of prompts (all ``2**H`` when that is at most 512) is also recorded
 every ``--eval-every`` episodes, and once more after the last update.
 
-Run ``python -m tpo_kernels.bench.reverse_copy --help`` for the flags; the outputs (``results.json``
-with every curve, ``results.md`` with the table, ``reverse-copy.png``) go to ``--out``.
+Run ``python -m bench.reverse_copy --help`` from the repository root for the flags; the outputs
+(``results.json`` with every curve, ``results.md`` with the table, ``reverse-copy.png``) go to ``--out``.
 """
 
 from __future__ import annotations
@@ -55,17 +55,30 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as futures
 import datetime as _dt
-import json
 import multiprocessing as mp
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
+
+from .experiment import (
+    MODEL_HEADS,
+    MODEL_LAYERS,
+    MODEL_WIDTH,
+    add_output_options,
+    csv,
+    final_error,
+    machine,
+    print_finished,
+    rebuild_report,
+    runs_of,
+    summary_row,
+    write_report,
+)
 from .reverse_copy_model import (  # noqa: F401 - re-exported for the tests
     DATA_TOKENS,
     OPTIMIZERS,
@@ -118,9 +131,9 @@ class RunSpec:
     threads: int = 1
     eval_every: int = 50
     log_every: int = 25
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
+    d_model: int = MODEL_WIDTH
+    n_layers: int = MODEL_LAYERS
+    n_heads: int = MODEL_HEADS
 
     @property
     def name(self) -> str:
@@ -248,25 +261,6 @@ def _worker(spec_dict: dict) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def final_error(run: dict, window: int) -> float:
-    errs = run["curves"]["error"]
-    tail = errs[-min(window, len(errs)):]
-    return sum(tail) / len(tail)
-
-
-def first_episode_below(run: dict, threshold: float) -> Optional[int]:
-    for i, e in enumerate(run["curves"]["error"], start=1):
-        if e <= threshold:
-            return i
-    return None
-
-
-def median(values: Sequence[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
 def summarize(results: dict) -> List[dict]:
     """One row per (method, optimizer): median final error over seeds, per-seed values, first
     episode at the threshold per seed."""
@@ -275,18 +269,13 @@ def summarize(results: dict) -> List[dict]:
     rows = []
     for optimizer in cfg["optimizers"]:
         for method in cfg["methods"]:
-            runs = sorted((r for r in results["runs"] if r["method"] == method and r["optimizer"] == optimizer),
-                          key=lambda r: r["seed"])
+            runs = runs_of(results, method=method, optimizer=optimizer)
             if not runs:
                 continue
-            finals = [final_error(r, window) for r in runs]
-            greedy = [r["greedy"]["error"][-1] if r["greedy"]["error"] else None for r in runs]
             rows.append({
                 "method": method, "optimizer": optimizer, "lr": runs[0]["lr"],
-                "seeds": [r["seed"] for r in runs],
-                "median_final_error": median(finals), "final_error": finals,
-                "first_episode_at_threshold": [first_episode_below(r, threshold) for r in runs],
-                "greedy_final_error": greedy,
+                **summary_row(runs, [final_error(r, window) for r in runs], threshold, "episode"),
+                "greedy_final_error": [r["greedy"]["error"][-1] if r["greedy"]["error"] else None for r in runs],
                 "seconds_per_episode": [r["seconds_per_episode"] for r in runs],
                 "cpu_seconds_per_episode": [r.get("cpu_seconds_per_episode") for r in runs],
             })
@@ -298,13 +287,9 @@ def summarize(results: dict) -> List[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _csv(text: str) -> List[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tpo_kernels.bench.reverse_copy",
+        prog="python -m bench.reverse_copy",
         description="Terminal-reward reverse-copy task: TPO (tpo_kernels, fused-linear) vs GRPO, "
                     "AdamW and Muon. Prints progress, writes results.json, results.md and a PNG.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -334,13 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None,
                    help="runs in parallel processes (default: the CPU count; 1 = in this process)")
     p.add_argument("--eval-every", type=int, default=50, help="greedy-decoding eval every N episodes (0: off)")
-    p.add_argument("--log-every", type=int, default=25, help="progress line every N episodes")
-    p.add_argument("--final-window", type=int, default=20,
-                   help="final error = mean sampled error over the last N episodes")
-    p.add_argument("--threshold", type=float, default=0.10, help="error threshold for 'first episode at'")
-    p.add_argument("--out", default="bench/out/reverse-copy", help="output folder")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--report", metavar="DIR", help="only rebuild results.md and the PNG from DIR/results.json")
+    add_output_options(p, out="bench/out/reverse-copy", unit="episode")
     return p
 
 
@@ -349,57 +328,12 @@ def _parse_seeds(text: str) -> List[int]:
     text = text.strip()
     if "," not in text:
         return list(range(int(text)))
-    return [int(s) for s in _csv(text)]
-
-
-def _machine() -> dict:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "loadavg": load, "muon": hasattr(torch.optim, "Muon")}
-
-
-def _rounded(obj, digits: int = 6):
-    """Floats to ``digits`` significant digits (curves are noisy far above that), recursively."""
-    if isinstance(obj, float):
-        return float(f"{obj:.{digits}g}")
-    if isinstance(obj, dict):
-        return {k: _rounded(v, digits) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_rounded(v, digits) for v in obj]
-    return obj
-
-
-def dump_json(results: dict, f) -> None:
-    """``results.json``: floats to 6 significant digits, one line per run (compact, still diffable)."""
-    results = _rounded(results)
-    head = {k: v for k, v in results.items() if k != "runs"}
-    text = json.dumps(head, indent=1)[:-2]  # drop the closing brace, append the runs
-    runs = ",\n  ".join(json.dumps(r, separators=(",", ":")) for r in results.get("runs", []))
-    f.write(text + (',\n "runs": [\n  ' + runs + "\n ]\n}\n"))
-
-
-def write_report(results: dict, out: str, report, png_name: str, plot: bool = True) -> List[str]:
-    """results.json, results.md (``report.markdown``) and, with matplotlib, ``report.plot``'s
-    ``png_name`` in ``out``: the outputs of every learning benchmark."""
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
-    with open(paths[0], "w") as f:
-        dump_json(results, f)
-    with open(paths[1], "w") as f:
-        f.write(report.markdown(results))
-    if plot:
-        png = report.plot(results, os.path.join(out, png_name))
-        if png:
-            paths.append(png)
-    return paths
+    return [int(s) for s in csv(text)]
 
 
 def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
     """results.json, results.md and (with matplotlib) reverse-copy.png in ``out``."""
-    from . import reverse_copy_plot as rp  # namespace-package relative import works too
+    from . import reverse_copy_plot as rp
 
     results["summary"] = summarize(results)
     return write_report(results, out, rp, "reverse-copy.png", plot)
@@ -408,12 +342,8 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report:
-        with open(os.path.join(args.report, "results.json")) as f:
-            results = json.load(f)
-        for path in write_outputs(results, args.report, plot=not args.no_plot):
-            print(f"wrote {path}")
-        return 0
-    methods, optimizers = _csv(args.methods), _csv(args.optimizers)
+        return rebuild_report(args.report, write_outputs, plot=not args.no_plot)
+    methods, optimizers = csv(args.methods), csv(args.optimizers)
     for m in methods:
         if m not in ALL_METHODS:
             raise SystemExit(f"unknown method {m!r} (choose from {', '.join(ALL_METHODS)})")
@@ -434,7 +364,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("report",)}
     config.update(methods=methods, optimizers=optimizers, seeds=seeds, lrs=lrs, jobs=jobs,
                   argv=list(sys.argv[1:] if argv is None else argv))
-    machine_before = _machine()
+    machine_before = machine()
     print(f"reverse-copy: reward={args.reward} H={args.horizon} B={args.batch} K={args.group} epochs={args.epochs} "
           f"episodes={args.episodes} seeds={seeds} methods={methods} optimizers={optimizers} lrs={lrs} "
           f"runs={len(specs)} jobs={jobs} threads/run={args.threads} load={machine_before['loadavg']}", flush=True)
@@ -445,7 +375,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ctx = mp.get_context("spawn")
         with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             # the worker by its importable name (this module may be running as __main__)
-            from tpo_kernels.bench.reverse_copy import _worker as worker
+            from bench.reverse_copy import _worker as worker
 
             runs = list(pool.map(worker, [asdict(s) for s in specs]))
     wall = time.perf_counter() - start
@@ -453,18 +383,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "reverse-copy",
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "config": config,
-        "machine": {**machine_before, "loadavg_end": _machine()["loadavg"]},
+        "machine": {**machine_before, "loadavg_end": machine()["loadavg"]},
         "wall_seconds": wall,
         "runs": runs,
     }
     paths = write_outputs(results, args.out, plot=not args.no_plot)
     from . import reverse_copy_plot as rp
 
-    print()
-    print(rp.markdown(results))
-    print(f"wall {wall:.0f} s for {len(specs)} runs ({jobs} in parallel)")
-    for path in paths:
-        print(f"wrote {path}")
+    print_finished(rp.markdown(results), paths, f"wall {wall:.0f} s for {len(specs)} runs ({jobs} in parallel)")
     return 0
 
 

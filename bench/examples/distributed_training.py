@@ -1,9 +1,9 @@
 """Distributed TPO training of a tiny causal LM; runs on CPU (gloo) or GPUs (nccl).
 
-    torchrun --standalone --nproc-per-node 2 -m tpo_kernels.examples.distributed_training               # DDP
-    torchrun --standalone --nproc-per-node 2 -m tpo_kernels.examples.distributed_training --wrap fsdp2  # FSDP2
-    torchrun --standalone --nproc-per-node 2 -m tpo_kernels.examples.distributed_training --tensor-parallel 2
-    torchrun --standalone --nproc-per-node 4 -m tpo_kernels.examples.distributed_training --tensor-parallel 2
+    torchrun --standalone --nproc-per-node 2 -m bench.examples.distributed_training               # DDP
+    torchrun --standalone --nproc-per-node 2 -m bench.examples.distributed_training --wrap fsdp2  # FSDP2
+    torchrun --standalone --nproc-per-node 2 -m bench.examples.distributed_training --tensor-parallel 2
+    torchrun --standalone --nproc-per-node 4 -m bench.examples.distributed_training --tensor-parallel 2
 
 Data parallel: the batch's completions are dealt round-robin over the data-parallel ranks, so
 every group of K completions is split over ranks; ``fused_linear_tpo_loss(process_group=...)``

@@ -1,6 +1,6 @@
 """Sparse-reward RLVR through TRL: ``TargetPOTrainer`` against TRL's own ``GRPOTrainer``.
 
-The task is the reverse-copy task of :mod:`tpo_kernels.bench.reverse_copy` (the TPO paper's
+The task is the reverse-copy task of :mod:`bench.reverse_copy` (the TPO paper's
 sparse-reward experiment, arXiv 2604.06159 Sec. 3.6) run through TRL: a prompt is a random binary
 string of ``H`` words (``"0"`` / ``"1"``) and the separator ``"="``; the reward function (TRL's
 reward-function interface, on the decoded completion) is 1 only when the completion is the prompt
@@ -36,7 +36,7 @@ run is also written to ``OUT/runs/`` and ``--resume`` reads back the runs of the
 ``--supervised`` is the capacity check: the same model trained by cross-entropy on the reversals
 (:func:`supervised_run`), to tell a plateau of the RL apart from what the model can represent.
 
-``python -m tpo_kernels.bench.trl_rlvr --smoke`` runs a few steps of both methods (< 3 minutes);
+``python -m bench.trl_rlvr --smoke`` (from the repository root) runs a few steps of both methods (< 3 minutes);
 ``--out DIR`` writes ``DIR/results.json`` (``{"runs": [{"method", "seed", "final_error", ...}]}``),
 ``DIR/results.md`` and ``DIR/trl-rlvr.png``.
 """
@@ -54,11 +54,24 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from .experiment import (
+    MODEL_HEADS,
+    MODEL_LAYERS,
+    MODEL_WIDTH,
+    add_output_options,
+    child_env,
+    csv,
+    final_error,
+    machine,
+    offline_hub,
+    print_finished,
+    rebuild_report,
+    runs_of,
+    summary_row,
+    write_report,
+)
 
-from .reverse_copy import _machine, final_error, first_episode_below, median, write_report  # noqa: E402
+offline_hub()
 
 METHODS = ("tpo", "grpo")
 DATA_WORDS = ("0", "1")
@@ -79,9 +92,9 @@ class TRLRunSpec:
     processes: int = 1
     threads: int = 1
     log_every: int = 25
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
+    hidden: int = MODEL_WIDTH
+    layers: int = MODEL_LAYERS
+    heads: int = MODEL_HEADS
 
     @property
     def name(self) -> str:
@@ -315,12 +328,12 @@ def _launch(spec: TRLRunSpec, tmp: str):
         os.path.join(tmp, f"{spec.method}-{spec.seed}-{spec.processes}.run.json")
     with open(spec_path, "w") as f:
         json.dump(asdict(spec), f)
-    worker = ["-m", "tpo_kernels.bench.trl_rlvr", "--worker", spec_path, out_path]
+    worker = ["-m", "bench.trl_rlvr", "--worker", spec_path, out_path]
     if spec.processes == 1:
         cmd = [sys.executable] + worker
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec.processes}"] + worker
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+    env = child_env(OMP_NUM_THREADS=str(spec.threads))
     return subprocess.Popen(cmd, env=env), out_path
 
 
@@ -383,15 +396,12 @@ def summarize(results: dict) -> List[dict]:
     rows = []
     for processes in sorted({r["processes"] for r in results["runs"]}):
         for method in cfg["methods"]:
-            runs = sorted((r for r in results["runs"] if r["method"] == method and r["processes"] == processes),
-                          key=lambda r: r["seed"])
+            runs = runs_of(results, method=method, processes=processes)
             if not runs:
                 continue
-            finals = [r["final_error"] for r in runs]
             rows.append({
-                "method": method, "processes": processes, "seeds": [r["seed"] for r in runs],
-                "median_final_error": median(finals), "final_error": finals,
-                "first_step_at_threshold": [first_episode_below(r, cfg["threshold"]) for r in runs],
+                "method": method, "processes": processes,
+                **summary_row(runs, [r["final_error"] for r in runs], cfg["threshold"], "step"),
                 "greedy_final_error": [r["greedy_final_error"] for r in runs],
                 "seconds_per_step": [r["seconds_per_step"] for r in runs],
                 "cpu_seconds_per_step": [r["cpu_seconds_per_step"] for r in runs],
@@ -408,7 +418,7 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tpo_kernels.bench.trl_rlvr",
+        prog="python -m bench.trl_rlvr",
         description="Reverse copy (terminal reward) through TRL: TargetPOTrainer vs GRPOTrainer with TRL's "
                     "defaults but for lr, batch and generation length. Writes results.json, results.md and a PNG.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -428,12 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training processes at a time (a run is a subprocess; a torchrun run counts its processes)")
     p.add_argument("--resume", action="store_true",
                    help="read back the runs of the same spec already in OUT/runs/ instead of running them again")
-    p.add_argument("--log-every", type=int, default=25, help="progress line every N steps")
-    p.add_argument("--final-window", type=int, default=20, help="final error = mean over the last N steps")
-    p.add_argument("--threshold", type=float, default=0.10, help="error threshold for 'first step at'")
-    p.add_argument("--out", default="bench/out/trl-rlvr", help="output folder")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--report", metavar="DIR", help="only rebuild results.md and the PNG from DIR/results.json")
+    add_output_options(p, out="bench/out/trl-rlvr", unit="step")
     p.add_argument("--supervised", action="store_true",
                    help="only the capacity check: train the same model by cross-entropy on the reversals "
                         "(--steps, --prompts, --lr, seeds) and print its greedy error")
@@ -450,11 +455,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.worker:
         return _worker_main(*args.worker)
     if args.report:
-        with open(os.path.join(args.report, "results.json")) as f:
-            results = json.load(f)
-        for path in write_outputs(results, args.report, plot=not args.no_plot):
-            print(f"wrote {path}")
-        return 0
+        return rebuild_report(args.report, write_outputs, plot=not args.no_plot)
     if args.smoke:
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
@@ -468,7 +469,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   + ", ".join(f"{s}: {100 * e:.1f}" for s, e in zip(curve["step"], curve["greedy_error"]))
                   + f" ({time.perf_counter() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)", flush=True)
         return 0
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = csv(args.methods)
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
@@ -483,24 +484,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs += [TRLRunSpec(method=m, seed=0, processes=n, **common) for n in processes if n > 1 for m in methods]
     config = {k: v for k, v in vars(args).items() if k not in ("report", "worker", "resume")}
     config.update(methods=methods, processes=processes, argv=list(sys.argv[1:] if argv is None else argv))
-    machine = _machine()
+    machine_before = machine()
     print(f"trl-rlvr: H={args.horizon} prompts={args.prompts} K={args.group} steps={args.steps} lr={args.lr:g} "
-          f"num_iterations={args.num_iterations} runs={len(specs)} jobs={args.jobs} load={machine['loadavg']}",
+          f"num_iterations={args.num_iterations} runs={len(specs)} jobs={args.jobs} load={machine_before['loadavg']}",
           flush=True)
     start = time.perf_counter()
     runs = run_all(specs, args.jobs, os.path.join(args.out, "runs"), args.resume)
     for run in runs:
         run["final_error"] = final_error(run, args.final_window)
     results = {"benchmark": "trl-rlvr", "date": _dt.datetime.now().isoformat(timespec="seconds"),
-               "config": config, "machine": {**machine, "loadavg_end": _machine()["loadavg"]},
+               "config": config, "machine": {**machine_before, "loadavg_end": machine()["loadavg"]},
                "wall_seconds": time.perf_counter() - start, "runs": runs}
     paths = write_outputs(results, args.out, plot=not args.no_plot)
     from . import trl_rlvr_report as report
 
-    print()
-    print(report.markdown(results))
-    for path in paths:
-        print(f"wrote {path}")
+    print_finished(report.markdown(results), paths)
     return 0
 
 

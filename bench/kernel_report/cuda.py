@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 import tempfile
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 from .parse import DEFAULT_DTYPES, KernelRow, ReportError, cuda_label, demangle, parse_ptxas_log
 from .tools import _run, find_cuobjdump, inspect_binary, load_toolkit, package_dir
 
@@ -44,10 +44,12 @@ def _cuda_rows(usage, sass, ptxas, archs: Sequence[str], origin: str) -> List[Ke
     return rows
 
 
-def collect_cuda(archs: Sequence[str], *, from_source: bool = False, jobs: int = 4) -> Tuple[List[KernelRow], List[str]]:
+def collect_cuda(archs: Sequence[str], *, from_source: bool = False, jobs: int = 4,
+                 progress: Optional[Callable[[str], None]] = None) -> Tuple[List[KernelRow], List[str]]:
     """``(rows, notes)`` for the CUDA kernels: from the built extension when it has every arch
     (unless ``from_source``), else compiled from csrc/cuda with nvcc. Raises ReportError when
-    neither is possible or a tool is missing."""
+    neither is possible or a tool is missing. ``progress`` hears what is running."""
+    progress = progress or (lambda text: None)
     toolkit = load_toolkit()
     cuobjdump = find_cuobjdump(toolkit)
     notes = [f"cuobjdump: {cuobjdump}"]
@@ -59,6 +61,7 @@ def collect_cuda(archs: Sequence[str], *, from_source: bool = False, jobs: int =
             use = [a for a in missing if a in have]
             if not use:
                 continue
+            progress(f"reading {os.path.basename(so)} with cuobjdump")
             usage, sass = inspect_binary(cuobjdump, so)
             rows += _cuda_rows(usage, sass, {}, use, os.path.basename(so))
             notes.append(f"CUDA kernels for {', '.join('sm_' + a for a in use)}: read from the built extension {so}")
@@ -86,11 +89,13 @@ def collect_cuda(archs: Sequence[str], *, from_source: bool = False, jobs: int =
                 pending.append((arch, src, obj, cmd))
         done = []
         running: List[tuple] = []
+        total = len(pending)
         while pending or running:
             while pending and len(running) < max(1, jobs):
                 arch, src, obj, cmd = pending.pop(0)
                 running.append((arch, src, obj, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                                       text=True, cwd=os.path.dirname(csrc))))
+            progress(f"nvcc: {len(done)} of {total} compiles done, {len(running)} running")
             arch, src, obj, cmd, proc = running.pop(0)
             log, _ = proc.communicate()
             if proc.returncode != 0:
@@ -98,7 +103,8 @@ def collect_cuda(archs: Sequence[str], *, from_source: bool = False, jobs: int =
                     other.kill()
                 raise ReportError(f"nvcc failed ({proc.returncode}) on {src} for sm_{arch}:\n{log[-3000:]}")
             done.append((arch, src, obj, log))
-        for arch, src, obj, log in sorted(done):
+        for inspected, (arch, src, obj, log) in enumerate(sorted(done)):
+            progress(f"cuobjdump: {inspected} of {total} objects read")
             usage, sass = inspect_binary(cuobjdump, obj)
             rows += _cuda_rows(usage, sass, parse_ptxas_log(log), [arch], f"{os.path.basename(src)} (nvcc here)")
     return rows, notes

@@ -1,10 +1,10 @@
 """Kernel report: registers, spills, shared memory and global load widths of every Triton and CUDA
 kernel of tpo_kernels, compiled for sm_80 and sm_90 on a machine without a GPU.
 
-    python -m tpo_kernels.bench.kernel_report                 # sm_80 and sm_90, the table, exit status
-    python -m tpo_kernels.bench.kernel_report --arch 90 --json report.json
-    python -m tpo_kernels.bench.kernel_report --triton-only   # or --cuda-only
-    python -m tpo_kernels.bench.kernel_report.loops          # CUDA row kernels: instructions per pack
+    python -m bench.kernel_report                 # sm_80 and sm_90, the table, exit status
+    python -m bench.kernel_report --arch 90 --json report.json
+    python -m bench.kernel_report --triton-only   # or --cuda-only
+    python -m bench.kernel_report.loops          # CUDA row kernels: instructions per pack
 
 **Triton.** Each operation of the Triton backend is called through the backend interface
 (``TritonBackend().row_forward(...)`` and so on) on small CPU tensors of representative shapes:
@@ -31,6 +31,9 @@ reserves per block) + dynamic bytes the launch requests (Triton). ``loads``: the
 the SASS by width in bits (``128x2`` = two 128-bit LDG instructions; LDG.E.128 is a 16-byte vector
 load), then the stores. ``launched for``: the calls that produced this specialization.
 
+**Progress.** While the kernels compile (minutes), a line ``kernel_report: [N s] ...`` on stderr says
+what is still running, every ``--progress-every`` seconds (default 15).
+
 Exit status: 0 when no fp32, bf16 or fp16 kernel spills (fp64 kernels are reported, not
 failed; so is the local memory ``KNOWN_TRITON_LOCAL_MEMORY`` records for one Triton release,
 under that release only: Triton 3.6's two 8-byte frames, none under 3.9); 1 when one does; 2
@@ -52,11 +55,12 @@ from .parse import (
     parse_resource_usage,
     parse_sass,
 )
+from .progress import PROGRESS_EVERY_S, Progress
 from .table import build_parser, format_table, main, verdict
 from .tools import find_cuobjdump, inspect_binary, load_toolkit, package_dir, triton_tool
 from .triton import Scenario, collect_triton, run_triton_workers, triton_scenarios
 
-__all__ = ["DEFAULT_ARCHS", "DEFAULT_DTYPES", "DEFAULT_VOCABS", "FAIL_DTYPES", "KNOWN_TRITON_LOCAL_MEMORY", "KernelRow", "ReportError", "Scenario",
+__all__ = ["DEFAULT_ARCHS", "DEFAULT_DTYPES", "DEFAULT_VOCABS", "FAIL_DTYPES", "KNOWN_TRITON_LOCAL_MEMORY", "KernelRow", "PROGRESS_EVERY_S", "Progress", "ReportError", "Scenario",
            "_cuda_rows", "build_parser", "built_cuda_extensions", "collect_cuda", "collect_triton", "cuda_label",
            "demangle", "elf_archs", "find_cuobjdump", "format_table", "inspect_binary", "load_toolkit", "main",
            "package_dir", "parse_ptxas_log", "parse_resource_usage", "parse_sass", "run_triton_workers",

@@ -1,1 +1,0 @@
-"""Runnable examples: ``python -m tpo_kernels.examples.<name>`` (or ``torchrun ... -m``)."""
