@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,42 @@ def test_missing_cuobjdump_is_an_error(monkeypatch, tmp_path, capsys):
         KR.find_cuobjdump(KR.load_toolkit())
     assert KR.main(["--cuda-only", "--arch", "90"]) == 2
     assert f"CUOBJDUMP={missing} is not an executable file" in capsys.readouterr().err
+
+
+def _slow_parts(monkeypatch, seconds):
+    """Stand-ins for the Triton workers and the CUDA part that take ``seconds`` and report what they do."""
+    from bench.kernel_report import table
+
+    def triton_workers(archs, args, progress=None):
+        progress("compiling for sm_90 (1 worker process(es) running)")
+        time.sleep(seconds)
+        return []
+
+    def cuda_part(archs, *, from_source, jobs, progress=None):
+        progress("nvcc: 0 of 2 compiles done, 2 running")
+        time.sleep(seconds)
+        return [], []
+
+    monkeypatch.setattr(table, "run_triton_workers", triton_workers)
+    monkeypatch.setattr(table, "collect_cuda", cuda_part)
+
+
+def test_progress_lines_while_the_kernels_compile(monkeypatch, capsys):
+    """While the parts work, a line on stderr every --progress-every seconds says what is running
+    (the report was silent for 219 s before printing anything)."""
+    _slow_parts(monkeypatch, seconds=1.0)
+    assert KR.main(["--arch", "90", "--progress-every", "0.1"]) == 0
+    captured = capsys.readouterr()
+    beats = [line for line in captured.err.splitlines() if line.startswith("kernel_report: [")]
+    assert len(beats) >= 4, captured.err
+    assert any("Triton: compiling for sm_90" in line and "CUDA: nvcc: 0 of 2 compiles done" in line for line in beats)
+    assert "kernel_report: [" not in captured.out  # the table on stdout stays clean
+
+
+def test_progress_every_default_is_under_twenty_seconds_and_must_be_positive(capsys):
+    assert 0 < KR.PROGRESS_EVERY_S <= 20 and KR.build_parser().parse_args([]).progress_every == KR.PROGRESS_EVERY_S
+    assert KR.main(["--progress-every", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "kernel_report: --progress-every must be a positive number of seconds, got 0.0"
 
 
 def _nvcc():

@@ -1,10 +1,10 @@
 """Kernel report: registers, spills, shared memory and global load widths of every Triton and CUDA
 kernel of tpo_kernels, compiled for sm_80 and sm_90 on a machine without a GPU.
 
-    python -m bench.kernel_report                 # sm_80 and sm_90, the table, exit status
+    python -m bench.kernel_report                             # sm_80 and sm_90, the table, exit status
     python -m bench.kernel_report --arch 90 --json report.json
-    python -m bench.kernel_report --triton-only   # or --cuda-only
-    python -m bench.kernel_report.loops          # CUDA row kernels: instructions per pack
+    python -m bench.kernel_report --triton-only               # or --cuda-only
+    python -m bench.kernel_report.loops                      # CUDA row kernels: instructions per pack
 
 **Triton.** Each operation of the Triton backend is called through the backend interface
 (``TritonBackend().row_forward(...)`` and so on) on small CPU tensors of representative shapes:

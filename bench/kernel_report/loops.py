@@ -1,8 +1,8 @@
 """Instructions per 16-byte pack in the main loops of the CUDA row kernels, from their SASS: the
 measure of whether a row kernel is bound by memory or by instruction issue, without a GPU.
 
-    python -m bench.kernel_report.loops                   # the built extension, sm_90
-    python -m bench.kernel_report.loops old/_C_cuda.so --arch 80  # any binaries
+    python -m bench.kernel_report.loops                               # the built extension, sm_90
+    python -m bench.kernel_report.loops old/_C_cuda.so --arch 80              # any binaries
 
 A kernel's pack loop is its loop (a backward branch) with the most 128-bit global loads; the
 backward has one per variant, the one with the entropy term being the loop with FMNMX (the floor
