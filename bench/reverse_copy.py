@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 
 from .experiment import (
+    LOG_EVERY,
     MODEL_HEADS,
     MODEL_LAYERS,
     MODEL_WIDTH,
@@ -130,7 +131,7 @@ class RunSpec:
     head_dtype: str = "float32"
     threads: int = 1
     eval_every: int = 50
-    log_every: int = 25
+    log_every: int = LOG_EVERY
     d_model: int = MODEL_WIDTH
     n_layers: int = MODEL_LAYERS
     n_heads: int = MODEL_HEADS

@@ -6,17 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .experiment import (
-    COLORS,
-    command_line,
-    finish_error_axes,
-    load_text,
-    pct,
-    plot_seed_curves,
-    pyplot,
-    runs_of,
-    save_figure,
-)
+from . import experiment as ex
 
 LABELS = {"tpo": "TPO (tpo_kernels fused-linear)", "grpo": "GRPO (clip + k3 KL)",
           "tpo_ref": "TPO (plain PyTorch reference)", "tpo_token": "token-level TPO (fused-linear)"}
@@ -49,10 +39,10 @@ def markdown(results: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        per_seed = ", ".join(pct(x) for x in r["final_error"])
+        per_seed = ", ".join(ex.pct(x) for x in r["final_error"])
         firsts = ", ".join("—" if x is None else str(x) for x in r["first_episode_at_threshold"])
-        greedy = ", ".join(pct(x) for x in r["greedy_final_error"])
-        lines.append(f"| {r['optimizer']} ({r['lr']:g}) | {r['method']} | **{pct(r['median_final_error'])}** | "
+        greedy = ", ".join(ex.pct(x) for x in r["greedy_final_error"])
+        lines.append(f"| {r['optimizer']} ({r['lr']:g}) | {r['method']} | **{ex.pct(r['median_final_error'])}** | "
                      f"{per_seed} | {firsts} | {greedy} |")
     lines += [
         "",
@@ -68,9 +58,9 @@ def markdown(results: dict) -> str:
             + (f" ({min(cpe):.3f}–{max(cpe):.3f} s of process CPU time)" if cpe else "")
             + f"; {cfg['jobs']} runs in parallel, "
             f"{cfg['threads']} thread(s) each; {machine.get('cpu_count')} CPUs, load average "
-            f"{load_text(machine.get('loadavg'))} at the start, {load_text(machine.get('loadavg_end'))} at the end; "
+            f"{ex.load_text(machine.get('loadavg'))} at the start, {ex.load_text(machine.get('loadavg_end'))} at the end; "
             f"total wall {results.get('wall_seconds', 0):.0f} s.")
-    lines.append(f"Command: `{command_line('reverse_copy', cfg.get('argv', []))}`")
+    lines.append(f"Command: `{ex.command_line('reverse_copy', cfg.get('argv', []))}`")
     if results.get("note"):
         lines.append(f"Note: {results['note']}.")
     return "\n".join(lines) + "\n"
@@ -79,7 +69,7 @@ def markdown(results: dict) -> str:
 def plot(results: dict, path: str) -> Optional[str]:
     """Exact-match error against episode: one panel per optimizer, per-seed lines (thin) and the
     median over seeds (thick) per method. Returns the path, or None without matplotlib."""
-    plt = pyplot()
+    plt = ex.pyplot()
     if plt is None:
         return None
     cfg = results["config"]
@@ -88,13 +78,13 @@ def plot(results: dict, path: str) -> Optional[str]:
                              sharey=True)
     for ax, optimizer in zip(axes[0], optimizers):
         for method in cfg["methods"]:
-            runs = runs_of(results, method=method, optimizer=optimizer)
+            runs = ex.runs_of(results, method=method, optimizer=optimizer)
             if runs:
-                plot_seed_curves(ax, [r["curves"]["error"] for r in runs], COLORS.get(method),
+                ex.plot_seed_curves(ax, [r["curves"]["error"] for r in runs], ex.COLORS.get(method),
                                  LABELS.get(method, method))
         ax.set_title(f"{optimizer} (lr {cfg['lrs'][optimizer]:g})")
-        finish_error_axes(ax, cfg["threshold"], "episode")
+        ex.finish_error_axes(ax, cfg["threshold"], "episode")
     axes[0][0].set_ylabel("exact-match error (sampled)")
     fig.suptitle(f"Reverse copy, {_reward(cfg)}: H={cfg['horizon']}, B={cfg['batch']}, K={cfg['group']}, "
                  f"{cfg['epochs']} epochs per batch\n(thin: one line per seed, thick: median over seeds)", fontsize=10)
-    return save_figure(plt, fig, path)
+    return ex.save_figure(plt, fig, path)

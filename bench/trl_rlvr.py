@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 from .experiment import (
+    LOG_EVERY,
     MODEL_HEADS,
     MODEL_LAYERS,
     MODEL_WIDTH,
@@ -91,7 +92,7 @@ class TRLRunSpec:
     num_iterations: int = 1
     processes: int = 1
     threads: int = 1
-    log_every: int = 25
+    log_every: int = LOG_EVERY
     hidden: int = MODEL_WIDTH
     layers: int = MODEL_LAYERS
     heads: int = MODEL_HEADS

@@ -6,17 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .experiment import (
-    COLORS,
-    command_line,
-    finish_error_axes,
-    load_text,
-    pct,
-    plot_seed_curves,
-    pyplot,
-    runs_of,
-    save_figure,
-)
+from . import experiment as ex
 
 LABELS = {"tpo": "TargetPOTrainer (TPO)", "grpo": "TRL GRPOTrainer"}
 SMOOTH = 10  # steps: the curves are running means (one step's error is a mean of only prompts x K samples)
@@ -57,18 +47,18 @@ def markdown(results: dict) -> str:
     for r in rows:
         firsts = ", ".join("—" if x is None else str(x) for x in r["first_step_at_threshold"])
         lines.append(
-            f"| {r['method']} | {r['processes']} | **{pct(r['median_final_error'])}** | "
-            f"{', '.join(pct(x) for x in r['final_error'])} | {firsts} | "
-            f"{', '.join(pct(x) for x in r['greedy_final_error'])} | {_seconds(r['seconds_per_step'])} | "
+            f"| {r['method']} | {r['processes']} | **{ex.pct(r['median_final_error'])}** | "
+            f"{', '.join(ex.pct(x) for x in r['final_error'])} | {firsts} | "
+            f"{', '.join(ex.pct(x) for x in r['greedy_final_error'])} | {_seconds(r['seconds_per_step'])} | "
             f"{_seconds(r['cpu_seconds_per_step'])} |")
     lines += [
         "",
         f"Seeds 0..{cfg['seeds'] - 1} (a seed fixes the initial model, the prompt stream and TRL's seed: both "
         f"methods start from the same model). Runs under several processes: seed 0, torchrun (gloo), the "
         f"step's prompts split over the processes. At most {cfg['jobs']} training processes at a time, "
-        f"{cfg['threads']} thread(s) per process; {machine.get('cpu_count')} CPUs, load average {load_text(machine.get('loadavg'))} at the "
+        f"{cfg['threads']} thread(s) per process; {machine.get('cpu_count')} CPUs, load average {ex.load_text(machine.get('loadavg'))} at the "
         "start" + (f"; total wall {results['wall_seconds']:.0f} s." if results.get("wall_seconds") else "."),
-        f"Command: `{command_line('trl_rlvr', cfg.get('argv', []))}`",
+        f"Command: `{ex.command_line('trl_rlvr', cfg.get('argv', []))}`",
     ]
     if results.get("note"):
         lines.append(f"Note: {results['note']}.")
@@ -77,24 +67,24 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict, path: str) -> Optional[str]:
     """Exact-match error against step; returns the path, or None without matplotlib."""
-    plt = pyplot()
+    plt = ex.pyplot()
     if plt is None:
         return None
     cfg = results["config"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for method in cfg["methods"]:
-        color = COLORS.get(method)
-        one = runs_of(results, method=method, processes=1)
+        color = ex.COLORS.get(method)
+        one = ex.runs_of(results, method=method, processes=1)
         if one:
-            plot_seed_curves(ax, [_smooth(r["curves"]["error"]) for r in one], color, f"{LABELS[method]} (1 process)")
+            ex.plot_seed_curves(ax, [_smooth(r["curves"]["error"]) for r in one], color, f"{LABELS[method]} (1 process)")
         for r in results["runs"]:
             if r["method"] == method and r["processes"] > 1:
                 err = _smooth(r["curves"]["error"])
                 ax.plot(range(1, len(err) + 1), err, color=color, lw=1.2, ls="--",
                         label=f"{LABELS[method]}: seed {r['seed']}, {r['processes']} processes")
-    finish_error_axes(ax, cfg["threshold"], "optimizer step (one TRL generation each)", legend_size=7)
+    ex.finish_error_axes(ax, cfg["threshold"], "optimizer step (one TRL generation each)", legend_size=7)
     ax.set_ylabel(f"exact-match error (sampled, running mean of {SMOOTH} steps)")
     ax.set_title(f"Reverse copy through TRL: H={cfg['horizon']}, {cfg['prompts']} prompts x K={cfg['group']} "
                  f"per step, lr {cfg['lr']:g}\n(thin: one line per seed, thick: median, dashed: torchrun)",
                  fontsize=9)
-    return save_figure(plt, fig, path)
+    return ex.save_figure(plt, fig, path)
