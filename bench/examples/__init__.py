@@ -1,0 +1,1 @@
+"""Runnable examples, from the repository root: ``torchrun ... -m bench.examples.<name>``."""
