@@ -112,7 +112,8 @@ def test_check_library_function_refuses_before_any_work(monkeypatch):
     monkeypatch.setattr(selfcheck, "_make_inputs", reached)
     for kwargs, name in ((dict(eta=0.0), "eta"), (dict(temperature=float("inf")), "temperature"),
                          (dict(logit_softcap=0.0), "logit_softcap"), (dict(device=_unavailable_cuda()), "device"),
-                         (dict(backends=["cpuu"]), "backends"), (dict(gradcheck="yes"), "gradcheck")):
+                         (dict(backends=["cpuu"]), "backends"), (dict(gradcheck="yes"), "gradcheck"),
+                         (dict(progress=print, progress_interval=0.0), "progress_interval")):
         with pytest.raises(selfcheck.ArgumentError) as info:
             selfcheck.check(**kwargs)
         assert info.value.argument == name and name.rstrip("s") in str(info.value)

@@ -290,6 +290,9 @@ def check(
     for name, flag in (("gradcheck", gradcheck), ("edge_cases", edge_cases)):
         with _argument(name):
             check_flag(name, flag)
+    if progress_interval is not None:
+        with _argument("progress_interval"):
+            check_positive("progress_interval", progress_interval)
     beat = Heartbeat(progress or (lambda line: None), progress_interval, indent="")
     if progress is None:
         return _run_check(args, gradcheck, edge_cases, beat, start)
