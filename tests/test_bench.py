@@ -466,3 +466,92 @@ def test_peers_preset_names_its_targets_providers():
         assert target.num in measured and (target.den is None or target.den in measured)
     gpu = PR.PRESETS["fused-linear-gpu"].jobs[0].providers
     assert {"cce", "liger", "liger_chunked", "cce_compile", "compile", "matmul3", "tpo_cached:cuda"} <= set(gpu)
+
+
+# --------------------------------------------------------------------------- memory targets with the logits cache
+
+GIB = 1 << 30
+
+
+def _fused_gpu_row(provider, extra_gib, cache_gib=None):
+    row = {"case": "fused_linear", "variant": "dense", "mode": "full", "dtype": "bf16", "status": "ok",
+           "shape": {"G": 16, "K": 8, "T": 128, "V": 151936, "H": 4096}, "provider": provider, "role": "ours",
+           "time_s": {"median": 1.0}, "peak_bytes": 0, "input_bytes": 0, "kept_grad_bytes": 0,
+           "extra_bytes": int(extra_gib * GIB)}
+    if cache_gib is not None:
+        row["logits_cache_bytes"] = int(cache_gib * GIB)
+    return row
+
+
+def _memory_verdicts(rows):
+    targets = [t for t in PR.PRESETS["fused-linear-gpu"].targets if t.metric.startswith("extra")]
+    return {(e["target"].split(":")[0], e["provider"]): (e["status"], e["value"])
+            for e in R.evaluate_targets(targets, rows)}
+
+
+def test_fused_linear_gpu_memory_target_applies_to_the_uncached_providers_only():
+    """'extra memory < 2 GiB' judges tpo:* only: a cached provider holding its 4.64 GiB cache is
+    not failed by it."""
+    cache = 16384 * 151936 * 2 / GIB
+    verdicts = _memory_verdicts([_fused_gpu_row("tpo:cuda", 1.5), _fused_gpu_row("tpo:triton", 2.5),
+                                 _fused_gpu_row("tpo_cached:cuda", cache + 1.0, cache)])
+    uncached = {p: v for (text, p), v in verdicts.items() if text == "without the cache"}
+    assert uncached == {"tpo:cuda": ("PASS", pytest.approx(1.5)), "tpo:triton": ("FAIL", pytest.approx(2.5))}
+
+
+@pytest.mark.parametrize("over_budget_gib, status", [(1.0, "PASS"), (1.99, "PASS"), (2.5, "FAIL")])
+def test_fused_linear_gpu_cached_providers_are_bound_by_their_budget_plus_2_gib(over_budget_gib, status):
+    cache = 16384 * 151936 * 2 / GIB
+    verdicts = _memory_verdicts([_fused_gpu_row("tpo_cached:triton", cache + over_budget_gib, cache)])
+    assert verdicts[("with the cache", "tpo_cached:triton")] == (status, pytest.approx(over_budget_gib, abs=1e-6))
+    (target,) = [t for t in PR.PRESETS["fused-linear-gpu"].targets if t.metric == "extra_beyond_cache"]
+    assert "4.64 GiB" in target.text and "plus 2 GiB" in target.text and target.threshold == 2.0
+
+
+def test_cached_memory_target_without_a_recorded_budget_is_not_measured():
+    (verdict,) = R.evaluate_targets([t for t in PR.PRESETS["fused-linear-gpu"].targets
+                                     if t.metric == "extra_beyond_cache"], [_fused_gpu_row("tpo_cached:cuda", 5.0)])
+    assert verdict["status"] == "not measured (no logits cache budget recorded)" and verdict["value"] is None
+
+
+def test_cached_provider_records_its_logits_cache_budget():
+    """A tpo_cached:* measurement carries the budget it was given (every token's logits: M*V*itemsize);
+    the uncached one carries none."""
+    from tpo_kernels.bench import harness as H
+
+    shape = {"G": 1, "K": 2, "T": 4, "V": 64, "H": 8}
+    spec = dict(case="fused_linear", shape=shape, dtype="fp32", variant="dense", modes=["full"], device="cpu", seed=0,
+                warmup=1, min_reps=1, max_reps=1, target_time=0.01, check=False)
+    (cached,) = H.measure(dict(spec, provider="tpo_cached:torch"))
+    (plain,) = H.measure(dict(spec, provider="tpo:torch"))
+    assert cached["status"] == "ok" and plain["status"] == "ok", (cached, plain)
+    assert cached["logits_cache_bytes"] == 1 * 2 * 4 * 64 * 4
+    assert "logits_cache_bytes" not in plain
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def test_bench_prints_a_progress_line_while_a_slow_measurement_runs(tmp_path, capsys, monkeypatch):
+    """A measurement longer than the progress interval gets a line naming it before it ends (15 s
+    in the command; 0.1 s here)."""
+    import time
+
+    from tpo_kernels.bench import harness as H
+    from tpo_kernels.selfcheck import heartbeat
+
+    def slow(spec):
+        time.sleep(1.0)
+        return [dict({k: spec[k] for k in ("case", "shape", "dtype", "variant", "provider")}, mode=m,
+                     status="error", error="slow stand-in") for m in spec["modes"]]
+
+    monkeypatch.setattr(heartbeat, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(H, "measure", slow)
+    args = ["--case", "logprobs", "--shape", "M=8,V=16", "--providers", "naive", "--mode", "full", "--no-isolate",
+            "--no-plots", "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("[1/1] logprobs"))
+    end = next(i for i, line in enumerate(lines) if "ERROR slow stand-in" in line)
+    beats = lines[start + 1:end]
+    assert beats and all("[1/1] logprobs M=8 V=16 fp32 dense naive: still running" in line for line in beats), lines

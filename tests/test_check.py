@@ -6,6 +6,7 @@ reference gives the chunk size's verdicts and errors whatever the chunk size."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ import tpo_kernels
 from tpo_kernels import cli
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.selfcheck import PATHS, CheckReport, inputs as check_inputs, report as check_report
+from tpo_kernels.selfcheck import PATHS, CheckReport, heartbeat, inputs as check_inputs, report as check_report
+from tpo_kernels.selfcheck.paths import _REFERENCE_RUNNERS as check_runners
 
 from _dispatch import OpRecorder
 
@@ -128,6 +130,54 @@ def test_check_reports_progress_first_and_per_path():
     assert "tpo_loss" in lines[2] and "edge cases" in lines[4] and all("PASS" in line for line in lines[2:])
 
 
+def _slow_path(seconds):
+    """A reference runner that takes ``seconds`` (a stand-in for one path at a large shape)."""
+    def run(rows, backend, inputs):
+        time.sleep(seconds)
+        rows.add("slow stand-in", 0.0, 0.0, "none", True)
+
+    return run
+
+
+def test_check_prints_a_progress_line_while_a_slow_step_runs(monkeypatch):
+    """A step longer than the progress interval gets a line naming it before it ends (the
+    command's interval is 15 s; 0.1 s here)."""
+    monkeypatch.setitem(check_runners, "tpo_loss", _slow_path(1.0))
+    lines = []
+    tpo_kernels.check(backends=["torch"], paths=["tpo_loss"], gradcheck=False, edge_cases=False,
+                      progress=lines.append, progress_interval=0.1, **SMALL)
+    done = next(i for i, line in enumerate(lines) if line.startswith("[1/1]"))
+    beats = [line for line in lines[:done] if "still running" in line]
+    assert beats and all("[1/1] torch tpo_loss: reference" in line for line in beats), lines
+
+
+def test_check_progress_interval_defaults_to_the_heartbeat_constant(monkeypatch):
+    monkeypatch.setattr(heartbeat, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setitem(check_runners, "tpo_loss", _slow_path(1.0))
+    lines = []
+    tpo_kernels.check(backends=["torch"], paths=["tpo_loss"], gradcheck=False, edge_cases=False,
+                      progress=lines.append, **SMALL)
+    assert any("still running" in line for line in lines), lines
+    assert heartbeat.PROGRESS_INTERVAL_S < 20  # the commands promise a line at least every 20 s
+
+
+def test_cli_check_prints_progress_while_a_slow_step_runs(monkeypatch, capsys):
+    monkeypatch.setattr(heartbeat, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setitem(check_runners, "tpo_loss", _slow_path(1.0))
+    assert cli.main(["check", "--backends", "torch", "--paths", "tpo_loss", "--no-gradcheck", "--no-edge-cases",
+                     "-N", "4", "-K", "2", "-T", "6", "-V", "48", "-H", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "tpo_loss: reference: still running" in err, err
+
+
+def test_heartbeat_stays_quiet_without_a_progress_callback(monkeypatch):
+    """tpo_kernels.check without ``progress`` starts no thread and prints nothing."""
+    started = []
+    monkeypatch.setattr(heartbeat.Heartbeat, "__enter__", lambda self: started.append(self) or self)
+    tpo_kernels.check(backends=["torch"], paths=["tpo_loss"], gradcheck=False, edge_cases=False, **SMALL)
+    assert not started
+
+
 def test_estimated_memory_of_the_readme_example_is_under_4_gib():
     assert tpo_kernels.selfcheck.estimate_peak_bytes(torch.bfloat16, 16, 512, 32000, 1024) < 4 * 2**30
 
@@ -188,7 +238,9 @@ def test_cli_check_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch_backend, "row_forward", shifted)
     assert cli.main(args) == 1
     assert "FAIL" in capsys.readouterr().out
-    assert cli.main(["check", "--paths", "nope"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--paths", "nope"])
+    assert exc.value.code == 2
 
 
 @pytest.mark.quick
@@ -199,7 +251,9 @@ def test_cli_check_refuses_an_unwritable_json_path_before_any_work(where, tmp_pa
 
     monkeypatch.setattr(tpo_kernels.selfcheck, "check", must_not_run)
     path = tmp_path / "no" / "report.json" if where == "missing_folder" else tmp_path
-    assert cli.main(["check", "--json", str(path)]) == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--json", str(path)])
+    assert exc.value.code == 2
     assert "--json" in capsys.readouterr().err
 
 

@@ -10,6 +10,11 @@
   (``tpo-kernels bench --help``).
 
 Parsing and ``--help`` import nothing heavy: torch is imported by the subcommand that runs.
+
+Usage errors (a bad option or value, a device or backend that is not there, an output path that
+cannot be written) are found before any work and end the command with one line on stderr,
+``tpo-kernels <command>: error: ...``, and exit status 2: :class:`UsageError`, also raised by the
+parsers (:class:`OneLineParser`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,74 @@ import argparse
 import os
 import sys
 from typing import List, Optional
+
+
+class UsageError(SystemExit):
+    """A usage error of a command: exit status 2, and ``str()`` the one line that says what is wrong.
+    The command's ``main`` prints it (once: ``reported`` is set then) and re-raises."""
+
+    def __init__(self, message: str, prog: str = "tpo-kernels"):
+        super().__init__(2)
+        self.message, self.prog, self.reported = message, prog, False
+
+    def __str__(self) -> str:
+        return self.message
+
+    def report(self) -> None:
+        if not self.reported:
+            print(f"{self.prog}: error: {self.message}", file=sys.stderr, flush=True)
+            self.reported = True
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block) and exit status 2 (a UsageError)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
+
+
+def writable_file_problem(path: str) -> Optional[str]:
+    """Why the file ``path`` cannot be written (None when it can): its folder must exist and take
+    new files, and the path must not be a folder. Nothing is created."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"{path} is not writable"
+    return None
+
+
+def output_folder_problem(path: str, parents: bool = False) -> Optional[str]:
+    """Make the output folder ``path`` if needed and say why it cannot take the outputs (None when it
+    can). Its parent must exist unless ``parents`` (a default location, made with its parents): a
+    mistyped parent is an error rather than a new tree of folders."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a folder"
+    if not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if not parents and not os.path.isdir(parent):
+            return f"folder {parent} does not exist"
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"folder {path} is not writable"
+    return None
+
+
+def parse_device(text: Optional[str], option: str = "--device", prog: str = "tpo-kernels"):
+    """The torch.device of a ``--device`` value (None: cuda when present, else cpu), or a UsageError
+    naming ``option`` when it is not a device the commands run on here."""
+    from tpo_kernels.selfcheck import usable_device
+
+    try:
+        return usable_device(text)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}", prog) from None
 
 
 def _status(args) -> int:
@@ -56,7 +129,13 @@ def _demo(args) -> int:
     import tpo_kernels
     from tpo_kernels import reference
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from tpo_kernels.backends import get_backend
+
+    device = parse_device(args.device, prog="tpo-kernels demo")
+    try:
+        get_backend(args.backend, device)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UsageError(f"--backend: {exc}", "tpo-kernels demo") from None
     torch.manual_seed(args.seed)
     groups, k, t, v = 2, 4, 6, 50
     n = groups * k
@@ -103,41 +182,40 @@ def _bench(argv: List[str]) -> int:
     return bench_main(argv)
 
 
-def _writable_file(path: str) -> Optional[str]:
-    """Why ``path`` cannot be written (None when it can), checked before any work."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"folder {folder} does not exist"
-    if os.path.isdir(path):
-        return f"{path} is a folder"
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        return f"{path} is not writable"
-    return None
+# check()'s arguments as ``tpo-kernels check`` spells them
+_CHECK_OPTIONS = {name: f"-{name}" for name in "NKTVH"}
 
 
 def _check(args) -> int:
+    prog = "tpo-kernels check"
     if args.json and args.json != "-":
-        problem = _writable_file(args.json)
+        problem = writable_file_problem(args.json)
         if problem:
-            print(f"tpo-kernels check: --json: {problem}", file=sys.stderr)
-            return 2
-    from tpo_kernels.selfcheck import check
+            raise UsageError(f"--json: {problem}", prog)
+    from tpo_kernels import selfcheck
 
     def split(value):
         return [x.strip() for x in value.split(",") if x.strip()] if value else None
 
+    try:
+        checked = selfcheck.check_arguments(
+            device=args.device, dtype=args.dtype, backends=split(args.backends), paths=split(args.paths), N=args.N,
+            K=args.K, T=args.T, V=args.V, H=args.H, temperature=args.temperature, eta=args.eta,
+            logit_scale=args.logit_scale, logit_softcap=args.logit_softcap, long_tokens=args.long_tokens,
+            seed=args.seed)
+    except selfcheck.ArgumentError as exc:
+        option = _CHECK_OPTIONS.get(exc.argument, "--" + exc.argument.replace("_", "-"))
+        raise UsageError(f"{option}: {exc}", prog) from None
+
     def progress(line):  # stderr: stdout carries the table (or the JSON with --json -)
         print(line, file=sys.stderr, flush=True)
 
-    try:
-        report = check(device=args.device, dtype=args.dtype, backends=split(args.backends), paths=split(args.paths),
-                       N=args.N, K=args.K, T=args.T, V=args.V, H=args.H, temperature=args.temperature,
-                       eta=args.eta, logit_scale=args.logit_scale, logit_softcap=args.logit_softcap,
-                       gradcheck=not args.no_gradcheck, edge_cases=not args.no_edge_cases,
-                       long_tokens=args.long_tokens, seed=args.seed, progress=progress)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        print(f"tpo-kernels check: {exc}", file=sys.stderr)
-        return 2
+    # check() prints a line at least every PROGRESS_INTERVAL_S seconds (selfcheck.heartbeat)
+    report = selfcheck.check(
+        device=checked.device, dtype=checked.dtype, backends=checked.backends, paths=checked.paths, N=checked.N,
+        K=checked.K, T=checked.T, V=checked.V, H=checked.H, temperature=checked.temperature, eta=checked.eta,
+        logit_scale=checked.logit_scale, logit_softcap=checked.logit_softcap, gradcheck=not args.no_gradcheck,
+        edge_cases=not args.no_edge_cases, long_tokens=checked.long_tokens, seed=checked.seed, progress=progress)
     if args.json == "-":
         print(report.to_json(indent=1))
     else:
@@ -147,7 +225,7 @@ def _check(args) -> int:
                 with open(args.json, "w") as f:
                     f.write(report.to_json(indent=1))
             except OSError as exc:
-                print(f"tpo-kernels check: --json: could not write {args.json}: {exc}", file=sys.stderr)
+                print(f"{prog}: error: --json: could not write {args.json}: {exc}", file=sys.stderr)
                 return 2
     return 0 if report.passed else 1
 
@@ -180,11 +258,20 @@ def _add_check_parser(sub) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run ``tpo-kernels`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status. A usage
+    error prints one line to stderr and raises :class:`UsageError` (SystemExit with status 2)."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as exc:
+        exc.report()
+        raise
+
+
+def _main(argv: List[str]) -> int:
     if argv and argv[0] == "bench":  # everything after "bench" belongs to the harness
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="tpo-kernels", description="Target Policy Optimization (TPO) loss kernels.")
-    sub = parser.add_subparsers(dest="command")
+    parser = OneLineParser(prog="tpo-kernels", description="Target Policy Optimization (TPO) loss kernels.")
+    sub = parser.add_subparsers(dest="command")  # subparsers are OneLineParsers too (argparse's default)
     sub.add_parser("status", help="which backends run here")
     demo = sub.add_parser("demo", help="a tiny end-to-end TPO step checked against the reference (seconds)")
     demo.add_argument("--device", help="cpu or cuda (default: cuda if present)")
@@ -192,7 +279,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="benchmarks against eager PyTorch and other baselines (tpo-kernels bench --help)")
     _add_check_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        prog = "tpo-kernels" + (f" {args.command}" if args.command else "")
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help)", prog)
     if args.command == "check":
         return _check(args)
     if args.command == "status":
@@ -200,7 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "demo":
         return _demo(args)
     parser.print_help()
-    return 0 if args.command is None and not argv else 2
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

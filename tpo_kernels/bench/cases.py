@@ -220,7 +220,10 @@ def parse_shape(text: str) -> dict:
         if "=" not in part:
             raise ValueError(f"shape entries look like NAME=INT, got {part!r}")
         key, value = part.split("=", 1)
-        out[key.strip()] = int(value)
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"shape entries look like NAME=INT, got {part!r}") from None
     return out
 
 

@@ -260,6 +260,8 @@ def measure(spec: dict) -> list:
                 num_groups=inputs.num_groups,
             )
             result["extra_bytes"] = result["peak_bytes"] - result["input_bytes"] - result["kept_grad_bytes"]
+            if getattr(runner, "logits_cache_bytes", None) is not None:
+                result["logits_cache_bytes"] = int(runner.logits_cache_bytes)
             if inputs.stats:
                 result["input_stats"] = inputs.stats
         except Exception as exc:  # recorded, the run goes on

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from typing import List, Optional
 
+from ..cli import UsageError, parse_device
 from . import cases as C
 from .inputs import VARIANTS
 from .presets import PRESETS, Job
@@ -22,19 +23,15 @@ def csv(values: Optional[List[str]]) -> Optional[List[str]]:
     return out or None
 
 
-def _match(name, patterns):
+def matches_any(name, patterns):
+    """``name`` matches one of the provider names or globs ``patterns``."""
     return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
 def resolve_device(arg: str):
-    import torch
-
-    if arg == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(arg)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible to torch")
-    return dev
+    """``--device``: auto (cuda when present, else cpu), cpu or cuda[:index] (a UsageError when
+    it is not there)."""
+    return parse_device(None if arg == "auto" else arg, prog="tpo-kernels bench")
 
 
 def _preset_device(kind):
@@ -55,16 +52,23 @@ def plan(args, device):
     specs, skipped, targets = [], [], []
     providers_arg, exclude = csv(args.providers), csv(args.exclude) or []
     dtypes_arg, variants_arg, modes_arg = csv(args.dtype), csv(args.variant), csv(args.mode)
-    shapes_arg = [C.parse_shape(s) for s in (args.shape or [])]
+    try:
+        shapes_arg = [C.parse_shape(s) for s in (args.shape or [])]
+    except ValueError as exc:
+        raise UsageError(f"--shape: {exc}") from None
+    for shape in shapes_arg:
+        small = {k: v for k, v in shape.items() if v < 1}
+        if small:
+            raise UsageError(f"--shape: sizes must be at least 1, got {', '.join(f'{k}={v}' for k, v in small.items())}")
     for name in variants_arg or []:
         if name not in VARIANTS:
-            raise SystemExit(f"--variant: unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
+            raise UsageError(f"--variant: unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
     jobs = []  # (device, Job, grid points, uses the built-in grid)
     presets = csv(args.preset)
     if presets:
         for name in presets:
             if name not in PRESETS:
-                raise SystemExit(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+                raise UsageError(f"--preset: unknown preset {name!r}; presets: {', '.join(PRESETS)}")
             pre = PRESETS[name]
             pdev = device if pre.device == "any" else _preset_device(pre.device)
             targets += pre.targets
@@ -78,7 +82,7 @@ def plan(args, device):
         names = csv(args.case) or list(C.CASES)
         for n in names:
             if n not in C.CASES:
-                raise SystemExit(f"unknown case {n!r}; cases: {', '.join(C.CASES)}")
+                raise UsageError(f"--case: unknown case {n!r}; cases: {', '.join(C.CASES)}")
         dkind = "cuda" if device.type == "cuda" else "cpu"
         grid_key = ("quick-" if args.quick else "") + dkind
         for n in names:
@@ -86,7 +90,7 @@ def plan(args, device):
             if shapes_arg:
                 points = _points(s for s in shapes_arg if set(case.params) <= set(s))
                 if not points:
-                    raise SystemExit(f"--shape for case {n!r} needs the keys {','.join(case.params)}")
+                    raise UsageError(f"--shape for case {n!r} needs the keys {','.join(case.params)}")
             else:
                 points = case.grids[grid_key]
             provs = [p.name for p in C.select_providers(case, None, dkind, args.quick)]
@@ -101,8 +105,8 @@ def plan(args, device):
     for job_index, (dev, job, points, builtin_grid) in enumerate(jobs):
         case = C.CASES[job.case]
         limited = C.LIMITED_PROVIDERS["cuda" if dev.type == "cuda" else "cpu"] if (builtin_grid and not providers_arg) else set()
-        names = [p.name for p in case.providers if _match(p.name, providers_arg or job.providers)]
-        names = [n for n in names if not _match(n, exclude)]
+        names = [p.name for p in case.providers if matches_any(p.name, providers_arg or job.providers)]
+        names = [n for n in names if not matches_any(n, exclude)]
         for pname in names:
             prov = case.provider(pname)
             reason = prov.available(dev)

@@ -39,7 +39,10 @@ OUR_BACKENDS = ("cuda", "triton", "cpu", "torch")
 
 
 class LossRunner:
-    """forward() -> scalar loss; backward(loss) -> loss.backward()."""
+    """forward() -> scalar loss; backward(loss) -> loss.backward(). ``logits_cache_bytes``: the
+    logits cache budget the call is given (None: no cache), recorded with its results."""
+
+    logits_cache_bytes: Optional[int] = None
 
     def __init__(self, fn: Callable[[], Tensor], inputs: Inputs):
         self.fn, self.inputs = fn, inputs
@@ -240,7 +243,14 @@ def linear_providers() -> List[Provider]:
         )
 
     def cached(fn, b):
-        return ours(fn, b, logits_cache_bytes=_full_logits_bytes)
+        build = ours(fn, b, logits_cache_bytes=_full_logits_bytes)
+
+        def build_cached(inp, shape):
+            runner = build(inp, shape)
+            runner.logits_cache_bytes = _full_logits_bytes(inp)  # the extra_beyond_cache target subtracts it
+            return runner
+
+        return build_cached
 
     return (
         _ours("fused_linear_tpo_loss", ours)

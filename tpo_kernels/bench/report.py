@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -144,6 +145,9 @@ def evaluate_targets(targets: List["Target"], results: List[dict], calibration: 
             return r["peak_bytes"]
         if name == "extra":
             return r["extra_bytes"]
+        if name == "extra_beyond_cache":  # extra memory beyond the logits cache budget the call was given
+            cache = r.get("logits_cache_bytes")
+            return None if cache is None else r["extra_bytes"] - cache
         if name == "over_grads":  # peak beyond the inputs, in units of the gradients' own bytes
             return (r["peak_bytes"] - r["input_bytes"]) / r["kept_grad_bytes"] if r.get("kept_grad_bytes") else None
         if name == "throughput":
@@ -154,7 +158,7 @@ def evaluate_targets(targets: List["Target"], results: List[dict], calibration: 
 
     for t in targets:
         rows = [r for r in ok_rows if r["case"] == t.case and r["variant"] == t.variant and r["mode"] == t.mode]
-        nums = [r for r in rows if (r["role"] == "ours" if t.num == "ours" else r["provider"] == t.num)]
+        nums = [r for r in rows if (r["role"] == "ours" if t.num == "ours" else fnmatch.fnmatchcase(r["provider"], t.num))]
         entry_base = {"preset": t.preset, "target": t.text, "case": t.case, "variant": t.variant, "op": t.op, "threshold": t.threshold, "unit": t.unit}
         if not nums:
             out.append(dict(entry_base, provider=t.num, status="not measured", value=None))
@@ -180,12 +184,18 @@ def evaluate_targets(targets: List["Target"], results: List[dict], calibration: 
                 raw = metric(n, t.metric)
                 value = None if raw is None else raw / t.scale
                 formula = f"{t.metric}({n['provider']})" + (f" in {t.unit}" if t.unit else "")
+                if t.metric == "extra_beyond_cache" and n.get("logits_cache_bytes") is not None:
+                    formula = (f"extra({n['provider']}) - its logits cache budget "
+                               f"({n['logits_cache_bytes'] / t.scale:.3g}{' ' + t.unit if t.unit else ''})"
+                               + (f" in {t.unit}" if t.unit else ""))
             if value is None:
                 status = "not measured"
                 if getattr(t, "relative", None) == "copy" and not copy:
                     status = "not measured (no copy-bandwidth calibration in this run)"
                 elif t.metric == "kernel_throughput":
                     status = "not measured (no kernel-only times)"
+                elif t.metric == "extra_beyond_cache":
+                    status = "not measured (no logits cache budget recorded)"
             else:
                 passed = {"<=": value <= t.threshold, "<": value < t.threshold, ">=": value >= t.threshold}[t.op]
                 status = "PASS" if passed else "FAIL"

@@ -18,17 +18,23 @@ import os
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
+from ..cli import OneLineParser, UsageError, output_folder_problem, parse_device
 from .machine import describe_machine, loadavg
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..selfcheck.heartbeat import Heartbeat
 
 # The cases, the plan and the presets import torch: they are imported where used, so that
 # ``tpo-kernels bench --help`` answers without loading torch.
 
 DEFAULT_OUT = "tpo-bench-out"
+PROG = "tpo-kernels bench"
 
 
-def build_parser(prog="tpo-kernels bench") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Benchmark tpo_kernels against the baselines users would pick instead.",
+def build_parser(prog=PROG) -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description="Benchmark tpo_kernels against the baselines users would pick instead.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__[__doc__.index("examples:"):])
     p.add_argument("--case", action="append", help="case(s): logits, fused_linear, token, token_logits, logprobs (default: all)")
@@ -102,11 +108,25 @@ def _summary(r):
 
 
 def main(argv=None) -> int:
+    """Run the benchmark with ``argv``; returns the exit status. A usage error (a bad option or
+    value, a device or provider that is not there, an output folder that cannot be written) is
+    found before any measurement: one line on stderr and :class:`~tpo_kernels.cli.UsageError`
+    (SystemExit with status 2)."""
+    try:
+        return _checked_main(argv)
+    except UsageError as exc:
+        exc.prog = PROG
+        exc.report()
+        raise
+
+
+def _checked_main(argv) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
     from .plan import resolve_device
 
+    _check_values(args)
     if args.report:
         return _rereport(args)
     device = resolve_device(args.device)
@@ -121,6 +141,48 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads_before)
 
 
+def _check_values(args) -> None:
+    """The option values that argparse's types do not check, before any work (UsageError)."""
+    import math
+
+    from . import cases as C
+    from .plan import csv, matches_any
+
+    def at_least(option, value, minimum):
+        if value is not None and not value >= minimum:
+            raise UsageError(f"{option} must be at least {minimum}, got {value}")
+
+    def positive(option, value):
+        if value is not None and not 0 < value < math.inf:
+            raise UsageError(f"{option} must be a finite number of seconds > 0, got {value}")
+
+    at_least("--rounds", args.rounds, 1)
+    at_least("--reps", args.reps, 1)
+    at_least("--warmup", args.warmup, 0)
+    at_least("--threads", args.threads, 1)
+    at_least("--calibrate-bytes", args.calibrate_bytes, 1)
+    positive("--target-time", args.target_time)
+    positive("--timeout", args.timeout)
+    if args.budget is not None and not 0 <= args.budget < math.inf:
+        raise UsageError(f"--budget must be a finite number of seconds >= 0, got {args.budget}")
+    for option, values, known in (("--dtype", args.dtype, C.DTYPES), ("--mode", args.mode, C.MODES)):
+        unknown = [v for v in csv(values) or [] if v not in known]
+        if unknown:
+            raise UsageError(f"{option}: unknown value(s) {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    names = sorted({p.name for case in C.CASES.values() for p in case.providers})
+    for option, patterns in (("--providers", args.providers), ("--exclude", args.exclude)):
+        unknown = [pat for pat in csv(patterns) or [] if not any(matches_any(n, [pat]) for n in names)]
+        if unknown:
+            raise UsageError(f"{option}: {', '.join(map(repr, unknown))} matches no provider; providers: {', '.join(names)}")
+    if args.report:
+        results = os.path.join(args.report, "results.json")
+        if not os.path.isfile(results):
+            raise UsageError(f"--report: {results} does not exist")
+        problem = output_folder_problem(args.report)
+        if problem:
+            raise UsageError(f"--report: {problem}")
+
+
 def _main(args, argv, device) -> int:
     import torch
 
@@ -129,7 +191,9 @@ def _main(args, argv, device) -> int:
     specs, skipped, targets, title = plan(args, device)
     run_name = (("-".join(csv(args.preset))) if args.preset else ("quick" if args.quick else "default")) + f"-{device.type}"
     out_dir = os.path.abspath(args.out or os.path.join(DEFAULT_OUT, run_name))
-    os.makedirs(out_dir, exist_ok=True)
+    problem = output_folder_problem(out_dir, parents=args.out is None)
+    if problem:
+        raise UsageError(f"--out: {problem}")
     isolate = args.isolate
     if args.budget is None and not args.preset and not args.quick and not args.shape and device.type == "cpu":
         args.budget = 540.0  # the default CPU run promises to finish in under 10 minutes
@@ -179,8 +243,12 @@ def _main(args, argv, device) -> int:
 
         monitor = ClockMonitor(smi_gpu_id(cal_device)).start()
     try:
-        run["calibration"] = _calibrate(args, cal_device, timing)
-        _measure_all(args, specs, timing, isolate, run, json_path, t_start)
+        from ..selfcheck.heartbeat import Heartbeat
+
+        # a line at least every PROGRESS_INTERVAL_S seconds, also while one measurement runs for minutes
+        with Heartbeat(_print_line) as beat:
+            run["calibration"] = _calibrate(args, cal_device, timing, beat)
+            _measure_all(args, specs, timing, isolate, run, json_path, t_start, beat)
     finally:
         if monitor is not None:
             from .calibrate import clocks_text
@@ -192,39 +260,41 @@ def _main(args, argv, device) -> int:
     return _finish(run, targets, out_dir, args.no_plots)
 
 
-def _calibrate(args, device, timing) -> dict:
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def _calibrate(args, device, timing, beat: Heartbeat) -> dict:
     """The copy-bandwidth calibration of this run (``calibrate.copy_bandwidth``), or why not."""
     wanted = args.calibrate if args.calibrate is not None else device.type == "cuda"
     if not wanted:
         return {"skipped": "off on a CPU unless --calibrate" if device.type != "cuda" else "--no-calibrate"}
     from .calibrate import calibration_text, copy_bandwidth
 
+    beat.stage("copy-bandwidth calibration")
     try:
         cal = copy_bandwidth(device, args.calibrate_bytes, reps=max(5, timing["min_reps"]))
     except Exception as exc:  # recorded; targets relative to it then say 'not measured'
         cal = {"skipped": f"calibration failed: {type(exc).__name__}: {exc}"}
-    print(f"  copy-bandwidth calibration: {calibration_text(cal)}", flush=True)
+    beat.say(f"  copy-bandwidth calibration: {calibration_text(cal)}")
     return cal
 
 
-def _measure_all(args, specs, timing, isolate, run, json_path, t_start) -> None:
+def _measure_all(args, specs, timing, isolate, run, json_path, t_start, beat: Heartbeat) -> None:
     from . import report as R
 
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     by_round = []
     for round_index in range(args.rounds):
         run["results"] = [r for rs in by_round for r in rs]
         by_round.append(_measure_round(args, specs, timing, isolate, run, json_path, t_start,
-                                       f"round {round_index + 1}/{args.rounds} " if args.rounds > 1 else ""))
+                                       f"round {round_index + 1}/{args.rounds} " if args.rounds > 1 else "", beat))
     run["results"] = R.merge_rounds(by_round)
     R.write_json(run, json_path)
 
 
-def _measure_round(args, specs, timing, isolate, run, json_path, t_start, prefix) -> list:
-    from . import cases as C
-
+def _measure_round(args, specs, timing, isolate, run, json_path, t_start, prefix, beat: Heartbeat) -> list:
     """One pass over the plan; its results (also appended to ``run`` as they come)."""
+    from . import cases as C
     from . import harness as H
     from . import report as R
 
@@ -237,9 +307,10 @@ def _measure_round(args, specs, timing, isolate, run, json_path, t_start, prefix
                  f"{spec['variant']} {spec['provider']}")
         if args.budget is not None and time.perf_counter() - t_start > args.budget:
             rs = _errors(spec, f"time budget of {args.budget:.0f} s used up", status="skipped")
-            print(f"{label}: skipped (time budget)", flush=True)
+            beat.say(f"{label}: skipped (time budget)")
         else:
-            print(f"{label} ({', '.join(spec['modes'])})", flush=True)
+            beat.say(f"{label} ({', '.join(spec['modes'])})")
+            beat.stage(label)
             t0 = time.perf_counter()
             if isolate and not spec["device"].startswith("cuda"):
                 rs = _run_isolated(spec, args.timeout)
@@ -249,8 +320,8 @@ def _measure_round(args, specs, timing, isolate, run, json_path, t_start, prefix
             for r in rs:
                 r.setdefault("role", C.CASES[spec["case"]].provider(spec["provider"]).role)
                 r["load_average"] = load
-                print(f"    {r['mode']:8s} {_summary(r)}", flush=True)
-            print(f"    [{time.perf_counter() - t0:.1f} s]", flush=True)
+                beat.say(f"    {r['mode']:8s} {_summary(r)}")
+            beat.say(f"    [{time.perf_counter() - t0:.1f} s]")
         results.extend(rs)
         run["results"].extend(rs)
         R.write_json(run, json_path)
