@@ -1,5 +1,9 @@
 """CPU backend: the C++ row ops of ``tpo_kernels._C_cpu`` (csrc/cpu, OpenMP over rows).
 
+Every call passes ``num_threads=torch.get_num_threads()``, so the row ops follow
+``torch.set_num_threads`` whatever OpenMP runtime the extension was linked with; a call smaller
+than ATen's grain (32768 elements per thread) runs on the calling thread alone, as PyTorch's own
+ops do (csrc/cpu/parallel.h says why that matters on a loaded machine).
 The tensor preparation shared with the CUDA backend lives in :mod:`.native`; the extension
 functions take no launch arguments. The group op is the portable PyTorch one.
 """
@@ -34,4 +38,4 @@ class CpuBackend(NativeBackend):
     def _launch_args(self, t: Tensor, what: str) -> Dict[str, int]:
         if t.device.type != "cpu":
             raise ValueError(f"the cpu backend needs CPU tensors, got {what} on {t.device}")
-        return {}
+        return {"num_threads": torch.get_num_threads()}
