@@ -10,7 +10,11 @@ Paths, forward + backward each, on fixed seeded inputs:
   PyTorch's ``naive_tpo_logits`` (tpo_kernels/bench/baselines.py: fp32 ``log_softmax``, gather,
   the group math, autograd);
 * ``fused``: ``fused_linear_tpo_loss(hidden, weight, ..., backend="cpu")`` against eager
-  ``naive_tpo_linear`` (``hidden @ W.T`` then the same).
+  ``naive_tpo_linear`` (``hidden @ W.T`` then the same);
+* ``rowops``: the row ops alone, where the cpu backend's own threads work: the cpu backend's
+  ``row_forward`` + ``row_backward`` on ``[G*K*T, V]`` logits against the torch backend's (the
+  same contract in eager PyTorch ops), after a torch op on a large tensor (as in a training step,
+  torch's threads have just worked when a row op starts).
 
 The load is ``--load-procs`` Python processes (default: one per CPU) each spinning in a busy
 loop, started by this script for each loaded phase and killed when it ends (in a ``finally``, so
@@ -43,8 +47,8 @@ SPIN = "while True:\n    pass\n"
 # name -> (G groups, K completions, T tokens, V vocabulary, H hidden); M = G*K*T rows.
 SHAPES = {
     # the `tpo-kernels bench --quick` CPU grid's logits and fused-linear shapes
-    "default": {"logits": (10, 8, 8, 16384, 0), "fused": (10, 8, 8, 4096, 256)},
-    "smoke": {"logits": (2, 4, 4, 512, 0), "fused": (2, 4, 4, 256, 32)},
+    "default": {"logits": (10, 8, 8, 16384, 0), "fused": (10, 8, 8, 4096, 256), "rowops": (1, 8, 10, 16384, 0)},
+    "smoke": {"logits": (2, 4, 4, 512, 0), "fused": (2, 4, 4, 256, 32), "rowops": (1, 4, 8, 2048, 0)},
 }
 
 
@@ -83,8 +87,28 @@ def make_calls(path: str, shape: Tuple[int, ...], seed: int = 0) -> Dict[str, Tu
 
         def eager(x, w):
             baselines.naive_tpo_linear(x, w, labels, scores, k).backward()
+    elif path == "rowops":
+        from tpo_kernels.backends import get_backend
+
+        logits = torch.randn(n * t, v, generator=gen)
+        flat_labels = labels.reshape(-1)
+        busy = torch.randn(1 << 22, generator=gen)
+
+        def prepare():
+            busy.mul_(1.0)  # untimed: torch's threads have just run when the row ops start
+            return ()
+
+        def rows(backend):
+            def run():
+                stats, lp, _ = backend.row_forward(logits, flat_labels, inv_temperature=1.0, with_entropy=False)
+                backend.row_backward(logits, flat_labels, stats, lp, torch.ones_like(lp), inv_temperature=1.0,
+                                     out=torch.empty_like(logits))
+            return run
+
+        cpu = torch.device("cpu")
+        ours, eager = rows(get_backend("cpu", cpu)), rows(get_backend("torch", cpu))
     else:
-        raise ValueError(f"path must be 'logits' or 'fused', got {path!r}")
+        raise ValueError(f"path must be 'logits', 'fused' or 'rowops', got {path!r}")
     return {"ours": (prepare, ours), "eager": (prepare, eager)}
 
 
