@@ -170,6 +170,32 @@ def test_forked_child_starts_its_own_pool(torch_threads):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
+@needs_cpu
+def test_concurrent_callers_get_their_own_results(torch_threads):
+    """Two Python threads in row ops at once (the GIL is released): one gets the pool, the other
+    runs on its own thread; both results are exact."""
+    import threading
+
+    torch_threads(2)
+    inputs = [make_rows(128, 4096, torch.float32) for _ in range(2)]
+    want = [cpu_backend().row_forward(x, y, inv_temperature=1.0, with_entropy=True) for x, y in inputs]
+    failures = []
+
+    def worker(i):
+        x, y = inputs[i]
+        for _ in range(20):
+            got = cpu_backend().row_forward(x, y, inv_temperature=1.0, with_entropy=True)
+            if not all(torch.equal(a, b) for a, b in zip(got, want[i])):
+                failures.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and failures == []
+
+
 # --------------------------------------------------------------------------------------------
 # bench/cpu_load.py
 # --------------------------------------------------------------------------------------------
