@@ -127,7 +127,8 @@ PYBIND11_MODULE(_C_cpu, m) {
   m.doc() =
       "TPO CPU row ops over raw pointers, keyword arguments only (the fields of the structs in "
       "csrc/tpo_abi.h). dtype codes: 0 float32, 1 float16, 2 bfloat16, 3 float64; per-row "
-      "values use float64 for float64 logits, float32 otherwise.";
+      "values use float64 for float64 logits, float32 otherwise. Every op also takes an optional "
+      "num_threads (>= 1; default: the hardware threads): the most threads it runs on.";
   m.def("row_forward", &row_forward, tpo::binding::kRowForwardDoc);
   m.def("row_backward", &row_backward, tpo::binding::kRowBackwardDoc);
   m.def("candidate_forward", &candidate_forward, tpo::binding::kCandidateForwardDoc);
