@@ -1,7 +1,8 @@
 """Build script for the native extensions (metadata lives in pyproject.toml).
 
 * ``tpo_kernels._C_cpu`` is always built: csrc/cpu/*.cpp + csrc/bindings_cpu.cpp, g++ -O3 with
-  OpenMP. The kernels are compiled for the baseline ISA and, on x86-64, additionally for AVX2 and
+  -fopenmp-simd (the `omp simd` loop hints only: no OpenMP runtime is linked; the row ops run on
+  the extension's own thread pool, csrc/cpu/parallel.h). The kernels are compiled for the baseline ISA and, on x86-64, additionally for AVX2 and
   AVX-512 (chosen at run time), so the result is a portable wheel.
 * ``tpo_kernels._C_cuda`` is built when nvcc is found: csrc/cuda/*.cu compiled by nvcc, the
   pybind11 bindings by the host compiler, linked with the host linker against the static CUDA
@@ -14,7 +15,8 @@ Environment variables:
                      highest is embedded too, so newer GPUs can JIT it.
   TPO_REQUIRE_CUDA=1 a missing nvcc or a failed CUDA build fails the install (CI sets this).
   TPO_SKIP_CUDA=1    do not build the CUDA extension.
-  TPO_NO_OPENMP=1    build the CPU extension without OpenMP (single-threaded row ops).
+  TPO_NO_OPENMP=1    build the CPU extension without -fopenmp-simd (the `omp simd` hints are
+                     then ignored; threading is unaffected).
   CUDA_HOME / CUDA_PATH, NVCC   where to find the CUDA toolkit / nvcc (csrc/cuda_toolkit.py).
 """
 
@@ -66,15 +68,18 @@ toolkit = _load_toolkit()
 # --------------------------------------------------------------------------------------------
 
 use_openmp = sys.platform.startswith("linux") and not _flag("TPO_NO_OPENMP")
-openmp_flags = ["-fopenmp"] if use_openmp else []
+# -fopenmp-simd, not -fopenmp: libgomp's threads spin while they wait, and on a loaded machine
+# that made the row ops collapse (issue 31); the row ops' threads are std::threads (-pthread).
+openmp_flags = ["-fopenmp-simd"] if use_openmp else []
+thread_flags = ["-pthread"] if sys.platform.startswith("linux") else []
 
 cpu_extension = Pybind11Extension(
     "tpo_kernels._C_cpu",
     sources=[f"{CSRC}/bindings_cpu.cpp"] + _rel((ROOT / CSRC / "cpu").glob("*.cpp")),
     include_dirs=[CSRC],
     depends=_rel((ROOT / CSRC).rglob("*.h")) + _rel((ROOT / CSRC).rglob("*.inl")),
-    extra_compile_args=["-O3"] + openmp_flags,
-    extra_link_args=openmp_flags,
+    extra_compile_args=["-O3"] + openmp_flags + thread_flags,
+    extra_link_args=thread_flags,
     cxx_std=17,
 )
 

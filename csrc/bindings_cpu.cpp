@@ -3,13 +3,16 @@
 //
 // Each op reads its keyword arguments into its ABI struct (tpo_abi.h) and checks it
 // (binding_args.h: null pointers, sizes, dtype code, and every label / candidate id, which live
-// in host memory here) before the kernels touch anything.
+// in host memory here) before the kernels touch anything. Every op also takes an optional
+// num_threads (the cpu backend passes torch.get_num_threads(); csrc/cpu/parallel.h).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 #include <string>
 
 #include "binding_args.h"
+#include "cpu/parallel.h"
 #include "cpu/row_ops.h"
 #include "row_math.h"
 
@@ -21,40 +24,55 @@ using tpo::CandidateOp;
 using tpo::binding::Ids;
 using tpo::binding::Kwargs;
 
+// The thread budget of one call: num_threads when given, else the number of hardware threads.
+int num_threads(const py::kwargs& kwargs, Kwargs& in, const char* op) {
+  if (!kwargs.contains("num_threads")) return tpo::cpu::max_threads();
+  const int threads = in.small_integer("num_threads");
+  if (threads < 1) {
+    throw std::invalid_argument(std::string(op) + ": num_threads must be >= 1, got " +
+                                std::to_string(threads));
+  }
+  return threads;
+}
+
 void row_forward(const py::kwargs& kwargs) {
   Kwargs in(kwargs, "row_forward");
   const tpo::RowForwardArgs args = tpo::binding::row_forward_args(in);
+  const int threads = num_threads(kwargs, in, "row_forward");
   in.finish();
   tpo::binding::check_args(args, Ids::kOnHost);
   py::gil_scoped_release release;
-  tpo::cpu::row_forward(args);
+  tpo::cpu::row_forward(args, threads);
 }
 
 void row_backward(const py::kwargs& kwargs) {
   Kwargs in(kwargs, "row_backward");
   const tpo::RowBackwardArgs args = tpo::binding::row_backward_args(in);
+  const int threads = num_threads(kwargs, in, "row_backward");
   in.finish();
   tpo::binding::check_args(args, Ids::kOnHost);
   py::gil_scoped_release release;
-  tpo::cpu::row_backward(args);
+  tpo::cpu::row_backward(args, threads);
 }
 
 void candidate_forward(const py::kwargs& kwargs) {
   Kwargs in(kwargs, "candidate_forward");
   const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kForward);
+  const int threads = num_threads(kwargs, in, "candidate_forward");
   in.finish();
   tpo::binding::check_args(args, CandidateOp::kForward, Ids::kOnHost);
   py::gil_scoped_release release;
-  tpo::cpu::candidate_forward(args);
+  tpo::cpu::candidate_forward(args, threads);
 }
 
 void candidate_backward(const py::kwargs& kwargs) {
   Kwargs in(kwargs, "candidate_backward");
   const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kBackward);
+  const int threads = num_threads(kwargs, in, "candidate_backward");
   in.finish();
   tpo::binding::check_args(args, CandidateOp::kBackward, Ids::kOnHost);
   py::gil_scoped_release release;
-  tpo::cpu::candidate_backward(args);
+  tpo::cpu::candidate_backward(args, threads);
 }
 
 // Element-wise access to the shared row_math.h helpers, so tests can check the arithmetic the
@@ -97,13 +115,20 @@ const char* set_isa(const std::string& name) {
   return tpo::cpu::set_isa(name.c_str());
 }
 
+int row_threads(int64_t rows, int64_t vocab, int num_threads) {
+  tpo::binding::check(rows >= 0 && vocab >= 0, "row_threads: rows and vocab must be >= 0");
+  tpo::binding::check(num_threads >= 1, "row_threads: num_threads must be >= 1");
+  return tpo::cpu::row_threads(rows, vocab, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_cpu, m) {
   m.doc() =
       "TPO CPU row ops over raw pointers, keyword arguments only (the fields of the structs in "
       "csrc/tpo_abi.h). dtype codes: 0 float32, 1 float16, 2 bfloat16, 3 float64; per-row "
-      "values use float64 for float64 logits, float32 otherwise.";
+      "values use float64 for float64 logits, float32 otherwise. Every op also takes an optional "
+      "num_threads (>= 1; default: the hardware threads): the most threads it runs on.";
   m.def("row_forward", &row_forward, tpo::binding::kRowForwardDoc);
   m.def("row_backward", &row_backward, tpo::binding::kRowBackwardDoc);
   m.def("candidate_forward", &candidate_forward, tpo::binding::kCandidateForwardDoc);
@@ -112,7 +137,18 @@ PYBIND11_MODULE(_C_cpu, m) {
         py::arg("count"),
         "Apply a row_math.h helper element-wise (testing aid): exp2_f32 (f32 -> f32), "
         "float_to_bf16 / float_to_half (f32 -> 16-bit pattern), bf16_to_float / half_to_float.");
-  m.def("max_threads", &tpo::cpu::max_threads, "OpenMP threads used by the row ops.");
+  m.def("max_threads", &tpo::cpu::max_threads,
+        "Hardware threads: the thread budget of a call that passes no num_threads (the cpu "
+        "backend always passes torch.get_num_threads()).");
+  m.def("row_threads", &row_threads, py::arg("rows"), py::arg("vocab"), py::arg("num_threads"),
+        "Threads a row op over rows x vocab elements runs on with a budget of num_threads: one "
+        "per 32768 elements (ATen's grain) at most; 1 (the calling thread alone) for a small call.");
+  m.def("last_threads", &tpo::cpu::last_threads,
+        "Threads the calling thread's last row op ran on (1: on the caller alone).");
+  m.def("pool_thread_ids", &tpo::cpu::pool_thread_ids,
+        "Linux thread ids of the row ops' helper threads (they wait passively, on a condition "
+        "variable, between calls; 0 for one not started yet). Empty until a call runs on more "
+        "than one thread.");
   m.def("isa", &tpo::cpu::isa_name, "Instruction set of the row kernels in use.");
   m.def("set_isa", &set_isa, py::arg("name"),
         "Force 'generic', 'avx2' or 'avx512' (falls back to the best supported when the CPU lacks "

@@ -95,8 +95,9 @@ RowStats<acc_t<T>> forward_row(const T* row, int64_t vocab, acc_t<T> it, acc_t<T
   return softmax_finish(state, Elem<T>::load(row[label]), it, it2);
 }
 
+// Rows [begin, end) of a call (row_ops.cpp hands the ranges to threads: parallel.h).
 template <class T>
-void forward_rows(const RowForwardArgs& a) {
+void forward_rows(const RowForwardArgs& a, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const T* base = static_cast<const T*>(a.logits);
   const int64_t* labels = a.labels;
@@ -106,9 +107,7 @@ void forward_rows(const RowForwardArgs& a) {
   A* entropy = static_cast<A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
   const A it2 = base2_scale<A>(a.inv_temperature);
-  const int64_t rows = a.rows;
-#pragma omp parallel for schedule(dynamic, 4)
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = begin; r < end; ++r) {
     const int64_t label = labels[r];
     if (label < 0) {  // skipped row: outputs 0, logits never read
       row_max[r] = log_sum[r] = logprob[r] = A(0);
@@ -146,7 +145,7 @@ void backward_row(const T* x, T* out, int64_t vocab, int64_t label, const GradRo
 }
 
 template <class T>
-void backward_rows(const RowBackwardArgs& a) {
+void backward_rows(const RowBackwardArgs& a, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const T* base = static_cast<const T*>(a.logits);
   T* out = static_cast<T*>(a.out);
@@ -158,9 +157,7 @@ void backward_rows(const RowBackwardArgs& a) {
   const A* ent = static_cast<const A*>(a.entropy);
   const A it = static_cast<A>(a.inv_temperature);
   const A it2 = base2_scale<A>(a.inv_temperature);
-  const int64_t rows = a.rows;
-#pragma omp parallel for schedule(dynamic, 4)
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = begin; r < end; ++r) {
     T* o = out + r * a.out_row_stride;
     const A g_r = g[r];
     const A ge_r = ge != nullptr ? ge[r] : A(0);
@@ -178,12 +175,12 @@ void backward_rows(const RowBackwardArgs& a) {
 }
 
 // Entry points with runtime dtype dispatch, one set per ISA (declared in row_ops.cpp).
-void row_forward_impl(const RowForwardArgs& args) {
-  visit_dtype(args.dtype, [&](auto tag) { forward_rows<typename decltype(tag)::type>(args); });
+void row_forward_impl(const RowForwardArgs& args, int64_t begin, int64_t end) {
+  visit_dtype(args.dtype, [&](auto tag) { forward_rows<typename decltype(tag)::type>(args, begin, end); });
 }
 
-void row_backward_impl(const RowBackwardArgs& args) {
-  visit_dtype(args.dtype, [&](auto tag) { backward_rows<typename decltype(tag)::type>(args); });
+void row_backward_impl(const RowBackwardArgs& args, int64_t begin, int64_t end) {
+  visit_dtype(args.dtype, [&](auto tag) { backward_rows<typename decltype(tag)::type>(args, begin, end); });
 }
 
 }  // namespace TPO_ISA_NS

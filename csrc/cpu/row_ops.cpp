@@ -8,19 +8,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../row_math.h"
+#include <thread>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "../row_math.h"
+#include "parallel.h"
 
 // Each instruction set's copy of the kernels (row_kernels.inl) lives in a namespace of its own.
 #define TPO_DECLARE_ISA(ns)                              \
   namespace tpo {                                        \
   namespace cpu {                                        \
   namespace ns {                                         \
-  void row_forward_impl(const RowForwardArgs& args);     \
-  void row_backward_impl(const RowBackwardArgs& args);   \
+  void row_forward_impl(const RowForwardArgs& args, int64_t begin, int64_t end);   \
+  void row_backward_impl(const RowBackwardArgs& args, int64_t begin, int64_t end); \
   }                                                      \
   }                                                      \
   }
@@ -81,34 +80,42 @@ const char* set_isa(const char* name) {
 }
 
 int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
 }
 
+int row_threads(int64_t rows, int64_t vocab, int requested) { return plan_threads(rows, vocab, requested); }
+
 #if defined(TPO_X86_DISPATCH)
-#define TPO_DISPATCH(fn, args)  \
-  switch (current_isa()) {      \
-    case kAvx512:               \
-      return avx512::fn(args);  \
-    case kAvx2:                 \
-      return avx2::fn(args);    \
-    default:                    \
-      return generic::fn(args); \
+#define TPO_DISPATCH(fn, args, begin, end) \
+  switch (current_isa()) {                   \
+    case kAvx512:                            \
+      return avx512::fn(args, begin, end);   \
+    case kAvx2:                              \
+      return avx2::fn(args, begin, end);     \
+    default:                                 \
+      return generic::fn(args, begin, end);  \
   }
 #else
-#define TPO_DISPATCH(fn, args) return generic::fn(args);
+#define TPO_DISPATCH(fn, args, begin, end) return generic::fn(args, begin, end);
 #endif
 
-void row_forward(const RowForwardArgs& args) { TPO_DISPATCH(row_forward_impl, args) }
+void row_forward(const RowForwardArgs& args, int num_threads) {
+  parallel_rows(args.rows, args.vocab, plan_threads(args.rows, args.vocab, num_threads),
+                [&](int64_t begin, int64_t end) { TPO_DISPATCH(row_forward_impl, args, begin, end) });
+}
 
-void row_backward(const RowBackwardArgs& args) { TPO_DISPATCH(row_backward_impl, args) }
+void row_backward(const RowBackwardArgs& args, int num_threads) {
+  parallel_rows(args.rows, args.vocab, plan_threads(args.rows, args.vocab, num_threads),
+                [&](int64_t begin, int64_t end) { TPO_DISPATCH(row_backward_impl, args, begin, end) });
+}
 
 // Gathers and scatters of K values per row: no vectorization to gain, baseline code only; the
 // per-row work is the shared row_math.h code the CUDA kernels run.
-void candidate_forward(const CandidateArgs& args) {
+void candidate_forward(const CandidateArgs& args, int num_threads) {
+  // K gathers per row: the work is rows * K elements.
+  const int64_t per_row = args.num_candidates;
+  const int threads = plan_threads(args.rows, per_row, num_threads);
   visit_dtype(args.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
@@ -116,17 +123,21 @@ void candidate_forward(const CandidateArgs& args) {
     A* out = static_cast<A*>(args.cand_logits);
     const int64_t k = args.num_candidates;
     const A it = static_cast<A>(args.inv_temperature);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < args.rows; ++r) {
-      const T* row = logits + r * args.row_stride;
-      for (int64_t j = 0; j < k; ++j) {
-        out[r * k + j] = gather_candidate(row, args.candidates[r * k + j], args.vocab, it);
+    parallel_rows(args.rows, per_row, threads, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = logits + r * args.row_stride;
+        for (int64_t j = 0; j < k; ++j) {
+          out[r * k + j] = gather_candidate(row, args.candidates[r * k + j], args.vocab, it);
+        }
       }
-    }
+    });
   });
 }
 
-void candidate_backward(const CandidateArgs& args) {
+void candidate_backward(const CandidateArgs& args, int num_threads) {
+  // Every row is written whole (zeros, then K scatters): the work is rows * vocab elements.
+  const int64_t per_row = args.vocab;
+  const int threads = plan_threads(args.rows, per_row, num_threads);
   visit_dtype(args.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
@@ -134,12 +145,13 @@ void candidate_backward(const CandidateArgs& args) {
     T* out = static_cast<T*>(args.out);
     const int64_t k = args.num_candidates;
     const A it = static_cast<A>(args.inv_temperature);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < args.rows; ++r) {
-      T* row = out + r * args.row_stride;
-      memset(static_cast<void*>(row), 0, static_cast<size_t>(args.vocab) * sizeof(T));
-      scatter_candidates(grad + r * k, args.candidates + r * k, k, args.vocab, it, row);
-    }
+    parallel_rows(args.rows, per_row, threads, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* row = out + r * args.row_stride;
+        memset(static_cast<void*>(row), 0, static_cast<size_t>(args.vocab) * sizeof(T));
+        scatter_candidates(grad + r * k, args.candidates + r * k, k, args.vocab, it, row);
+      }
+    });
   });
 }
 
