@@ -13,7 +13,8 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from .config import TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes
+from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
+                     sampler_mode_refusal)
 from .head import add_tpo_head
 
 
@@ -86,6 +87,28 @@ def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_siz
     return torch.where(unscored, fill, scores).reshape(-1)
 
 
+def sampler_kept(importance_sampling_ratio: Tensor, token_mask: Tensor) -> Tensor:
+    """Which completions ([rows] bool) the sampler-trainer mismatch check keeps, from TRL's
+    ``importance_sampling_ratio`` of the masking modes: ``[rows, 1]`` (``sequence_mask``:
+    ``exp(sum_t (old_t - sampler_t))`` over the counted tokens) or ``[rows, T]`` (``token_mask``:
+    ``exp(old_t - sampler_t)`` per token), which TRL sets to 0 where it lies outside
+    ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` (0 also when it
+    underflows: TRL's weight is then 0 as well). A completion is left out when its sequence ratio is
+    0, or (``token_mask``) when the ratio of any of its counted tokens is: TPO's group softmax is over
+    whole completions, so a completion the sampler drew with an untrustworthy token is left out whole
+    rather than scored on a subset of its tokens."""
+    if importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != token_mask.shape[0]:
+        raise ValueError(f"importance_sampling_ratio must be [rows, 1] or [rows, T] for {tuple(token_mask.shape)} "
+                         f"completion tokens, got {tuple(importance_sampling_ratio.shape)}")
+    masked = importance_sampling_ratio == 0
+    if importance_sampling_ratio.shape[1] == 1:
+        return ~masked[:, 0]
+    if importance_sampling_ratio.shape != token_mask.shape:
+        raise ValueError(f"a per-token importance_sampling_ratio must have the completions' shape "
+                         f"{tuple(token_mask.shape)}, got {tuple(importance_sampling_ratio.shape)}")
+    return ~(masked & token_mask.to(masked.device)).any(dim=1)
+
+
 class TargetPOTrainer(GRPOTrainer):
     """:class:`trl.GRPOTrainer` that trains with the Target Policy Optimization loss.
 
@@ -122,6 +145,11 @@ class TargetPOTrainer(GRPOTrainer):
         self._tpo_window_rows: Dict[int, Any] = {}
 
     # -- batching ----------------------------------------------------------------------------
+
+    def _sampler_correction_on(self) -> bool:
+        """GRPOTrainer's condition for computing the sampler's log-probs and the importance-sampling
+        ratio (vLLM generation with ``vllm_importance_sampling_correction``)."""
+        return bool(self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _generation_reused(self) -> bool:
         """True when a generation serves more than one optimizer step, so that its completions were
@@ -168,6 +196,18 @@ class TargetPOTrainer(GRPOTrainer):
                                          self.multi_objective_aggregation, self.args.tpo_score_eps)
         batch["tpo_scores"] = scores[first : first + rows].to(device)
         batch["tpo_group_ids"] = torch.arange(first, first + rows, device=device) // group_size
+        if self._sampler_correction_on():
+            # TRL has computed (and logged) the sampler / trainer ratio; the completions it masks are
+            # left out of their group by their token mask (see _token_mask).
+            if self.vllm_importance_sampling_mode not in SAMPLER_MASK_MODES:  # the config refuses it too
+                raise ValueError("TargetPOTrainer does not support " + sampler_mode_refusal(
+                    self.vllm_importance_sampling_mode))
+            kept = sampler_kept(batch["importance_sampling_ratio"], self._token_mask(batch))
+            batch["tpo_sampler_kept"] = kept
+            counts = torch.stack([(~kept).sum(), torch.tensor(rows, device=kept.device)]).float()
+            masked, total = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["tpo/frac_masked_by_sampler"].append(masked / total if total > 0 else float("nan"))
         return batch
 
     def _prepare_inputs(self, generation_batch):
@@ -234,11 +274,18 @@ class TargetPOTrainer(GRPOTrainer):
     # -- loss --------------------------------------------------------------------------------
 
     def _token_mask(self, inputs: Dict[str, Any]) -> Tensor:
+        """The counted tokens: TRL's completion (and tool) mask; none of a completion the sampler
+        check left out (``tpo_sampler_kept``), which leaves it out of its group."""
         mask = inputs["completion_mask"]
-        return (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
+        mask = (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
+        kept = inputs.get("tpo_sampler_kept")
+        return mask if kept is None else mask & kept.to(mask.device).unsqueeze(1)
 
     def _old_logprobs(self, inputs: Dict[str, Any], mode: str) -> Optional[Tensor]:
-        """TRL's stored rollout log-probs when a generation is reused (TPO's anchor), else None."""
+        """TRL's stored rollout log-probs when a generation is reused (TPO's anchor), else None
+        (``p_old = p``, detached). ``old_per_token_logps`` is the trainer's own no-grad forward at
+        generation time, also under vLLM; the sampler's log-probs (``sampling_per_token_logps``)
+        are never the anchor."""
         if mode != "train" or not self._generation_reused():
             return None
         old = inputs.get("old_per_token_logps")
