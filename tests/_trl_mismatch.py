@@ -144,7 +144,7 @@ def replay64(trainer: StubSamplerTrainer, inputs):
         group_ids=inputs["tpo_group_ids"].cpu()[kept],
         old_logprobs=None if old is None else old[kept],
         eta=trainer.args.tpo_eta, anchor=trainer.args.tpo_anchor, score_eps=trainer.args.tpo_score_eps,
-        temperature=trainer.temperature)
+        temperature=trainer.temperature, entropy_coef=trainer._applied_entropy_coef())
     names = [name for name, _ in model64.named_parameters()]
     grads = torch.autograd.grad(loss, [p for _, p in model64.named_parameters()], allow_unused=True)
     grads = {name: torch.zeros_like(p) if g is None else g

@@ -165,6 +165,13 @@ def check_tpo_args(args: GRPOConfig) -> None:
             or not (score_eps == 0 or fp32.tiny <= score_eps <= fp32.max)):
         raise ValueError(f"tpo_score_eps must be 0 or a number in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a tolerance on "
                          f"the population std of a group's raw rewards), got {score_eps!r}")
+    coefs = [("entropy_coef", args.entropy_coef)]
+    if args.use_adaptive_entropy:
+        coefs += [("entropy_coef_min", args.entropy_coef_min), ("entropy_coef_max", args.entropy_coef_max)]
+    for name, value in coefs:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0 (the weight of the entropy bonus "
+                             f"loss - {name} * H), got {value!r}")
     processes = args.world_size
     _check_train_layout(args, processes)
     if args.do_eval and args.eval_strategy != "no":
@@ -175,8 +182,6 @@ def check_tpo_args(args: GRPOConfig) -> None:
         refused.append(sampler_mode_refusal(args.vllm_importance_sampling_mode))
     if args.top_entropy_quantile < 1.0:
         refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (TPO trains every counted token)")
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        refused.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
     if args.off_policy_mask_threshold is not None:
         refused.append("off_policy_mask_threshold (TPO's anchor p_old already handles reused generations)")
     if args.use_bias_correction_kl and args.beta != 0.0:

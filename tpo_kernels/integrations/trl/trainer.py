@@ -299,7 +299,8 @@ class TargetPOTrainer(GRPOTrainer):
             "temperature": float(self.temperature),
             "backend": self.args.tpo_backend,
             "cast_lm_head_to_fp32": bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
-            "token_entropy": bool(self.args.tpo_log_token_entropy),
+            # The entropy bonus reads it too (the adaptive controller's statistics; the detached rows' H).
+            "token_entropy": bool(self.args.tpo_log_token_entropy) or self._entropy_bonus_on(),
         }
 
     def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[Dict[str, Any]] = None
@@ -336,8 +337,55 @@ class TargetPOTrainer(GRPOTrainer):
             "score_eps": float(self.args.tpo_score_eps),
             "length_normalize": self.args.tpo_length_normalize,
             "router_aux_loss": self.aux_loss_enabled,
+            "entropy_coef": self._applied_entropy_coef(),
             **self._head_settings(),
         }
+
+    # -- entropy bonus ------------------------------------------------------------------------
+
+    def _entropy_bonus_on(self) -> bool:
+        """GRPOTrainer's condition: a non-zero ``entropy_coef``, or the adaptive controller (which
+        stays on when it has brought the coefficient to ``entropy_coef_min``)."""
+        return bool(self.entropy_coef != 0.0 or self.use_adaptive_entropy)
+
+    def _applied_entropy_coef(self) -> float:
+        """The coefficient of this micro-step's bonus ``- c * H``, as GRPOTrainer applies it: the
+        static ``entropy_coef``, or, adaptive, the coefficient set at the end of the previous
+        optimizer step, applied only while the last window's entropy was at most ``entropy_target``."""
+        if not self._entropy_bonus_on():
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+    def _update_adaptive_entropy(self, out: Dict[str, Any], num_rows: int, mode: str) -> None:
+        """GRPOTrainer's adaptive controller on the loss's own token entropy: add this micro-step's
+        rows' entropy sum and token count to the window's; at the optimizer step's end, reduce them
+        over processes and move ``entropy_coef`` by ``entropy_coef_delta`` toward more entropy when
+        the window's mean is at most ``entropy_target`` (within ``[entropy_coef_min, entropy_coef_max]``);
+        then log ``entropy_coef`` on optimizer-step boundaries, as TRL does."""
+        if self.use_adaptive_entropy and mode == "train":
+            mask = out["mask"][:num_rows]
+            if out["aux"] is None:
+                entropy_sum = torch.zeros((), device=mask.device)
+            else:
+                entropy_sum = (out["aux"]["token_entropy"][:num_rows].float() * mask).sum()
+            stats = torch.stack([entropy_sum.detach().float(), mask.sum().float()])
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta,
+                                            self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta,
+                                            self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _window_place(self):
         """(micro-batches of this step's window in the generation buffer, this step's place in it,
@@ -379,7 +427,7 @@ class TargetPOTrainer(GRPOTrainer):
                 for name in parts[0]}
 
     def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):
-        """A micro-batch's token log-probs and entropy (None without ``tpo_log_token_entropy``)."""
+        """A micro-batch's token log-probs and entropy (None when the head computes none)."""
         request = {"logprobs_only": True, "labels": batch["completion_ids"], "mask": self._token_mask(batch),
                    **self._head_settings()}
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -397,9 +445,9 @@ class TargetPOTrainer(GRPOTrainer):
         aux = out["aux"]
         if aux is None:  # no counted token in the call: the log-probs are 0 under the mask
             zeros = torch.zeros(out["mask"][:num_rows].shape, device=out["mask"].device)
-            self._tpo_window_rows[place] = (zeros, zeros if self.args.tpo_log_token_entropy else None)
+            self._tpo_window_rows[place] = (zeros, zeros if self._head_settings()["token_entropy"] else None)
             return
-        entropy = aux["token_entropy"][:num_rows] if self.args.tpo_log_token_entropy else None
+        entropy = aux["token_entropy"][:num_rows] if self._head_settings()["token_entropy"] else None
         self._tpo_window_rows[place] = (aux["token_logprobs"][:num_rows], entropy)
 
     def _compute_loss(self, model, inputs):
@@ -421,6 +469,8 @@ class TargetPOTrainer(GRPOTrainer):
             # straight through (value unchanged), makes it whole.
             loss = window * loss - (window - 1) * loss.detach()
         self._log_tpo_metrics(out, request, mode)
+        if self._entropy_bonus_on():
+            self._update_adaptive_entropy(out, inputs["completion_ids"].shape[0], mode)
         # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
         # as GRPOTrainer adds it (its coefficient and router logits from the model config).
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1
