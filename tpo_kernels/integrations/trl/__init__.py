@@ -109,16 +109,20 @@ change the objective (``top_entropy_quantile < 1``, an entropy bonus, ``off_poli
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
 vision-language models, DeepSpeed ZeRO-3.
 
-Tested with TRL 1.16 (the version is checked on import; set ``TPO_KERNELS_ALLOW_UNTESTED_TRL=1``
-to try another at your own risk: the trainer overrides private TRL methods).
+Tested with TRL 1.15 and 1.16 (the version is checked on import; set
+``TPO_KERNELS_ALLOW_UNTESTED_TRL=1`` to try another at your own risk). The trainer overrides
+private GRPOTrainer methods: their signatures are checked on import in every case
+(:mod:`.private_api`), so a release that changes one fails there, naming it. Under TRL 1.15 without
+its Triton kernels (TRL's fused head then has no kernel; 1.16 falls back to torch), the trainer
+serves TRL's fused-head calls (old and reference log-probs) with tpo_kernels' own.
 """
 from __future__ import annotations
 
 import os
 import warnings
 
-TESTED_TRL_VERSIONS = ">=1.16,<1.17"
-_TESTED_RELEASE = (1, 16)
+TESTED_TRL_VERSIONS = ">=1.15,<1.17"
+_TESTED_RELEASES = ((1, 15), (1, 16))
 _ALLOW_UNTESTED_ENV = "TPO_KERNELS_ALLOW_UNTESTED_TRL"
 
 
@@ -133,7 +137,7 @@ def _check_trl_version() -> None:
     from packaging.version import Version
 
     version = Version(trl.__version__)
-    if version.release[:2] == _TESTED_RELEASE:
+    if version.release[:2] in _TESTED_RELEASES:
         return
     message = (
         f"tpo_kernels.integrations.trl is tested with trl{TESTED_TRL_VERSIONS}, found trl {trl.__version__}. "
@@ -147,7 +151,11 @@ def _check_trl_version() -> None:
 
 
 _check_trl_version()
-# The modules below import TRL: only after the version check.
+# The modules below import TRL: only after the version check. Any release, tested or not, must
+# have the private GRPOTrainer API the trainer overrides (else an ImportError names what changed).
+from .private_api import check_private_api  # noqa: E402
+
+check_private_api()
 from .config import TargetPOConfig, check_tpo_args  # noqa: E402
 from .head import add_tpo_head  # noqa: E402
 from .trainer import TargetPOTrainer, shuffle_groups  # noqa: E402

@@ -15,7 +15,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
                      sampler_mode_refusal)
-from .head import add_tpo_head
+from .head import add_tpo_head, serve_trl_fused_head, trl_fused_head_missing
 
 
 def shuffle_groups(
@@ -139,7 +139,14 @@ class TargetPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, **kwargs)
         if self._is_vlm:
             raise NotImplementedError("TargetPOTrainer supports text-only causal LMs for now (no processors / VLMs).")
-        add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        if trl_fused_head_missing():  # TRL 1.15 without its Triton kernels: its fused head would fail
+            for model_ in (policy, self.ref_model):
+                if model_ is not None:
+                    serve_trl_fused_head(self.accelerator.unwrap_model(model_), temperature=float(self.temperature),
+                                         cast_lm_head_to_fp32=bool(self.args.cast_lm_head_to_fp32),
+                                         backend=self.args.tpo_backend)
+        add_tpo_head(policy)
         # The token log-probs of the current window's micro-batches, by place (see _detached_rows).
         self._tpo_window_key: Optional[int] = None
         self._tpo_window_rows: Dict[int, Any] = {}
