@@ -171,14 +171,15 @@ def gradient_error(trainer: StubSamplerTrainer, step: int = 0) -> float:
     return diff / scale
 
 
-def experiment(sigmas=(0.0, 0.05, 0.2, 0.5, 1.0), steps: int = 2) -> None:
+def experiment(sigmas=(0.0, 0.2, 0.5, 1.0, 2.0), steps: int = 3) -> None:
     import tempfile
     import warnings
 
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_tiny_olmo2(tmp)
-        print("sigma  masked  |loss - replay|  max grad err (rel)   [sequence_mask, clip_max 3.0; token_mask]")
+        print("per mode and sigma, over the steps: TRL's mean |old - sampler|, the masked fraction, max |loss - "
+              "replay|, max |grad - replay| / max |replay grad| (TRL's default bounds: clip_max 3, no clip_min)")
         for mode in ("sequence_mask", "token_mask"):
             for sigma in sigmas:
                 generator = torch.Generator().manual_seed(1)
@@ -189,12 +190,14 @@ def experiment(sigmas=(0.0, 0.05, 0.2, 0.5, 1.0), steps: int = 2) -> None:
                 trainer = make_trainer(tmp, tokenizer, os.path.join(tmp, f"{mode}{sigma}"), delta, max_steps=steps,
                                        vllm_importance_sampling_mode=mode)
                 trainer.train()
-                masked = [entry["tpo/frac_masked_by_sampler"] for entry in trainer.state.log_history
-                          if "tpo/frac_masked_by_sampler" in entry]
+                logs = [entry for entry in trainer.state.log_history if "tpo/frac_masked_by_sampler" in entry]
+                masked = [entry["tpo/frac_masked_by_sampler"] for entry in logs]
+                gap = sum(entry["sampling/sampling_logp_difference/mean"] for entry in logs) / len(logs)
                 loss_err = max(abs(float(loss) - float(replay[0]))
                                for loss, replay in zip(trainer.losses, trainer.replays))
                 grad_err = max(gradient_error(trainer, step) for step in range(len(trainer.grads)))
-                print(f"{mode:13s} sigma {sigma:4.2f}  masked {sum(masked) / len(masked):.3f}  "
+                print(f"{mode:13s} sigma {sigma:4.2f}  |old - sampler| {gap:.3f}  "
+                      f"masked {sum(masked) / len(masked):.3f}  "
                       f"loss err {loss_err:.2e}  grad err {grad_err:.2e}")
 
 

@@ -128,7 +128,8 @@ def test_sampler_kept_reads_trls_ratio():
 def test_truncation_modes_are_refused_with_vllm(tmp_path, mode):
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=K, use_cpu=True,
                     bf16=False, report_to="none", vllm_importance_sampling_mode=mode)
-    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='.*_truncate'.*'sequence_mask' or 'token_mask'"):
+    refusal = r"vllm_importance_sampling_mode='.*_truncate'.*'sequence_mask' or 'token_mask'"
+    with pytest.raises(ValueError, match=refusal):
         TargetPOConfig(use_vllm=True, **settings)
     TargetPOConfig(use_vllm=True, vllm_importance_sampling_correction=False, **settings)  # correction off
     TargetPOConfig(**settings)  # no vLLM: TRL computes no ratio, nothing changes
