@@ -131,6 +131,10 @@ def replay64(trainer: StubSamplerTrainer, inputs):
             ratios = [math.exp(float(x)) for x in d]
         kept.append(all(lo <= r <= hi for r in ratios) and bool(completion_mask[i].any()))
     kept = torch.tensor(kept)
+    names = [name for name, _ in model64.named_parameters()]
+    if not bool(kept.any()):  # every completion left out: the trainer's loss is a zero without gradient
+        return (torch.zeros((), dtype=torch.float64), {name: torch.zeros_like(p) for name, p in
+                                                        model64.named_parameters()}, kept, rows)
     length = completion_ids.shape[1]
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1).cpu()
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1).cpu()
@@ -145,7 +149,6 @@ def replay64(trainer: StubSamplerTrainer, inputs):
         old_logprobs=None if old is None else old[kept],
         eta=trainer.args.tpo_eta, anchor=trainer.args.tpo_anchor, score_eps=trainer.args.tpo_score_eps,
         temperature=trainer.temperature, entropy_coef=trainer._applied_entropy_coef())
-    names = [name for name, _ in model64.named_parameters()]
     grads = torch.autograd.grad(loss, [p for _, p in model64.named_parameters()], allow_unused=True)
     grads = {name: torch.zeros_like(p) if g is None else g
              for name, p, g in zip(names, model64.parameters(), grads)}
@@ -172,7 +175,7 @@ def gradient_error(trainer: StubSamplerTrainer, step: int = 0) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def experiment(sigmas=(0.0, 0.2, 0.5, 1.0, 2.0), steps: int = 3) -> None:
+def experiment(sigmas=(0.0, 0.2, 0.5, 1.0, 2.0), steps: int = 3, modes=("sequence_mask", "token_mask")) -> None:
     import tempfile
     import warnings
 
@@ -181,7 +184,7 @@ def experiment(sigmas=(0.0, 0.2, 0.5, 1.0, 2.0), steps: int = 3) -> None:
         tokenizer = build_tiny_olmo2(tmp)
         print("per mode and sigma, over the steps: TRL's mean |old - sampler|, the masked fraction, max |loss - "
               "replay|, max |grad - replay| / max |replay grad| (TRL's default bounds: clip_max 3, no clip_min)")
-        for mode in ("sequence_mask", "token_mask"):
+        for mode in modes:
             for sigma in sigmas:
                 generator = torch.Generator().manual_seed(1)
 
@@ -203,4 +206,8 @@ def experiment(sigmas=(0.0, 0.2, 0.5, 1.0, 2.0), steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    experiment()
+    # optional: a mode and sigmas, e.g. ``token_mask 1.0 2.0``
+    if len(sys.argv) > 1:
+        experiment(sigmas=tuple(float(x) for x in sys.argv[2:]) or (0.0, 0.2, 0.5, 1.0, 2.0), modes=(sys.argv[1],))
+    else:
+        experiment()
