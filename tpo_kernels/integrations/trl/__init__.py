@@ -71,8 +71,20 @@ What the trainer does, and why it is exact:
   optimizer steps (``steps_per_generation * num_iterations`` does not divide
   ``gradient_accumulation_steps``) it stores the rollout policy's per-token log-probs, which become
   TPO's anchor ``p_old``. Otherwise the update is on-policy (``p_old = p``, detached), so a group
-  whose scores tie has exactly zero gradient; the per-token log-probs TRL computes for vLLM's
-  importance-sampling correction are then not used (TPO applies no importance ratios).
+  whose scores tie has exactly zero gradient. The anchor is always the trainer's log-probs, never
+  the sampler's (vLLM's).
+* **The sampler-trainer mismatch (vLLM).** With ``use_vllm`` and
+  ``vllm_importance_sampling_correction`` (TRL's default), TRL compares its recomputed old
+  log-probs with the sampler's; in the masking modes (``"sequence_mask"``, the default, and
+  ``"token_mask"``) a completion whose ratio (or any of whose counted tokens' ratios) lies outside
+  TRL's ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` is left out of
+  its group (its token mask is zeroed: no probability mass, no gradient, the rest renormalized).
+  The truncation modes are refused (a weight on a completion's gradient breaks
+  ``sum_i (p_i - q_i) = 0``; see DESIGN.md). Without vLLM nothing changes.
+* **Entropy bonus.** ``entropy_coef`` trains ``loss - entropy_coef * H``, ``H`` the mean tempered
+  token entropy of the loss call's counted tokens, from the loss's own vocabulary pass;
+  ``use_adaptive_entropy`` runs TRL's controller on that entropy (same state, so TRL saves it in
+  checkpoints).
 * **Fused head inside the model's forward.** The loss is computed in the model's own ``forward``
   (patched like TRL's fused head, which it wraps) from the final hidden states and the lm_head
   weight with :func:`tpo_kernels.fused_linear_tpo_loss`: no ``[tokens, vocab]`` logits, and DDP /
@@ -100,25 +112,31 @@ distributions p and q), ``tpo/frac_zero_signal_groups`` (groups whose scores tie
 most one counted completion: no reward signal), ``tpo/frac_excluded_completions``,
 ``tpo/token_entropy`` (mean over counted tokens of the policy's tempered token entropy, from the
 loss's own vocabulary pass; off with ``tpo_log_token_entropy=False``) and, when
-``beta > 0``, ``tpo/kl_k3`` (mean over counted tokens of the k3 KL to the reference).
+``beta > 0``, ``tpo/kl_k3`` (mean over counted tokens of the k3 KL to the reference), and with
+vLLM's correction ``tpo/frac_masked_by_sampler`` (next to TRL's ``sampling/*`` metrics).
 
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
 the SAPO / VESPO parameters, ``scale_rewards``) do not apply to TPO and are ignored; the options that would silently
-change the objective (``top_entropy_quantile < 1``, an entropy bonus, ``off_policy_mask_threshold``,
-``use_bias_correction_kl`` with ``beta > 0``) are refused; this config
+change the objective (``top_entropy_quantile < 1``, ``off_policy_mask_threshold``,
+``use_bias_correction_kl`` with ``beta > 0``, a truncation ``vllm_importance_sampling_mode`` with
+vLLM's correction on) are refused; this config
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
 vision-language models, DeepSpeed ZeRO-3.
 
-Tested with TRL 1.16 (the version is checked on import; set ``TPO_KERNELS_ALLOW_UNTESTED_TRL=1``
-to try another at your own risk: the trainer overrides private TRL methods).
+Tested with TRL 1.15 and 1.16 (the version is checked on import; set
+``TPO_KERNELS_ALLOW_UNTESTED_TRL=1`` to try another at your own risk). The trainer overrides
+private GRPOTrainer methods: their signatures are checked on import in every case
+(:mod:`.private_api`), so a release that changes one fails there, naming it. Under TRL 1.15 without
+its Triton kernels (TRL's fused head then has no kernel; 1.16 falls back to torch), the trainer
+serves TRL's fused-head calls (old and reference log-probs) with tpo_kernels' own.
 """
 from __future__ import annotations
 
 import os
 import warnings
 
-TESTED_TRL_VERSIONS = ">=1.16,<1.17"
-_TESTED_RELEASE = (1, 16)
+TESTED_TRL_VERSIONS = ">=1.15,<1.17"
+_TESTED_RELEASES = ((1, 15), (1, 16))
 _ALLOW_UNTESTED_ENV = "TPO_KERNELS_ALLOW_UNTESTED_TRL"
 
 
@@ -133,7 +151,7 @@ def _check_trl_version() -> None:
     from packaging.version import Version
 
     version = Version(trl.__version__)
-    if version.release[:2] == _TESTED_RELEASE:
+    if version.release[:2] in _TESTED_RELEASES:
         return
     message = (
         f"tpo_kernels.integrations.trl is tested with trl{TESTED_TRL_VERSIONS}, found trl {trl.__version__}. "
@@ -147,7 +165,11 @@ def _check_trl_version() -> None:
 
 
 _check_trl_version()
-# The modules below import TRL: only after the version check.
+# The modules below import TRL: only after the version check. Any release, tested or not, must
+# have the private GRPOTrainer API the trainer overrides (else an ImportError names what changed).
+from .private_api import check_private_api  # noqa: E402
+
+check_private_api()
 from .config import TargetPOConfig, check_tpo_args  # noqa: E402
 from .head import add_tpo_head  # noqa: E402
 from .trainer import TargetPOTrainer, shuffle_groups  # noqa: E402

@@ -80,6 +80,28 @@ class TargetPOConfig(GRPOConfig):
         check_tpo_args(self)
 
 
+# vLLM's importance-sampling modes whose meaning TPO takes over: a completion whose sampler /
+# trainer ratio is out of TRL's bounds is left out of its group (see trainer.sampler_kept).
+SAMPLER_MASK_MODES = ("sequence_mask", "token_mask")
+
+
+def sampler_correction_on(args: GRPOConfig) -> bool:
+    """True when TRL computes the sampler's log-probs and its importance-sampling ratio: vLLM
+    generation with ``vllm_importance_sampling_correction`` (GRPOTrainer's own condition)."""
+    return bool(args.use_vllm and args.vllm_importance_sampling_correction)
+
+
+def sampler_mode_refusal(mode: str) -> str:
+    """Why ``vllm_importance_sampling_mode=mode`` (a truncation mode) is refused with vLLM's correction on."""
+    return (
+        f"vllm_importance_sampling_mode={mode!r} with vLLM's importance-sampling correction (TPO corrects the "
+        "sampler-trainer mismatch by leaving the offending completions out of their group: use "
+        f"{' or '.join(repr(m) for m in SAMPLER_MASK_MODES)}, or vllm_importance_sampling_correction=False. A "
+        "truncated ratio weighs a completion's share of the gradient; in TPO's group softmax that weight would have "
+        "to enter both p and q, which the loss does not take)"
+    )
+
+
 def group_window(per_device_batch_size: int, group_size: int, processes: int) -> int:
     """The number ``W`` of consecutive micro-steps whose micro-batches over all processes hold whole
     groups: the fewest steps of ``per_device_batch_size * processes`` completions that add up to a
@@ -143,16 +165,23 @@ def check_tpo_args(args: GRPOConfig) -> None:
             or not (score_eps == 0 or fp32.tiny <= score_eps <= fp32.max)):
         raise ValueError(f"tpo_score_eps must be 0 or a number in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a tolerance on "
                          f"the population std of a group's raw rewards), got {score_eps!r}")
+    coefs = [("entropy_coef", args.entropy_coef)]
+    if args.use_adaptive_entropy:
+        coefs += [("entropy_coef_min", args.entropy_coef_min), ("entropy_coef_max", args.entropy_coef_max)]
+    for name, value in coefs:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0 (the weight of the entropy bonus "
+                             f"loss - {name} * H), got {value!r}")
     processes = args.world_size
     _check_train_layout(args, processes)
     if args.do_eval and args.eval_strategy != "no":
         _check_eval_layout(args.per_device_eval_batch_size, args.num_generations_eval or args.num_generations,
                            processes)
     refused = []
+    if sampler_correction_on(args) and args.vllm_importance_sampling_mode not in SAMPLER_MASK_MODES:
+        refused.append(sampler_mode_refusal(args.vllm_importance_sampling_mode))
     if args.top_entropy_quantile < 1.0:
         refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (TPO trains every counted token)")
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        refused.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
     if args.off_policy_mask_threshold is not None:
         refused.append("off_policy_mask_threshold (TPO's anchor p_old already handles reused generations)")
     if args.use_bias_correction_kl and args.beta != 0.0:

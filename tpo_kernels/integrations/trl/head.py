@@ -173,6 +173,7 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
         zero = hidden.sum() * 0.0 + weight.sum() * 0.0
         out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
         return out
+    entropy_coef = float(request.get("entropy_coef", 0.0))
     settings = dict(group_size=request["group_size"], group_ids=group_ids, process_group=request["process_group"],
                     old_logprobs=old, ref_logprobs=ref, beta=request["beta"], eta=request["eta"],
                     anchor=request["anchor"], score_eps=request["score_eps"],
@@ -183,7 +184,7 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
             loss, aux = fused_linear_tpo_loss(
                 hidden, weight, labels, scores, bias=bias, mask=mask, temperature=request["temperature"],
                 logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=request["token_entropy"],
-                **settings)
+                entropy_coef=entropy_coef, **settings)
     else:
         # The same vocabulary pass on this micro-step's rows, then the group stage on whole groups:
         # the detached rows take part in each group's p and q but carry no gradient.
@@ -192,7 +193,90 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
                                               logit_softcap)
         token_logprobs = torch.cat([token_logprobs, detached["token_logprobs"].to(device)])
         loss, aux = tpo_loss_from_logprobs(token_logprobs, scores, mask=mask, **settings)
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * _call_entropy_mean(entropy, mask, detached["token_entropy"].to(device),
+                                                            request["process_group"])
         if entropy is not None:
             aux["token_entropy"] = torch.cat([entropy.detach(), detached["token_entropy"].to(device)])
     out.update(loss=loss, aux=aux)
     return out
+
+
+def _call_entropy_mean(own_entropy: Tensor, mask: Tensor, detached_entropy: Tensor, process_group) -> Tensor:
+    """The entropy bonus's ``H`` of a loss call with detached rows, as the fused loss reduces it:
+    the mean over the call's counted tokens (this micro-step's rows, then the detached ones), over
+    every process's tokens with ``process_group``. Only this micro-step's rows carry gradient; with
+    ``process_group`` they carry ``P`` times theirs, as the loss's other terms do (every process
+    returns the whole loss; DDP / FSDP average the gradients)."""
+    own = own_entropy.shape[0]
+    counted = mask.to(own_entropy.dtype)
+    own_sum = (own_entropy * counted[:own]).sum()
+    rest_sum = (detached_entropy.to(own_entropy.dtype) * counted[own:]).sum()
+    count = counted.sum()
+    if process_group is None:
+        return (own_sum + rest_sum) / count.clamp(min=1.0)
+    import torch.distributed as dist
+
+    totals = torch.stack([own_sum.detach(), rest_sum, count]).double()
+    dist.all_reduce(totals, group=process_group)
+    processes = dist.get_world_size(process_group)
+    total_sum = (totals[0] + totals[1]).to(own_sum.dtype)
+    # Value: the mean over every process's tokens; gradient: P times this process's own tokens'.
+    scaled = processes * own_sum
+    return (scaled + (total_sum - scaled).detach()) / totals[2].to(own_sum.dtype).clamp(min=1.0)
+
+
+def trl_fused_head_missing() -> bool:
+    """True when TRL's fused lm_head has no kernel to run: TRL 1.15 sets its chunked log-prob
+    function to None when its Triton kernels do not import (TRL 1.16 falls back to torch)."""
+    import trl.trainer.utils as trl_utils
+
+    return getattr(trl_utils, "_ChunkedLogProbFunction", object) is None
+
+
+def serve_trl_fused_head(model, *, temperature: float, cast_lm_head_to_fp32: bool, backend: str = "auto") -> None:
+    """Patch ``model.forward`` so that TRL's fused-head calls (``model(..., labels=labels,
+    fused_lm_head=True)``, its old and reference log-probs) are computed by
+    :func:`tpo_kernels.fused_linear_logprobs` from the final hidden states, as TRL's own fused head
+    computes them (labels shifted unless ``shift_labels`` is given; ``-100`` not scored; logits
+    tempered after the model's logit multiplier and soft-cap; float32 head with
+    ``cast_lm_head_to_fp32``); every other call goes to the previous forward. For a TRL whose fused
+    head has no kernel (:func:`trl_fused_head_missing`). Idempotent."""
+    if getattr(model.forward, "_tpo_serves_trl_head", False):
+        return
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    previous = model.forward
+    text_config = model.config.get_text_config()
+    logit_scale = _logit_multiplier(text_config)
+    logit_softcap = getattr(text_config, "final_logit_softcapping", None)
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                **kwargs):
+        if not fused_lm_head:
+            for name, value in (("labels", labels), ("shift_labels", shift_labels),
+                                ("num_items_in_batch", num_items_in_batch)):
+                if value is not None:
+                    kwargs[name] = value
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets = shift_labels
+        head = self.get_output_embeddings()
+        hidden, weight, bias = _head_tensors(hidden, head, cast_lm_head_to_fp32)
+        targets = targets.to(hidden.device)
+        mask = targets != -100
+        with torch.autocast(hidden.device.type, enabled=False):
+            log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                                       logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                                       return_entropy=True, backend=backend)
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / denominator, log_probs=log_probs, entropy=entropy,
+                                   label_mask=mask)
+
+    forward._tpo_serves_trl_head = True
+    model.forward = types.MethodType(forward, model)

@@ -13,8 +13,9 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from .config import TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes
-from .head import add_tpo_head
+from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
+                     sampler_mode_refusal)
+from .head import add_tpo_head, serve_trl_fused_head, trl_fused_head_missing
 
 
 def shuffle_groups(
@@ -86,6 +87,28 @@ def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_siz
     return torch.where(unscored, fill, scores).reshape(-1)
 
 
+def sampler_kept(importance_sampling_ratio: Tensor, token_mask: Tensor) -> Tensor:
+    """Which completions ([rows] bool) the sampler-trainer mismatch check keeps, from TRL's
+    ``importance_sampling_ratio`` of the masking modes: ``[rows, 1]`` (``sequence_mask``:
+    ``exp(sum_t (old_t - sampler_t))`` over the counted tokens) or ``[rows, T]`` (``token_mask``:
+    ``exp(old_t - sampler_t)`` per token), which TRL sets to 0 where it lies outside
+    ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` (0 also when it
+    underflows: TRL's weight is then 0 as well). A completion is left out when its sequence ratio is
+    0, or (``token_mask``) when the ratio of any of its counted tokens is: TPO's group softmax is over
+    whole completions, so a completion the sampler drew with an untrustworthy token is left out whole
+    rather than scored on a subset of its tokens."""
+    if importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != token_mask.shape[0]:
+        raise ValueError(f"importance_sampling_ratio must be [rows, 1] or [rows, T] for {tuple(token_mask.shape)} "
+                         f"completion tokens, got {tuple(importance_sampling_ratio.shape)}")
+    masked = importance_sampling_ratio == 0
+    if importance_sampling_ratio.shape[1] == 1:
+        return ~masked[:, 0]
+    if importance_sampling_ratio.shape != token_mask.shape:
+        raise ValueError(f"a per-token importance_sampling_ratio must have the completions' shape "
+                         f"{tuple(token_mask.shape)}, got {tuple(importance_sampling_ratio.shape)}")
+    return ~(masked & token_mask.to(masked.device)).any(dim=1)
+
+
 class TargetPOTrainer(GRPOTrainer):
     """:class:`trl.GRPOTrainer` that trains with the Target Policy Optimization loss.
 
@@ -116,12 +139,24 @@ class TargetPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, **kwargs)
         if self._is_vlm:
             raise NotImplementedError("TargetPOTrainer supports text-only causal LMs for now (no processors / VLMs).")
-        add_tpo_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        if trl_fused_head_missing():  # TRL 1.15 without its Triton kernels: its fused head would fail
+            for model_ in (policy, self.ref_model):
+                if model_ is not None:
+                    serve_trl_fused_head(self.accelerator.unwrap_model(model_), temperature=float(self.temperature),
+                                         cast_lm_head_to_fp32=bool(self.args.cast_lm_head_to_fp32),
+                                         backend=self.args.tpo_backend)
+        add_tpo_head(policy)
         # The token log-probs of the current window's micro-batches, by place (see _detached_rows).
         self._tpo_window_key: Optional[int] = None
         self._tpo_window_rows: Dict[int, Any] = {}
 
     # -- batching ----------------------------------------------------------------------------
+
+    def _sampler_correction_on(self) -> bool:
+        """GRPOTrainer's condition for computing the sampler's log-probs and the importance-sampling
+        ratio (vLLM generation with ``vllm_importance_sampling_correction``)."""
+        return bool(self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _generation_reused(self) -> bool:
         """True when a generation serves more than one optimizer step, so that its completions were
@@ -168,6 +203,18 @@ class TargetPOTrainer(GRPOTrainer):
                                          self.multi_objective_aggregation, self.args.tpo_score_eps)
         batch["tpo_scores"] = scores[first : first + rows].to(device)
         batch["tpo_group_ids"] = torch.arange(first, first + rows, device=device) // group_size
+        if self._sampler_correction_on():
+            # TRL has computed (and logged) the sampler / trainer ratio; the completions it masks are
+            # left out of their group by their token mask (see _token_mask).
+            if self.vllm_importance_sampling_mode not in SAMPLER_MASK_MODES:  # the config refuses it too
+                raise ValueError("TargetPOTrainer does not support " + sampler_mode_refusal(
+                    self.vllm_importance_sampling_mode))
+            kept = sampler_kept(batch["importance_sampling_ratio"], self._token_mask(batch))
+            batch["tpo_sampler_kept"] = kept
+            counts = torch.stack([(~kept).sum(), torch.tensor(rows, device=kept.device)]).float()
+            masked, total = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["tpo/frac_masked_by_sampler"].append(masked / total if total > 0 else float("nan"))
         return batch
 
     def _prepare_inputs(self, generation_batch):
@@ -234,11 +281,18 @@ class TargetPOTrainer(GRPOTrainer):
     # -- loss --------------------------------------------------------------------------------
 
     def _token_mask(self, inputs: Dict[str, Any]) -> Tensor:
+        """The counted tokens: TRL's completion (and tool) mask; none of a completion the sampler
+        check left out (``tpo_sampler_kept``), which leaves it out of its group."""
         mask = inputs["completion_mask"]
-        return (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
+        mask = (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
+        kept = inputs.get("tpo_sampler_kept")
+        return mask if kept is None else mask & kept.to(mask.device).unsqueeze(1)
 
     def _old_logprobs(self, inputs: Dict[str, Any], mode: str) -> Optional[Tensor]:
-        """TRL's stored rollout log-probs when a generation is reused (TPO's anchor), else None."""
+        """TRL's stored rollout log-probs when a generation is reused (TPO's anchor), else None
+        (``p_old = p``, detached). ``old_per_token_logps`` is the trainer's own no-grad forward at
+        generation time, also under vLLM; the sampler's log-probs (``sampling_per_token_logps``)
+        are never the anchor."""
         if mode != "train" or not self._generation_reused():
             return None
         old = inputs.get("old_per_token_logps")
@@ -252,7 +306,8 @@ class TargetPOTrainer(GRPOTrainer):
             "temperature": float(self.temperature),
             "backend": self.args.tpo_backend,
             "cast_lm_head_to_fp32": bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
-            "token_entropy": bool(self.args.tpo_log_token_entropy),
+            # The entropy bonus reads it too (the adaptive controller's statistics; the detached rows' H).
+            "token_entropy": bool(self.args.tpo_log_token_entropy) or self._entropy_bonus_on(),
         }
 
     def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[Dict[str, Any]] = None
@@ -289,8 +344,55 @@ class TargetPOTrainer(GRPOTrainer):
             "score_eps": float(self.args.tpo_score_eps),
             "length_normalize": self.args.tpo_length_normalize,
             "router_aux_loss": self.aux_loss_enabled,
+            "entropy_coef": self._applied_entropy_coef(),
             **self._head_settings(),
         }
+
+    # -- entropy bonus ------------------------------------------------------------------------
+
+    def _entropy_bonus_on(self) -> bool:
+        """GRPOTrainer's condition: a non-zero ``entropy_coef``, or the adaptive controller (which
+        stays on when it has brought the coefficient to ``entropy_coef_min``)."""
+        return bool(self.entropy_coef != 0.0 or self.use_adaptive_entropy)
+
+    def _applied_entropy_coef(self) -> float:
+        """The coefficient of this micro-step's bonus ``- c * H``, as GRPOTrainer applies it: the
+        static ``entropy_coef``, or, adaptive, the coefficient set at the end of the previous
+        optimizer step, applied only while the last window's entropy was at most ``entropy_target``."""
+        if not self._entropy_bonus_on():
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+    def _update_adaptive_entropy(self, out: Dict[str, Any], num_rows: int, mode: str) -> None:
+        """GRPOTrainer's adaptive controller on the loss's own token entropy: add this micro-step's
+        rows' entropy sum and token count to the window's; at the optimizer step's end, reduce them
+        over processes and move ``entropy_coef`` by ``entropy_coef_delta`` toward more entropy when
+        the window's mean is at most ``entropy_target`` (within ``[entropy_coef_min, entropy_coef_max]``);
+        then log ``entropy_coef`` on optimizer-step boundaries, as TRL does."""
+        if self.use_adaptive_entropy and mode == "train":
+            mask = out["mask"][:num_rows]
+            if out["aux"] is None:
+                entropy_sum = torch.zeros((), device=mask.device)
+            else:
+                entropy_sum = (out["aux"]["token_entropy"][:num_rows].float() * mask).sum()
+            stats = torch.stack([entropy_sum.detach().float(), mask.sum().float()])
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta,
+                                            self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta,
+                                            self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _window_place(self):
         """(micro-batches of this step's window in the generation buffer, this step's place in it,
@@ -332,7 +434,7 @@ class TargetPOTrainer(GRPOTrainer):
                 for name in parts[0]}
 
     def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):
-        """A micro-batch's token log-probs and entropy (None without ``tpo_log_token_entropy``)."""
+        """A micro-batch's token log-probs and entropy (None when the head computes none)."""
         request = {"logprobs_only": True, "labels": batch["completion_ids"], "mask": self._token_mask(batch),
                    **self._head_settings()}
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -350,9 +452,9 @@ class TargetPOTrainer(GRPOTrainer):
         aux = out["aux"]
         if aux is None:  # no counted token in the call: the log-probs are 0 under the mask
             zeros = torch.zeros(out["mask"][:num_rows].shape, device=out["mask"].device)
-            self._tpo_window_rows[place] = (zeros, zeros if self.args.tpo_log_token_entropy else None)
+            self._tpo_window_rows[place] = (zeros, zeros if self._head_settings()["token_entropy"] else None)
             return
-        entropy = aux["token_entropy"][:num_rows] if self.args.tpo_log_token_entropy else None
+        entropy = aux["token_entropy"][:num_rows] if self._head_settings()["token_entropy"] else None
         self._tpo_window_rows[place] = (aux["token_logprobs"][:num_rows], entropy)
 
     def _compute_loss(self, model, inputs):
@@ -374,6 +476,8 @@ class TargetPOTrainer(GRPOTrainer):
             # straight through (value unchanged), makes it whole.
             loss = window * loss - (window - 1) * loss.detach()
         self._log_tpo_metrics(out, request, mode)
+        if self._entropy_bonus_on():
+            self._update_adaptive_entropy(out, inputs["completion_ids"].shape[0], mode)
         # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
         # as GRPOTrainer adds it (its coefficient and router logits from the model config).
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1

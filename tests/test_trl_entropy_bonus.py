@@ -1,0 +1,117 @@
+"""TargetPOTrainer with TRL's entropy bonus: ``loss - entropy_coef * H`` (H the mean tempered token
+entropy of the loss call's counted tokens) from the loss's own vocabulary pass, static or under
+TRL's adaptive controller, against a float64 replay (``reference.tpo_loss(..., entropy_coef=)``)."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("tokenizers")
+
+from _trl_mismatch import gradient_error, make_trainer  # noqa: E402
+from _trl_tiny import build_tiny_olmo2  # noqa: E402
+
+from tpo_kernels import reference  # noqa: E402
+from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
+from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_olmo2")
+    return str(path), build_tiny_olmo2(str(path))
+
+
+def no_gap(row, length):
+    return torch.zeros(length)
+
+
+def run(tiny, tmp_path, **overrides):
+    """The stub trainer without the sampler correction (as without vLLM), so that the float64 replay
+    of tests/_trl_mismatch.py applies to every completion."""
+    path, tokenizer = tiny
+    trainer = make_trainer(path, tokenizer, str(tmp_path), no_gap, vllm_importance_sampling_correction=False,
+                           **overrides)
+    trainer.train()
+    return trainer
+
+
+def test_entropy_bonus_matches_the_replay(tiny, tmp_path):
+    trainer = run(tiny, tmp_path, entropy_coef=0.3)
+    without = run(tiny, tmp_path / "without")
+    assert float(trainer.losses[0]) == pytest.approx(float(trainer.replays[0][0]), rel=1e-5, abs=1e-6)
+    assert gradient_error(trainer) <= 1e-4
+    logs = [entry for entry in trainer.state.log_history if "tpo/loss" in entry]
+    # The bonus is in the trained loss: it moves it by -0.3 times the logged token entropy.
+    assert float(trainer.losses[0] - without.losses[0]) == pytest.approx(-0.3 * logs[0]["tpo/token_entropy"],
+                                                                         rel=1e-4)
+    assert logs[0]["entropy_coef"] == 0.3  # logged on optimizer-step boundaries, as TRL does
+
+
+@pytest.mark.parametrize("target", [100.0, 0.0])
+def test_adaptive_entropy_follows_trls_controller(tiny, tmp_path, target):
+    """Skywork-OR1's controller as GRPOTrainer runs it: the coefficient applies only while the last
+    window's entropy is at most entropy_target (never in the first step: no window yet), and moves
+    by entropy_coef_delta after each optimizer step, within [entropy_coef_min, entropy_coef_max]."""
+    trainer = run(tiny, tmp_path, max_steps=2, use_adaptive_entropy=True, entropy_coef=0.3, entropy_coef_delta=0.01,
+                  entropy_target=target)
+    for step in range(2):
+        assert float(trainer.losses[step]) == pytest.approx(float(trainer.replays[step][0]), rel=1e-5, abs=1e-6)
+        assert gradient_error(trainer, step) <= 1e-4
+    logs = [entry for entry in trainer.state.log_history if "tpo/loss" in entry]
+    if target > 1:  # entropy below the target: applied from step 2, coefficient raised each step
+        assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.31, 0.32])
+        assert trainer._applied_entropy_coef() == pytest.approx(0.32)
+    else:  # entropy above the target: never applied, coefficient lowered
+        assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.29, 0.28])
+        assert trainer._applied_entropy_coef() == 0.0
+    world = trainer._last_world_entropy
+    assert 0 < world < 4 and abs(world - logs[1]["tpo/token_entropy"]) < 1e-4  # one micro-step per window
+
+
+def test_tpo_head_entropy_bonus_with_detached_rows():
+    """A group spanning micro-steps: the bonus's H is the mean over the call's counted tokens (own
+    and detached rows), its gradient through this micro-step's rows only."""
+    torch.manual_seed(0)
+    num_rows, own, prompt, length, width, vocab = 8, 4, 3, 5, 16, 50
+    hidden_all = torch.randn(num_rows, prompt + length, width)
+    head = torch.nn.Linear(width, vocab)
+    labels = torch.randint(0, vocab, (num_rows, length))
+    mask = torch.rand(num_rows, length) > 0.3
+    mask[:, 0] = True
+    scores = torch.randn(num_rows)
+    group_ids = torch.tensor([7, 9, 7, 9, 9, 7, 9, 7])
+    settings = dict(temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=True)
+    with torch.no_grad():
+        theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, dict(labels=labels[own:], mask=mask[own:],
+                                                                        **settings))
+    detached = dict(theirs, mask=mask[own:], scores=scores[own:], group_ids=group_ids[own:], old_logprobs=None,
+                    ref_logprobs=None)
+    hidden = hidden_all[:own].clone().requires_grad_()
+    request = dict(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
+                   group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=None,
+                   detached=detached, score_eps=1e-6, beta=0.0, eta=0.7, anchor=True, length_normalize=False,
+                   entropy_coef=0.25, **settings)
+    out = tpo_trl.head._tpo_head(hidden, head, request)
+    out["loss"].backward()
+
+    hidden64 = hidden_all.double()[:own].requires_grad_()
+    weight64, bias64 = head.weight.detach().double().requires_grad_(), head.bias.detach().double().requires_grad_()
+    logits = torch.cat([hidden64[:, prompt - 1 : -1] @ weight64.T + bias64,
+                        (hidden_all.double()[own:, prompt - 1 : -1] @ weight64.T + bias64).detach()])
+    expected = reference.tpo_loss(logits, labels.masked_fill(~mask, -100), scores.double(), group_ids=group_ids,
+                                  eta=0.7, temperature=0.8, entropy_coef=0.25)
+    expected.backward()
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(hidden.grad.double(), hidden64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad.double(), weight64.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("field, value", [("entropy_coef", -0.1), ("entropy_coef", float("nan")),
+                                          ("entropy_coef_min", -0.1)])
+def test_negative_entropy_coef_is_refused(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0"):
+        TargetPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True,
+                       bf16=False, report_to="none", use_adaptive_entropy=True, **{field: value})
