@@ -51,7 +51,9 @@ What verl must still guarantee, and where it is checked:
   versions has no single current policy. Checked on the record: a group with fewer than
   ``rollout_n`` responses there is a part, unless a response of the mini-batch has no counted
   token (it carries no group); then its standardized scores must sum to 0 and their squares to
-  its size (a part of a tied group is then not detected). verl 0.9.1's
+  its size (a part of a tied group is then not detected). Without the record, each group's
+  responses in the step are counted against ``rollout_n`` (a response without a counted token
+  carries its group on its row), which finds a part of a tied group too. verl 0.9.1's
   trainers balance sequence lengths over the whole batch, which spreads groups over the ranks'
   mini-batches: use one mini-batch per step (``ppo_mini_batch_size`` = ``data.train_batch_size``;
   ``ppo_epochs`` may be > 1), one rank, or the legacy trainer (``trainer.use_v1=False``) with
@@ -73,10 +75,20 @@ get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only
 verl's ``global_batch_info`` the micro-batch loss is its share of the mean over every group of
 the mini-batch (micro-batch gradients add up, data-parallel ranks average); without it, the mean
 over the micro-batch's groups. ``loss_agg_mode`` does not change TPO's term; verl's KL
-(``use_kl_loss``) and entropy terms are added by verl as for any policy loss. Per-token importance
-weights (``rollout_is_weights``) are refused. Metrics: ``actor/tpo_kl_q_p``, ``actor/tpo_entropy_p``,
+(``use_kl_loss``) and entropy terms are added by verl as for any policy loss. Metrics: ``actor/tpo_kl_q_p``, ``actor/tpo_entropy_p``,
 ``actor/tpo_entropy_q`` (means over the step's groups once verl averages the ranks' values),
 ``actor/tpo_frac_zero_signal_groups`` (the same on every rank), ``actor/ppo_kl`` (this rank's).
+
+Rollout correction (``algorithm.rollout_correction``; decoupled mode, where verl compares the
+sampler's ``rollout_log_probs`` with the recomputed ``old_log_prob`` before the advantage step):
+a response a sequence-level rejection (``rollout_rs``) masks out has no counted token, so the
+estimator standardizes its group without it and the loss leaves it out (no mass, no gradient); it
+still carries its group id on its row, so that the loss counts it as a member. Sequence-level
+importance weights (``rollout_is=sequence``) count each response ``w`` times in its group
+(:func:`.policy_loss._weighted_inputs`); ``w = 0`` is a rejection. Refused, by the estimator:
+``bypass_mode`` (the sampler's log-probs would be TPO's anchor), token-level rejection options and
+``rollout_is=token`` (TPO's unit is the whole response); by the loss: per-token weights, and
+weights inside the worker's record.
 
 Other TPO settings: :func:`register` adds a policy loss under another name, e.g.
 ``register("tpo_eta05", eta=0.5)`` in a module verl imports (``VERL_USE_EXTERNAL_MODULES`` or
