@@ -17,8 +17,8 @@ from _verl_batches import K, T, actor_config, policy_inputs, rollout
 
 from tpo_kernels import reference, tpo_loss_from_logprobs
 from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
-from tpo_kernels.integrations.verl.mini_batch import gather_record, recorded_rows
 from tpo_kernels.integrations.verl.advantage import decode_advantages
+from tpo_kernels.integrations.verl.mini_batch import gather_record, recorded_rows
 
 verl_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
 from verl.trainer.config.algorithm import AlgoConfig, RolloutCorrectionConfig  # noqa: E402
@@ -63,8 +63,8 @@ def kept_reference(batch, keep, **settings):
     """reference.tpo_loss on the kept responses only, with their raw rewards (mean over groups)."""
     logits = batch["logits"].clone().requires_grad_()
     labels = batch["responses"].masked_fill(~batch["mask"], -100)
-    loss = reference.tpo_loss(logits[keep], labels[keep], batch["rewards"][keep], group_ids=(torch.arange(B) // K)[keep],
-                              old_logprobs=batch["old_log_prob"][keep], **settings)
+    loss = reference.tpo_loss(logits[keep], labels[keep], batch["rewards"][keep],
+                              group_ids=(torch.arange(B) // K)[keep], old_logprobs=batch["old_log_prob"][keep], **settings)
     return loss, torch.autograd.grad(loss, logits)[0]
 
 
