@@ -64,7 +64,8 @@ def kept_reference(batch, keep, **settings):
     logits = batch["logits"].clone().requires_grad_()
     labels = batch["responses"].masked_fill(~batch["mask"], -100)
     loss = reference.tpo_loss(logits[keep], labels[keep], batch["rewards"][keep],
-                              group_ids=(torch.arange(B) // K)[keep], old_logprobs=batch["old_log_prob"][keep], **settings)
+                              group_ids=(torch.arange(B) // K)[keep], old_logprobs=batch["old_log_prob"][keep],
+                              **settings)
     return loss, torch.autograd.grad(loss, logits)[0]
 
 
