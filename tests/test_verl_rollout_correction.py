@@ -17,7 +17,7 @@ from _verl_batches import K, T, actor_config, policy_inputs, rollout
 
 from tpo_kernels import reference, tpo_loss_from_logprobs
 from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
-from tpo_kernels.integrations.verl.advantage import decode_advantages
+from tpo_kernels.integrations.verl.advantage import decode_advantages, decode_members
 from tpo_kernels.integrations.verl.mini_batch import gather_record, recorded_rows
 
 verl_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
@@ -290,6 +290,25 @@ def test_a_rejected_response_still_counts_in_its_group():
     part = {name: value[rows] for name, value in kwargs.items()}
     with pytest.raises(ValueError, match="holds part of a group"):
         tpo_policy_loss(**part, config=actor_config())
+
+
+def test_record_with_a_rejected_response_and_part_of_a_tied_group_is_refused():
+    """The worker's record of a mini-batch that lacks one response of the tied group 1 and holds a
+    response rejection took out (row 1, no counted token): the record counts row 1 in group 0 by
+    the group it carries, so group 1's 3 of 4 responses are a part, refused (a row without a
+    group would make the count unusable and the tied part, its scores all 0, pass)."""
+    batch = rollout()
+    kwargs, _, _, kept = correct(batch, sampler_log_probs(batch), rollout_is=None, rollout_rs="seq_max_k2",
+                                 rollout_rs_threshold=0.02)
+    assert not bool(kept[1])
+    rows = torch.arange(B) != 2 * K - 1  # group 1's last response is in another mini-batch
+    advantages, mask = kwargs["advantages"][rows], kwargs["response_mask"][rows]
+    u, group_ids = decode_advantages(advantages, mask)
+    record, _ = gather_record(group_ids, u, kwargs["log_prob"][rows], kwargs["old_log_prob"][rows], mask,
+                              member_ids=decode_members(advantages, mask))
+    part = torch.arange(K, 2 * K - 1)  # group 1's rows here, in the batch and in the record
+    with recorded_rows(record, part), pytest.raises(ValueError, match="different mini-batches"):
+        tpo_policy_loss(**{name: value[part] for name, value in kwargs.items()}, config=actor_config())
 
 
 def test_more_members_than_rollout_n_are_refused():

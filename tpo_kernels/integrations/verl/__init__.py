@@ -48,12 +48,12 @@ group raises a ``ValueError`` (on every rank) naming the worker and the one-micr
 What verl must still guarantee, and where it is checked:
 
 * **Each mini-batch holds whole groups** (over the ranks): a group trained under two parameter
-  versions has no single current policy. Checked on the record: a group with fewer than
-  ``rollout_n`` responses there is a part, unless a response of the mini-batch has no counted
-  token (it carries no group); then its standardized scores must sum to 0 and their squares to
-  its size (a part of a tied group is then not detected). Without the record, each group's
-  responses in the step are counted against ``rollout_n`` (a response without a counted token
-  carries its group on its row), which finds a part of a tied group too. verl 0.9.1's
+  versions has no single current policy. Checked on the record (and, without it, on the
+  micro-batch step over the ranks): a group with fewer than ``rollout_n`` responses there is a
+  part, a tied group's too. A response without a counted token still counts: the estimator
+  writes its group on its whole row. Only when a response carries no group at all (advantages
+  without that row marker) the check falls back to the standardized scores summing to 0 and
+  their squares to the group's size, which misses a part of a tied group. verl 0.9.1's
   trainers balance sequence lengths over the whole batch, which spreads groups over the ranks'
   mini-batches: use one mini-batch per step (``ppo_mini_batch_size`` = ``data.train_batch_size``;
   ``ppo_epochs`` may be > 1), one rank, or the legacy trainer (``trainer.use_v1=False``) with

@@ -283,14 +283,18 @@ def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u
             "the mini-batch changed between tpo_kernels' record and verl's training step"
         )
     own = group_ids >= 0
-    touched = torch.isin(record.group_ids, torch.unique(group_ids[own]))
-    _, recorded_sizes = torch.unique(record.group_ids[touched], return_counts=True)
+    wanted = torch.unique(group_ids[own])
+    touched = torch.isin(record.group_ids, wanted)
+    # Each group's responses in the record, counted or not (a response without a counted token
+    # carries its group: advantage.decode_members); sorted by id, as _whole's groups below.
+    members = record.group_ids if record.member_ids is None else record.member_ids
+    _, recorded_sizes = torch.unique(members[torch.isin(members, wanted)], return_counts=True)
     if bool((recorded_sizes > group_size).any()):
         raise ValueError(f"config.rollout_n: the record holds a group of {int(recorded_sizes.max())} responses, more "
                          f"than rollout_n = {group_size}")
-    # Fewer than K responses is part of a group, unless a response of the mini-batch has no counted
-    # token (it carries no group); then the scores' sums tell (blind to a part of a tied group).
-    short = (recorded_sizes < group_size) & ~bool((record.group_ids < 0).any())
+    # Fewer than K responses is part of a group, unless a response of the mini-batch carries no
+    # group; then the scores' sums tell (blind to a part of a tied group).
+    short = (recorded_sizes < group_size) & ~bool((members < 0).any())
     if not bool((~short & _whole(record.group_ids[touched], record.scores[touched], score_eps)).all()):
         raise ValueError(
             "advantages: a group's responses are in different mini-batches (the recorded mini-batch holds fewer "
