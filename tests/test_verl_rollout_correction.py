@@ -69,10 +69,11 @@ def kept_reference(batch, keep, **settings):
     return loss, torch.autograd.grad(loss, logits)[0]
 
 
-def weighted_reference(batch, weights, eta=1.0, anchor=True, score_eps=1e-6):
+def weighted_reference(batch, weights, eta=1.0, anchor=True, score_eps=1e-6, over_every_group=False):
     """TPO with response i counted w_i times in its group, in float64 by the formula:
     p_i = w_i e^{ell_i} / sum_j w_j e^{ell_j}, q_i = w_i p_old_i e^{u_i/eta} / Z (u from the raw
-    rewards of the responses with w_i > 0), loss = mean over groups of -sum_i q_i log p_i."""
+    rewards of the responses with w_i > 0), loss = mean over the groups that keep a response of
+    -sum_i q_i log p_i (``over_every_group``: over every group, an emptied one counting 0)."""
     logits = batch["logits"].clone().requires_grad_()
     mask = batch["mask"]
     ell = (reference.token_logprobs(logits, batch["responses"]) * mask).sum(1)
@@ -89,7 +90,7 @@ def weighted_reference(batch, weights, eta=1.0, anchor=True, score_eps=1e-6):
         base = ell_old[rows] + log_w if anchor else log_w
         q = torch.softmax(base + u / eta, 0)
         losses.append(-(q * log_p).sum())
-    loss = torch.stack(losses).mean()
+    loss = torch.stack(losses).sum() / (GROUPS if over_every_group else len(losses))
     return loss, torch.autograd.grad(loss, logits)[0]
 
 
@@ -363,3 +364,34 @@ def test_the_band_around_score_eps_gives_the_loss_of_the_raw_rewards(pattern):
     loss_error, grad_error = max(e[0] for e in errors), max(e[1] for e in errors)
     print(f"band sweep {pattern}: max |loss error| {loss_error:.3g}, max |grad error| {grad_error:.3g}")
     assert loss_error <= 1e-7 and grad_error <= 1e-7
+
+
+def test_rejection_and_weights_through_verls_ppo_loss():
+    """A mini-batch as verl's engine trains it (one micro-batch, verl's own ppo_loss selecting
+    ``rollout_is_weights`` from the batch), with a rejection mask and IcePop weights together:
+    the gradient is the weighted group's over the responses neither removes. With verl's
+    ``global_batch_size`` the loss is the mean over the mini-batch's groups, a group both remove
+    whole counting 0 (here group 2)."""
+    import functools
+
+    from _verl_batches import TinyEngine, verl_mini_batch
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    batch = rollout()
+    kwargs, _, weights, kept = correct(batch, sampler_log_probs(batch, near_noise=0.1, far_noise=2.0),
+                                       rollout_is="sequence", rollout_is_threshold="0.8_1.25",
+                                       rollout_rs="seq_max_k2", rollout_rs_threshold=0.1)
+    assert not bool(kept[list(FAR)].any()) and 0 < int((weights[kept] == 0).sum())
+    engine = TinyEngine(batch["logits"].clone().requires_grad_())
+    data = verl_mini_batch(batch, kwargs["advantages"], micro_batch_size=B)  # attention over the whole responses
+    data["response_mask"] = kwargs["response_mask"].long()  # verl folds the rejection into response_mask
+    data["rollout_is_weights"] = kwargs["rollout_is_weights"]
+    config = ActorConfig(strategy="fsdp", rollout_n=K, ppo_micro_batch_size_per_gpu=B,
+                         policy_loss=PolicyLossConfig(loss_mode="tpo"))
+    output = engine.train_batch(data, loss_function=functools.partial(ppo_loss, config=config))
+    emptied = [g for g in range(GROUPS) if not bool((kept & (weights > 0))[g * K:(g + 1) * K].any())]
+    assert emptied == [2]
+    want, want_grad = weighted_reference(batch, torch.where(kept, weights, 0.0), over_every_group=True)
+    torch.testing.assert_close(sum(output["loss"]), want, **TOLERANCE)
+    torch.testing.assert_close(engine.logits.grad, want_grad, **TOLERANCE)

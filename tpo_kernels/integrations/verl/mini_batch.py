@@ -60,7 +60,10 @@ class MiniBatchRecord:
 
     @property
     def num_groups(self) -> int:
-        return int(torch.unique(self.group_ids[self.group_ids >= 0]).numel())
+        """The groups of the mini-batch: those its responses belong to (a group whose every
+        response was rejected counts, with loss 0, as under verl's ``global_batch_size``)."""
+        members = self.group_ids if self.member_ids is None else self.member_ids
+        return int(torch.unique(members[members >= 0]).numel())
 
 
 def gather_record(group_ids: Tensor, scores: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor,
