@@ -216,7 +216,9 @@ def dp_case(rank: int, world: int, *, path: str, sizes, grouping: str, reduction
         pairs[f"aux_{name}"] = (aux[name], ref_aux[name])
     tied = _tied_rows(batch)[share["rows"]]
     zeros = {}
-    if tie and not kl and (old is None) and masked_rank is None:  # zero-signal: tied on-policy groups, exactly zero on both sides
+    bonus = bool((options or {}).get("entropy_coef"))  # an entropy bonus moves tied groups' tokens too
+    # zero-signal: tied on-policy groups, exactly zero on both sides
+    if tie and not kl and (old is None) and masked_rank is None and not bonus:
         for name, (got, want) in grads.items():
             zeros[f"tied_{name}_zero"] = bool((got[tied] == 0).all()) and bool((want[tied] == 0).all())
             if (~tied).any():  # a rank holding no completion has nothing to look at
@@ -281,11 +283,12 @@ def vp_logprobs_case(rank: int, world: int, *, path: str, rotate: bool = False, 
 
 
 def vp_loss_case(rank: int, world: int, *, path: str, backend: str = "torch", rotate: bool = False,
-                 old=None, kl=False, seed: int = 2, grouping: str = "ids") -> dict:
-    """Item 2 on the TPO losses: the same batch on every rank, the vocabulary split."""
+                 old=None, kl=False, seed: int = 2, grouping: str = "ids", options: Optional[dict] = None) -> dict:
+    """Item 2 on the TPO losses: the same batch on every rank, the vocabulary split. ``options``:
+    more loss keywords (entropy_coef)."""
     pg = _GROUP
     batch = dp_batch([9], grouping=grouping, group_size=3, old=old, kl=kl, seed=seed)
-    whole = _whole(batch)
+    whole = dict(_whole(batch), **(options or {}))
     start, stop, explicit = _my_shard(VOCAB, world, rank, rotate)
     vp = dict(vocab_parallel_group=pg, vocab_start_index=explicit)
     if path == "logits":
@@ -310,7 +313,7 @@ def vp_loss_case(rank: int, world: int, *, path: str, backend: str = "torch", ro
         grads = {"hidden": (h.grad, ref_h.grad)}
     pairs["loss"] = (loss.detach(), ref_loss.detach())
     zeros = {}
-    if not kl and old is None:
+    if not kl and old is None and not (options or {}).get("entropy_coef"):
         tied = _tied_rows(batch)
         for name, (got, want) in grads.items():
             zeros[f"tied_{name}_zero"] = bool((got[tied] == 0).all()) and bool((want[tied] == 0).all())

@@ -71,6 +71,7 @@ def tpo_loss(
     anchor: bool = True,
     score_eps: float = 1e-6,
     length_normalize: bool = False,
+    entropy_coef: float = 0.0,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -108,6 +109,12 @@ def tpo_loss(
             (the default of the author's TRL port, GSPO-style); gradients exact.
         ref_logprobs, beta: per-token reference log-probs and the weight of the k3 KL penalty
             (token mean over counted tokens; per group for ``reduction="none"``).
+        entropy_coef: weight (finite, >= 0) of an entropy bonus: the loss becomes
+            ``TPO - entropy_coef * H``, ``H`` the mean entropy of the counted tokens' tempered
+            distributions, reduced as the KL term is (the token mean of the batch for ``"mean"``,
+            with ``process_group`` over every rank's tokens, as one rank would on the concatenated
+            batch; the token sum for ``"sum"``; each group's token mean for ``"none"``). The entropy
+            and its gradient come from the loss's own vocabulary pass. 0: the loss as without it.
         inplace_backward: write the logits gradient into the logits buffer (saves a ``[M, V]``
             tensor). The logits' autograd version counter is bumped, so any other graph node that
             saved the same logits raises PyTorch's in-place error instead of reading overwritten
@@ -129,7 +136,7 @@ def tpo_loss(
         Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
         Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         return_entropy, validate, score_eps, length_normalize),
+                         return_entropy, validate, score_eps, length_normalize, entropy_coef),
         Placement(process_group, vocab_parallel_group, vocab_start_index),
     ))
 
@@ -168,6 +175,10 @@ def tpo_loss_from_logprobs(
             as in :func:`tpo_loss`.
         eta, anchor, score_eps, reduction, backend, return_aux, validate, process_group: see the module
             docstring.
+
+    There is no ``entropy_coef`` here: the token entropy needs the vocabulary pass this function
+    does not make. Add ``- coef * entropy`` from that pass yourself, or use :func:`tpo_loss` /
+    :func:`fused_linear_tpo_loss`, which read it from their own pass.
     """
     return pipeline.sequence_loss(SequenceRequest(
         "tpo_loss_from_logprobs", Logprobs(logprobs),
@@ -229,6 +240,7 @@ def fused_linear_tpo_loss(
     anchor: bool = True,
     score_eps: float = 1e-6,
     length_normalize: bool = False,
+    entropy_coef: float = 0.0,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -248,8 +260,8 @@ def fused_linear_tpo_loss(
     """Sequence-level TPO loss on ``logits = hidden @ weight.T (+ bias)``, computed tile by tile
     so that the ``[tokens, vocab]`` logits never exist.
 
-    Same semantics and keywords as :func:`tpo_loss`. Gradients flow to ``hidden``, ``weight``
-    and ``bias``.
+    Same semantics and keywords as :func:`tpo_loss` (``entropy_coef`` included: the entropy and its
+    gradient come from the same tiles). Gradients flow to ``hidden``, ``weight`` and ``bias``.
 
     Args:
         hidden: ``[N, T, H]`` padded or ``[M, H]`` packed (with ``cu_seqlens``) last hidden states;
@@ -281,7 +293,7 @@ def fused_linear_tpo_loss(
         Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
                        ref_logprobs, beta),
         Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         return_entropy, validate, score_eps, length_normalize),
+                         return_entropy, validate, score_eps, length_normalize, entropy_coef),
         Placement(process_group, vocab_parallel_group, vocab_start_index),
     ))
 

@@ -97,7 +97,7 @@ def _settings(options: Options, temperature: Optional[float] = None) -> _validat
         eta=options.eta, anchor=options.anchor, temperature=options.temperature if temperature is None else temperature,
         reduction=options.reduction, return_aux=options.return_aux, validate=options.validate,
         return_entropy=options.return_entropy, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
-        score_eps=options.score_eps, length_normalize=options.length_normalize,
+        score_eps=options.score_eps, length_normalize=options.length_normalize, entropy_coef=options.entropy_coef,
     )
 
 
@@ -175,13 +175,13 @@ def _agreed_settings(function: str, checked: Optional[_Checked], extra: dict) ->
     """Everything that changes the result and must be the same on every rank."""
     names = ("function", "compute dtype", "eta", "anchor", "temperature", "logit_scale", "logit_softcap",
              "reduction", "return_aux", "return_entropy", "validate", "score_eps", "length_normalize", "beta",
-             "old_logprobs", "ref_logprobs", *extra)
+             "entropy_coef", "old_logprobs", "ref_logprobs", *extra)
     if checked is None:  # this rank failed its checks: the verdict reports that first
         return dict.fromkeys(names)
     s, batch = checked.settings, checked.batch
     values = (function, str(checked.dtype).replace("torch.", ""), s.eta, s.anchor, 1.0 / s.inv_temperature,
               s.logit_scale, s.logit_softcap, s.reduction, s.return_aux, s.return_entropy, s.validate,
-              s.score_eps, s.length_normalize, 0.0 if batch is None else batch.beta,
+              s.score_eps, s.length_normalize, 0.0 if batch is None else batch.beta, s.entropy_coef,
               batch is not None and batch.old_seq_logprobs is not None,
               batch is not None and batch.ref_logprobs is not None, *extra.values())
     return dict(zip(names, values))
@@ -296,7 +296,8 @@ def _signal_tokens(checked: _Checked, gather) -> Optional[Tensor]:
         return None
     if not torch.is_grad_enabled():  # nothing is cached without a backward
         return None
-    if not s.anchor or batch.old_seq_logprobs is not None or batch.beta > 0 or batch.layout.num_groups == 0:
+    if (not s.anchor or batch.old_seq_logprobs is not None or batch.beta > 0 or s.entropy_coef > 0
+            or batch.layout.num_groups == 0):  # an entropy bonus gives every counted token a gradient
         return None
     layout = batch.layout
     # u from the group op itself (u does not depend on the log-probs): one tie rule, not two.
@@ -335,19 +336,23 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         raise failure
 
     settings, prepared = checked.settings, checked.batch
-    token_lp, entropy = _row_logprobs(checked, shard, settings.return_entropy, _signal_tokens(checked, gather))
+    # The entropy bonus reads the token entropy (and sends its gradient) through the row op's own
+    # vocabulary pass: no second pass, no [tokens, vocab] tensor.
+    with_entropy = settings.return_entropy or settings.entropy_coef > 0
+    token_lp, entropy = _row_logprobs(checked, shard, with_entropy, _signal_tokens(checked, gather))
     objective = GroupObjective(
         prepared.layout, prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs, eta=settings.eta,
         anchor=settings.anchor, reduction=settings.reduction, backend=checked.key, beta=prepared.beta,
         ref_logprobs=prepared.ref_logprobs, valid=prepared.valid, gather=gather, kept=prepared.kept,
         score_eps=settings.score_eps, length_normalize=settings.length_normalize,
+        entropy_coef=settings.entropy_coef,
     )
-    loss = objective.forward(token_lp)
+    loss = objective.forward(token_lp, entropy)
     if not settings.return_aux:
         return loss
     aux = objective.aux()
     aux["token_logprobs"] = aux["token_logprobs"].view(prepared.token_shape)
-    if entropy is not None:
+    if settings.return_entropy:
         aux["token_entropy"] = entropy.detach().view(prepared.token_shape)
     return loss, aux
 

@@ -121,6 +121,7 @@ def tpo_loss(
     anchor: bool = True,
     score_eps: float = 1e-6,
     length_normalize: bool = False,
+    entropy_coef: float = 0.0,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
@@ -131,16 +132,21 @@ def tpo_loss(
 
     ``length_normalize``: a completion's sequence log-prob is the mean of its counted token
     log-probs instead of the sum, and so is ``ell_old`` from per-token ``old_logprobs``; per
-    completion ``[N]`` old log-probs are the sequence log-probs as they are (already means)."""
+    completion ``[N]`` old log-probs are the sequence log-probs as they are (already means).
+
+    ``entropy_coef``: the loss minus ``entropy_coef`` times the full-vocabulary entropy of the
+    counted tokens, reduced as the KL term is (token mean for ``"mean"``, token sum for
+    ``"sum"``, each group's token mean for ``"none"``), differentiable through ordinary autograd."""
     valid = labels != ignore_index
     if mask is not None:
         valid = valid & mask.bool()
-    lp = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, logit_scale=logit_scale,
-                        logit_softcap=logit_softcap)
-    return tpo_loss_from_logprobs(lp, scores, mask=valid, group_size=group_size, group_ids=group_ids,
-                                  cu_seqlens=cu_seqlens, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                  beta=beta, eta=eta, anchor=anchor, score_eps=score_eps,
-                                  length_normalize=length_normalize, reduction=reduction, return_aux=return_aux)
+    transform = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    lp = token_logprobs(logits, labels, ignore_index=ignore_index, **transform)
+    entropy = token_entropy(logits, **transform) if entropy_coef != 0.0 else None
+    return _group_stage(lp, scores, mask=valid, group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens,
+                        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, eta=eta, anchor=anchor,
+                        score_eps=score_eps, length_normalize=length_normalize, reduction=reduction,
+                        return_aux=return_aux, token_entropy=entropy, entropy_coef=entropy_coef)
 
 
 def tpo_loss_from_logprobs(
@@ -163,6 +169,17 @@ def tpo_loss_from_logprobs(
 ):
     """The group stage by the book on per-token log-probs ``[N, T]`` (or ``[M]`` packed with
     ``cu_seqlens``); same arguments as :func:`tpo_kernels.tpo_loss_from_logprobs`."""
+    return _group_stage(logprobs, scores, mask=mask, group_size=group_size, group_ids=group_ids,
+                        cu_seqlens=cu_seqlens, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
+                        eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize,
+                        reduction=reduction, return_aux=return_aux)
+
+
+def _group_stage(logprobs: Tensor, scores: Tensor, *, mask, group_size, group_ids, cu_seqlens, old_logprobs,
+                 ref_logprobs, beta, eta, anchor, score_eps, length_normalize, reduction, return_aux,
+                 token_entropy: Optional[Tensor] = None, entropy_coef: float = 0.0):
+    """The group stage, the KL term and the entropy bonus (``token_entropy`` of the shape of
+    ``logprobs``, used when ``entropy_coef != 0``)."""
     valid = torch.ones(logprobs.shape, dtype=torch.bool, device=logprobs.device) if mask is None else mask.bool()
     lp = torch.where(valid, logprobs, torch.zeros_like(logprobs)).reshape(-1)
     valid_flat = valid.reshape(-1)
@@ -201,29 +218,34 @@ def tpo_loss_from_logprobs(
         ps[idx], qs[idx], us[idx] = log_p.detach().exp(), q, u
     group_loss = torch.stack(group_losses)
 
-    kl_tokens = None
+    # Token terms beside the group term, (weight, per-token values 0 where not counted): the k3
+    # KL penalty and the entropy bonus, each reduced the same way.
+    token_terms = []
     if beta != 0.0:
         r = ref_logprobs.to(dtype).reshape(-1)
         diff = r - lp
         k3 = torch.exp(diff) - diff - 1.0
-        kl_tokens = torch.where(valid_flat, k3, torch.zeros_like(k3))
+        token_terms.append((beta, torch.where(valid_flat, k3, torch.zeros_like(k3))))
+    if entropy_coef != 0.0:
+        entropy = token_entropy.to(dtype).reshape(-1)
+        token_terms.append((-entropy_coef, torch.where(valid_flat, entropy, torch.zeros_like(entropy))))
 
     if reduction == "mean":
         loss = group_loss.mean()
-        if kl_tokens is not None:
-            loss = loss + beta * kl_tokens.sum() / valid_flat.sum()
+        for weight, values in token_terms:
+            loss = loss + weight * values.sum() / valid_flat.sum()
     elif reduction == "sum":
         loss = group_loss.sum()
-        if kl_tokens is not None:
-            loss = loss + beta * kl_tokens.sum()
-    else:  # "none": per group, each with its own token-mean KL term
+        for weight, values in token_terms:
+            loss = loss + weight * values.sum()
+    else:  # "none": per group, each with its own token means
         loss = group_loss
-        if kl_tokens is not None:
+        for weight, values in token_terms:
             per_group = []
             for members in groups:
                 rows = torch.cat([slices[i] for i in members])
-                per_group.append(kl_tokens[rows].sum() / valid_flat[rows].sum())
-            loss = loss + beta * torch.stack(per_group)
+                per_group.append(values[rows].sum() / valid_flat[rows].sum())
+            loss = loss + weight * torch.stack(per_group)
 
     if not return_aux:
         return loss

@@ -30,6 +30,7 @@ class Options:
     validate: bool = True
     score_eps: float = 1e-6
     length_normalize: bool = False  # sequence-level losses only
+    entropy_coef: float = 0.0  # sequence-level losses on logits or a head only
 
 
 @dataclass(frozen=True)

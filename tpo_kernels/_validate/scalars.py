@@ -128,6 +128,18 @@ def check_beta(beta) -> float:
     return beta
 
 
+def check_entropy_coef(entropy_coef) -> float:
+    """The weight of the entropy bonus: a finite number >= 0 (a bonus; a negative weight, an
+    entropy penalty, is refused rather than silently flipping the sign a trainer meant)."""
+    if not _is_real(entropy_coef):
+        raise TypeError(f"entropy_coef must be a number, got {type(entropy_coef).__name__}")
+    entropy_coef = float(entropy_coef)
+    if not 0 <= entropy_coef < math.inf:  # comparisons: see _check_finite_positive
+        raise ValueError(f"entropy_coef must be a finite number >= 0 (the weight of the mean token entropy "
+                         f"subtracted from the loss), got {entropy_coef!r}")
+    return entropy_coef
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The checked hyper-parameters every TPO loss takes."""
@@ -143,10 +155,12 @@ class LossSettings:
     logit_softcap: Optional[float] = None
     score_eps: float = 1e-6
     length_normalize: bool = False
+    entropy_coef: float = 0.0
 
 
 def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False,
-                   logit_scale=1.0, logit_softcap=None, score_eps=1e-6, length_normalize=False) -> LossSettings:
+                   logit_scale=1.0, logit_softcap=None, score_eps=1e-6, length_normalize=False,
+                   entropy_coef=0.0) -> LossSettings:
     eta = check_positive("eta", eta)
     inv_temperature = 1.0 / check_positive("temperature", temperature)
     logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, inv_temperature)
@@ -162,6 +176,7 @@ def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate,
         logit_softcap=logit_softcap,
         score_eps=check_score_eps(score_eps),
         length_normalize=check_flag("length_normalize", length_normalize),
+        entropy_coef=check_entropy_coef(entropy_coef),
     )
     if settings.return_entropy and not settings.return_aux:
         raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")

@@ -153,44 +153,56 @@ class GroupObjective:
                  anchor: bool, reduction: str, backend: str, beta: float = 0.0,
                  ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None,
                  gather: Optional[RowGather] = None, kept: Optional[Tensor] = None, score_eps: float = 0.0,
-                 length_normalize: bool = False) -> None:
+                 length_normalize: bool = False, entropy_coef: float = 0.0) -> None:
         self.layout, self.scores, self.old_seq_logprobs = layout, scores, old_seq_logprobs
         self.eta, self.anchor, self.reduction, self.backend = eta, anchor, reduction, backend
         self.beta, self.ref_logprobs, self.valid = beta, ref_logprobs, valid
         self.gather, self.kept = gather, kept
         self.score_eps, self.length_normalize = score_eps, length_normalize
+        self.entropy_coef = entropy_coef
         self.token_logprobs: Optional[Tensor] = None
         self.result: Optional[GroupResult] = None
         self.group_layout: BatchLayout = layout  # the layout of the groups: the gathered one with a gather
         self.mine = slice(0, layout.num_seqs)  # this rank's completions in group_layout
 
-    def forward(self, token_logprobs: Tensor) -> Tensor:
-        """The loss from flat ``[M]`` token log-probs (0 on rows that do not count)."""
+    def forward(self, token_logprobs: Tensor, token_entropy: Optional[Tensor] = None) -> Tensor:
+        """The loss from flat ``[M]`` token log-probs (0 on rows that do not count) and, with
+        ``entropy_coef > 0``, the ``[M]`` token entropies of the same row op (differentiable)."""
         self.token_logprobs = token_logprobs
-        kl_sums = self._kl_sums(token_logprobs) if self.beta > 0 else None
+        # The token-mean terms beside the group term: (weight, per-completion sums).
+        terms = []
+        if self.beta > 0:
+            terms.append((self.beta, self._k3_sums(token_logprobs)))
+        if self.entropy_coef > 0:
+            terms.append((-self.entropy_coef, segment_sum(torch.where(self.valid, token_entropy, 0.0), self.layout)))
+        seq_counted = segment_sum(self.valid.to(token_logprobs.dtype), self.layout) if terms else None
         if self.length_normalize:  # the sequence sums become means over counted tokens
             token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
+        sums = [seq_sums for _, seq_sums in terms]
         if self.gather is None:
             self.result = group_targets(token_logprobs, self.layout, self.scores,
                                         old_seq_logprobs=self.old_seq_logprobs, eta=self.eta, anchor=self.anchor,
                                         backend=self.backend, score_eps=self.score_eps)
         else:
-            kl_sums = self._gathered(token_logprobs, kl_sums)
+            sums, seq_counted = self._gathered(token_logprobs, sums, seq_counted)
         loss = reduce_groups(self.result.group_loss, self.reduction)
-        if kl_sums is not None:
-            loss = loss + self.beta * self._kl_term(*kl_sums)
+        for (weight, _), seq_sums in zip(terms, sums):
+            loss = loss + weight * self._token_mean(seq_sums, seq_counted)
         return loss.to(token_logprobs.dtype)
 
-    def _gathered(self, token_logprobs: Tensor, kl_sums):
-        """The group op on every rank's completions; returns the gathered KL sums."""
+    def _gathered(self, token_logprobs: Tensor, sums, seq_counted):
+        """The group op on every rank's completions; returns the gathered per-completion sums of
+        the token-mean terms and counted tokens."""
         wide = torch.float64
         kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device) \
             if self.kept is None else self.kept
         columns = [segment_sum(token_logprobs.to(wide), self.layout), self.scores.to(wide), kept.to(wide)]
         if self.old_seq_logprobs is not None:
             columns.append(self.old_seq_logprobs.to(wide))
-        if kl_sums is not None:
-            columns += [total.to(wide) for total in kl_sums]
+        first_sum = len(columns)
+        columns += [seq_sums.to(wide) for seq_sums in sums]
+        if seq_counted is not None:
+            columns.append(seq_counted.to(wide))
         rows = _Replicated.apply(torch.stack(columns, dim=1), self.gather)
         self.group_layout = self.gather.layout(rows[:, 2] != 0, token_logprobs.device)
         self.mine = self.gather.mine
@@ -198,20 +210,24 @@ class GroupObjective:
         self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
                                     old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend,
                                     score_eps=self.score_eps)
-        return None if kl_sums is None else (rows[:, -2], rows[:, -1].detach())
+        gathered_sums = [rows[:, first_sum + i] for i in range(len(sums))]
+        return gathered_sums, (None if seq_counted is None else rows[:, -1].detach())
 
-    def _kl_sums(self, token_logprobs: Tensor):
-        """Per completion: the k3 terms' sum and the number of counted tokens."""
+    def _k3_sums(self, token_logprobs: Tensor) -> Tensor:
+        """Per completion: the sum of the k3 terms over its counted tokens."""
         diff = self.ref_logprobs - token_logprobs
         k3 = torch.where(self.valid, torch.exp(diff) - diff - 1.0, 0.0)
-        return segment_sum(k3, self.layout), segment_sum(self.valid.to(k3.dtype), self.layout)
+        return segment_sum(k3, self.layout)
 
-    def _kl_term(self, seq_k3: Tensor, seq_counted: Tensor) -> Tensor:
+    def _token_mean(self, seq_sums: Tensor, seq_counted: Tensor) -> Tensor:
+        """A token term's reduction: the mean over every counted token of the batch (every
+        rank's with a gather) for ``"mean"``, their sum for ``"sum"``, the mean over each group's
+        counted tokens for ``"none"``. A term over no counted token is 0."""
         if self.reduction == "mean":
-            return seq_k3.sum() / seq_counted.sum()
+            return seq_sums.sum() / seq_counted.sum().clamp(min=1)
         if self.reduction == "sum":
-            return seq_k3.sum()
-        return group_sum(seq_k3, self.group_layout) / group_sum(seq_counted, self.group_layout)
+            return seq_sums.sum()
+        return group_sum(seq_sums, self.group_layout) / group_sum(seq_counted, self.group_layout).clamp(min=1)
 
     def loss_weight(self) -> float:
         return 1.0 / self.group_layout.num_groups if self.reduction == "mean" else 1.0
