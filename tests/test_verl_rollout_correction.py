@@ -1,5 +1,6 @@
 """verl 0.9's rollout correction (``algorithm.rollout_correction``) through the tpo estimator and
-policy loss, and the encoded advantages at their edges.
+policy loss, the encoded advantages at their edges (parts of tied groups, non-finite rewards, the
+band around score_eps), and verl's entropy bonus with the tpo loss.
 
 Rollout correction in verl's decoupled mode runs on the driver before the advantage step: from the
 sampler's ``rollout_log_probs`` and the trainer's recomputed ``old_log_probs`` it computes
@@ -13,7 +14,7 @@ weighted group of ``policy_loss._weighted_inputs``' docstring, written out here,
 
 import pytest
 import torch
-from _verl_batches import K, T, actor_config, policy_inputs, rollout
+from _verl_batches import PROMPT, K, T, TinyEngine, actor_config, policy_inputs, rollout, verl_mini_batch
 
 from tpo_kernels import reference, tpo_loss_from_logprobs
 from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
@@ -374,7 +375,6 @@ def test_rejection_and_weights_through_verls_ppo_loss():
     whole counting 0 (here group 2)."""
     import functools
 
-    from _verl_batches import TinyEngine, verl_mini_batch
     from verl.workers.config import ActorConfig, PolicyLossConfig
     from verl.workers.utils.losses import ppo_loss
 
@@ -395,3 +395,51 @@ def test_rejection_and_weights_through_verls_ppo_loss():
     want, want_grad = weighted_reference(batch, torch.where(kept, weights, 0.0), over_every_group=True)
     torch.testing.assert_close(sum(output["loss"]), want, **TOLERANCE)
     torch.testing.assert_close(engine.logits.grad, want_grad, **TOLERANCE)
+
+
+# -- verl's entropy bonus (actor.entropy_coeff) with the tpo loss -----------------------------------
+
+
+class EntropyEngine(TinyEngine):
+    """TinyEngine whose model output also carries the token entropy (verl's ``calculate_entropy``,
+    on when ``entropy_coeff != 0``), in the same no-padding layout as the log-probs."""
+
+    def _model_output(self, micro_batch):
+        output = super()._model_output(micro_batch)
+        entropy = reference.token_entropy(self.logits[micro_batch["row"]])
+        lengths = micro_batch["attention_mask"].sum(1).tolist()
+        pad = entropy.new_zeros(PROMPT - 1)
+        output["entropy"] = torch.cat([torch.cat([pad, entropy[b, : length - PROMPT], pad.new_zeros(1)])
+                                       for b, length in enumerate(lengths)])
+        return output
+
+
+@pytest.mark.parametrize("micro_batch_size,record", [(B, False), (3, True)], ids=["one_micro_batch", "recorded"])
+def test_verl_entropy_coeff_gives_tpo_minus_c_times_the_token_mean_entropy(micro_batch_size, record):
+    """verl adds ``-entropy_coeff * H`` to any policy loss itself (ppo_loss, from the entropy of
+    its own forward, the pass that gives the log-probs), so the tpo policy loss adds none: the
+    step's loss and gradient are tpo_kernels.reference.tpo_loss(entropy_coef=c) in float64, the
+    entropy bonus counted once, in one micro-batch or in recorded micro-batches."""
+    import functools
+
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from tpo_kernels.integrations.verl.mini_batch import train_batch_for_tpo
+
+    coef = 0.05
+    batch = rollout()
+    advantages, _ = compute_tpo_outcome_advantage(batch["token_rewards"], batch["mask"].long(), batch["uids"])
+    engine = EntropyEngine(batch["logits"].clone().requires_grad_())
+    data = verl_mini_batch(batch, advantages, micro_batch_size)
+    config = ActorConfig(strategy="fsdp", rollout_n=K, ppo_micro_batch_size_per_gpu=micro_batch_size,
+                         entropy_coeff=coef, policy_loss=PolicyLossConfig(loss_mode="tpo"))
+    train_batch = functools.partial(train_batch_for_tpo, engine, engine.train_batch) if record else engine.train_batch
+    output = train_batch(data, loss_function=functools.partial(ppo_loss, config=config))
+    assert len(output["loss"]) == B // micro_batch_size
+    leaf = batch["logits"].clone().requires_grad_()
+    labels = batch["responses"].masked_fill(~batch["mask"], -100)
+    want = reference.tpo_loss(leaf, labels, batch["rewards"], group_size=K, old_logprobs=batch["old_log_prob"],
+                              entropy_coef=coef)
+    torch.testing.assert_close(sum(output["loss"]), want, **TOLERANCE)
+    torch.testing.assert_close(engine.logits.grad, torch.autograd.grad(want, leaf)[0], **TOLERANCE)

@@ -75,7 +75,9 @@ get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only
 verl's ``global_batch_info`` the micro-batch loss is its share of the mean over every group of
 the mini-batch (micro-batch gradients add up, data-parallel ranks average); without it, the mean
 over the micro-batch's groups. ``loss_agg_mode`` does not change TPO's term; verl's KL
-(``use_kl_loss``) and entropy terms are added by verl as for any policy loss. Metrics:
+(``use_kl_loss``) and entropy terms are added by verl as for any policy loss: verl's
+``entropy_coeff`` is applied by verl's ``ppo_loss`` from the entropy of its own forward (the pass
+that gives ``log_prob``), so this loss adds none (it would count twice). Metrics:
 ``actor/tpo_kl_q_p``, ``actor/tpo_entropy_p``, ``actor/tpo_entropy_q`` (means over the step's
 groups once verl averages the ranks' values), ``actor/tpo_frac_zero_signal_groups`` (the same on
 every rank), ``actor/ppo_kl`` (this rank's).
