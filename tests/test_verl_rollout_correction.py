@@ -14,12 +14,12 @@ weighted group of ``policy_loss._weighted_inputs``' docstring, written out here,
 
 import pytest
 import torch
-from _verl_batches import PROMPT, K, T, TinyEngine, actor_config, policy_inputs, rollout, verl_mini_batch
+from _verl_batches import PROMPT, K, T, TinyEngine, actor_config, policy_inputs, reorder, rollout, verl_mini_batch
 
 from tpo_kernels import reference, tpo_loss_from_logprobs
 from tpo_kernels.integrations.verl import compute_tpo_outcome_advantage, tpo_policy_loss
 from tpo_kernels.integrations.verl.advantage import decode_advantages, decode_members
-from tpo_kernels.integrations.verl.mini_batch import gather_record, recorded_rows
+from tpo_kernels.integrations.verl.mini_batch import gather_record, recorded_rows, train_batch_for_tpo
 
 verl_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
 from verl.trainer.config.algorithm import AlgoConfig, RolloutCorrectionConfig  # noqa: E402
@@ -218,13 +218,48 @@ def test_weights_with_length_normalize_give_the_weighted_group_of_token_means():
     torch.testing.assert_close(grad, torch.autograd.grad(want, leaf)[0], **TOLERANCE)
 
 
-def test_weights_are_refused_in_a_recorded_mini_batch():
+@pytest.mark.parametrize("settings", [dict(), dict(eta=0.5, anchor=False), dict(length_normalize=True)],
+                         ids=["default", "eta_no_anchor", "length_normalize"])
+def test_recorded_micro_batches_with_weights_give_the_unsplit_weighted_loss(settings):
+    """The worker's record carries each response's weight: micro-batches of 5 rows of a batch whose
+    groups are scattered add up to the weighted loss and gradient of the unsplit batch."""
+    batch = reorder(rollout(), torch.randperm(B, generator=torch.Generator().manual_seed(1)))
+    weights = torch.linspace(0.5, 2.0, B, dtype=torch.float64)
+    weights[[2, 7]] = 0.0
+    logits, log_prob, kwargs = policy_inputs(batch)
+    kwargs["rollout_is_weights"] = weights.unsqueeze(1) * batch["mask"]
+    mask = kwargs["response_mask"]
+    u, group_ids = decode_advantages(kwargs["advantages"], mask)
+    record, _ = gather_record(group_ids, u, log_prob, kwargs["old_log_prob"], mask,
+                              member_ids=decode_members(kwargs["advantages"], mask), weights=weights)
+    config = actor_config(global_batch_info=dict(dp_size=1, batch_num_tokens=None, global_batch_size=B))
+    total, grad = 0.0, torch.zeros_like(logits)
+    for part in torch.arange(B).split(5):
+        part_logits = logits.detach()[part].requires_grad_()
+        part_kwargs = {name: value[part] for name, value in kwargs.items()}
+        part_kwargs["log_prob"] = reference.token_logprobs(part_logits, batch["responses"][part])
+        with recorded_rows(record, part):
+            loss, _ = tpo_policy_loss(**part_kwargs, config=config, **settings)
+        grad[part] += torch.autograd.grad(loss, part_logits)[0]
+        total = total + loss.detach()
+    want, _ = tpo_policy_loss(**kwargs, config=config, **settings)
+    torch.testing.assert_close(total, want.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, logits)[0], rtol=1e-12, atol=1e-14)
+    assert torch.equal(grad[[2, 7]], torch.zeros_like(grad[[2, 7]]))
+
+
+def test_weights_other_than_the_recorded_ones_are_refused():
     batch = rollout()
     _, log_prob, kwargs = policy_inputs(batch)
     u, group_ids = decode_advantages(kwargs["advantages"], batch["mask"])
-    record, _ = gather_record(group_ids, u, log_prob, batch["old_log_prob"], batch["mask"])
-    with recorded_rows(record, torch.arange(B)), pytest.raises(ValueError, match="rollout_is_weights: .*record"):
-        tpo_policy_loss(**kwargs, config=actor_config(), rollout_is_weights=batch["mask"].double())
+    weights = torch.ones(B, dtype=torch.float64)
+    for recorded, given, match in [(None, weights, "has importance weights but .* record has none"),
+                                   (weights, None, "has no importance weights but .* record has them"),
+                                   (weights, 2 * weights, "not the recorded ones")]:
+        record, _ = gather_record(group_ids, u, log_prob, batch["old_log_prob"], batch["mask"], weights=recorded)
+        given_weights = None if given is None else given.unsqueeze(1) * batch["mask"]
+        with recorded_rows(record, torch.arange(B)), pytest.raises(ValueError, match=f"rollout_is_weights: .*{match}"):
+            tpo_policy_loss(**kwargs, config=actor_config(), rollout_is_weights=given_weights)
 
 
 @pytest.mark.parametrize("weights,match", [
@@ -367,9 +402,11 @@ def test_the_band_around_score_eps_gives_the_loss_of_the_raw_rewards(pattern):
     assert loss_error <= 1e-7 and grad_error <= 1e-7
 
 
-def test_rejection_and_weights_through_verls_ppo_loss():
-    """A mini-batch as verl's engine trains it (one micro-batch, verl's own ppo_loss selecting
-    ``rollout_is_weights`` from the batch), with a rejection mask and IcePop weights together:
+@pytest.mark.parametrize("micro_batch_size,record", [(B, False), (3, True)], ids=["one_micro_batch", "recorded"])
+def test_rejection_and_weights_through_verls_ppo_loss(micro_batch_size, record):
+    """A mini-batch as verl's engine trains it (verl's own ppo_loss selecting ``rollout_is_weights``
+    from the batch; one micro-batch, or micro-batches of 3 with tpo_kernels' record, which reads
+    the weights from the mini-batch), with a rejection mask and IcePop weights together:
     the gradient is the weighted group's over the responses neither removes. With verl's
     ``global_batch_size`` the loss is the mean over the mini-batch's groups, a group both remove
     whole counting 0 (here group 2)."""
@@ -384,12 +421,14 @@ def test_rejection_and_weights_through_verls_ppo_loss():
                                        rollout_rs="seq_max_k2", rollout_rs_threshold=0.1)
     assert not bool(kept[list(FAR)].any()) and 0 < int((weights[kept] == 0).sum())
     engine = TinyEngine(batch["logits"].clone().requires_grad_())
-    data = verl_mini_batch(batch, kwargs["advantages"], micro_batch_size=B)  # attention over the whole responses
+    data = verl_mini_batch(batch, kwargs["advantages"], micro_batch_size)  # attention over the whole responses
     data["response_mask"] = kwargs["response_mask"].long()  # verl folds the rejection into response_mask
     data["rollout_is_weights"] = kwargs["rollout_is_weights"]
-    config = ActorConfig(strategy="fsdp", rollout_n=K, ppo_micro_batch_size_per_gpu=B,
+    config = ActorConfig(strategy="fsdp", rollout_n=K, ppo_micro_batch_size_per_gpu=micro_batch_size,
                          policy_loss=PolicyLossConfig(loss_mode="tpo"))
-    output = engine.train_batch(data, loss_function=functools.partial(ppo_loss, config=config))
+    train_batch = functools.partial(train_batch_for_tpo, engine, engine.train_batch) if record else engine.train_batch
+    output = train_batch(data, loss_function=functools.partial(ppo_loss, config=config))
+    assert engine.forward_only_calls == int(record)
     emptied = [g for g in range(GROUPS) if not bool((kept & (weights > 0))[g * K:(g + 1) * K].any())]
     assert emptied == [2]
     want, want_grad = weighted_reference(batch, torch.where(kept, weights, 0.0), over_every_group=True)
@@ -424,8 +463,6 @@ def test_verl_entropy_coeff_gives_tpo_minus_c_times_the_token_mean_entropy(micro
 
     from verl.workers.config import ActorConfig, PolicyLossConfig
     from verl.workers.utils.losses import ppo_loss
-
-    from tpo_kernels.integrations.verl.mini_batch import train_batch_for_tpo
 
     coef = 0.05
     batch = rollout()

@@ -90,8 +90,8 @@ still carries its group id on its row, so that the loss counts it as a member. S
 importance weights (``rollout_is=sequence``) count each response ``w`` times in its group
 (:func:`.policy_loss._weighted_inputs`); ``w = 0`` is a rejection. Refused, by the estimator:
 ``bypass_mode`` (the sampler's log-probs would be TPO's anchor), token-level rejection options and
-``rollout_is=token`` (TPO's unit is the whole response); by the loss: per-token weights, and
-weights inside the worker's record.
+``rollout_is=token`` (TPO's unit is the whole response); by the loss: per-token weights. The
+worker's record carries the weights, so recorded micro-batches add up to the weighted mini-batch.
 
 Other TPO settings: :func:`register` adds a policy loss under another name, e.g.
 ``register("tpo_eta05", eta=0.5)`` in a module verl imports (``VERL_USE_EXTERNAL_MODULES`` or

@@ -93,6 +93,28 @@ def decode_advantages(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]
     return torch.where(counted, u, 0.0), torch.where(counted, group_ids, -1)
 
 
+def response_weights(rollout_is_weights: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` float64: each response's importance weight from verl's ``[B, T]`` weights, which
+    must be one finite value >= 0 per response over its counted tokens (``rollout_is=sequence``);
+    1 for a response without a counted token (it is out of its group anyway)."""
+    if tuple(rollout_is_weights.shape) != tuple(mask.shape):
+        raise ValueError(f"rollout_is_weights must be [B, T] like response_mask {tuple(mask.shape)}, got "
+                         f"{tuple(rollout_is_weights.shape)}")
+    weights = rollout_is_weights.detach().to(torch.float64)
+    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
+    per_response = weights.gather(1, first).squeeze(1)
+    bad, varying = torch.stack([(mask & ~(torch.isfinite(weights) & (weights >= 0))).any(),
+                                (mask & (weights != per_response.unsqueeze(1))).any()]).tolist()
+    if bad:
+        raise ValueError("rollout_is_weights must be finite and >= 0 on the counted tokens")
+    if varying:
+        raise ValueError(
+            "rollout_is_weights vary along a response (algorithm.rollout_correction.rollout_is=token): TPO weights "
+            "whole responses in their group; use rollout_is=sequence, or rollout_is=null"
+        )
+    return torch.where(mask.any(dim=1), per_response, 1.0)
+
+
 def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor, score_eps: float) -> Tensor:
     """u per response within its group (any row order), over the group's responses with a
     counted token; 0 for the others and for every member of a group whose scores tie."""

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...functional import tpo_loss_from_logprobs
-from .advantage import SCORE_BITS, decode_advantages, decode_members
+from .advantage import SCORE_BITS, decode_advantages, decode_members, response_weights
 from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
@@ -182,14 +182,8 @@ def tpo_policy_loss(
     settings = dict(eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, backend=backend)
     recorded = current_rows()
     if recorded is not None:  # inside verl's micro-batch loop, with the mini-batch recorded
-        if weights is not None:
-            raise ValueError(
-                "rollout_is_weights: importance weights are not carried in tpo_kernels' mini-batch record; train each "
-                "rank's share of the mini-batch in one micro-batch (ppo_micro_batch_size_per_gpu = "
-                "ppo_mini_batch_size * rollout.n / data-parallel size, use_dynamic_bsz=False), or set "
-                "algorithm.rollout_correction.rollout_is=null (rejection masks, rollout_rs, work either way)"
-            )
-        return _recorded_loss(*recorded, _group_size(config), u, group_ids, log_prob, old_log_prob, mask, **settings)
+        return _recorded_loss(*recorded, _group_size(config), u, group_ids, log_prob, old_log_prob, mask, weights,
+                              **settings)
     group_size, dp_size, global_batch = _batching(config)
     process_group = _data_parallel_group(dp_size)
     member_ids = decode_members(advantages.detach(), mask)
@@ -213,28 +207,6 @@ def tpo_policy_loss(
         loss = loss * (group_size / global_batch) * (1 if process_group is not None else dp_size)
     metrics = _metrics(aux, step_ids, step_scores, log_prob, old_log_prob, mask, dp_size)
     return loss, metrics
-
-
-def response_weights(rollout_is_weights: Tensor, mask: Tensor) -> Tensor:
-    """``[B]`` float64: each response's importance weight from verl's ``[B, T]`` weights, which
-    must be one finite value >= 0 per response over its counted tokens (``rollout_is=sequence``);
-    1 for a response without a counted token (it is out of its group anyway)."""
-    if tuple(rollout_is_weights.shape) != tuple(mask.shape):
-        raise ValueError(f"rollout_is_weights must be [B, T] like response_mask {tuple(mask.shape)}, got "
-                         f"{tuple(rollout_is_weights.shape)}")
-    weights = rollout_is_weights.detach().to(torch.float64)
-    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
-    per_response = weights.gather(1, first).squeeze(1)
-    bad, varying = torch.stack([(mask & ~(torch.isfinite(weights) & (weights >= 0))).any(),
-                                (mask & (weights != per_response.unsqueeze(1))).any()]).tolist()
-    if bad:
-        raise ValueError("rollout_is_weights must be finite and >= 0 on the counted tokens")
-    if varying:
-        raise ValueError(
-            "rollout_is_weights vary along a response (algorithm.rollout_correction.rollout_is=token): TPO weights "
-            "whole responses in their group; use rollout_is=sequence, or rollout_is=null"
-        )
-    return torch.where(mask.any(dim=1), per_response, 1.0)
 
 
 def _weighted_inputs(weights: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, group_ids: Tensor,
@@ -309,18 +281,41 @@ def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u
     return touched.nonzero().squeeze(1)
 
 
+def _record_weights(record: MiniBatchRecord, rows: Tensor, weights: Optional[Tensor]) -> Optional[Tensor]:
+    """The record's importance weights (None without), after checking that the micro-batch's are
+    the recorded ones."""
+    if (weights is None) != (record.weights is None):
+        raise ValueError(
+            f"rollout_is_weights: the micro-batch {'has' if weights is not None else 'has no'} importance weights but "
+            f"tpo_kernels' mini-batch record {'has none' if weights is not None else 'has them'}: the mini-batch "
+            "changed between the record and verl's training step"
+        )
+    if weights is not None and not torch.equal(record.weights[rows], weights.cpu()):
+        raise ValueError("rollout_is_weights: the micro-batch's weights are not the recorded ones: the mini-batch "
+                         "changed between tpo_kernels' record and verl's training step")
+    return record.weights
+
+
 def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Tensor, group_ids: Tensor,
-                   log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, eta: float, anchor: bool,
-                   score_eps: float, length_normalize: bool, backend: str) -> Tuple[Tensor, Dict[str, Any]]:
+                   log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, weights: Optional[Tensor], *, eta: float,
+                   anchor: bool, score_eps: float, length_normalize: bool,
+                   backend: str) -> Tuple[Tensor, Dict[str, Any]]:
     """The micro-batch's exact share of the mini-batch loss: its groups' TPO loss on its own
     responses (differentiable) together with the recorded current log-probs of their other members
     (constants), so each response gets the gradient of the unsplit group. Each group's value
     counts with the fraction of its responses held here (the micro-batches' values add up to the
-    mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages."""
+    mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages.
+    Importance weights as in :func:`_weighted_inputs`: ``log w`` added to every member's current
+    and old sequence log-prob (as the anchor without ``anchor``), weight-0 members left out."""
+    rows = rows.to(torch.int64)
     ids_cpu, u_cpu = group_ids.cpu(), u.to(torch.float64).cpu()
-    others = _recorded_others(record, rows.to(torch.int64), ids_cpu, u_cpu, group_size, score_eps)
+    others = _recorded_others(record, rows, ids_cpu, u_cpu, group_size, score_eps)
+    recorded_weights = _record_weights(record, rows, weights)
     own = ids_cpu >= 0
-    if not bool(own.any()):  # no counted response here: no loss, no gradient
+    if recorded_weights is not None:  # weight 0: out of its group (counted as a member above)
+        own &= recorded_weights[rows] > 0
+        others = others[recorded_weights[others] > 0]
+    if not bool(own.any()):  # no counted (kept) response here: no loss, no gradient
         return log_prob.sum() * 0.0, _recorded_metrics(None, None, log_prob, old_log_prob, mask)
     device, dtype = log_prob.device, log_prob.dtype
     own_mask = mask[own.to(mask.device)]
@@ -332,19 +327,29 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
     other_tokens = record.num_tokens[others].to(torch.float64) if length_normalize else 1.0
     logprobs = torch.cat([log_prob[own.to(device)][own_mask],
                           (record.seq_logprobs[others] / other_tokens).to(device, dtype)])
+    log_w = None
+    if recorded_weights is not None:  # log w on each member's first packed token (n log w: a token mean)
+        log_w = torch.cat([recorded_weights[rows][own], recorded_weights[others]]).log()
+        first_tokens = cu_seqlens[:-1]
+        token_shift = log_w * lengths if length_normalize else log_w
+        logprobs = logprobs.index_add(0, first_tokens, token_shift.to(device, dtype))
     old_ell = None
     if anchor:
         own_old = (old_log_prob.detach()[own.to(device)].to(torch.float64) * own_mask).sum(1).cpu()
         if length_normalize:
             own_old = own_old / lengths[: len(own_old)]
-        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens]).to(device, dtype)
+        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens])
+        if log_w is not None:
+            old_ell = old_ell + log_w
+        old_ell = old_ell.to(device, dtype)
+    elif log_w is not None:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i
+        old_ell = log_w.to(device, dtype)
     ids = torch.cat([ids_cpu[own], record.group_ids[others]])
     scores = torch.cat([u_cpu[own], record.scores[others]])
     per_group, aux = tpo_loss_from_logprobs(
         logprobs, scores.to(device, dtype), cu_seqlens=cu_seqlens, group_ids=ids.to(device), old_logprobs=old_ell,
-        eta=eta, anchor=anchor, score_eps=_decoded_score_eps(score_eps), length_normalize=length_normalize,
-        reduction="none",
-        backend=backend, return_aux=True,
+        eta=eta, anchor=anchor or log_w is not None, score_eps=_decoded_score_eps(score_eps),
+        length_normalize=length_normalize, reduction="none", backend=backend, return_aux=True,
     )
     _, inverse, sizes = torch.unique(ids, return_inverse=True, return_counts=True)  # per_group's order
     held = torch.bincount(inverse[: int(own.sum())], minlength=len(sizes))  # own responses come first
