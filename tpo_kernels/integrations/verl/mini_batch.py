@@ -8,8 +8,8 @@ current sequence log-probs ``ell``. So a micro-batch's loss is exact when it kno
 current ``ell`` of its groups' other members. Before verl trains a mini-batch,
 :func:`train_batch_with_record` runs one no-grad forward over it (``engine.infer_batch``, the
 micro-batching verl uses for the step), gathers every response's ``(group, u, ell, ell_old,
-tokens, member group, importance weight)`` over the data-parallel ranks into a :class:`MiniBatchRecord`, and tags each row with its
-place in the record (the tensor field ``tpo_row``, which verl's micro-batching carries along);
+tokens, member group, importance weight)`` over the data-parallel ranks into a
+:class:`MiniBatchRecord`, and tags each row with its place in the record (the tensor field ``tpo_row``, which verl's micro-batching carries along);
 while verl computes each micro-batch's loss it makes the record and that micro-batch's rows
 visible to the ``tpo`` policy loss (:func:`recorded_rows`). Costs: one extra forward per
 mini-batch (without entropy), and ``[N, 7]`` float64 values all-gathered once per mini-batch.
@@ -73,8 +73,8 @@ def gather_record(group_ids: Tensor, scores: Tensor, log_prob: Tensor, old_log_p
                   weights: Optional[Tensor] = None) -> Tuple[MiniBatchRecord, int]:
     """``(record, offset)``: the record of this rank's mini-batch rows (``[B]`` ids and scores as
     the policy loss decodes them, ``[B, T]`` current and old token log-probs, response mask, and
-    optionally ``[B]`` member groups and importance weights) gathered over ``process_group`` (None: this rank alone), and
-    where this rank's rows start."""
+    optionally ``[B]`` member groups and importance weights) gathered over ``process_group``
+    (None: this rank alone), and where this rank's rows start."""
     mask = mask.bool()
     members = group_ids if member_ids is None else member_ids
     local = torch.stack([
