@@ -10,8 +10,9 @@ current ``ell`` of its groups' other members. Before verl trains a mini-batch,
 micro-batching verl uses for the step), gathers every response's ``(group, u, ell, ell_old,
 tokens, member group, importance weight)`` over the data-parallel ranks into a
 :class:`MiniBatchRecord`, and tags each row with its place in the record (the tensor field
-``tpo_row``, which verl's micro-batching carries along); while verl computes each micro-batch's loss it makes the record and that micro-batch's rows
-visible to the ``tpo`` policy loss (:func:`recorded_rows`). Costs: one extra forward per
+``tpo_row``, which verl's micro-batching carries along); while verl computes each micro-batch's
+loss it makes the record and that micro-batch's rows visible to the ``tpo`` policy loss
+(:func:`recorded_rows`). Costs: one extra forward per
 mini-batch (without entropy), and ``[N, 7]`` float64 values all-gathered once per mini-batch.
 
 Exact in exact arithmetic; in floating point the other members' ``ell`` come from the record's
