@@ -18,7 +18,8 @@ from tpo_kernels.integrations.verl.mini_batch import gather_record, recorded_row
 
 def policy_loss_on_share(rank: int, world: int, cases: List[Tuple[Dict, torch.Tensor, int]]) -> List[Dict]:
     """For each case ``(batch, advantages, micro_batches)``: this rank's rows (its contiguous
-    share, as verl dispatches a batch) in that many micro-batches, and per micro-batch the loss,
+    share, as verl dispatches a batch; with the batch's ``rollout_is_weights`` if it has them) in
+    that many micro-batches, and per micro-batch the loss,
     metrics and the gradient of this rank's logits, or the error the loss raised."""
     return [_share_in_micro_batches(rank, world, *case) for case in cases]
 
@@ -29,6 +30,8 @@ def _share_in_micro_batches(rank: int, world: int, batch: Dict, advantages: torc
     mine = slice(rank * rows, (rank + 1) * rows)
     share = {name: value[mine] for name, value in batch.items()}
     logits, _, kwargs = policy_inputs(share, advantages=advantages[mine])
+    if "rollout_is_weights" in share:  # verl's sequence-level importance weights, [B, T]
+        kwargs["rollout_is_weights"] = share["rollout_is_weights"]
     info = dict(dp_size=world, batch_num_tokens=None, global_batch_size=len(batch["uids"]))
     out = []
     for part in torch.arange(rows).chunk(micro_batches):

@@ -178,14 +178,17 @@ def test_policy_loss_refuses_advantages_it_did_not_write(cast):
 
 
 def test_policy_loss_refuses_per_token_advantages_and_importance_weights():
+    """Per-token advantages, and per-token importance weights (verl's rollout_is=token)."""
     _, _, kwargs = policy_inputs(rollout())
     varying = kwargs["advantages"].clone()
     varying[0, 0] = kwargs["advantages"][1, 0]  # another response's (valid) value on one token
     gae_like = dict(kwargs, advantages=varying)
     with pytest.raises(ValueError, match="advantages: TPO needs one score per response"):
         tpo_policy_loss(**gae_like, config=actor_config())
-    with pytest.raises(ValueError, match="rollout_is_weights"):
-        tpo_policy_loss(**kwargs, config=actor_config(), rollout_is_weights=torch.ones(B, T))
+    token_weights = torch.ones(B, T, dtype=torch.float64)
+    token_weights[0, 0] = 2.0  # rollout_is=token: one token of a response weighted otherwise
+    with pytest.raises(ValueError, match="rollout_is_weights vary along a response.*rollout_is=sequence"):
+        tpo_policy_loss(**kwargs, config=actor_config(), rollout_is_weights=token_weights)
     with pytest.raises(ValueError, match="config"):
         tpo_policy_loss(**kwargs, config=None)
 

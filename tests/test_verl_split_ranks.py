@@ -13,7 +13,8 @@ micro-batch step: both ranks refuse it, with the same error, unless the mini-bat
 first (tpo_kernels' verl worker): then each micro-batch on each rank takes its groups' other
 members from the record and the accumulated gradients equal the unsplit ones. A response without a counted token
 carries no group (group -1 on its own, no loss, no gradient): it is left out of its group as in the
-unsplit batch.
+unsplit batch. verl's sequence importance weights (some 0) split over the ranks give the unsplit
+weighted loss too.
 """
 
 import pytest
@@ -51,21 +52,32 @@ def runs():
     for rank in range(WORLD):  # the balancing did split groups over the ranks
         assert len(set(batch["uids"][rank * rows : (rank + 1) * rows])) > GROUPS // WORLD
     left_out = balanced_batch(left_out_row=1)
+    weighted = (dict(batch, rollout_is_weights=sequence_weights(batch)), advantages)
     results = run_ranks(WORLD, policy_loss_on_share, [(batch, advantages, 1), (batch, advantages, 2),
-                                                      (*left_out, 1)], deadline_s=120)
+                                                      (*left_out, 1), (*weighted, 1)], deadline_s=120)
     return {name: (inputs, [result[case] for result in results])
             for case, (name, inputs) in enumerate([("one", (batch, advantages)), ("two", (batch, advantages)),
-                                                   ("left_out", left_out)])}
+                                                   ("left_out", left_out), ("weighted", weighted)])}
+
+
+def sequence_weights(batch):
+    """verl-shaped sequence importance weights (one value per response on its counted tokens),
+    two of them 0 (IcePop's out-of-bounds responses: out of their groups)."""
+    weights = torch.linspace(0.5, 2.0, len(batch["uids"]), dtype=torch.float64)
+    weights[[2, 9]] = 0.0
+    return weights.unsqueeze(1) * batch["mask"]
 
 
 def unsplit(batch, advantages):
     logits, _, kwargs = policy_inputs(batch, advantages=advantages)
+    if "rollout_is_weights" in batch:
+        kwargs["rollout_is_weights"] = batch["rollout_is_weights"]
     info = dict(dp_size=1, batch_num_tokens=None, global_batch_size=len(batch["uids"]))
     loss, metrics = tpo_policy_loss(**kwargs, config=actor_config(global_batch_info=info))
     return loss.detach(), metrics, torch.autograd.grad(loss, logits)[0]
 
 
-@pytest.mark.parametrize("case", ["one", "left_out"])
+@pytest.mark.parametrize("case", ["one", "left_out", "weighted"])
 def test_split_groups_give_the_unsplit_loss_and_gradient(runs, case):
     (batch, advantages), results = runs[case]
     loss, _, grad = unsplit(batch, advantages)

@@ -48,10 +48,12 @@ group raises a ``ValueError`` (on every rank) naming the worker and the one-micr
 What verl must still guarantee, and where it is checked:
 
 * **Each mini-batch holds whole groups** (over the ranks): a group trained under two parameter
-  versions has no single current policy. Checked on the record: a group with fewer than
-  ``rollout_n`` responses there is a part, unless a response of the mini-batch has no counted
-  token (it carries no group); then its standardized scores must sum to 0 and their squares to
-  its size (a part of a tied group is then not detected). verl 0.9.1's
+  versions has no single current policy. Checked on the record (and, without it, on the
+  micro-batch step over the ranks): a group with fewer than ``rollout_n`` responses there is a
+  part, a tied group's too. A response without a counted token still counts: the estimator
+  writes its group on its whole row. Only when a response carries no group at all (advantages
+  without that row marker) the check falls back to the standardized scores summing to 0 and
+  their squares to the group's size, which misses a part of a tied group. verl 0.9.1's
   trainers balance sequence lengths over the whole batch, which spreads groups over the ranks'
   mini-batches: use one mini-batch per step (``ppo_mini_batch_size`` = ``data.train_batch_size``;
   ``ppo_epochs`` may be > 1), one rank, or the legacy trainer (``trainer.use_v1=False``) with
@@ -73,10 +75,23 @@ get ``p - q`` from the difference between ``log_prob`` and ``old_log_prob`` only
 verl's ``global_batch_info`` the micro-batch loss is its share of the mean over every group of
 the mini-batch (micro-batch gradients add up, data-parallel ranks average); without it, the mean
 over the micro-batch's groups. ``loss_agg_mode`` does not change TPO's term; verl's KL
-(``use_kl_loss``) and entropy terms are added by verl as for any policy loss. Per-token importance
-weights (``rollout_is_weights``) are refused. Metrics: ``actor/tpo_kl_q_p``, ``actor/tpo_entropy_p``,
-``actor/tpo_entropy_q`` (means over the step's groups once verl averages the ranks' values),
-``actor/tpo_frac_zero_signal_groups`` (the same on every rank), ``actor/ppo_kl`` (this rank's).
+(``use_kl_loss``) and entropy terms are added by verl as for any policy loss: verl's
+``entropy_coeff`` is applied by verl's ``ppo_loss`` from the entropy of its own forward (the pass
+that gives ``log_prob``), so this loss adds none (it would count twice). Metrics:
+``actor/tpo_kl_q_p``, ``actor/tpo_entropy_p``, ``actor/tpo_entropy_q`` (means over the step's
+groups once verl averages the ranks' values), ``actor/tpo_frac_zero_signal_groups`` (the same on
+every rank), ``actor/ppo_kl`` (this rank's).
+
+Rollout correction (``algorithm.rollout_correction``; decoupled mode, where verl compares the
+sampler's ``rollout_log_probs`` with the recomputed ``old_log_prob`` before the advantage step):
+a response a sequence-level rejection (``rollout_rs``) masks out has no counted token, so the
+estimator standardizes its group without it and the loss leaves it out (no mass, no gradient); it
+still carries its group id on its row, so that the loss counts it as a member. Sequence-level
+importance weights (``rollout_is=sequence``) count each response ``w`` times in its group
+(:func:`.policy_loss._weighted_inputs`); ``w = 0`` is a rejection. Refused, by the estimator:
+``bypass_mode`` (the sampler's log-probs would be TPO's anchor), token-level rejection options and
+``rollout_is=token`` (TPO's unit is the whole response); by the loss: per-token weights. The
+worker's record carries the weights, so recorded micro-batches add up to the weighted mini-batch.
 
 Other TPO settings: :func:`register` adds a policy loss under another name, e.g.
 ``register("tpo_eta05", eta=0.5)`` in a module verl imports (``VERL_USE_EXTERNAL_MODULES`` or

@@ -59,6 +59,16 @@ def decode_scores(values: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return n * 2.0**-SCORE_BITS, group_ids, valid
 
 
+def decode_members(advantages: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` int64: the group of every response that carries one, counted or not: read on its
+    first counted token, or at position 0 for a response without a counted token (the estimator
+    writes the marker on its whole row: a response a rejection mask took out still belongs to its
+    group's count); -1 where no marker is found (such a row's group is unknown)."""
+    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)  # first counted token (0 if none)
+    _, group_ids, marked = decode_scores(advantages.gather(1, first).squeeze(1))
+    return torch.where(marked, group_ids, -1)
+
+
 def decode_advantages(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     """(score u, group id) per response from the tpo estimator's advantages on its counted
     tokens; a response without a counted token gets u = 0 and group -1 (tpo_kernels leaves it
@@ -83,6 +93,28 @@ def decode_advantages(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]
     return torch.where(counted, u, 0.0), torch.where(counted, group_ids, -1)
 
 
+def response_weights(rollout_is_weights: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` float64: each response's importance weight from verl's ``[B, T]`` weights, which
+    must be one finite value >= 0 per response over its counted tokens (``rollout_is=sequence``);
+    1 for a response without a counted token (it is out of its group anyway)."""
+    if tuple(rollout_is_weights.shape) != tuple(mask.shape):
+        raise ValueError(f"rollout_is_weights must be [B, T] like response_mask {tuple(mask.shape)}, got "
+                         f"{tuple(rollout_is_weights.shape)}")
+    weights = rollout_is_weights.detach().to(torch.float64)
+    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
+    per_response = weights.gather(1, first).squeeze(1)
+    bad, varying = torch.stack([(mask & ~(torch.isfinite(weights) & (weights >= 0))).any(),
+                                (mask & (weights != per_response.unsqueeze(1))).any()]).tolist()
+    if bad:
+        raise ValueError("rollout_is_weights must be finite and >= 0 on the counted tokens")
+    if varying:
+        raise ValueError(
+            "rollout_is_weights vary along a response (algorithm.rollout_correction.rollout_is=token): TPO weights "
+            "whole responses in their group; use rollout_is=sequence, or rollout_is=null"
+        )
+    return torch.where(mask.any(dim=1), per_response, 1.0)
+
+
 def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor, score_eps: float) -> Tensor:
     """u per response within its group (any row order), over the group's responses with a
     counted token; 0 for the others and for every member of a group whose scores tie."""
@@ -101,6 +133,43 @@ def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor, sc
     return u
 
 
+# verl 0.9's rejection options that mask single tokens (verl.trainer.ppo.rollout_corr_helper).
+_TOKEN_LEVEL_RS = ("token_k1", "token_k2", "token_k3")
+
+
+def check_rollout_correction(config) -> None:
+    """Refuse the parts of verl's ``algorithm.rollout_correction`` TPO cannot honour (see the
+    package docstring): bypass mode (the sampler's log-probs would be TPO's anchor and the legacy
+    trainer swaps the policy loss for its own), token-level rejection (a response with rejected
+    tokens keeps a partial sequence log-prob, and nothing downstream can tell its rejected tokens
+    from padding) and token-level importance weights (TPO weights whole responses)."""
+    correction = None if config is None else config.get("rollout_correction", None)
+    if correction is None:
+        return
+    if correction.get("bypass_mode", False):
+        raise ValueError(
+            "algorithm.rollout_correction.bypass_mode: bypass mode makes the sampler's log-probs TPO's anchor p_old "
+            "(and verl's legacy trainer replaces the policy loss by its own); TPO anchors on the trainer's "
+            "recomputed old log-probs: set bypass_mode=False (decoupled mode)"
+        )
+    options = [option.strip() for option in str(correction.get("rollout_rs", None) or "").split(",") if option.strip()]
+    token_level = [option for option in options if option in _TOKEN_LEVEL_RS]
+    if token_level:
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_rs: {','.join(token_level)} masks single tokens, which leaves a "
+            "response with a partial sequence log-prob in its TPO group; use a sequence-level option, which takes "
+            "the whole response out of its group: seq_max_k2 / seq_max_k3 reject a response with any token over the "
+            "bound (token_k1 with bounds (1/c, c) is seq_max_k2 with threshold 0.5 * log(c)**2), or seq_sum_* / "
+            "seq_mean_*"
+        )
+    if correction.get("rollout_is", None) == "token":
+        raise ValueError(
+            "algorithm.rollout_correction.rollout_is: token-level importance weights have no meaning for TPO, which "
+            "weights whole responses in their group; use rollout_is=sequence (a response's weight is the truncated "
+            "product of its token ratios), or rollout_is=null"
+        )
+
+
 def compute_tpo_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -114,7 +183,10 @@ def compute_tpo_outcome_advantage(
     wherever they are in the batch), ``u = (s - mean) / std`` (population std, over the group's
     responses with a counted token; exactly 0 for every member of a group whose scores tie). The
     advantage, float64, carries ``u`` and the group's id on every counted token (see the module
-    docstring): ``advantages[b, t] = encode(u[b], g[b]) * response_mask[b, t]``.
+    docstring): ``advantages[b, t] = encode(u[b], g[b]) * response_mask[b, t]``, and on every
+    token of a response without a counted token (u = 0 there: it is out of its group, but counted
+    as its member; :func:`decode_members`). Raises for non-finite rewards, and for the parts of
+    ``config.rollout_correction`` TPO refuses (:func:`check_rollout_correction`).
 
     Args:
         token_level_rewards, response_mask: ``[B, T]``, as verl passes them.
@@ -132,10 +204,22 @@ def compute_tpo_outcome_advantage(
         raise ValueError(f"index must hold one uid per response ({token_level_rewards.shape[0]}), got {len(index)}")
     if len(index) == 0:
         raise ValueError("index must hold one uid per response, got an empty batch")
+    check_rollout_correction(config)
     group_ids = group_ids_from_uids(index)
     counted = (response_mask != 0).any(dim=1).cpu()
     scores = token_level_rewards.sum(dim=-1).to(_DTYPE).cpu()
+    finite = torch.isfinite(scores)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0])
+        raise ValueError(
+            f"token_level_rewards: the reward of response {row} (uid {index[row]!r}) is {float(scores[row])}; TPO "
+            f"standardizes each group's rewards and needs them finite ({int((~finite).sum())} non-finite in the batch)"
+        )
     u = _standardize_by_group(scores, group_ids, counted, score_eps)
     encoded = encode_scores(u, group_ids).to(response_mask.device)
-    advantages = encoded.unsqueeze(1) * (response_mask != 0)
+    # A response without a counted token (empty, or taken out by a rejection mask) carries u = 0
+    # and its group on its whole row: nothing reads its advantages but the loss, which counts it
+    # as a member of its group (a micro-batch holding part of a group is then found by counting).
+    row_mask = (response_mask != 0) | ~counted.to(response_mask.device).unsqueeze(1)
+    advantages = encoded.unsqueeze(1) * row_mask
     return advantages, advantages

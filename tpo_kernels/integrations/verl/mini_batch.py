@@ -8,11 +8,12 @@ current sequence log-probs ``ell``. So a micro-batch's loss is exact when it kno
 current ``ell`` of its groups' other members. Before verl trains a mini-batch,
 :func:`train_batch_with_record` runs one no-grad forward over it (``engine.infer_batch``, the
 micro-batching verl uses for the step), gathers every response's ``(group, u, ell, ell_old,
-tokens)`` over the data-parallel ranks into a :class:`MiniBatchRecord`, and tags each row with its
-place in the record (the tensor field ``tpo_row``, which verl's micro-batching carries along);
-while verl computes each micro-batch's loss it makes the record and that micro-batch's rows
-visible to the ``tpo`` policy loss (:func:`recorded_rows`). Costs: one extra forward per
-mini-batch (without entropy), and ``[N, 5]`` float64 values all-gathered once per mini-batch.
+tokens, member group, importance weight)`` over the data-parallel ranks into a
+:class:`MiniBatchRecord`, and tags each row with its place in the record (the tensor field
+``tpo_row``, which verl's micro-batching carries along); while verl computes each micro-batch's
+loss it makes the record and that micro-batch's rows visible to the ``tpo`` policy loss
+(:func:`recorded_rows`). Costs: one extra forward per
+mini-batch (without entropy), and ``[N, 7]`` float64 values all-gathered once per mini-batch.
 
 Exact in exact arithmetic; in floating point the other members' ``ell`` come from the record's
 forward, the micro-batch's own from the training forward, which agree to the forward's own
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .advantage import decode_advantages
+from .advantage import decode_advantages, decode_members, response_weights
 
 ROW_FIELD = "tpo_row"  # the mini-batch row's index in the record, carried through verl's micro-batching
 
@@ -46,7 +47,10 @@ class MiniBatchRecord:
     the CPU: ``group_ids`` (-1: no counted token), ``scores`` (u), ``seq_logprobs`` (the summed
     current log-probs of its counted tokens), ``old_seq_logprobs`` (the same for
     ``old_log_prob``), ``num_tokens`` (its counted tokens); all ``[N]``, float64 but the int64
-    ids and counts. ``dp_size``: the ranks it was gathered over."""
+    ids and counts. ``dp_size``: the ranks it was gathered over. ``member_ids``: the group every
+    response belongs to, counted or not (:func:`.advantage.decode_members`; -1 where unknown), or
+    None (then ``group_ids`` stand for them). ``weights``: each response's importance weight
+    (verl's ``rollout_is_weights``, read by :func:`.advantage.response_weights`), or None."""
 
     group_ids: Tensor
     scores: Tensor
@@ -54,23 +58,33 @@ class MiniBatchRecord:
     old_seq_logprobs: Tensor
     num_tokens: Tensor
     dp_size: int
+    member_ids: Optional[Tensor] = None
+    weights: Optional[Tensor] = None
 
     @property
     def num_groups(self) -> int:
-        return int(torch.unique(self.group_ids[self.group_ids >= 0]).numel())
+        """The groups of the mini-batch: those its responses belong to (a group whose every
+        response was rejected counts, with loss 0, as under verl's ``global_batch_size``)."""
+        members = self.group_ids if self.member_ids is None else self.member_ids
+        return int(torch.unique(members[members >= 0]).numel())
 
 
 def gather_record(group_ids: Tensor, scores: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor,
-                  process_group=None) -> Tuple[MiniBatchRecord, int]:
+                  process_group=None, member_ids: Optional[Tensor] = None,
+                  weights: Optional[Tensor] = None) -> Tuple[MiniBatchRecord, int]:
     """``(record, offset)``: the record of this rank's mini-batch rows (``[B]`` ids and scores as
-    the policy loss decodes them, ``[B, T]`` current and old token log-probs, response mask)
-    gathered over ``process_group`` (None: this rank alone), and where this rank's rows start."""
+    the policy loss decodes them, ``[B, T]`` current and old token log-probs, response mask, and
+    optionally ``[B]`` member groups and importance weights) gathered over ``process_group``
+    (None: this rank alone), and where this rank's rows start."""
     mask = mask.bool()
+    members = group_ids if member_ids is None else member_ids
     local = torch.stack([
         group_ids.to(torch.float64), scores.to(torch.float64),
         (log_prob.detach().to(torch.float64) * mask).sum(1), (old_log_prob.detach().to(torch.float64) * mask).sum(1),
-        mask.sum(1).to(torch.float64),
-    ], dim=1).cpu()
+        mask.sum(1).to(torch.float64), members.to(mask.device, torch.float64),
+        (torch.full((len(mask),), float("nan"), dtype=torch.float64, device=mask.device) if weights is None
+         else weights.to(mask.device, torch.float64)),
+    ], dim=1).cpu()  # one transfer
     if process_group is None:
         shares, rank = [local], 0
     else:
@@ -80,7 +94,8 @@ def gather_record(group_ids: Tensor, scores: Tensor, log_prob: Tensor, old_log_p
     rows = torch.cat(shares)
     record = MiniBatchRecord(group_ids=rows[:, 0].to(torch.int64), scores=rows[:, 1], seq_logprobs=rows[:, 2],
                              old_seq_logprobs=rows[:, 3], num_tokens=rows[:, 4].to(torch.int64),
-                             dp_size=len(shares))
+                             dp_size=len(shares), member_ids=rows[:, 5].to(torch.int64),
+                             weights=None if weights is None else rows[:, 6])
     return record, sum(len(share) for share in shares[:rank])
 
 
@@ -116,11 +131,15 @@ def record_mini_batch(engine, data) -> Tuple[MiniBatchRecord, int]:
     with torch.no_grad():
         output = engine.infer_batch(probe, loss_function=None)
     log_prob = no_padding_2_padding(output["model_output"]["log_probs"], data)
-    fields = data.select("response_mask", "old_log_probs", "advantages").to_padded_tensor()
+    weighted = "rollout_is_weights" in data.keys()
+    names = ("response_mask", "old_log_probs", "advantages") + (("rollout_is_weights",) if weighted else ())
+    fields = data.select(*names).to_padded_tensor()
     mask = fields["response_mask"].bool()
     scores, group_ids = decode_advantages(fields["advantages"], mask)
+    weights = response_weights(fields["rollout_is_weights"], mask) if weighted else None
     return gather_record(group_ids, scores, log_prob, fields["old_log_probs"], mask,
-                         engine.get_data_parallel_group())
+                         engine.get_data_parallel_group(), member_ids=decode_members(fields["advantages"], mask),
+                         weights=weights)
 
 
 def train_batch_with_record(engine, train_batch: Callable, data, loss_function: Callable):

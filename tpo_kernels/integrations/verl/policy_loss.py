@@ -9,13 +9,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...functional import tpo_loss_from_logprobs
-from .advantage import decode_advantages
+from .advantage import SCORE_BITS, decode_advantages, decode_members, response_weights
 from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
 # exactly up to the 2**-24 resolution of the encoded scores; a near-tied group's centered scores
 # (std <= score_eps, the estimator's near-tie rule) sum to 0 and have a mean square <= score_eps**2.
 _WHOLE_GROUP_ATOL = 1e-5
+
+
+def _decoded_score_eps(score_eps: float) -> float:
+    """The near-tie threshold for the estimator's decoded scores. The estimator decided on the raw
+    rewards: a group with std <= score_eps got its centered scores (std <= score_eps), any other
+    group standardized ones (std 1). Rounded to 2**-24, a centered group's std may exceed
+    score_eps by up to 2**-25 (rewards 0 and 1.98e-6: std 0.99e-6, decoded 1.013e-6), and
+    re-deciding with score_eps alone would divide it by its std. One quantum of tolerance keeps
+    every centered group centered; a standardized group's decoded std is 1 to 2**-25, which
+    centering or standardizing leaves unchanged either way (for any score_eps)."""
+    return score_eps + 2.0**-SCORE_BITS
 
 
 def _group_size(config) -> int:
@@ -81,22 +92,37 @@ def _whole(ids: Tensor, scores: Tensor, score_eps: float) -> Tensor:
     return (sums.abs() <= _WHOLE_GROUP_ATOL * counts) & (near_tied | standardized)
 
 
-def _step_groups(u: Tensor, group_ids: Tensor, process_group, score_eps: float) -> Tuple[Tensor, Tensor]:
+def _step_groups(u: Tensor, group_ids: Tensor, member_ids: Tensor, group_size: int, process_group,
+                 score_eps: float) -> Tuple[Tensor, Tensor]:
     """The (group id, score) of every counted response of this micro-batch step over the
-    data-parallel ranks, on the CPU; raises unless they form whole groups."""
-    local = torch.stack([group_ids.to(torch.float64), u.to(torch.float64)], dim=1).cpu()
-    local = local[local[:, 0] >= 0]
+    data-parallel ranks, on the CPU; raises unless they form whole groups. When every response
+    carries its group (:func:`.advantage.decode_members`: counted or not), each group must have
+    exactly ``rollout_n`` of them here, which finds a part of a tied group too; otherwise (a row
+    without a marker) the counted members' scores must sum to 0 and square to their count (or be
+    near-tied), blind to a part of a tied group."""
+    local = torch.stack([member_ids.to(torch.float64), group_ids.to(torch.float64), u.to(torch.float64)],
+                        dim=1).cpu()
     if process_group is None:
         rows = local
     else:
         shares = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(shares, local, group=process_group)
         rows = torch.cat(shares)
-    ids, scores = rows[:, 0].to(torch.int64), rows[:, 1]
-    if not bool(_whole(ids, scores, score_eps).all()):
+    members, ids, scores = rows[:, 0].to(torch.int64), rows[:, 1].to(torch.int64), rows[:, 2]
+    counted = ids >= 0
+    ids, scores = ids[counted], scores[counted]
+    whole = bool(_whole(ids, scores, score_eps).all())
+    if bool((members >= 0).all()):
+        _, sizes = torch.unique(members, return_counts=True)
+        if bool((sizes > group_size).any()):
+            raise ValueError(f"config.rollout_n: this step holds a group of {int(sizes.max())} responses, more than "
+                             f"rollout_n = {group_size}")
+        whole = whole and bool((sizes == group_size).all())
+    if not whole:
         raise ValueError(
-            "advantages: this micro-batch step over the data-parallel ranks holds part of a group (its standardized "
-            "scores do not sum to 0), and TPO's group softmax needs the current log-probs of all its responses. "
+            "advantages: this micro-batch step over the data-parallel ranks holds part of a group (fewer than "
+            "rollout_n of its responses, or standardized scores that do not sum to 0), and TPO's group softmax "
+            "needs the current log-probs of all its responses. "
             "If verl's gradient accumulation split it, record each mini-batch first "
             "(actor_rollout_ref.model.external_lib=tpo_kernels.integrations.verl.worker: any micro-batching, "
             "use_dynamic_bsz included) or train each rank's share of the mini-batch in one micro-batch "
@@ -133,19 +159,18 @@ def tpo_policy_loss(
         config: verl's actor config: ``rollout_n`` is the group size K; the batching settings
             are checked; ``global_batch_info`` gives the data-parallel size (groups are gathered
             over the ranks when it is > 1) and scales the loss to the mean over the mini-batch.
-        rollout_is_weights: must be None (TPO applies no per-token importance weights).
+        rollout_is_weights: None, or verl's sequence-level importance weights (``rollout_is=sequence``,
+            ``[B, T]``, one value per response on its counted tokens): each response counts in its
+            group with its weight ``w`` (see :func:`_weighted_inputs`); ``w = 0`` (IcePop's
+            out-of-bounds responses) takes it out of its group. Token-level weights are refused.
         eta, anchor, score_eps, length_normalize, backend: TPO's settings (see
             :func:`tpo_kernels.tpo_loss`). The estimator already applied the near-tie rule to the
             raw rewards; its centered scores (std <= score_eps) stay centered here, its
-            standardized ones (std 1) stay standardized, so the two agree for the same score_eps.
+            standardized ones (std 1) stay standardized (:func:`_decoded_score_eps`), so the two
+            agree for the same score_eps.
 
     Returns ``(loss, metrics)``; metrics are floats named ``actor/...``.
     """
-    if rollout_is_weights is not None:
-        raise ValueError(
-            "rollout_is_weights: TPO applies no per-token importance weights; disable "
-            "algorithm.rollout_correction's importance sampling (rejection sampling alone is fine)"
-        )
     if log_prob.dim() != 2:
         raise ValueError(f"log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
     for name, tensor in (("old_log_prob", old_log_prob), ("advantages", advantages), ("response_mask", response_mask)):
@@ -153,18 +178,27 @@ def tpo_policy_loss(
             raise ValueError(f"{name} must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(tensor.shape)}")
     mask = response_mask.bool()
     u, group_ids = decode_advantages(advantages.detach(), mask)
+    weights = None if rollout_is_weights is None else response_weights(rollout_is_weights, mask)
     settings = dict(eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, backend=backend)
     recorded = current_rows()
     if recorded is not None:  # inside verl's micro-batch loop, with the mini-batch recorded
-        return _recorded_loss(*recorded, _group_size(config), u, group_ids, log_prob, old_log_prob, mask, **settings)
+        return _recorded_loss(*recorded, _group_size(config), u, group_ids, log_prob, old_log_prob, mask, weights,
+                              **settings)
     group_size, dp_size, global_batch = _batching(config)
     process_group = _data_parallel_group(dp_size)
-    step_ids, step_scores = _step_groups(u, group_ids, process_group, score_eps)
+    member_ids = decode_members(advantages.detach(), mask)
+    step_ids, step_scores = _step_groups(u, group_ids, member_ids, group_size, process_group, score_eps)
+    loss_inputs = dict(logprobs=log_prob, mask=mask, group_ids=group_ids,
+                       old_logprobs=old_log_prob.detach() if anchor else None, anchor=anchor)
+    if weights is not None:
+        loss_inputs = _weighted_inputs(weights, log_prob, old_log_prob, mask, group_ids, anchor, length_normalize)
+    if not bool((loss_inputs["group_ids"] >= 0).any()) and process_group is None:
+        # Every response here has weight 0 (or no counted token): no loss, no gradient.
+        return log_prob.sum() * 0.0, _metrics(None, step_ids, step_scores, log_prob, old_log_prob, mask, dp_size)
     loss, aux = tpo_loss_from_logprobs(
-        log_prob, u.to(log_prob.dtype), mask=mask, group_ids=group_ids,
-        old_logprobs=old_log_prob.detach() if anchor else None, eta=eta, anchor=anchor, score_eps=score_eps,
+        scores=u.to(log_prob.dtype), eta=eta, score_eps=_decoded_score_eps(score_eps),
         length_normalize=length_normalize, reduction="mean" if global_batch is None else "sum", backend=backend,
-        return_aux=True, process_group=process_group,
+        return_aux=True, process_group=process_group, **loss_inputs,
     )
     if global_batch is not None:
         # Micro-batch gradients add up and data parallelism averages over the ranks. Without a
@@ -173,6 +207,40 @@ def tpo_policy_loss(
         loss = loss * (group_size / global_batch) * (1 if process_group is not None else dp_size)
     metrics = _metrics(aux, step_ids, step_scores, log_prob, old_log_prob, mask, dp_size)
     return loss, metrics
+
+
+def _weighted_inputs(weights: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, group_ids: Tensor,
+                     anchor: bool, length_normalize: bool) -> Dict[str, Any]:
+    """tpo_loss_from_logprobs' inputs for TPO with a per-response weight ``w_i`` in its group:
+    the group's responses count with multiplicity ``w_i`` (as if response i had been drawn w_i
+    times), so both distributions over the group carry the weight,
+
+        p_i = w_i exp(ell_i) / sum_j w_j exp(ell_j),    q_i = w_i p_old_i exp(u_i / eta) / Z,
+
+    (``p_old_i`` dropped without the anchor), and the loss ``-sum_i q_i log p_i`` has gradient
+    ``dL/d ell_i = p_i - q_i``, which sums to 0 over the group. This is TPO with ``ell_i + log w_i``
+    and ``ell_old_i + log w_i``: the shift rides on one counted token of each response (n_i times
+    log w_i with length_normalize, which divides by n_i), a constant, so each token's gradient is
+    the weighted group's. The target policy (p = q) is the unweighted one; the weights change how
+    much each sample counts. ``w = 0`` takes a response out of its group (no mass, no gradient, the
+    rest renormalized), exactly as a rejection mask does; equal weights change nothing."""
+    kept = weights > 0
+    counted = mask.any(dim=1)
+    log_w = torch.where(kept, torch.log(torch.where(kept, weights, 1.0)), 0.0)
+    if length_normalize:
+        log_w = log_w * mask.sum(dim=1)
+    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
+    device = log_prob.device
+    shift = torch.zeros(log_prob.shape, dtype=torch.float64, device=device).scatter_(
+        1, first.to(device), torch.where(counted, log_w, 0.0).unsqueeze(1).to(device))
+    kept_mask = mask & kept.to(mask.device).unsqueeze(1)
+    inputs = dict(logprobs=log_prob + shift.to(log_prob.dtype), mask=kept_mask,
+                  group_ids=torch.where(kept.to(group_ids.device), group_ids, -1), anchor=True)
+    if anchor:
+        inputs["old_logprobs"] = old_log_prob.detach().to(torch.float64) + shift
+    else:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i per response
+        inputs["old_logprobs"] = torch.where(kept, torch.log(torch.where(kept, weights, 1.0)), 0.0).to(device)
+    return inputs
 
 
 def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u: Tensor, group_size: int,
@@ -187,14 +255,18 @@ def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u
             "the mini-batch changed between tpo_kernels' record and verl's training step"
         )
     own = group_ids >= 0
-    touched = torch.isin(record.group_ids, torch.unique(group_ids[own]))
-    _, recorded_sizes = torch.unique(record.group_ids[touched], return_counts=True)
+    wanted = torch.unique(group_ids[own])
+    touched = torch.isin(record.group_ids, wanted)
+    # Each group's responses in the record, counted or not (a response without a counted token
+    # carries its group: advantage.decode_members); sorted by id, as _whole's groups below.
+    members = record.group_ids if record.member_ids is None else record.member_ids
+    _, recorded_sizes = torch.unique(members[torch.isin(members, wanted)], return_counts=True)
     if bool((recorded_sizes > group_size).any()):
         raise ValueError(f"config.rollout_n: the record holds a group of {int(recorded_sizes.max())} responses, more "
                          f"than rollout_n = {group_size}")
-    # Fewer than K responses is part of a group, unless a response of the mini-batch has no counted
-    # token (it carries no group); then the scores' sums tell (blind to a part of a tied group).
-    short = (recorded_sizes < group_size) & ~bool((record.group_ids < 0).any())
+    # Fewer than K responses is part of a group, unless a response of the mini-batch carries no
+    # group; then the scores' sums tell (blind to a part of a tied group).
+    short = (recorded_sizes < group_size) & ~bool((members < 0).any())
     if not bool((~short & _whole(record.group_ids[touched], record.scores[touched], score_eps)).all()):
         raise ValueError(
             "advantages: a group's responses are in different mini-batches (the recorded mini-batch holds fewer "
@@ -209,18 +281,41 @@ def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u
     return touched.nonzero().squeeze(1)
 
 
+def _record_weights(record: MiniBatchRecord, rows: Tensor, weights: Optional[Tensor]) -> Optional[Tensor]:
+    """The record's importance weights (None without), after checking that the micro-batch's are
+    the recorded ones."""
+    if (weights is None) != (record.weights is None):
+        raise ValueError(
+            f"rollout_is_weights: the micro-batch {'has' if weights is not None else 'has no'} importance weights but "
+            f"tpo_kernels' mini-batch record {'has none' if weights is not None else 'has them'}: the mini-batch "
+            "changed between the record and verl's training step"
+        )
+    if weights is not None and not torch.equal(record.weights[rows], weights.cpu()):
+        raise ValueError("rollout_is_weights: the micro-batch's weights are not the recorded ones: the mini-batch "
+                         "changed between tpo_kernels' record and verl's training step")
+    return record.weights
+
+
 def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Tensor, group_ids: Tensor,
-                   log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, eta: float, anchor: bool,
-                   score_eps: float, length_normalize: bool, backend: str) -> Tuple[Tensor, Dict[str, Any]]:
+                   log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, weights: Optional[Tensor], *, eta: float,
+                   anchor: bool, score_eps: float, length_normalize: bool,
+                   backend: str) -> Tuple[Tensor, Dict[str, Any]]:
     """The micro-batch's exact share of the mini-batch loss: its groups' TPO loss on its own
     responses (differentiable) together with the recorded current log-probs of their other members
     (constants), so each response gets the gradient of the unsplit group. Each group's value
     counts with the fraction of its responses held here (the micro-batches' values add up to the
-    mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages."""
+    mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages.
+    Importance weights as in :func:`_weighted_inputs`: ``log w`` added to every member's current
+    and old sequence log-prob (as the anchor without ``anchor``), weight-0 members left out."""
+    rows = rows.to(torch.int64)
     ids_cpu, u_cpu = group_ids.cpu(), u.to(torch.float64).cpu()
-    others = _recorded_others(record, rows.to(torch.int64), ids_cpu, u_cpu, group_size, score_eps)
+    others = _recorded_others(record, rows, ids_cpu, u_cpu, group_size, score_eps)
+    recorded_weights = _record_weights(record, rows, weights)
     own = ids_cpu >= 0
-    if not bool(own.any()):  # no counted response here: no loss, no gradient
+    if recorded_weights is not None:  # weight 0: out of its group (counted as a member above)
+        own &= recorded_weights[rows] > 0
+        others = others[recorded_weights[others] > 0]
+    if not bool(own.any()):  # no counted (kept) response here: no loss, no gradient
         return log_prob.sum() * 0.0, _recorded_metrics(None, None, log_prob, old_log_prob, mask)
     device, dtype = log_prob.device, log_prob.dtype
     own_mask = mask[own.to(mask.device)]
@@ -232,18 +327,29 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
     other_tokens = record.num_tokens[others].to(torch.float64) if length_normalize else 1.0
     logprobs = torch.cat([log_prob[own.to(device)][own_mask],
                           (record.seq_logprobs[others] / other_tokens).to(device, dtype)])
+    log_w = None
+    if recorded_weights is not None:  # log w on each member's first packed token (n log w: a token mean)
+        log_w = torch.cat([recorded_weights[rows][own], recorded_weights[others]]).log()
+        first_tokens = cu_seqlens[:-1]
+        token_shift = log_w * lengths if length_normalize else log_w
+        logprobs = logprobs.index_add(0, first_tokens, token_shift.to(device, dtype))
     old_ell = None
     if anchor:
         own_old = (old_log_prob.detach()[own.to(device)].to(torch.float64) * own_mask).sum(1).cpu()
         if length_normalize:
             own_old = own_old / lengths[: len(own_old)]
-        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens]).to(device, dtype)
+        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens])
+        if log_w is not None:
+            old_ell = old_ell + log_w
+        old_ell = old_ell.to(device, dtype)
+    elif log_w is not None:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i
+        old_ell = log_w.to(device, dtype)
     ids = torch.cat([ids_cpu[own], record.group_ids[others]])
     scores = torch.cat([u_cpu[own], record.scores[others]])
     per_group, aux = tpo_loss_from_logprobs(
         logprobs, scores.to(device, dtype), cu_seqlens=cu_seqlens, group_ids=ids.to(device), old_logprobs=old_ell,
-        eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize, reduction="none",
-        backend=backend, return_aux=True,
+        eta=eta, anchor=anchor or log_w is not None, score_eps=_decoded_score_eps(score_eps),
+        length_normalize=length_normalize, reduction="none", backend=backend, return_aux=True,
     )
     _, inverse, sizes = torch.unique(ids, return_inverse=True, return_counts=True)  # per_group's order
     held = torch.bincount(inverse[: int(own.sum())], minlength=len(sizes))  # own responses come first
@@ -273,19 +379,23 @@ def _metrics(aux, step_ids: Tensor, step_scores: Tensor, log_prob: Tensor, old_l
     """Per-group means of KL(q || p), H(p), H(q) over the step's groups (sums of per-response
     terms, so a group may span ranks: verl averages each rank's share, hence the ``dp_size``),
     the fraction of groups without reward signal, and verl's ``ppo_kl`` of this rank."""
-    p, q = aux["p"].double(), aux["q"].double()
-    xlogy = torch.special.xlogy
     _, inverse = torch.unique(step_ids, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if len(inverse) else 0
     signal = torch.zeros(num_groups, dtype=torch.bool).index_put_((inverse,), step_scores != 0, accumulate=True)
     share = dp_size / max(num_groups, 1)
     log_ratio = (log_prob.detach() - old_log_prob).float()
-    values = torch.stack([
-        (xlogy(q, q) - xlogy(q, p)).sum() * share,
-        -xlogy(p, p).sum() * share,
-        -xlogy(q, q).sum() * share,
-        (-(log_ratio * mask).sum() / mask.sum().clamp_min(1)).double(),
-    ]).tolist()  # one read-back for every metric
+    ppo_kl = (-(log_ratio * mask).sum() / mask.sum().clamp_min(1)).double()
+    if aux is None:  # no response kept in this step (all weighted 0): no group terms
+        values = [float("nan")] * 3 + [float(ppo_kl)]
+    else:
+        p, q = aux["p"].double(), aux["q"].double()
+        xlogy = torch.special.xlogy
+        values = torch.stack([
+            (xlogy(q, q) - xlogy(q, p)).sum() * share,
+            -xlogy(p, p).sum() * share,
+            -xlogy(q, q).sum() * share,
+            ppo_kl,
+        ]).tolist()  # one read-back for every metric
     names = ("actor/tpo_kl_q_p", "actor/tpo_entropy_p", "actor/tpo_entropy_q", "actor/ppo_kl")
     metrics = dict(zip(names, values))
     metrics["actor/tpo_frac_zero_signal_groups"] = 1.0 - float(signal.double().mean()) if num_groups else float("nan")
