@@ -11,8 +11,6 @@ Modules, by role:
 * ``harness``:   timing and peak memory of one measurement; ``worker``: the same in a subprocess
 * ``kernel_times``: kernel-only times of the logits path (row forward, group op, row backward)
 * ``calibrate``: copy-bandwidth calibration, nvidia-smi clocks and power around a run
-* ``kernel_report``: registers, spills, shared memory and load widths of every kernel, compiled
-  for sm_80/sm_90 without a GPU (``python -m tpo_kernels.bench.kernel_report``)
 * ``report``:    ratios, checks, targets; results.json, results.md and plots
 * ``machine``:   the machine, the software and the installed tpo_kernels (version, commit)
 * ``run``:       the command line
