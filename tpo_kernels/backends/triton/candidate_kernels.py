@@ -11,7 +11,10 @@ of the row's program sums ``grad[r, j] * inv_t`` over every j with ``y[r, j] == 
 ascending order from 0 (K * K work per row, independent of V), and only the first lane holding an
 id stores it (cast to the output dtype). Duplicated candidates therefore sum in ascending k order,
 bit for bit like the PyTorch default (on CPU the Triton interpreter's cast to bf16/fp16 may round
-the last bit differently), and no two lanes write one element.
+the last bit differently), and no two lanes write one element. Bit for bit needs each product
+``grad * inv_t`` rounded before it is added, so the scatter is compiled without floating-point
+contraction (``enable_fp_fusion=False``: no FMA; K * K multiply-adds per row, never the bottleneck
+next to the ``[R, V]`` zero fill).
 
 Fused-linear path (``h`` [R, H], ``W`` [V, H], optional bias ``b`` [V]; ``g`` is the gradient of
 the loss w.r.t. the untempered candidate logit ``z[r, k] = h[r] . W[y[r, k]] + b[y[r, k]]``)::
@@ -225,6 +228,9 @@ def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature
             num_cand,
             BLOCK_K=_block_k(num_cand),
             num_warps=1,
+            # acc + g * inv_t rounds the product first, as the PyTorch default's scatter_add of
+            # g * inv_t does: a fused multiply-add would differ in the last bit (see the docstring).
+            enable_fp_fusion=False,
         )
 
 
