@@ -46,6 +46,7 @@ from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import Backend, backend_by_key
+from ._tags import host_sync_tags
 from .logprobs import row_gradients
 from .row_summary import RowSummary
 from .tiles import VOCAB_ALIGN, TilePolicy, add_product, balanced_chunks
@@ -342,7 +343,8 @@ def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_soft
                            transform=LogitTransform.of(logit_scale, logit_softcap), cache_candidates=cache_candidates)
 
 
-@torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=())
+# Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
+@torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=(), **host_sync_tags())
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
                      with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
                      grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
@@ -373,7 +375,8 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
             hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
-@torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=())
+# Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
+@torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=(), **host_sync_tags())
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits_cache: Tensor,
