@@ -19,6 +19,7 @@ row), ``row_stride + 5`` (a column of the next row) and, for candidates, ``-2``;
 import pytest
 import torch
 
+import tpo_kernels
 from tpo_kernels.backends import get_backend
 from tpo_kernels.layout import pair_runs
 
@@ -283,3 +284,19 @@ def test_triton_weight_grad_does_not_write_ids_outside_the_vocabulary():
     torch.testing.assert_close(dweight.double(), want_dweight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dbias.double(), want_dbias, rtol=1e-5, atol=1e-6)
     _assert_weight_padding_untouched(dweight_parent, dbias_parent)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_linear_logprobs_give_nan_for_labels_beyond_the_vocabulary(backend):
+    """The fused-linear path has no row of its own to guard: its vocabulary tiles read a label
+    outside them as column 0, and the op turns a label >= V into NaN (validate=False)."""
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight = torch.randn(6, H, generator=gen).to(DEVICE), torch.randn(V, H, generator=gen).to(DEVICE)
+    labels = torch.tensor(ROW_LABELS, device=DEVICE)
+    logprobs, entropy = tpo_kernels.fused_linear_logprobs(hidden, weight, labels, backend=backend, validate=False,
+                                                          return_entropy=True)
+    bad, valid = list(range(len(BAD_LABELS))), len(BAD_LABELS)
+    assert torch.isnan(logprobs[bad]).all() and torch.isnan(entropy[bad]).all()
+    log_p = torch.log_softmax(hidden[valid].double() @ weight.double().T, dim=0)
+    torch.testing.assert_close(logprobs[valid].double(), log_p[5], rtol=1e-5, atol=1e-6)
+    assert logprobs[valid + 1] == 0

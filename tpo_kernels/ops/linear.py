@@ -354,8 +354,14 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes, cache_candidates)
     stats, logprob, entropy = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
+    # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
+    # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary").
+    beyond = labels >= weight.shape[0]
+    stats, logprob = torch.where(beyond, float("nan"), stats), torch.where(beyond, float("nan"), logprob)
     if entropy is None:
         entropy = logprob.new_empty(0)
+    else:
+        entropy = torch.where(beyond, float("nan"), entropy)
     return logprob, entropy, stats, head.logits_cache  # the cache: an output, so autograd can save it
 
 
