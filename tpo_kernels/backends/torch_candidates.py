@@ -5,8 +5,7 @@ Nothing here forms an ``[R, V]`` tensor except the dense logits gradient the log
 return; every sum runs in a fixed order (no float atomics).
 
 Ids follow the contract of DESIGN.md ("Ids outside the vocabulary"), without a read-back: an id
-outside ``[0, V)`` is read as id 0 (or written to a spare row that is dropped) and its result
-replaced, so a candidate outside the vocabulary has a NaN candidate logit, is not written by the
+outside ``[0, V)`` is read as id 0 (or adds an exact 0 to row 0) and its result replaced, so a candidate outside the vocabulary has a NaN candidate logit, is not written by the
 backward and adds nothing to ``dH`` (no index error, no device-side assert).
 """
 
@@ -111,8 +110,9 @@ def candidate_linear_backward(
     acc = grad.dtype
     vocab, hidden_size = weight.shape
     dhidden = dweight = dbias = None
-    # An id outside [0, V) contributes nothing to dH (row 0 with weight exactly 0 in its place) and
-    # its run is written to the spare row V of dW / db, which is dropped.
+    # An id outside [0, V) contributes nothing to dH (row 0 with weight exactly 0 in its place), and
+    # its run adds an exact 0 to row 0 of dW / db instead of being written (the runs' tokens are
+    # distinct, so every other row receives one value: the accumulating write is exact in any order).
     valid = _in_vocab(candidates, vocab)
     if with_hidden:
         candidates, grad_h = torch.where(valid, candidates, 0), torch.where(valid, grad, 0.0)
@@ -127,18 +127,17 @@ def candidate_linear_backward(
     if with_weight or with_bias:
         order, tokens, offsets = runs
         pair_grad = grad.reshape(-1)[order]
-        slots = torch.where(_in_vocab(tokens, vocab), tokens, vocab)  # V: the spare row
+        valid_runs = _in_vocab(tokens, vocab)
+        slots = (torch.where(valid_runs, tokens, 0),)
         if with_weight:
             states = torch.div(order, candidates.shape[1], rounding_mode="floor")
             rows = F.embedding_bag(
                 states, hidden.to(acc), offsets[:-1], mode="sum", per_sample_weights=pair_grad
             )
-            dweight = weight.new_zeros(vocab + 1, hidden_size)
-            dweight[slots] = rows.to(weight.dtype)
-            dweight = dweight[:vocab]
+            dweight = torch.zeros_like(weight)
+            dweight.index_put_(slots, torch.where(valid_runs[:, None], rows, 0.0).to(weight.dtype), accumulate=True)
         if with_bias:
             sums = F.embedding_bag(order, grad.reshape(-1, 1), offsets[:-1], mode="sum").squeeze(1)
-            dbias = weight.new_zeros(vocab + 1)
-            dbias[slots] = sums.to(weight.dtype)
-            dbias = dbias[:vocab]
+            dbias = torch.zeros(vocab, dtype=weight.dtype, device=weight.device)
+            dbias.index_put_(slots, torch.where(valid_runs, sums, 0.0).to(weight.dtype), accumulate=True)
     return dhidden, dweight, dbias
