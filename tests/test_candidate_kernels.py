@@ -1,8 +1,9 @@
 """The Triton candidate kernels of token-level TPO, op by op (the losses built on them are tested
 end to end in test_token_level.py), and where the cuda backend gets its fused-linear candidate ops.
 
-Logits path: equal to the PyTorch default ops bit for bit in fp32 / fp64 (same order of sums; the
-interpreter's bf16 / fp16 casts may round one output ulp differently), duplicates summed in
+Logits path: equal to the PyTorch default ops bit for bit in fp32 / fp64 (same order of sums, each
+product rounded before its sum: the compiled scatter has no FMA; the interpreter's bf16 / fp16
+casts may round one output ulp differently), duplicates summed in
 ascending k order, any strides of ``out``. Fused-linear path: dH, dW and db against float64 sums
 over the (state, candidate) pairs, at 1e-5 (fp32) and 1e-12 (fp64), on uniform and skewed
 candidates whose runs cross the weight-gradient segments (64 pairs) in every way; bitwise
@@ -24,7 +25,7 @@ from tpo_kernels.backends import Backend
 from bench import kernel_report
 from tpo_kernels.layout import pair_runs
 
-from _backends import DEVICE, ROOT, needs_triton
+from _backends import DEVICE, ROOT, needs_triton, needs_triton_nvidia_compiler
 
 pytestmark = needs_triton
 
@@ -228,6 +229,51 @@ _COMPILE_SCRIPT = textwrap.dedent(
         json.dump([r.to_json() for r in rows], f)
     """
 )
+
+_SCATTER_PTX_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+    from tpo_kernels.bench.kernel_report.triton import _CompileOnlyDriver
+    from tpo_kernels.backends.triton import candidate_kernels as ck
+
+    driver.set_active(_CompileOnlyDriver(90))
+    original_run, ptx = JITFunction.run, {}
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        ptx[str(kwargs.get("grad_ptr", args[0]).dtype)] = kernel.asm["ptx"]
+        return kernel
+
+    JITFunction.run = compile_only
+    for dtype in (torch.float32, torch.float64):
+        cands = torch.randint(0, 40, (3, 6))
+        ck.candidate_backward(torch.ones(3, 6, dtype=dtype), cands, inv_temperature=1 / 0.7,
+                              out=torch.empty(3, 40, dtype=dtype))
+    json.dump(ptx, open(sys.argv[1], "w"))
+    """
+)
+
+
+@needs_triton_nvidia_compiler
+def test_scatter_compiles_without_fused_multiply_add(tmp_path):
+    """The bitwise match with the default ops holds on a GPU only if ``acc + g * inv_t`` rounds the
+    product first (PyTorch's scatter_add adds the rounded ``g * inv_t``): the sm_90 PTX of the
+    scatter has a multiply and no fma, in fp32 and fp64."""
+    out = tmp_path / "ptx.json"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    result = subprocess.run([sys.executable, "-c", _SCATTER_PTX_SCRIPT, str(out)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ptx = json.loads(out.read_text())
+    assert sorted(ptx) == ["torch.float32", "torch.float64"]
+    for dtype, text in ptx.items():
+        assert "fma." not in text, dtype
+        assert ("mul.rn.f32" if dtype == "torch.float32" else "mul.rn.f64") in text
+
 
 KERNELS = {"_candidate_gather_kernel", "_candidate_scatter_kernel", "_candidate_dot_kernel",
            "_candidate_dot_hidden_grad_kernel", "_weight_grad_run_kernel", "_weight_grad_segment_kernel",

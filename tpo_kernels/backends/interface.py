@@ -14,7 +14,8 @@ Row ops (``M`` rows of a ``[M, V]`` logits matrix; tensors first, settings keywo
   when ``r < e_y``); ``entropy[r] = -sum_v p log p`` of the tempered softmax, as ``log_sum - t / s``
   with ``t = sum exp(d) d`` (no cancellation; ``0 log 0 = 0`` at ``-inf`` logits). All in the
   compute dtype (float64 for float64 logits, float32 otherwise). Rows with ``labels[r] < 0`` are
-  skipped: their outputs are 0 and the row is never read. A NaN (or ``+inf``) logit makes the
+  skipped: their outputs are 0 and the row is never read; a row with ``labels[r] >= V`` is not
+  read either and its four outputs are NaN. A NaN (or ``+inf``) logit makes the
   row's log_sum, logprob and entropy NaN; a row of only ``-inf`` logits has ``stats[0] = -inf``
   and NaN log-prob and entropy (there is no distribution).
 
@@ -26,24 +27,27 @@ Row ops (``M`` rows of a ``[M, V]`` logits matrix; tensors first, settings keywo
   and ``ge = grad_entropy`` (None: zero); the label's entry takes ``log p`` from ``logprob`` and
   ``1 - p`` as ``-expm1(logprob)``. ``p log p`` is 0 where ``p == 0``. ``out`` has the logits'
   dtype and shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and
-  ``ge == 0`` are written as zeros without reading the logits; ``labels[r] < 0`` adds no one-hot
-  term. The statistics may come from a wider row than ``logits`` (the fused-linear path passes
+  ``ge == 0`` are written as zeros without reading the logits; a label outside ``[0, V)`` adds no
+  one-hot term. The statistics may come from a wider row than ``logits`` (the fused-linear path passes
   a vocabulary block with the statistics of the whole row and block-local labels).
 
 Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each):
 
 * ``candidate_forward(logits, candidates, *, inv_temperature) -> [R, K]``:
-  ``logits[r, candidates[r, k]] * inv_t`` in the compute dtype.
+  ``logits[r, candidates[r, k]] * inv_t`` in the compute dtype (NaN for an id outside ``[0, V)``).
 * ``candidate_backward(grad_cand, candidates, *, inv_temperature, out)``: ``out`` (``[R, V]``,
   the logits' dtype) becomes zero except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``;
-  repeated candidates accumulate in ascending k order (deterministic).
+  repeated candidates accumulate in ascending k order (deterministic); an id outside ``[0, V)``
+  is not written.
 * ``candidate_linear_forward(hidden, weight, candidates, *, bias=None, inv_temperature)``:
-  ``(hidden[r] . weight[y[r, k]] + bias[y[r, k]]) * inv_t`` without forming ``[R, V]``.
+  ``(hidden[r] . weight[y[r, k]] + bias[y[r, k]]) * inv_t`` without forming ``[R, V]`` (NaN for
+  an id outside ``[0, V)``, ``V = weight.shape[0]``).
 * ``candidate_linear_backward(grad, hidden, weight, candidates, *, runs, with_hidden,
   with_weight, with_bias) -> (dhidden, dweight, dbias)``, each None unless requested, for
   ``grad`` = dLoss/d(untempered candidate logit); ``runs`` is
   :func:`tpo_kernels.layout.pair_runs` (needed for the weight and bias gradients), so that
-  weight rows are summed in a fixed order.
+  weight rows are summed in a fixed order. An id outside ``[0, V)`` adds nothing to dhidden (its
+  grad is ignored) and is not written in dweight / dbias.
 
 Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None, eta,
 anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_math`; ``score_eps >= 0`` is
@@ -55,8 +59,11 @@ the rounding (``None`` lets the caller take the difference of the rounded p and 
 
 The base class supplies PyTorch implementations of the candidate ops
 (:mod:`tpo_kernels.backends.torch_candidates`) and of the group op; a backend overrides what it has
-kernels for. Inputs reaching a backend are validated: 2-D logits with unit column stride,
-int64 labels in ``[0, V)`` or negative, one device.
+kernels for. Inputs reaching a backend have validated metadata: 2-D logits with unit column
+stride, int64 ids, one device. Id values are checked only with ``validate=True``, so every op
+checks each id where it touches memory (DESIGN.md, "Ids outside the vocabulary": the results
+above for ids outside ``[0, V)``, where ``V`` is the view's width, not its row stride; the cpu
+backend's binding refuses them with ``ValueError`` instead).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ Every row is computed and the rows to skip (negative label forward, zero gradien
 are then set to 0 (``torch.where`` on per-row results; a zero row in the backward's copy out):
 the results are those of never reading them, and no count or index of rows is read back to the
 host, so the ops are sync-free (CUDA-graph capturable).
+
+Ids follow the contract of DESIGN.md ("Ids outside the vocabulary") with the same ``torch.where``
+technique: a label ``>= V`` is read as column 0 and its row's outputs are then replaced by NaN, and
+the backward adds no one-hot term for it (no index error, no device-side assert).
 """
 
 from __future__ import annotations
@@ -54,7 +58,10 @@ class TorchBackend(Backend):
         for rows in chunks:
             z = logits[rows]  # read only: may be the logits the backward overwrites later
             counted = labels[rows] >= 0
-            label = labels[rows].clamp(min=0).unsqueeze(1)
+            in_vocab = counted & (labels[rows] < v)
+            # NaN for a label >= V (as the native kernels), 0 for an ignored (negative) one.
+            skipped = torch.where(counted, float("nan"), 0.0).to(acc)
+            label = torch.where(in_vocab, labels[rows], 0).unsqueeze(1)
             row_max = z.amax(dim=1).to(acc)
             # d = (z - max) * it <= 0; an all -inf row shifts by 0 (no -inf - -inf).
             shift = torch.where(row_max == float("-inf"), 0.0, row_max).unsqueeze(1)
@@ -72,11 +79,11 @@ class TorchBackend(Backend):
             log_sum = torch.log(total)
             # log(e_y / (e_y + rest)): -log1p(rest / e_y) keeps 1 - p exact-ish for confident tokens.
             lp = torch.where(rest < e_y, -torch.log1p(rest / e_y), d_y - log_sum)
-            logprob[rows] = torch.where(counted, lp, 0.0)
-            stats[0, rows] = torch.where(counted, row_max, 0.0)
-            stats[1, rows] = torch.where(counted, log_sum, 0.0)
+            logprob[rows] = torch.where(in_vocab, lp, skipped)
+            stats[0, rows] = torch.where(in_vocab, row_max, skipped)
+            stats[1, rows] = torch.where(in_vocab, log_sum, skipped)
             if with_entropy:
-                entropy[rows] = torch.where(counted, log_sum - t / total, 0.0)
+                entropy[rows] = torch.where(in_vocab, log_sum - t / total, skipped)
         return stats, logprob, entropy
 
     def row_backward(
@@ -107,7 +114,8 @@ class TorchBackend(Backend):
             g = grad_logprob[rows].unsqueeze(1)
             active = g != 0
             label = labels[rows].unsqueeze(1)
-            col = label.clamp(min=0)
+            has_label = (label >= 0) & (label < v)  # a label outside [0, V) adds no one-hot term
+            col = torch.where(has_label, label, 0)
             lp = logprob[rows].unsqueeze(1)
             label_grad = -g * torch.expm1(lp)  # g (1 - p_y), accurate for confident tokens
             log_probs = _shifted(z, stats[0, rows].unsqueeze(1), it, scratch[: n * v].view(n, v))
@@ -125,5 +133,5 @@ class TorchBackend(Backend):
                 p_y = torch.exp(lp)
                 label_grad = label_grad - ge * p_y * (torch.where(p_y > 0, lp, 0.0) + ent)
             # The label's entry replaces the column (rows without a label keep column 0 as is).
-            grad.scatter_(1, col, torch.where(label >= 0, label_grad * it, grad.gather(1, col)))
+            grad.scatter_(1, col, torch.where(has_label, label_grad * it, grad.gather(1, col)))
             out[rows].copy_(grad.masked_fill_(~active, 0.0))

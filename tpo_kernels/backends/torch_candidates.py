@@ -3,6 +3,10 @@ contract in :mod:`tpo_kernels.backends.interface`). Backends with their own kern
 
 Nothing here forms an ``[R, V]`` tensor except the dense logits gradient the logits path must
 return; every sum runs in a fixed order (no float atomics).
+
+Ids follow the contract of DESIGN.md ("Ids outside the vocabulary"), without a read-back: an id
+outside ``[0, V)`` is read as id 0 (or adds an exact 0 to row 0) and its result replaced, so a candidate outside the vocabulary has a NaN candidate logit, is not written by the
+backward and adds nothing to ``dH`` (no index error, no device-side assert).
 """
 
 from __future__ import annotations
@@ -20,9 +24,15 @@ from .._dtypes import compute_dtype
 _CHUNK_ELEMENTS = 1 << 21
 
 
+def _in_vocab(ids: Tensor, vocab: int) -> Tensor:
+    return (ids >= 0) & (ids < vocab)
+
+
 def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
-    """``logits[r, candidates[r, k]] * inv_t`` in the compute dtype."""
-    return logits.gather(1, candidates).to(compute_dtype(logits.dtype)) * inv_temperature
+    """``logits[r, candidates[r, k]] * inv_t`` in the compute dtype; NaN for an id outside ``[0, V)``."""
+    valid = _in_vocab(candidates, logits.shape[1])
+    cand = logits.gather(1, torch.where(valid, candidates, 0)).to(compute_dtype(logits.dtype)) * inv_temperature
+    return torch.where(valid, cand, float("nan"))
 
 
 def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor) -> None:
@@ -40,8 +50,13 @@ def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature
 
 
 def _scatter_columns(acc: Tensor, candidates: Tensor, grad_cand: Tensor, inv_temperature: float) -> None:
+    # An id outside [0, V) adds an exact +0.0 to column 0 instead: no write of its own, and no
+    # change to column 0 (x + 0.0 == x; a column holding -0.0 cannot occur, sums start at +0.0).
+    valid = _in_vocab(candidates, acc.shape[1])
+    ids = torch.where(valid, candidates, 0)
+    values = torch.where(valid, grad_cand * inv_temperature, 0.0)
     for k in range(candidates.shape[1]):  # one column at a time: no index collisions, ascending k
-        acc.scatter_add_(1, candidates[:, k : k + 1], grad_cand[:, k : k + 1] * inv_temperature)
+        acc.scatter_add_(1, ids[:, k : k + 1], values[:, k : k + 1])
 
 
 def _state_chunks(num_states: int, per_state: int):
@@ -51,7 +66,7 @@ def _state_chunks(num_states: int, per_state: int):
 
 
 def _gather_rows(weight: Tensor, ids: Tensor, acc: torch.dtype) -> Tensor:
-    """``weight[ids]`` for ``ids`` [n, K] as an ``[n, K, H]`` tensor in ``acc``."""
+    """``weight[ids]`` for ``ids`` [n, K] in ``[0, V)`` as an ``[n, K, H]`` tensor in ``acc``."""
     return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[1]).to(acc)
 
 
@@ -63,11 +78,12 @@ def candidate_linear_forward(
     num_states, num_cand = candidates.shape
     out = torch.empty(num_states, num_cand, dtype=acc, device=hidden.device)
     for rows in _state_chunks(num_states, num_cand * hidden.shape[1]):
-        ids = candidates[rows]
+        valid = _in_vocab(candidates[rows], weight.shape[0])
+        ids = torch.where(valid, candidates[rows], 0)
         dots = torch.bmm(_gather_rows(weight, ids, acc), hidden[rows].to(acc).unsqueeze(2)).squeeze(2)
         if bias is not None:
             dots = dots + bias[ids].to(acc)
-        out[rows] = dots * inv_temperature
+        out[rows] = torch.where(valid, dots * inv_temperature, float("nan"))
     return out
 
 
@@ -94,27 +110,34 @@ def candidate_linear_backward(
     acc = grad.dtype
     vocab, hidden_size = weight.shape
     dhidden = dweight = dbias = None
+    # An id outside [0, V) contributes nothing to dH (row 0 with weight exactly 0 in its place), and
+    # its run adds an exact 0 to row 0 of dW / db instead of being written (the runs' tokens are
+    # distinct, so every other row receives one value: the accumulating write is exact in any order).
+    valid = _in_vocab(candidates, vocab)
     if with_hidden:
+        candidates, grad_h = torch.where(valid, candidates, 0), torch.where(valid, grad, 0.0)
         if weight.dtype == acc:
-            dhidden = F.embedding_bag(candidates, weight, per_sample_weights=grad, mode="sum")
+            dhidden = F.embedding_bag(candidates, weight, per_sample_weights=grad_h, mode="sum")
         else:  # low-precision weight: gather the candidate rows chunk by chunk and sum in acc
             dhidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
             for rows in _state_chunks(candidates.shape[0], candidates.shape[1] * hidden_size):
                 w = _gather_rows(weight, candidates[rows], acc)
-                dhidden[rows] = torch.bmm(grad[rows].unsqueeze(1), w).squeeze(1)
+                dhidden[rows] = torch.bmm(grad_h[rows].unsqueeze(1), w).squeeze(1)
         dhidden = dhidden.to(hidden.dtype)
     if with_weight or with_bias:
         order, tokens, offsets = runs
         pair_grad = grad.reshape(-1)[order]
+        valid_runs = _in_vocab(tokens, vocab)
+        slots = (torch.where(valid_runs, tokens, 0),)
         if with_weight:
             states = torch.div(order, candidates.shape[1], rounding_mode="floor")
             rows = F.embedding_bag(
                 states, hidden.to(acc), offsets[:-1], mode="sum", per_sample_weights=pair_grad
             )
             dweight = torch.zeros_like(weight)
-            dweight[tokens] = rows.to(weight.dtype)
+            dweight.index_put_(slots, torch.where(valid_runs[:, None], rows, 0.0).to(weight.dtype), accumulate=True)
         if with_bias:
             sums = F.embedding_bag(order, grad.reshape(-1, 1), offsets[:-1], mode="sum").squeeze(1)
             dbias = torch.zeros(vocab, dtype=weight.dtype, device=weight.device)
-            dbias[tokens] = sums.to(weight.dtype)
+            dbias.index_put_(slots, torch.where(valid_runs, sums, 0.0).to(weight.dtype), accumulate=True)
     return dhidden, dweight, dbias

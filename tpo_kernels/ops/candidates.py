@@ -18,6 +18,7 @@ from torch import Tensor
 from .._dtypes import compute_dtype
 from ..backends import backend_by_key
 from ..layout import pair_runs
+from ._tags import host_sync_tags
 
 
 @torch.library.custom_op("tpo_kernels::candidate_logits", mutates_args=())
@@ -73,7 +74,8 @@ def _(hidden, weight, bias, candidates, inv_temperature, backend):
     return hidden.new_empty(candidates.shape, dtype=compute_dtype(hidden.dtype))
 
 
-@torch.library.custom_op("tpo_kernels::linear_candidate_logits_backward", mutates_args=())
+# pair_runs sizes its runs by unique_consecutive (a read-back) for dW / db: no CUDA-graph capture.
+@torch.library.custom_op("tpo_kernels::linear_candidate_logits_backward", mutates_args=(), **host_sync_tags())
 def _linear_candidate_logits_backward(grad: Tensor, hidden: Tensor, weight: Tensor, candidates: Tensor,
                                       needs_hidden: bool, needs_weight: bool, needs_bias: bool,
                                       backend: str) -> Tuple[Tensor, Tensor, Tensor]:

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import Backend, backend_by_key
+from ._tags import host_sync_tags
 from .logprobs import row_gradients
 from .row_summary import RowSummary
 from .tiles import VOCAB_ALIGN, TilePolicy, add_product, balanced_chunks
@@ -342,7 +343,8 @@ def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_soft
                            transform=LogitTransform.of(logit_scale, logit_softcap), cache_candidates=cache_candidates)
 
 
-@torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=())
+# Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
+@torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=(), **host_sync_tags())
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
                      with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
                      grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
@@ -352,8 +354,14 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes, cache_candidates)
     stats, logprob, entropy = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
+    # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
+    # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary").
+    beyond = labels >= weight.shape[0]
+    stats, logprob = torch.where(beyond, float("nan"), stats), torch.where(beyond, float("nan"), logprob)
     if entropy is None:
         entropy = logprob.new_empty(0)
+    else:
+        entropy = torch.where(beyond, float("nan"), entropy)
     return logprob, entropy, stats, head.logits_cache  # the cache: an output, so autograd can save it
 
 
@@ -373,7 +381,8 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
             hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
-@torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=())
+# Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
+@torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=(), **host_sync_tags())
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits_cache: Tensor,

@@ -11,7 +11,10 @@ of the row's program sums ``grad[r, j] * inv_t`` over every j with ``y[r, j] == 
 ascending order from 0 (K * K work per row, independent of V), and only the first lane holding an
 id stores it (cast to the output dtype). Duplicated candidates therefore sum in ascending k order,
 bit for bit like the PyTorch default (on CPU the Triton interpreter's cast to bf16/fp16 may round
-the last bit differently), and no two lanes write one element.
+the last bit differently), and no two lanes write one element. Bit for bit needs each product
+``grad * inv_t`` rounded before it is added, so the scatter is compiled without floating-point
+contraction (``enable_fp_fusion=False``: no FMA; K * K multiply-adds per row, never the bottleneck
+next to the ``[R, V]`` zero fill).
 
 Fused-linear path (``h`` [R, H], ``W`` [V, H], optional bias ``b`` [V]; ``g`` is the gradient of
 the loss w.r.t. the untempered candidate logit ``z[r, k] = h[r] . W[y[r, k]] + b[y[r, k]]``)::
@@ -24,6 +27,11 @@ the loss w.r.t. the untempered candidate logit ``z[r, k] = h[r] . W[y[r, k]] + b
 dW and db are deterministic without atomics: the (r, k) pairs are stably sorted by token id and
 each token's run is cut into fixed segments summed in parallel, then combined in a fixed order
 (:mod:`.candidate_weight_grad`), in the compute dtype.
+
+Ids (the contract of DESIGN.md, "Ids outside the vocabulary"; ``V`` is the logits view's width,
+or the weight's rows): every kernel masks each load and store at an id to ``0 <= id < V``. A
+candidate outside it is never dereferenced: its candidate logit is NaN (gather, dot), it is not
+written (scatter, dW, db) and it adds nothing (dH). ``validate=False`` reaches here unchecked.
 
 One program per state on a 1-D grid; row offsets are int64.
 Scale factors travel as 1-element tensors in the compute dtype, so fp64 runs keep inv_t exact.
@@ -44,7 +52,7 @@ from .row_kernels import device_guard
 
 @triton.jit
 def _candidate_gather_kernel(
-    logits_ptr, candidates_ptr, scale_ptr, out_ptr, row_stride, num_cand, BLOCK_K: tl.constexpr
+    logits_ptr, candidates_ptr, scale_ptr, out_ptr, row_stride, vocab, num_cand, BLOCK_K: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr)
@@ -53,16 +61,20 @@ def _candidate_gather_kernel(
         k = start + lanes
         in_range = k < num_cand
         ids = tl.load(candidates_ptr + row * num_cand + k, mask=in_range, other=0)
-        z = tl.load(logits_ptr + row * row_stride + ids, mask=in_range, other=0.0)
-        tl.store(out_ptr + row * num_cand + k, z.to(out_ptr.dtype.element_ty) * scale, mask=in_range)
+        in_vocab = in_range & (ids >= 0) & (ids < vocab)
+        z = tl.load(logits_ptr + row * row_stride + ids, mask=in_vocab, other=0.0)
+        cand = tl.where(in_vocab, z.to(out_ptr.dtype.element_ty) * scale, float("nan"))
+        tl.store(out_ptr + row * num_cand + k, cand, mask=in_range)
 
 
 @triton.jit
 def _candidate_scatter_kernel(
-    grad_ptr, candidates_ptr, scale_ptr, out_ptr, out_row_stride, out_col_stride, num_cand, BLOCK_K: tl.constexpr
+    grad_ptr, candidates_ptr, scale_ptr, out_ptr, out_row_stride, out_col_stride, vocab, num_cand,
+    BLOCK_K: tl.constexpr
 ):
     # ``out`` is already zero. Lane k sums grad[r, j] * inv_t over every j with y[r, j] == y[r, k],
-    # in ascending j (K * K work per row, not V * K); only the first lane holding an id stores it.
+    # in ascending j (K * K work per row, not V * K); only the first lane holding an id stores it,
+    # and only an id in [0, vocab): the others are never written.
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr)
     lanes = tl.arange(0, BLOCK_K)
@@ -72,7 +84,7 @@ def _candidate_scatter_kernel(
         k = start + lanes
         ids = tl.load(cand_row + k, mask=k < num_cand, other=-1)
         acc = tl.zeros([BLOCK_K], dtype=grad_ptr.dtype.element_ty)
-        first = k < num_cand
+        first = (k < num_cand) & (ids >= 0) & (ids < vocab)
         for j in range(0, num_cand):
             same = ids == tl.load(cand_row + j)
             acc = tl.where(same, acc + tl.load(grad_row + j) * scale, acc)
@@ -90,6 +102,7 @@ def _candidate_dot_kernel(
     out_ptr,
     hidden_row_stride,
     weight_row_stride,
+    vocab,
     num_cand,
     hidden_size,
     HAS_BIAS: tl.constexpr,
@@ -106,17 +119,18 @@ def _candidate_dot_kernel(
         k = k_start + lanes
         in_k = k < num_cand
         ids = tl.load(candidates_ptr + row * num_cand + k, mask=in_k, other=0)
+        in_vocab = in_k & (ids >= 0) & (ids < vocab)
         w_rows = weight_ptr + ids.to(tl.int64)[:, None] * weight_row_stride
         dot = tl.zeros([BLOCK_K], dtype=acc_ty)
         for h_start in range(0, hidden_size, BLOCK_H):
             c = h_start + cols
             in_h = c < hidden_size
             h = tl.load(h_row + c, mask=in_h, other=0.0).to(acc_ty)
-            w = tl.load(w_rows + c[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0).to(acc_ty)
+            w = tl.load(w_rows + c[None, :], mask=in_vocab[:, None] & in_h[None, :], other=0.0).to(acc_ty)
             dot += tl.sum(w * h[None, :], axis=1)
         if HAS_BIAS:
-            dot += tl.load(bias_ptr + ids, mask=in_k, other=0.0).to(acc_ty)
-        tl.store(out_ptr + row * num_cand + k, dot * scale, mask=in_k)
+            dot += tl.load(bias_ptr + ids, mask=in_vocab, other=0.0).to(acc_ty)
+        tl.store(out_ptr + row * num_cand + k, tl.where(in_vocab, dot * scale, float("nan")), mask=in_k)
 
 
 @triton.jit
@@ -126,6 +140,7 @@ def _candidate_dot_hidden_grad_kernel(
     candidates_ptr,
     dhidden_ptr,
     weight_row_stride,
+    vocab,
     num_cand,
     hidden_size,
     BLOCK_K: tl.constexpr,
@@ -143,9 +158,11 @@ def _candidate_dot_hidden_grad_kernel(
             k = k_start + lanes
             in_k = k < num_cand
             ids = tl.load(candidates_ptr + row * num_cand + k, mask=in_k, other=0)
-            g = tl.load(grad_ptr + row * num_cand + k, mask=in_k, other=0.0)
+            # An id outside [0, vocab) adds exactly 0: its grad (NaN or not) and its row read as 0.
+            in_vocab = in_k & (ids >= 0) & (ids < vocab)
+            g = tl.load(grad_ptr + row * num_cand + k, mask=in_vocab, other=0.0)
             w_rows = weight_ptr + ids.to(tl.int64)[:, None] * weight_row_stride
-            w = tl.load(w_rows + c[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0).to(acc_ty)
+            w = tl.load(w_rows + c[None, :], mask=in_vocab[:, None] & in_h[None, :], other=0.0).to(acc_ty)
             dh += tl.sum(g[:, None] * w, axis=0)
         tl.store(dhidden_ptr + row * hidden_size + c, dh.to(dhidden_ptr.dtype.element_ty), mask=in_h)
 
@@ -181,6 +198,7 @@ def candidate_forward(logits: Tensor, candidates: Tensor, *, inv_temperature: fl
             _scale(inv_temperature, acc, logits.device),
             out,
             logits.stride(0),
+            logits.shape[1],
             num_cand,
             BLOCK_K=block_k,
             num_warps=1,
@@ -206,9 +224,13 @@ def candidate_backward(grad_cand: Tensor, candidates: Tensor, *, inv_temperature
             out,
             out.stride(0),
             out.stride(1),
+            out.shape[1],
             num_cand,
             BLOCK_K=_block_k(num_cand),
             num_warps=1,
+            # acc + g * inv_t rounds the product first, as the PyTorch default's scatter_add of
+            # g * inv_t does: a fused multiply-add would differ in the last bit (see the docstring).
+            enable_fp_fusion=False,
         )
 
 
@@ -235,6 +257,7 @@ def candidate_linear_forward(
             out,
             hidden.stride(0),
             weight.stride(0),
+            weight.shape[0],
             num_cand,
             hidden.shape[1],
             HAS_BIAS=bias is not None,
@@ -282,6 +305,7 @@ def candidate_linear_backward(
                 candidates,
                 dhidden,
                 weight.stride(0),
+                vocab,
                 num_cand,
                 hidden_size,
                 BLOCK_K=block_k,
@@ -289,5 +313,5 @@ def candidate_linear_backward(
                 num_warps=num_warps(block_k * block_h),
             )
         if with_weight or with_bias:
-            weight_grad(grad, hidden, candidates, runs, dweight, dbias)
+            weight_grad(grad, hidden, candidates, runs, dweight, dbias, vocab)
     return dhidden, dweight, dbias

@@ -19,6 +19,10 @@ by its own program, in tiles of pairs reduced by a fixed tree:
 (1) and (2) are independent; each segment holds at most one piece of each kind, so the partials
 take ``2 ceil(R K / SEGMENT_PAIRS)`` rows of H in the compute dtype. Every sum runs in a fixed
 order: results are bitwise reproducible.
+
+Ids: the pairs are addressed by their position (always in range); a run's token id is used only
+for the final stores into dW / db, which are masked to ``0 <= token < V`` (``V`` = the weight's
+rows): the run of a token outside the vocabulary is summed and dropped, never written.
 """
 
 from typing import Optional, Tuple
@@ -56,7 +60,7 @@ def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, start, stop, hidden_row_stri
 @triton.jit
 def _weight_grad_run_kernel(
     grad_ptr, hidden_ptr, pair_order_ptr, run_offsets_ptr, run_tokens_ptr, dweight_ptr, dbias_ptr,
-    partial_w_ptr, partial_b_ptr, crossing_run_ptr, hidden_row_stride, num_cand, hidden_size,
+    partial_w_ptr, partial_b_ptr, crossing_run_ptr, hidden_row_stride, vocab, num_cand, hidden_size,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENT: tl.constexpr, PAIR_TILE: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -74,11 +78,12 @@ def _weight_grad_run_kernel(
                        in_h, HAS_WEIGHT, PAIR_TILE, BLOCK_H)
     if stop == end:
         token = tl.load(run_tokens_ptr + run)
-        if HAS_WEIGHT:
-            tl.store(dweight_ptr + token * hidden_size + cols, dw.to(dweight_ptr.dtype.element_ty), mask=in_h)
-        if HAS_BIAS:
-            if block == 0:
-                tl.store(dbias_ptr + token, db.to(dbias_ptr.dtype.element_ty))
+        if (token >= 0) & (token < vocab):  # a token outside [0, vocab) is never written
+            if HAS_WEIGHT:
+                tl.store(dweight_ptr + token * hidden_size + cols, dw.to(dweight_ptr.dtype.element_ty), mask=in_h)
+            if HAS_BIAS:
+                if block == 0:
+                    tl.store(dbias_ptr + token, db.to(dbias_ptr.dtype.element_ty))
     else:
         row = 2 * segment + 1
         if HAS_WEIGHT:
@@ -121,7 +126,7 @@ def _weight_grad_segment_kernel(
 @triton.jit
 def _weight_grad_combine_kernel(
     run_offsets_ptr, run_tokens_ptr, crossing_run_ptr, partial_w_ptr, partial_b_ptr, dweight_ptr, dbias_ptr,
-    hidden_size, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENT: tl.constexpr,
+    vocab, hidden_size, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENT: tl.constexpr,
     ROW_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # One program per (segment, column block): the run that starts in this segment and crosses
@@ -130,25 +135,26 @@ def _weight_grad_combine_kernel(
     block = tl.program_id(1)
     run = tl.load(crossing_run_ptr + first)
     if run >= 0:
-        last = (tl.load(run_offsets_ptr + run + 1) - 1) // SEGMENT
         token = tl.load(run_tokens_ptr + run)
-        cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
-        in_h = cols < hidden_size
-        lanes = tl.arange(0, ROW_TILE)
-        if HAS_WEIGHT:
-            dw = tl.load(partial_w_ptr + (2 * first + 1) * hidden_size + cols, mask=in_h, other=0.0)
-            for tile in range(first + 1, last + 1, ROW_TILE):
-                s = tile + lanes
-                rows = partial_w_ptr + (2 * s)[:, None] * hidden_size + cols[None, :]
-                dw += tl.sum(tl.load(rows, mask=(s <= last)[:, None] & in_h[None, :], other=0.0), axis=0)
-            tl.store(dweight_ptr + token * hidden_size + cols, dw.to(dweight_ptr.dtype.element_ty), mask=in_h)
-        if HAS_BIAS:
-            if block == 0:
-                db = tl.load(partial_b_ptr + 2 * first + 1)
+        if (token >= 0) & (token < vocab):  # a token outside [0, vocab) is never written
+            last = (tl.load(run_offsets_ptr + run + 1) - 1) // SEGMENT
+            cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
+            in_h = cols < hidden_size
+            lanes = tl.arange(0, ROW_TILE)
+            if HAS_WEIGHT:
+                dw = tl.load(partial_w_ptr + (2 * first + 1) * hidden_size + cols, mask=in_h, other=0.0)
                 for tile in range(first + 1, last + 1, ROW_TILE):
                     s = tile + lanes
-                    db += tl.sum(tl.load(partial_b_ptr + 2 * s, mask=s <= last, other=0.0), axis=0)
-                tl.store(dbias_ptr + token, db.to(dbias_ptr.dtype.element_ty))
+                    rows = partial_w_ptr + (2 * s)[:, None] * hidden_size + cols[None, :]
+                    dw += tl.sum(tl.load(rows, mask=(s <= last)[:, None] & in_h[None, :], other=0.0), axis=0)
+                tl.store(dweight_ptr + token * hidden_size + cols, dw.to(dweight_ptr.dtype.element_ty), mask=in_h)
+            if HAS_BIAS:
+                if block == 0:
+                    db = tl.load(partial_b_ptr + 2 * first + 1)
+                    for tile in range(first + 1, last + 1, ROW_TILE):
+                        s = tile + lanes
+                        db += tl.sum(tl.load(partial_b_ptr + 2 * s, mask=s <= last, other=0.0), axis=0)
+                    tl.store(dbias_ptr + token, db.to(dbias_ptr.dtype.element_ty))
 
 
 def num_warps(tile: int) -> int:
@@ -163,10 +169,12 @@ def weight_grad(
     runs: Tuple[Tensor, Tensor, Tensor],
     dweight: Optional[Tensor],
     dbias: Optional[Tensor],
+    vocab: int,
 ) -> None:
     """Write the candidate rows of ``dweight`` [V, H] and ``dbias`` [V] (each None when not
     wanted; the other rows are left as they are) for ``grad`` [R, K] (compute dtype), contiguous
-    ``hidden`` and ``candidates``, and ``runs = pair_runs(candidates)``; see the module docstring."""
+    ``hidden`` and ``candidates``, ``runs = pair_runs(candidates)`` and ``vocab`` = the weight's rows
+(tokens outside ``[0, vocab)`` are not written); see the module docstring."""
     order, run_tokens, run_offsets = runs
     num_pairs, num_runs = order.numel(), run_tokens.numel()
     num_cand, hidden_size = candidates.shape[1], hidden.shape[1]
@@ -183,7 +191,7 @@ def weight_grad(
     flags = dict(HAS_WEIGHT=with_weight, SEGMENT=SEGMENT_PAIRS, BLOCK_H=block_h, num_warps=num_warps(tile * block_h))
     _weight_grad_run_kernel[(num_runs, col_blocks)](
         grad, hidden, order, run_offsets, run_tokens, dweight, dbias, partial_w, partial_b, crossing_run,
-        hidden.stride(0), num_cand, hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
+        hidden.stride(0), vocab, num_cand, hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
     )
     if num_segments == 1:
         return  # no run crosses a segment boundary: no partials
@@ -193,6 +201,6 @@ def weight_grad(
     )
     # The last segment's end is the end of the pairs: no run crosses it.
     _weight_grad_combine_kernel[(num_segments - 1, col_blocks)](
-        run_offsets, run_tokens, crossing_run, partial_w, partial_b, dweight, dbias, hidden_size,
+        run_offsets, run_tokens, crossing_run, partial_w, partial_b, dweight, dbias, vocab, hidden_size,
         HAS_BIAS=with_bias, ROW_TILE=tile, **flags,
     )

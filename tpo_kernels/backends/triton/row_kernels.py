@@ -34,6 +34,11 @@ row's gradient scale; such terms are below the fp32 rounding of the sums). A NaN
 reaches the sums as NaN (no per-element flags), so the row's log_sum, log-prob and entropy are
 NaN.
 
+Ids (the contract of DESIGN.md, "Ids outside the vocabulary"): ``V`` is the view's width, not its
+row stride. The forward reads a row only for a label in ``[0, V)``; a negative label gives 0 (an
+ignored row), a label ``>= V`` gives NaN for all of the row's outputs. The backward never
+dereferences a label: one outside ``[0, V)`` adds no one-hot term.
+
 Backward, per row with ``log p = (z - m) * inv_t - log_sum``::
 
     out_v = inv_t * (g * (onehot_v - p_v) - ge * p_v * (log p_v + entropy))
@@ -155,8 +160,10 @@ def _row_forward_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     label_id = tl.load(labels_ptr + row)
-    if label_id >= 0:
-        label = label_id.to(tl.int32)  # < vocab < 2**31: int32 column compares
+    # Ids are checked here, where memory is touched (validate=False passes them unchecked): only
+    # a label in [0, vocab) reads the row; see the else branch for the others.
+    if (label_id >= 0) & (label_id < vocab):
+        label = label_id.to(tl.int32)  # in [0, vocab), vocab < 2**31: int32 column compares
         row_start = row * row_stride
         row_ptr = logits_ptr + row_start
         head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
@@ -198,12 +205,14 @@ def _row_forward_kernel(
             t = tl.sum(lane_t, axis=None) * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
             tl.store(entropy_ptr + row, log_sum - t / total)
     else:
-        # Skipped row (ignored label): outputs are 0 and the row is never read.
-        tl.store(row_max_ptr + row, tl.full([], 0.0, ACC))
-        tl.store(log_sum_ptr + row, tl.full([], 0.0, ACC))
-        tl.store(logprob_ptr + row, tl.full([], 0.0, ACC))
+        # The row is never read. A negative label (ignored row) gives 0; a label >= vocab (out of
+        # the vocabulary, e.g. a padding id equal to V) gives NaN, as the CUDA kernel does.
+        value = tl.where(label_id < 0, 0.0, float("nan")).to(ACC)
+        tl.store(row_max_ptr + row, value)
+        tl.store(log_sum_ptr + row, value)
+        tl.store(logprob_ptr + row, value)
         if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, tl.full([], 0.0, ACC))
+            tl.store(entropy_ptr + row, value)
 
 
 @triton.jit
@@ -291,7 +300,10 @@ def _row_backward_kernel(
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         row_max = tl.load(row_max_ptr + row).to(ACC)
         log_sum = tl.load(log_sum_ptr + row).to(ACC)
-        label = tl.maximum(tl.load(labels_ptr + row), -1).to(tl.int32)  # -1: no one-hot term
+        # -1: no one-hot term, for a negative label and for one outside [0, vocab) (a label >= vocab
+        # is never dereferenced; the int64 test comes before the int32 cast, which would wrap).
+        label_id = tl.load(labels_ptr + row)
+        label = tl.where((label_id >= 0) & (label_id < vocab), label_id, -1).to(tl.int32)
         lp = tl.load(logprob_ptr + row).to(ACC)
         # The label's entry: g (1 - p_y) = -g expm1(log p_y), accurate for confident tokens.
         label_grad = -g * expm1(lp, ACCURATE_MATH)
