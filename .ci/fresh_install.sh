@@ -2,18 +2,20 @@
 # CI's fresh-install job: a new virtual environment built only by the README's install block, then
 # the README's test command there, so that README and CI cannot drift.
 #
-#   1. a snapshot of this checkout (HEAD plus uncommitted changes and untracked, not ignored files),
+#   1. the commands are read from README.md (--print-commands prints them and stops);
+#   2. a snapshot of this checkout (HEAD plus uncommitted changes and untracked, not ignored files),
 #      as a git repository, stands in for the README's "<this repository>";
-#   2. a new venv (python3 -m venv, nothing from this environment) is activated and the README's
+#   3. a new venv (python3 -m venv, nothing from this environment) is activated and the README's
 #      "## Install" bash block runs there as written, line by line (the placeholder is the only
 #      substitution): clone, the CPU torch wheel, pip install -e ".[test]", tpo-kernels demo;
-#   3. in the clone, the README's quick test command ("## Tests" block, the line with -m quick), then
+#   4. in the clone, the README's quick test command ("## Tests" block, the line with -m quick), the
+#      collection of the whole suite (every test file imports without the optional libraries), then
 #      FRESH_TESTS below: the build checks (they need pybind11 and setuptools from [test]), the
 #      package without Triton, the README's code blocks, and every test file that needs an optional
 #      library ([trl], [bench], verl: not installed here, so they must skip, with the reason, not fail).
 # The full suite runs in CI's main environment (.ci/run). The CUDA extension is not built here
 # (TPO_SKIP_CUDA=1, the README's own switch): CI's main environment builds it with TPO_REQUIRE_CUDA.
-# Environment: FRESH_INSTALL_KEEP=1 keeps the work folder (printed) for inspection.
+# Usage: .ci/fresh_install.sh [--print-commands]. FRESH_INSTALL_KEEP=1 keeps the work folder (printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -43,23 +45,8 @@ else
   trap 'rm -rf "$WORK"' EXIT
 fi
 
-# ---------------------------------------------------------------------------- 1. the snapshot
-SOURCE="$WORK/repository"
-git clone -q "$REPO" "$SOURCE"
-git -C "$SOURCE" checkout -q -B fresh-install "$(git -C "$REPO" rev-parse HEAD)"
-if ! git -C "$REPO" diff --quiet HEAD; then
-  git -C "$REPO" diff --binary HEAD | git -C "$SOURCE" apply --whitespace=nowarn
-fi
-git -C "$REPO" ls-files -z --others --exclude-standard | tar -C "$REPO" --null -T - -cf - | tar -C "$SOURCE" -xf -
-git -C "$SOURCE" add -A
-if ! git -C "$SOURCE" diff --cached --quiet; then
-  git -C "$SOURCE" -c user.name=ci -c user.email=ci@localhost commit -q -m "uncommitted changes of $REPO"
-  say "testing HEAD $(git -C "$REPO" rev-parse --short HEAD) plus the uncommitted changes"
-else
-  say "testing HEAD $(git -C "$REPO" rev-parse --short HEAD)"
-fi
-
-# ---------------------------------------------------------------------------- 2. the README's commands
+SOURCE="$WORK/repository"  # the snapshot (2.), the clone's source
+# ---------------------------------------------------------------------------- 1. the README's commands
 # The script that runs in the venv: the install block's lines (each announced with the time), then
 # the quick test line and FRESH_TESTS.
 python3 - "$REPO/README.md" "$SOURCE" "$WORK/commands.sh" "${FRESH_TESTS[@]}" <<'EOF'
@@ -93,11 +80,35 @@ if len(quick) != 1:
 script = ['set -euo pipefail', 'step() { echo "fresh_install [+$(( $(date +%s) - START ))s]: \\$ $1"; }']
 for line in install + quick:
     script += [f"step {shlex.quote(line)}", line]
+# Every test file imports (collection) without the optional libraries; then FRESH_TESTS run.
+collect = "python -m pytest -q --collect-only tests > /dev/null"
 tests = "python -m pytest -q -rs " + " ".join(shlex.quote(t) for t in fresh_tests)
-script += [f"step {shlex.quote(tests)}", tests]
+for line in (collect, tests):
+    script += [f"step {shlex.quote(line)}", line]
 open(out, "w", encoding="utf-8").write("\n".join(script) + "\n")
 EOF
 
+if [ "${1:-}" = "--print-commands" ]; then  # what would run in the venv, nothing run (tests read it)
+  cat "$WORK/commands.sh"
+  exit 0
+fi
+
+# ---------------------------------------------------------------------------- 2. the snapshot
+git clone -q "$REPO" "$SOURCE"
+git -C "$SOURCE" checkout -q -B fresh-install "$(git -C "$REPO" rev-parse HEAD)"
+if ! git -C "$REPO" diff --quiet HEAD; then
+  git -C "$REPO" diff --binary HEAD | git -C "$SOURCE" apply --whitespace=nowarn
+fi
+git -C "$REPO" ls-files -z --others --exclude-standard | tar -C "$REPO" --null -T - -cf - | tar -C "$SOURCE" -xf -
+git -C "$SOURCE" add -A
+if ! git -C "$SOURCE" diff --cached --quiet; then
+  git -C "$SOURCE" -c user.name=ci -c user.email=ci@localhost commit -q -m "uncommitted changes of $REPO"
+  say "testing HEAD $(git -C "$REPO" rev-parse --short HEAD) plus the uncommitted changes"
+else
+  say "testing HEAD $(git -C "$REPO" rev-parse --short HEAD)"
+fi
+
+# ---------------------------------------------------------------------------- 3. the venv
 say "new venv $WORK/venv ($(python3 --version))"
 python3 -m venv "$WORK/venv"
 # shellcheck disable=SC1091
@@ -116,7 +127,8 @@ for host in $(grep -oE -- '--index-url https?://[^/ ]+' "$WORK/commands.sh" | se
 done
 
 cd "$WORK"
-if START="$START" bash "$WORK/commands.sh"; then
+# pip's notes on this machine's empty local index folders are dropped from the log.
+if START="$START" bash "$WORK/commands.sh" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"; then
   say "OK in $(( $(date +%s) - START ))s"
 else
   rc=$?
