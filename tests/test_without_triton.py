@@ -143,3 +143,16 @@ def test_triton_is_a_test_extra_not_a_requirement():
     names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower() for d in test_extra}
     assert {"pytest", "hypothesis", "pybind11", "setuptools", "triton"} <= names
     assert any(d.startswith("triton") and "platform_system == 'Linux'" in d for d in test_extra)
+
+
+def test_check_command_passes_without_triton():
+    """``tpo-kernels check`` (a tiny shape) runs every backend that runs here against the reference
+    and passes, the triton backend left out."""
+    result = run_without_triton("""
+        import runpy
+        sys.argv = ["tpo-kernels", "check", "--device", "cpu", "--no-gradcheck", "--no-edge-cases",
+                    "-N", "4", "-K", "2", "-T", "4", "-V", "32", "-H", "8"]
+        runpy.run_module("tpo_kernels.cli", run_name="__main__")
+    """)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert re.search(r"\d+ checks, 0 failed, .*: PASS", result.stdout + result.stderr), result.stdout[-2000:]
