@@ -1,8 +1,9 @@
 """Triton is not a requirement of the package (pyproject.toml: only the [test] extra brings it):
 everything but the ``triton`` backend works where ``import triton`` fails.
 
-Each check runs in a fresh process whose first act is a meta-path hook that makes every import of
-``triton`` (or a submodule) raise ModuleNotFoundError, as on a machine without it."""
+Each check runs in a fresh process whose first act replaces the path finder of ``sys.meta_path`` by
+one that does not find ``triton`` (or a submodule): ``importlib.util.find_spec("triton")`` is None and
+``import triton`` raises ModuleNotFoundError, as on a machine without it."""
 
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ import tpo_kernels
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 BLOCK_TRITON = textwrap.dedent("""
+    import importlib.machinery
     import sys
 
-    class _NoTriton:
-        def find_spec(self, name, path=None, target=None):
+    class _PathFinderWithoutTriton(importlib.machinery.PathFinder):
+        @classmethod
+        def find_spec(cls, name, path=None, target=None):
             if name == "triton" or name.startswith("triton."):
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-            return None
+                return None
+            return super().find_spec(name, path, target)
 
-    sys.meta_path.insert(0, _NoTriton())
+    sys.meta_path[:] = [_PathFinderWithoutTriton if finder is importlib.machinery.PathFinder else finder
+                        for finder in sys.meta_path]
 """)
 
 
@@ -45,15 +49,17 @@ def run_without_triton(code: str, *, interpret: bool = True) -> subprocess.Compl
 
 
 def test_the_hook_blocks_triton():
-    """The premise of the other tests: in the child, ``import triton`` fails."""
+    """The premise of the other tests: in the child, Triton looks not installed."""
     result = run_without_triton("""
+        import importlib.util
+        print("spec:", importlib.util.find_spec("triton"))
         try:
             import triton
         except ModuleNotFoundError as exc:
             print("blocked:", exc)
     """)
     assert result.returncode == 0, result.stderr
-    assert "blocked: No module named 'triton'" in result.stdout
+    assert "spec: None" in result.stdout and "blocked: No module named 'triton'" in result.stdout
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
