@@ -3,10 +3,14 @@
 A block's info string names what it needs beyond the package, and such a block runs with a local
 substitute: ``python trl`` (TRL and a model from the hub) with a tiny model saved locally and one
 optimizer step on CPU; ``python distributed`` (torchrun) in one process with the gloo backend and
-a 1 x 1 device mesh on CPU. A block that imports a library not installed here is skipped with the
-library's name as the reason.
+a 1 x 1 device mesh on CPU. Whether a block runs here is decided from the libraries its info string
+declares (``REQUIRES``), not from its imports: a block whose declared libraries are not all
+installed is skipped, naming them; a plain ``python`` block must run with the package alone.
 """
 
+import ast
+import importlib.machinery
+import importlib.util
 import os
 import pathlib
 import re
@@ -36,11 +40,38 @@ def _run(code: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
 
 
-def _needs(code: str):
-    """Skip (with the reason) when the block imports a library that is not installed."""
-    for lib in ("transformers", "datasets", "trl"):
-        if re.search(rf"^\s*(from|import) {lib}\b", code, re.M):
-            pytest.importorskip(lib, reason=f"the README block imports {lib}, which is not installed")
+# What a block of each info string needs to run here, beyond the package and its requirements (the
+# [test] extra's included): for ``trl``, the script's own libraries and those of the local stand-in
+# model that replaces the hub download.
+REQUIRES = {
+    "": (),
+    "distributed": (),
+    "transformers": ("transformers",),
+    "trl": ("trl", "transformers", "datasets", "tokenizers"),
+}
+# Libraries a README block may import only when its info string declares them (REQUIRES).
+OPTIONAL_LIBRARIES = ("trl", "transformers", "datasets", "tokenizers", "verl", "matplotlib", "accelerate", "peft")
+
+
+def _missing(kind: str) -> list:
+    return [lib for lib in REQUIRES[kind] if importlib.util.find_spec(lib) is None]
+
+
+def _skip_unless_installed(kind: str) -> None:
+    """Skip, naming the libraries, when a library the block's info string declares is missing."""
+    missing = _missing(kind)
+    if missing:
+        pytest.skip(f"the README's 'python {kind}' block needs {', '.join(missing)}, not installed here")
+
+
+def _top_level_imports(code: str) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 _TINY_MODEL = """
@@ -61,7 +92,6 @@ tokenizer.save_pretrained("tiny-model")
 
 def _trl_substitute(code: str, cwd) -> str:
     """The TRL script with a tiny local model and one CPU step in place of the hub model."""
-    pytest.importorskip("tokenizers", reason="the local stand-in model needs tokenizers")
     made = _run(_TINY_MODEL, cwd)
     assert made.returncode == 0, made.stderr[-3000:]
     code, hub = re.subn(r'model_id = "[^"]+"', 'model_id = "tiny-model"', code)
@@ -99,11 +129,42 @@ def test_readme_has_python_blocks():
 @pytest.mark.parametrize("kind,code", BLOCKS, ids=[_block_id(b) for b in enumerate(BLOCKS)])
 def test_readme_block_runs_alone(kind, code, tmp_path):
     kind = kind.strip()
-    assert kind in ("", "trl", "distributed"), f"unknown info string 'python {kind}'"
-    _needs(code)
+    assert kind in REQUIRES, f"unknown info string 'python {kind}' (tests/test_readme.py REQUIRES)"
+    _skip_unless_installed(kind)
     if kind == "trl":
         code = _trl_substitute(code, tmp_path)
     elif kind == "distributed":
         code = _distributed_substitute(code)
     result = _run(code, tmp_path)
     assert result.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("kind,code", BLOCKS, ids=[_block_id(b) for b in enumerate(BLOCKS)])
+def test_readme_block_declares_the_libraries_it_imports(kind, code):
+    """The declaration the skip decision reads is true: an optional library a block imports is
+    among those its info string declares (checked whether or not the library is installed)."""
+    kind = kind.strip()
+    assert kind in REQUIRES, f"unknown info string 'python {kind}' (tests/test_readme.py REQUIRES)"
+    undeclared = sorted((_top_level_imports(code) & set(OPTIONAL_LIBRARIES)) - set(REQUIRES[kind]))
+    assert not undeclared, f"the 'python {kind}' block imports {undeclared}: declare them in its info string"
+
+
+def test_trl_block_skips_when_transformers_is_missing(monkeypatch):
+    """With datasets and tokenizers but without transformers (and so without a working trl), the
+    TRL block is skipped, the reason naming transformers, whatever the block itself imports."""
+    installed = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == "transformers":
+            return None
+        return installed(name, *args, **kwargs) or importlib.machinery.ModuleSpec(name, None)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(pytest.skip.Exception, match=r"'python trl' block needs transformers, not installed"):
+        _skip_unless_installed("trl")
+    assert "datasets" not in _missing("trl") and "tokenizers" not in _missing("trl")
+
+
+def test_plain_blocks_run_without_optional_libraries():
+    """A plain 'python' block is never skipped: it must run with the package alone."""
+    assert _missing("") == [] and _missing("distributed") == []
