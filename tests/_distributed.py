@@ -37,7 +37,8 @@ def loopback_env() -> dict:
     return env
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple,
+               rank_timeout_s: float = RANK_TIMEOUT_S) -> None:
     os.environ.update(loopback_env())
     os.environ.update(MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -46,7 +47,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, arg
         import torch.distributed as dist  # noqa: PLC0415
 
         dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+                                timeout=datetime.timedelta(seconds=rank_timeout_s))
         try:
             result = fn(rank, world, *args)
         finally:
@@ -57,13 +58,15 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, arg
         raise SystemExit(1) from None
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, deadline_s: float = DEFAULT_DEADLINE_S) -> List[Any]:
+def run_ranks(world: int, fn: Callable, *args: Any, deadline_s: float = DEFAULT_DEADLINE_S,
+              rank_timeout_s: float = RANK_TIMEOUT_S) -> List[Any]:
     """``[fn(rank, world, *args) for each rank]``, each run in its own spawned process of a
-    gloo group of ``world`` ranks. ``fn`` must be importable (a module-level function)."""
+    gloo group of ``world`` ranks. ``fn`` must be importable (a module-level function).
+    ``rank_timeout_s``: the process group's timeout, how long a collective waits for a peer."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tpo-dist-") as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, fn, args), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, fn, args, rank_timeout_s), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -487,11 +487,22 @@ def token_dp_case(rank: int, world: int, *, states: Sequence[int], fused: bool =
     return {"pairs": pairs, "zeros": {}}
 
 
+def _attempt(outcomes: dict, name: str, fn) -> None:
+    """Run ``fn``; record ``(error type, message, seconds)`` of what it raised (None: nothing).
+    Any exception counts, a process group timeout too (it shows as a slow, different error)."""
+    import time
+
+    start = time.monotonic()
+    try:
+        fn()
+        outcomes[name] = None
+    except Exception as exc:  # noqa: BLE001 - compared across ranks by the test
+        outcomes[name] = (type(exc).__name__, str(exc), time.monotonic() - start)
+
+
 def failures_case(rank: int, world: int) -> dict:
     """Calls that fail on one rank (or whose ranks disagree): every rank must raise the same
     error, fast. Returns, per scenario, ``(error type, message, seconds)`` (None: no error)."""
-    import time
-
     from torch.distributed.tensor import Shard, distribute_tensor
 
     pg = _GROUP
@@ -502,12 +513,7 @@ def failures_case(rank: int, world: int) -> dict:
     outcomes = {}
 
     def attempt(name, fn):
-        start = time.monotonic()
-        try:
-            fn()
-            outcomes[name] = None
-        except (ValueError, TypeError) as exc:
-            outcomes[name] = (type(exc).__name__, str(exc), time.monotonic() - start)
+        _attempt(outcomes, name, fn)
 
     def fused(**kw):
         args = dict(hidden=h, weight=w, labels=labels, scores=scores, group_size=4, process_group=pg)
@@ -530,11 +536,21 @@ def failures_case(rank: int, world: int) -> dict:
     attempt("reduction", lambda: fused(reduction="sum" if last else "mean"))
     attempt("score_eps", lambda: fused(score_eps=0.0 if last else 1e-6))
     attempt("length_normalize", lambda: fused(length_normalize=last))
+    attempt("entropy_coef", lambda: fused(entropy_coef=0.1 if last else 0.0))
     attempt("old_on_one_rank", lambda: fused(old_logprobs=scores * 0 - 1.0 if last else None))
     attempt("bad_type_on_one_rank", lambda: fused(group_size=4.0 if last else 4))
     attempt("token_level_nan", lambda: tpo_kernels.token_tpo_loss(
         logits.reshape(-1, VOCAB)[:3], torch.zeros(3, 2, dtype=torch.int64),
         torch.full((3, 2), float("nan")) if last else torch.zeros(3, 2), process_group=pg))
+    # Raised before the checks used to be exchanged: the backend's resolution, the placement
+    # keywords, the cache budget.
+    attempt("backend_unusable", lambda: fused(backend="cuda" if last else "torch"))
+    attempt("token_level_backend_unusable", lambda: tpo_kernels.token_tpo_loss(
+        logits.reshape(-1, VOCAB)[:3], torch.zeros(3, 2, dtype=torch.int64), torch.randn(3, 2),
+        backend="cuda" if last else "torch", process_group=pg))
+    attempt("start_without_vocab_group", lambda: fused(vocab_start_index=0 if last else None))
+    attempt("cache_budget_too_large", lambda: fused(logits_cache_bytes=2 ** 63 if last else 0))
+    attempt("cache_budget_not_an_int", lambda: fused(logits_cache_bytes=1.5 if last else 0))
     # Vocabulary-parallel: every rank holds a shard of the head and the same tokens.
     sizes = vocab_split(VOCAB, world)
     start = sum(sizes[:rank])
@@ -556,10 +572,50 @@ def failures_case(rank: int, world: int) -> dict:
         batch["logits"][:4][..., start:start + sizes[rank]], whole_labels, logit_softcap=30.0, **vp))
     attempt("overlapping_shards", lambda: tpo_kernels.fused_linear_logprobs(
         batch["hidden"][:4], w[:10], whole_labels, vocab_parallel_group=pg, vocab_start_index=0))
+    attempt("vp_negative_start", lambda: tpo_kernels.tpo_loss(
+        batch["logits"][:4][..., start:start + sizes[rank]], whole_labels, batch["scores"][:4], group_size=2,
+        vocab_parallel_group=pg, vocab_start_index=-1 if last else start))
+    attempt("vp_empty_shard", lambda: tpo_kernels.fused_linear_logprobs(
+        batch["hidden"][:4], w_shard[:0] if last else w_shard, whole_labels, **vp))
+    attempt("vp_weight_none", lambda: tpo_kernels.fused_linear_tpo_loss(
+        batch["hidden"][:4], None if last else w_shard, whole_labels, batch["scores"][:4], group_size=2, **vp))
+    attempt("vp_backend_unusable", lambda: tpo_kernels.selective_logprobs(
+        batch["logits"][:4][..., start:start + sizes[rank]], whole_labels, backend="cuda" if last else "torch",
+        **vp))
     fsdp_like = distribute_tensor(w, _MESH, [Shard(0)])  # FSDP2's sharded lm_head, outside forward
     attempt("same_group_for_both", lambda: fused(weight=fsdp_like))
     attempt("group_size_total", lambda: fused(group_size=5))
     attempt("start_without_group", lambda: tpo_kernels.fused_linear_logprobs(h, w, labels, vocab_start_index=0))
+    return {"outcomes": outcomes}
+
+
+def two_d_failures_case(rank: int, world: int) -> dict:
+    """On a (data x tensor) mesh, global rank 3 (data rank 1, tensor rank 1) fails or disagrees:
+    all four ranks raise the same error, naming the global rank with its group rank beside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    batch = dp_batch([4] * (world // 2), grouping="size", seed=9)
+    share = _share(batch, dp_rank)
+    start, stop, _ = _my_shard(VOCAB, 2, tp_rank, rotate=False)
+    failing = rank == world - 1
+    outcomes = {}
+
+    def fused(labels=None, **kw):
+        return tpo_kernels.fused_linear_tpo_loss(
+            share["hidden"], batch["weight"][start:stop], share["labels"] if labels is None else labels,
+            share["scores"], bias=batch["bias"][start:stop], group_size=4, process_group=dp_group,
+            vocab_parallel_group=tp_group, **kw)
+
+    _attempt(outcomes, "backend_unusable", lambda: fused(backend="cuda" if failing else "torch"))
+    _attempt(outcomes, "negative_start", lambda: fused(vocab_start_index=-1 if failing else start))
+    _attempt(outcomes, "eta", lambda: fused(eta=0.5 if failing else 1.0))
+    bad = share["labels"].clone()
+    bad[0, 0] = VOCAB + 3
+    # Out-of-range labels on data rank 1 (both of its tensor ranks hold the same tokens).
+    _attempt(outcomes, "label_out_of_range", lambda: fused(labels=bad if dp_rank == 1 else None))
     return {"outcomes": outcomes}
 
 

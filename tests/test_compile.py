@@ -134,12 +134,12 @@ print("OK", float(compiled))
 """
 
 
-def _run_fresh(*args, script=_FRESH_STEP):
+def _run_fresh(*args, script=_FRESH_STEP, env_extra=None):
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ)  # the child imports the tpo_kernels this test imported (tree or installed)
+    env = dict(os.environ, **(env_extra or {}))  # the child imports the tpo_kernels this test imported
     package_parent = str(pathlib.Path(tpo_kernels.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
@@ -222,3 +222,103 @@ def test_dynamic_shapes_compile_at_most_two_graphs(backend, mode):
     assert result.returncode == 0 and "GRAPHS" in result.stdout, result.stderr[-3000:]
     graphs, shapes = (int(word) for word in result.stdout.split()[1::2])
     assert shapes >= 4 and graphs <= 2, result.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# What cannot be one graph says so: value checks (validate=True) and distributed calls.
+# ----------------------------------------------------------------------------------------------
+
+def _every_public_call(validate, **extra):
+    """``{function name: zero-argument call}`` of every public function on a tiny batch."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(N, T, V, generator=gen)
+    hidden, weight = torch.randn(N, T, H, generator=gen), torch.randn(V, H, generator=gen)
+    labels = torch.randint(0, V, (N, T), generator=gen)
+    scores = torch.randn(N, generator=gen)
+    candidates = torch.randint(0, V, (N, 3), generator=gen)
+    cand_scores = torch.randn(N, 3, generator=gen)
+    common = dict(validate=validate, backend="torch", **extra)
+    return {
+        "tpo_loss": lambda: tpo_kernels.tpo_loss(logits, labels, scores, group_size=K, **common),
+        "fused_linear_tpo_loss": lambda: tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores,
+                                                                           group_size=K, **common),
+        "tpo_loss_from_logprobs": lambda: tpo_kernels.tpo_loss_from_logprobs(-logits[..., 0].abs(), scores,
+                                                                             group_size=K, **common),
+        "selective_logprobs": lambda: tpo_kernels.selective_logprobs(logits, labels, **common).sum(),
+        "fused_linear_logprobs": lambda: tpo_kernels.fused_linear_logprobs(hidden, weight, labels, **common).sum(),
+        "token_tpo_loss": lambda: tpo_kernels.token_tpo_loss(logits[:, 0], candidates, cand_scores, **common),
+        "fused_linear_token_tpo_loss": lambda: tpo_kernels.fused_linear_token_tpo_loss(
+            hidden[:, 0], weight, candidates, cand_scores, **common),
+    }
+
+
+PUBLIC_FUNCTIONS = sorted(_every_public_call(True))
+
+
+@pytest.mark.parametrize("function", PUBLIC_FUNCTIONS)
+def test_fullgraph_with_validate_raises_one_error_naming_validate_false(function):
+    """Dynamo would stop at the value checks' read-back with "Tensor.tolist() with non-integer
+    tensor"; the call says instead what to pass."""
+    call = _every_public_call(True)[function]
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as caught:
+        torch.compile(call, fullgraph=True, backend="aot_eager")()
+    first_line = str(caught.value).splitlines()[0]
+    assert first_line.startswith(f"RuntimeError: {function} with validate=True cannot be traced into one graph"), \
+        first_line
+    assert "Pass validate=False under torch.compile(fullgraph=True)" in first_line
+
+
+def test_compile_without_fullgraph_still_validates():
+    """Without fullgraph the value checks run eagerly between graphs: the result is the eager one,
+    and a bad label is still refused with the eager error."""
+    calls = _every_public_call(True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(calls["tpo_loss"], backend="aot_eager")(), calls["tpo_loss"]())
+    bad = torch.randint(0, V, (N, T))
+    bad[0, 0] = V + 4
+
+    def bad_call():
+        return tpo_kernels.tpo_loss(torch.randn(N, T, V), bad, torch.randn(N), group_size=K, backend="torch")
+
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"labels must hold ids in \[0, 50\)"):
+        torch.compile(bad_call, backend="aot_eager")()
+
+
+def test_fullgraph_with_validate_false_is_unaffected():
+    calls = _every_public_call(False)
+    for function in PUBLIC_FUNCTIONS:
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(calls[function], fullgraph=True, backend="aot_eager")(),
+                                   calls[function](), msg=function)
+
+
+_DISTRIBUTED_FULLGRAPH = """
+import os, sys, torch, torch.distributed as dist, tpo_kernels
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+N, T, H, V, K = 4, 3, 8, 11, 2
+hidden, weight = torch.randn(N, T, H), torch.randn(V, H)
+labels, scores = torch.randint(0, V, (N, T)), torch.randn(N)
+keyword = sys.argv[2]
+step = lambda: tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores, group_size=K, validate=False,
+                                                 **{keyword: dist.group.WORLD})
+try:
+    torch.compile(step, fullgraph=True, backend="aot_eager")()
+    print("NO ERROR")
+except Exception as error:
+    print("ERROR", str(error).splitlines()[0])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("keyword", ["process_group", "vocab_parallel_group"])
+def test_fullgraph_distributed_call_says_distributed_calls_run_eagerly(keyword):
+    """A one-rank gloo group in a fresh process (this one keeps no process group)."""
+    from _distributed import free_port, loopback_env
+
+    result = _run_fresh(str(free_port()), keyword, script=_DISTRIBUTED_FULLGRAPH, env_extra=loopback_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"ERROR RuntimeError: fused_linear_tpo_loss with {keyword} cannot be traced into one graph: "
+            f"distributed calls run eagerly") in result.stdout, result.stdout + result.stderr[-2000:]

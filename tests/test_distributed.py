@@ -8,7 +8,8 @@ over data-parallel ranks (a group spread over every rank, ranks with different N
 reduction), a vocabulary split over ranks (V % P != 0, shards in rank order or placed by
 ``vocab_start_index``, logits or fused head, with entropy), DTensor shards, the 2-D (data x
 tensor) mesh, DDP and FSDP2 training of a tiny causal LM. Zero-signal groups stay exactly zero.
-A byte-counting case checks what each collective moves.
+A byte-counting case checks what each collective moves. Failures on one rank:
+tests/test_distributed_failures.py.
 
 One spawn of 4 ranks runs every case (process start-up dominates the time): the 2- and 3-rank
 cases run on subgroups of it.
@@ -71,7 +72,6 @@ CASES = {
         "token_dp_logits": ("token_dp_case", dict(states=[3, 5])),
         "token_dp_fused_old_sum": ("token_dp_case", dict(states=[4, 2], fused=True, reduction="sum", old=True)),
         "token_dp_empty_rank": ("token_dp_case", dict(states=[0, 4], backend="cpu")),
-        "failures": ("failures_case", {}),
     },
     3: {
         "dp_logits_ids_cpu": _dp("logits", [3, 5, 4], "ids", backend="cpu"),
@@ -88,7 +88,6 @@ CASES = {
         "bytes": ("bytes_case", {}),
         "dp_fused_empty_middle_rank": _dp("fused", [4, 0, 4], "size", entropy=True),
         "token_dp_fused": ("token_dp_case", dict(states=[2, 3, 1], fused=True)),
-        "failures": ("failures_case", {}),
     },
     4: {
         "two_d": ("two_d_case", {}),
@@ -127,7 +126,7 @@ def _check_pairs(per_rank, tol=FP32_TOL):
 
 
 CORRECTNESS = [(w, n) for w, cases in CASES.items() for n in cases
-               if n not in ("bytes", "failures") and not n.startswith("train")]
+               if n != "bytes" and not n.startswith("train")]
 
 
 @pytest.mark.parametrize("world,name", CORRECTNESS, ids=[f"{w}ranks-{n}" for w, n in CORRECTNESS])
@@ -183,60 +182,6 @@ def test_collective_bytes(world):
             print(f"\n{world} ranks, bytes per rank: " + "; ".join(
                 f"{k}: fwd {[r[1:3] for r in v['forward']]} bwd {[r[1:] for r in v['backward']]}"
                 for k, v in stats.items()))
-
-
-# Scenario -> what every rank's error says. Each fails on the last rank only (or disagrees there),
-# or is inconsistent across ranks; the other ranks must raise the same error, not wait.
-FAILURES = {
-    "label_out_of_range": (ValueError, "process_group: rank {last} failed its input checks; rank {last}: labels must"),
-    "nan_score": (ValueError, "rank {last}: scores must be finite"),
-    "no_counted_token_anywhere": (ValueError, "no completion on any rank of process_group has a counted token"),
-    "compute_dtype": (ValueError, "ranks disagree on compute dtype"),
-    "return_entropy": (ValueError, "ranks disagree on return_entropy"),
-    "eta": (ValueError, "ranks disagree on eta"),
-    "reduction": (ValueError, "ranks disagree on reduction"),
-    "score_eps": (ValueError, "ranks disagree on score_eps"),
-    "length_normalize": (ValueError, "ranks disagree on length_normalize"),
-    "old_on_one_rank": (ValueError, "ranks disagree on old_logprobs"),
-    "bad_type_on_one_rank": (TypeError, "rank {last}: group_size must be an int"),
-    "token_level_nan": (ValueError, "rank {last}: scores must be finite"),
-    "vp_label_out_of_range": (ValueError, "labels must hold ids in [0, 37)"),
-    "vp_labels_differ": (ValueError, "vocab_parallel_group: labels differs on rank {last} from rank 0"),
-    "vp_tokens_differ": (ValueError, "vocab_parallel_group: ranks disagree on tokens"),
-    "vp_dtype": (ValueError, "vocab_parallel_group: ranks disagree on compute dtype"),
-    "vp_softcap": (ValueError, "logit_softcap is not supported with a vocabulary-parallel"),
-    "overlapping_shards": (ValueError, "must tile"),
-    "same_group_for_both": (ValueError, "the vocabulary is sharded over the ranks of process_group"),
-    "group_size_total": (ValueError, "group_size must divide the number of completions over all ranks"),
-    "start_without_group": (ValueError, "vocab_start_index needs vocab_parallel_group"),
-}
-RAISE_WITHIN_S = 10.0  # the process-group timeout of these tests is 60 s; a stranded rank waits that long
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("scenario", sorted(FAILURES))
-def test_failures_raise_the_same_error_on_every_rank(world, scenario):
-    """A local check failing on one rank, or ranks disagreeing on a setting, the dtype, the tokens
-    or the labels of a vocabulary shard: every rank raises the same error (type and message,
-    naming the argument and the rank) within seconds; none waits for the others to time out."""
-    error_type, fragment = FAILURES[scenario]
-    fragment = fragment.format(last=world - 1)
-    outcomes = [r["outcomes"][scenario] for r in _case(world, "failures")]
-    assert all(o is not None for o in outcomes), (scenario, outcomes)
-    assert len({(o[0], o[1]) for o in outcomes}) == 1, f"ranks raised different errors: {outcomes}"
-    kind, message, seconds = outcomes[0]
-    assert kind == error_type.__name__ and fragment in message, outcomes[0]
-    assert max(o[2] for o in outcomes) < RAISE_WITHIN_S, outcomes
-
-
-def test_failure_times_are_reported():
-    """The time each failure scenario took to raise on every rank (printed for the record)."""
-    for world in (2, 3):
-        per_rank = [r["outcomes"] for r in _case(world, "failures")]
-        slowest = {name: max(o[name][2] for o in per_rank) for name in FAILURES}
-        print(f"\n{world} ranks, slowest rank per scenario (s): "
-              + ", ".join(f"{name} {seconds:.3f}" for name, seconds in sorted(slowest.items())))
-        assert max(slowest.values()) < RAISE_WITHIN_S
 
 
 def _example_commands():

@@ -355,3 +355,39 @@ def test_bench_cli_bad_option_names_it(argv, match, tmp_path):
 
     with pytest.raises(SystemExit, match=match):
         run.main([*argv, "--device", "cpu", "--out", str(tmp_path), "--no-plots"])
+
+
+# ----------------------------------------------------------------------------------------------
+# logits_cache_bytes: the integers every other integer keyword takes, within an int64
+# ----------------------------------------------------------------------------------------------
+
+def _fused_with_cache(budget, function="fused_linear_tpo_loss"):
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(N, T, H, generator=gen), torch.randn(V, H, generator=gen)
+    labels = torch.randint(0, V, (N, T), generator=gen)
+    if function == "fused_linear_logprobs":
+        return tpo_kernels.fused_linear_logprobs(hidden, weight, labels, logits_cache_bytes=budget)
+    return tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, torch.randn(N, generator=gen), group_size=2,
+                                             logits_cache_bytes=budget)
+
+
+@pytest.mark.parametrize("function", ["fused_linear_tpo_loss", "fused_linear_logprobs"])
+def test_numpy_logits_cache_bytes_is_accepted(function):
+    import numpy as np
+
+    for budget in (np.int64(1 << 20), np.uint32(1 << 20), np.int8(0)):
+        torch.testing.assert_close(_fused_with_cache(budget, function), _fused_with_cache(int(budget), function),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("function", ["fused_linear_tpo_loss", "fused_linear_logprobs"])
+@pytest.mark.parametrize("budget", [2 ** 63, 2 ** 64 + 5, -1])
+def test_logits_cache_bytes_outside_int64_is_a_value_error_naming_it(function, budget):
+    with pytest.raises(ValueError, match=r"logits_cache_bytes must be an int in \[0, 2\*\*63\)"):
+        _fused_with_cache(budget, function)
+
+
+@pytest.mark.parametrize("budget", [1.0, True, "1024"])
+def test_logits_cache_bytes_of_another_type_is_a_type_error_naming_it(budget):
+    with pytest.raises(TypeError, match="logits_cache_bytes must be an int"):
+        _fused_with_cache(budget)

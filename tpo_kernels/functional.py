@@ -28,10 +28,16 @@ Shared keywords of the losses:
         the device, and leave completions with no counted token out of their groups.
         ``validate=False`` skips those reads, for compiled and CUDA-graph use: then every
         completion must have a counted token. Shapes, dtypes and devices are always checked.
+        Traced by ``torch.compile(fullgraph=True)`` with ``validate=True`` a call stops with an
+        error saying to pass ``validate=False`` (without ``fullgraph`` the checks run eagerly
+        between graphs). With ``validate=True``, old log-probs more than rounding above 0 are
+        refused; ``group_size=1`` (a loss of 0) warns.
 
 Distributed keywords (``process_group`` for groups split over data-parallel ranks;
 ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded lm_head or logits):
-see :mod:`tpo_kernels.distributed`.
+see :mod:`tpo_kernels.distributed`. A check failing on one rank raises the same error on every
+rank of the call's groups. Distributed calls run eagerly: traced with ``fullgraph=True`` they stop
+with an error saying so.
 """
 
 from __future__ import annotations

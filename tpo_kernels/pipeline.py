@@ -30,6 +30,7 @@ from . import _validate
 from . import distributed
 from ._dtypes import compute_dtype
 from ._validate import placement
+from ._validate.compiling import check_traceable
 from .group_math import group_sum, portable_group_targets
 from .backends import backend_key, get_backend
 from .layout import candidate_layout
@@ -66,6 +67,7 @@ class _Checked:
     labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
     batch: Optional[_validate.PreparedBatch] = None
     group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
+    shard_request: Optional[distributed.ShardRequest] = None  # this rank's vocabulary shard, if split
 
 
 def _resolve_source(source: Source, where: Placement):
@@ -85,11 +87,35 @@ def _resolve_source(source: Source, where: Placement):
 
 
 def _data_group(process_group):
-    """The data-parallel group, or None for one rank (nothing to gather)."""
+    """``(data-parallel group | None, failure | None)``: the group (None for one rank: nothing to
+    gather), or why ``process_group`` is none (then this rank has no group to report on, unless a
+    vocabulary group carries the error)."""
     if process_group is None:
+        return None, None
+    try:
+        placement.check_group("process_group", process_group)
+        return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
+    except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
+        return None, error
+
+
+def _vocab_group_hint(source: Source, where: Placement):
+    """The group this call's vocabulary would be split over, read without any check, so that a
+    rank whose placement checks fail still joins its peers' exchange on it and reports there:
+    ``vocab_parallel_group`` when it is a process group, else the mesh group a DTensor logits /
+    weight is sharded over on the vocabulary, else None."""
+    if where.vocab_parallel_group is not None:
+        group = where.vocab_parallel_group
+        ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return group if ready and isinstance(group, torch.distributed.ProcessGroup) else None
+    tensor, dim = (source.logits, -1) if isinstance(source, Logits) else (
+        (source.weight, 0) if isinstance(source, Head) else (None, 0))
+    if not distributed.vocab_parallel.is_dtensor(tensor):
         return None
-    placement.check_group("process_group", process_group)
-    return process_group if torch.distributed.get_world_size(process_group) > 1 else None
+    try:
+        return distributed.vocab_parallel.dtensor_vocab_group(tensor, dim)
+    except Exception:  # noqa: BLE001 - a malformed DTensor: no group to report on
+        return None
 
 
 def _settings(options: Options, temperature: Optional[float] = None) -> _validate.LossSettings:
@@ -197,18 +223,27 @@ def _record_device(group, checked: Optional[_Checked]) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree_on_vocabulary(request, shard_request, checked: Optional[_Checked], failure: Optional[Exception]):
+def _vocabulary_group(checked: Optional[_Checked], hint):
+    """The group of this call's vocabulary exchange: the resolved shard's, or (this rank's checks
+    failed) the group its arguments name."""
+    if checked is None:
+        return hint
+    return None if checked.shard_request is None else checked.shard_request.group
+
+
+def _agree_on_vocabulary(request, group, checked: Optional[_Checked], failure: Optional[BaseException]):
     """Every rank of ``vocab_parallel_group`` states its shard, its tokens and its settings;
     returns ``(VocabShard | None, failure | None)``, the same verdict on every rank."""
-    group = shard_request.group
+    shard_request = None if checked is None else checked.shard_request
     hidden = checked.rows[1].shape[-1] if checked is not None and checked.rows[0] == "head" else 0
     tokens = 0 if checked is None else checked.labels.numel()
     settings = _agreed_settings(request.function, checked, {"tokens": tokens, "hidden size": hidden})
     labels = torch.zeros((), dtype=torch.int64) if checked is None else placement.fingerprint(checked.labels)
+    size = 0 if shard_request is None else shard_request.size
+    start = -1 if shard_request is None or shard_request.start is None else shard_request.start
     agreement = distributed.agree(
         group, "vocab_parallel_group", _record_device(group, checked), failure=failure,
-        counts={"size": shard_request.size, "start": -1 if shard_request.start is None else shard_request.start},
-        settings=settings, fingerprints={"labels": labels},
+        counts={"size": size, "start": start}, settings=settings, fingerprints={"labels": labels},
     )
     if agreement.error is not None:
         return None, agreement.error
@@ -218,11 +253,11 @@ def _agree_on_vocabulary(request, shard_request, checked: Optional[_Checked], fa
         # The labels are the same on every rank (their fingerprints agree): so is this verdict.
         placement.check_labels_below(checked.labels, shard.vocab_size, checked.settings.validate)
     except ValueError as error:
-        return None, error
+        return None, distributed.agreement.agreed(error)
     return shard, None
 
 
-def _agree_on_groups(group, function: str, checked: Optional[_Checked], failure: Optional[Exception], *,
+def _agree_on_groups(group, function: str, checked: Optional[_Checked], failure: Optional[BaseException], *,
                      group_size: Optional[int], group_ids: Optional[Tensor], count: int, any_kept: bool,
                      all_kept: bool, per_item: int = 1, extra: Optional[dict] = None, what: str = "completion"):
     """Every rank of ``process_group`` states how many completions (states) it holds and its
@@ -240,16 +275,24 @@ def _agree_on_groups(group, function: str, checked: Optional[_Checked], failure:
         placement.check_split_batch(sizes, group_size, [c["any kept"] for c in agreement.counts],
                                     checked.settings.validate, what)
     except ValueError as error:
-        return None, error
+        return None, distributed.agreement.agreed(error)
     return distributed.GroupGather(group, tuple(n * per_item for n in sizes), group_size or per_item, group_ids,
                                    all(c["all kept"] for c in agreement.counts)), None
 
 
-def _checked_or_failure(check: Callable[[], _Checked], distributed_call: bool):
-    """Run the local checks; on one rank a failure raises here, across ranks it is reported."""
+def _checked_or_failure(check: Callable[[], _Checked], distributed_call: bool,
+                        failure: Optional[BaseException] = None):
+    """Run the local checks (unless ``failure`` already stopped this rank); on one rank a failure
+    raises here, across ranks any exception the checks raise (argument checks, the backend's
+    resolution, placement and shard checks, cache budgets) is reported to the peers, which raise
+    the same error instead of waiting for this rank at their next collective."""
+    if failure is not None:
+        if not distributed_call:
+            raise failure
+        return None, failure
     try:
         return check(), None
-    except (ValueError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001 - every rank raises it after the exchange
         if not distributed_call:
             raise
         return None, error
@@ -310,20 +353,31 @@ def _signal_tokens(checked: _Checked, gather) -> Optional[Tensor]:
 # ----------------------------------------------------------------------------- the three runs
 
 
+def _distributed_keywords(where: Placement) -> tuple:
+    return tuple(name for name in ("process_group", "vocab_parallel_group")
+                 if getattr(where, name) is not None)
+
+
 def sequence_loss(request: SequenceRequest) -> LossOutput:
     """Sequence-level TPO: row op, then the group stage over local or gathered groups."""
-    source, shard_request, original = _resolve_source(request.source, request.placement)
-    data_group = _data_group(request.placement.process_group)
-    if shard_request is not None and data_group is not None:
-        placement.check_groups_apart(shard_request.group, data_group)
-    spread = shard_request is not None or data_group is not None
+    check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
+    data_group, failure = _data_group(request.placement.process_group)
+    hint = _vocab_group_hint(request.source, request.placement)
     batch = request.batch
-    checked, failure = _checked_or_failure(
-        lambda: _check_sequence(request, source, shard_request is not None, data_group is None, original), spread)
 
+    def check() -> _Checked:
+        source, shard_request, original = _resolve_source(request.source, request.placement)
+        if shard_request is not None and data_group is not None:
+            placement.check_groups_apart(shard_request.group, data_group)
+        checked = _check_sequence(request, source, shard_request is not None, data_group is None, original)
+        checked.shard_request = shard_request
+        return checked
+
+    checked, failure = _checked_or_failure(check, hint is not None or data_group is not None, failure)
     shard = gather = None
-    if shard_request is not None:
-        shard, failure = _agree_on_vocabulary(request, shard_request, checked, failure)
+    vocab_group = _vocabulary_group(checked, hint)
+    if vocab_group is not None:
+        shard, failure = _agree_on_vocabulary(request, vocab_group, checked, failure)
     if data_group is not None:
         prepared = None if checked is None else checked.batch
         gather, failure = _agree_on_groups(
@@ -359,9 +413,11 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
 
 def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropies) of the labels, over a whole or sharded vocabulary."""
-    source, shard_request, original = _resolve_source(request.source, request.placement)
+    check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
+    hint = _vocab_group_hint(request.source, request.placement)
 
     def check() -> _Checked:
+        source, shard_request, original = _resolve_source(request.source, request.placement)
         rows, device, dtype, vocab_size = _check_rows(source, shard_request is not None, original)
         options = request.options
         inv_temperature = 1.0 / _validate.check_positive("temperature", options.temperature)
@@ -377,12 +433,13 @@ def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, 
         input_name = "logits" if rows[0] == "logits" else "hidden"
         labels = _validate.prepare_labels(request.labels, _token_shape(source), None if shard_request else vocab_size,
                                           device, input_name, request.ignore_index, settings.validate)
-        return _Checked(settings, key, device, dtype, rows, labels)
+        return _Checked(settings, key, device, dtype, rows, labels, shard_request=shard_request)
 
-    checked, failure = _checked_or_failure(check, shard_request is not None)
+    checked, failure = _checked_or_failure(check, hint is not None)
     shard = None
-    if shard_request is not None:
-        shard, failure = _agree_on_vocabulary(request, shard_request, checked, failure)
+    vocab_group = _vocabulary_group(checked, hint)
+    if vocab_group is not None:
+        shard, failure = _agree_on_vocabulary(request, vocab_group, checked, failure)
     if failure is not None:
         raise failure
     token_lp, entropy = _row_logprobs(checked, shard, checked.settings.return_entropy)
@@ -394,8 +451,9 @@ def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, 
 
 def candidate_loss(request: CandidateRequest) -> LossOutput:
     """Token-level TPO: each state's K candidates form a group (states may be split over ranks)."""
+    check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
     source = request.source
-    data_group = _data_group(request.placement.process_group)
+    data_group, failure = _data_group(request.placement.process_group)
 
     def check() -> _Checked:
         options = request.options
@@ -415,7 +473,7 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
         )
         return _Checked(settings, key, device, dtype, (input_name, candidates, scores, old), None)
 
-    checked, failure = _checked_or_failure(check, data_group is not None)
+    checked, failure = _checked_or_failure(check, data_group is not None, failure)
     gather = None
     if data_group is not None:
         num_states, num_cand = (0, 0) if checked is None else tuple(checked.rows[1].shape)

@@ -4,6 +4,9 @@ checked and described as flat rows plus a layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
+import sys
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -17,6 +20,12 @@ from .tensors import check_integer_dtype, check_tensor, prepare_labels, reject_m
 
 
 # ----------------------------------------------------------------------------- sequence batches
+
+# Log-probabilities are at most 0. An old log-prob above 0 by more than this (per counted token;
+# per completion, this times its counted tokens for sums, this for means) is not rounding: it is
+# a sign flip (negative log-likelihoods), probabilities, or logits passed as log-probs. Rounding
+# near 0 is far below it: fp32 log-softmax of logits up to 1e3 is off by ~1e-4 at most.
+OLD_LOGPROB_SLACK = 1e-2
 
 
 @dataclass
@@ -64,6 +73,20 @@ def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_n
     return cu_seqlens, (values[0], values[1])
 
 
+# Frames a warning skips to reach the user's call: this package's, and torch.nn's (module calls).
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                  for path in (os.path.dirname(os.path.abspath(__file__)), torch.nn.__file__))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` called here that points at the first frame outside
+    tpo_kernels and torch.nn (the user's call), whatever path led here."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, input_name: str,
                    whole: bool = True) -> Optional[int]:
     """The checked ``group_size`` as a Python int (None with ``group_ids``). ``whole=False``: this
@@ -75,6 +98,10 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
         if not _is_int(group_size):
             raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
         group_size = int(group_size)
+        if group_size == 1 and not torch.compiler.is_compiling():
+            warnings.warn("group_size=1: every group holds a single completion, whose target is itself (p = q = 1), "
+                          "so the loss is 0 and trains nothing; pass the number of completions per prompt (>= 2)",
+                          UserWarning, stacklevel=_caller_stacklevel())
         if not whole and group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if whole and (group_size < 1 or num_seqs % group_size != 0):
@@ -115,6 +142,15 @@ def _check_mask(mask, token_shape, device: torch.device, input_name: str,
         checks.require(((mask == 0) | (mask == 1)).all(),
                        lambda: ValueError("mask must hold only 0 and 1 (or be a bool tensor)"))
     return mask.reshape(-1) != 0
+
+
+def _require_log_probabilities(checks: ValueChecks, values: Tensor, slack, where: str) -> None:
+    """Add to ``checks``: ``values`` (old log-probs) are at most ``slack`` (a float or a tensor of
+    ``values``' shape) above 0. NaN passes here (the finiteness check words it)."""
+    positive = values > slack
+    checks.require(~positive.any(), lambda: ValueError(
+        f"old_logprobs must be log-probabilities (<= 0); found {values[positive][0].item():.6g} {where} "
+        f"(more than rounding above 0: negative log-likelihoods, probabilities or logits?)"))
 
 
 def _check_float_values(name: str, x, device, input_name: str) -> None:
@@ -192,7 +228,8 @@ def prepare_batch(
     all_counted = any_counted = None
     if validate:
         # Completions with no counted token (e.g. truncated and masked) are left out of their group.
-        counted_seqs = segment_sum(valid.to(torch.int64), layout) > 0
+        counted_tokens = segment_sum(valid.to(torch.int64), layout)
+        counted_seqs = counted_tokens > 0
         if whole:
             checks.require(counted_seqs.any(),
                            lambda: ValueError("no completion has a counted token (all masked or ignore_index)"))
@@ -207,11 +244,16 @@ def prepare_batch(
         _check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) == token_shape:
             old_tokens = torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0)
+            if validate:
+                _require_log_probabilities(checks, old_tokens, OLD_LOGPROB_SLACK, "at a counted token")
             if length_normalize:
                 old_tokens = old_tokens * length_weights(valid, layout, torch.float64)
             old_seq = segment_sum(old_tokens, layout)
         elif tuple(old_logprobs.shape) == (num_seqs,):
             old_seq = old_logprobs.to(torch.float64).contiguous()
+            if validate:  # sums carry one rounding per counted token; means one
+                slack = OLD_LOGPROB_SLACK * (1 if length_normalize else counted_tokens.clamp(min=1))
+                _require_log_probabilities(checks, old_seq, slack, "for a completion")
         else:
             raise ValueError(
                 f"old_logprobs must be per token {token_shape} or per completion ({num_seqs},), got {tuple(old_logprobs.shape)}"

@@ -11,6 +11,8 @@ from .._dtypes import FLOAT_DTYPES
 from .deferred import ValueChecks
 from .scalars import _is_int, check_ignore_index
 
+_INT64_LIMIT = 2 ** 63
+
 
 # ----------------------------------------------------------------------------- tensors
 
@@ -160,12 +162,17 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
 def check_logits_cache(logits_cache_bytes, policy_bytes, vocab_parallel: bool) -> int:
     """The bytes of logits the fused head's forward may keep for its backward: an int >= 0 given
     as the keyword or on the tile policy (not both, unless equal); 0 with a vocabulary shard."""
+    budgets = []
     for name, value in (("logits_cache_bytes", logits_cache_bytes), ("tile_policy.logits_cache_bytes", policy_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_int(value):  # a Python or NumPy integer, as every integer keyword
             raise TypeError(f"{name} must be an int (bytes of logits the forward may keep for the backward), "
                             f"got {type(value).__name__}")
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+        value = int(value)
+        if not 0 <= value < _INT64_LIMIT:  # the ops take it as an int64
+            raise ValueError(f"{name} must be an int in [0, 2**63) (bytes of logits the forward may keep for "
+                             f"the backward), got {value}")
+        budgets.append(value)
+    logits_cache_bytes, policy_bytes = budgets
     if logits_cache_bytes and policy_bytes not in (0, logits_cache_bytes):
         raise ValueError(f"logits_cache_bytes={logits_cache_bytes} disagrees with "
                          f"tile_policy.logits_cache_bytes={policy_bytes}; give one of them")

@@ -38,7 +38,13 @@ fused path, the one all-reduce of ``dH`` that any tensor-parallel linear layer n
 Every collective goes through :func:`all_gather_stacked` or :func:`all_reduce_sum`, which
 :func:`count_collectives` can log (the byte-counting tests use it).
 
-The keywords of the public functions (collectives run eagerly, not under ``torch.compile``):
+Whatever a rank's checks raise before the agreement (an argument check, the backend's resolution,
+a placement, shard or cache-budget check; any exception type) travels in it: every rank of the
+call's groups raises the same error, naming the failing global rank (and its group rank on a 2-D
+mesh), instead of waiting for that rank at a collective until the process group's timeout.
+
+The keywords of the public functions (collectives run eagerly, not under ``torch.compile``; traced
+with ``fullgraph=True`` a distributed call stops with an error saying so):
     process_group: the data-parallel group over which the batch's completions are split (the
         sequence-level losses). Groups may straddle ranks (``group_ids`` global; ``group_size``
         counts over the concatenation of the ranks' batches in rank order) and ranks may hold

@@ -60,9 +60,24 @@ def _dtensor_type():
     return None if module is None else module.DTensor
 
 
-def _is_dtensor(x) -> bool:
+def is_dtensor(x) -> bool:
     cls = _dtensor_type()
     return cls is not None and isinstance(x, cls)
+
+
+_is_dtensor = is_dtensor
+
+
+def dtensor_vocab_group(x, dim: int):
+    """The process group of the mesh dimension a DTensor is sharded over along ``dim`` (the
+    first such one), or None; no check (the group a rank reports a failed check on)."""
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    dim = dim % x.dim()
+    for mesh_dim, p in enumerate(x.placements):
+        if type(p) is Shard and p.dim == dim:
+            return x.device_mesh.get_group(mesh_dim)
+    return None
 
 
 def _dtensor_shard(name: str, x, dim: int, group, start: Optional[int]) -> Tuple[Tensor, "ShardRequest"]:
