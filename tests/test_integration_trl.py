@@ -357,9 +357,10 @@ def test_untested_trl_version_is_refused(monkeypatch):
 
 
 def _trl_example() -> str:
-    """The README's TRL example (a ```python trl block), or the proposed section's before merge."""
+    """The TRL guide's example (a ```python trl block in tpo_kernels/integrations/trl/README.md, the
+    guide the README links to), or the proposed section's before merge."""
     root = pathlib.Path(__file__).resolve().parents[1]
-    for name in ("README.md", "docs-trl-section.md"):
+    for name in ("tpo_kernels/integrations/trl/README.md", "docs-trl-section.md"):
         path = root / name
         if path.exists():
             blocks = re.findall(r"```python trl\n(.*?)```", path.read_text(), re.S)
@@ -378,7 +379,7 @@ def test_readme_trl_example_runs(tiny, tmp_path, monkeypatch):
     assert count == 1
     monkeypatch.chdir(tmp_path)  # the example writes its output_dir
     namespace = {}
-    exec(compile(source, "README.md (TRL example)", "exec"), namespace)
+    exec(compile(source, "tpo_kernels/integrations/trl/README.md (TRL example)", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.state.global_step > 0
     assert any("tpo/loss" in entry and math.isfinite(entry["tpo/loss"]) for entry in trainer.state.log_history)
