@@ -12,10 +12,13 @@ the chain rule of the linear layer::
 
     dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
 
-Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. Tiles span
-many tokens so that the matmuls run at full speed and the ``dW`` accumulation stays
-compute-bound; a ``dW`` accumulator wider than the weight dtype (fp32 for a bf16 head) is kept
-per vocabulary block, so it stays small. :class:`TilePolicy` holds these budgets per device.
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The
+backward's tiles take every active token times a vocabulary block as wide as the logits budget
+allows (:func:`~tpo_kernels.ops.tiles.backward_plan`), so that each ``dW`` block is one matmul
+written straight in the weight's dtype, its sum over tokens in the matmul's fp32 accumulator: no
+accumulator tensor, fill or conversion pass. Where such a tile does not fit (or ``grad_accum_dtype``
+asks for sums wider than a matmul's), tokens come in chunks and ``dW`` is summed over them in a
+per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per device.
 
 With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
