@@ -555,3 +555,46 @@ def test_bench_prints_a_progress_line_while_a_slow_measurement_runs(tmp_path, ca
     end = next(i for i, line in enumerate(lines) if "ERROR slow stand-in" in line)
     beats = lines[start + 1:end]
     assert beats and all("[1/1] logprobs M=8 V=16 fp32 dense naive: still running" in line for line in beats), lines
+
+
+# --------------------------------------------------------------------------- the fused backward against its floor (issue 31)
+
+
+def test_fused_backward_preset_times_the_backward_alone_against_two_and_three_matmuls():
+    preset = PR.PRESETS["fused-backward-cpu"]
+    (job,) = preset.jobs
+    assert preset.device == "cpu" and job.modes == ["backward"] and job.case == "fused_linear"
+    assert set(job.providers) == {"tpo:cpu", "tpo_cached:cpu", "matmul3", "matmul4"}
+    pairs = {(t.num, t.den, t.mode) for t in preset.targets}
+    assert pairs == {("tpo_cached:cpu", "matmul3", "backward"), ("tpo:cpu", "matmul4", "backward")}
+
+
+def test_fused_linear_traffic_is_the_tile_plan_account():
+    """At the fused-linear-gpu shape the backward's one-matmul blocks move 16 GB less than the plan
+    before them (their dW accumulator: fill, 3 chunks' read-modify-writes, conversion, zeros_like)."""
+    shape = PR._FL_GPU
+    new = C.fused_linear_traffic(shape, "bf16", "cuda")
+    old = C.fused_linear_traffic(shape, "bf16", "cuda", one_gemm=False)
+    assert new["forward"] == old["forward"]
+    weight_bytes = 151936 * 4096 * 2
+    old_dw = old["backward"]["dW: zero fill"] + old["backward"]["dW: block accumulator fill"] \
+        + old["backward"]["dW: accumulate over chunks"] + old["backward"]["dW: convert"]
+    assert old_dw == weight_bytes * (1 + 2 + 3 * 2 * 2 + 3)
+    assert new["backward"]["dW: write"] == weight_bytes and new["backward"]["dW: zero fill"] == 0
+    assert old["backward"]["total"] - new["backward"]["total"] > 16e9
+    row = dict(shape=shape, dtype="bf16", variant="dense", mode="full")
+    assert C.pass_traffic("fused_linear", provider="tpo_cached:cuda", device_type="cuda", **row) == \
+        new["forward"]["total"] + new["backward"]["total"]
+    assert C.pass_traffic("fused_linear", provider="matmul4", device_type="cuda", **row) is None
+
+
+def test_report_prints_the_traffic_beside_the_times(tmp_path):
+    shape = "G=1,K=4,T=8,H=32,V=256"
+    args = ["--case", "fused_linear", "--providers", "tpo:torch,matmul4", "--mode", "backward", "--variant", "dense",
+            "--shape", shape, "--no-isolate", "--no-plots", "--out", str(tmp_path)]
+    assert bench_run.main(args + FAST) == 0
+    expected = C.fused_linear_traffic({"G": 1, "K": 4, "T": 8, "H": 32, "V": 256}, "fp32", "cpu")["backward"]["total"]
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    ours = next(line for line in lines if "| tpo:torch | backward |" in line)
+    floor = next(line for line in lines if "| matmul4 | backward |" in line)
+    assert f"; {expected / 1e9:.3g} GB beyond matmuls" in ours and "beyond matmuls" not in floor

@@ -79,6 +79,43 @@ def flops(shape, dtype, mode, seconds):
     return mats * 2 * sequence_tokens(shape) * shape["V"] * shape["H"] / seconds / 1e12, "TFLOP/s"
 
 
+def fused_linear_traffic(shape: dict, dtype: str, device_type: str, one_gemm: bool = True,
+                         out_dtype_matmul: Optional[bool] = None) -> Dict[str, Dict[str, int]]:
+    """Bytes each pass of ``fused_linear_tpo_loss`` reads and writes beyond its matmuls at this
+    shape and dtype under the device's default :class:`~tpo_kernels.ops.TilePolicy` (dense: every
+    row with a gradient): :func:`tpo_kernels.ops.tiles.traffic_account` of the plan the forward and
+    the backward take. ``one_gemm=False``: the backward's plan before issue 31 (token chunks summed
+    into an fp32 ``dW`` block accumulator). ``out_dtype_matmul``: None follows the policy on this
+    machine, except for CUDA here without one: True (what recent torch offers there)."""
+    import torch
+
+    from ..ops import TilePolicy
+    from ..ops.tiles import backward_plan, tile_shape, traffic_account
+
+    dt, rows, vocab, hidden = DTYPES[dtype], sequence_tokens(shape) if "M" not in shape else shape["M"], shape["V"], shape["H"]
+    policy = TilePolicy.for_device(device_type)
+    chunk = policy.chunk_size(rows, vocab)
+    accum = torch.promote_types(torch.float32, dt)
+    plan = backward_plan(rows, vocab, hidden, chunk, policy, dt, dt, accum, one_gemm=one_gemm)
+    _, forward_block = tile_shape(rows, vocab, hidden, chunk, policy, dt, dt)
+    if out_dtype_matmul is None:
+        out_dtype_matmul = (True if device_type == "cuda" and not torch.cuda.is_available()
+                            else policy.fused_accumulate(torch.device(device_type), dt, accum))
+    return traffic_account(plan, hidden, dt, accum, out_dtype_matmul, cached=False,
+                           forward_blocks=-(-vocab // forward_block))
+
+
+def pass_traffic(case: str, shape: dict, dtype: str, variant: str, provider: str, mode: str,
+                 device_type: str) -> Optional[int]:
+    """The traffic beyond the matmuls of one benchmark row (:func:`fused_linear_traffic`): our
+    fused-linear providers on the dense variant; None for the others."""
+    if case != "fused_linear" or variant != "dense" or not provider.startswith(("tpo:", "tpo_cached:")):
+        return None
+    account = fused_linear_traffic(shape, dtype, device_type)
+    passes = {"forward": ("forward",), "backward": ("backward",), "full": ("forward", "backward")}[mode]
+    return sum(account[p]["total"] for p in passes)
+
+
 # --------------------------------------------------------------------------- grids
 
 

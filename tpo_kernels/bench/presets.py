@@ -143,6 +143,23 @@ _preset(Preset(
               "default (no cache): peak beyond the inputs at most 1.25x the bytes of dH + dW (the floor)", unit="x"),
     ],
 ))
+# The fused head's backward alone against its matmul floor (issue 31): with the cache of every
+# token it is two matmuls (dH, dW: matmul3's backward), without it three (the recompute too:
+# matmul4's backward). Both measured in the same run, so the ratios hold on a shared machine.
+_FL_BWD_CPU = seq(4, 8, 128, 32768, 512)
+_preset(Preset(
+    "fused-backward-cpu", "cpu",
+    "The fused head's backward alone, cached and recomputed, against two and three matmuls of the same shapes "
+    "(matmul3's and matmul4's backward): G=4 K=8 T=128 (M=4096) H=512 V=32768 fp32, every group with signal",
+    [Job("fused_linear", [_FL_BWD_CPU], ["fp32"], ["dense"], ["tpo:cpu", "tpo_cached:cpu", "matmul3", "matmul4"],
+         ["backward"])],
+    [
+        Target("with the cache of every token: backward within 1.10x of two matmuls (dH, dW)", "fused_linear", "dense",
+               "backward", "time", "ratio", "tpo_cached:cpu", "matmul3", "<=", 1.10),
+        Target("without the cache: backward within 1.10x of three matmuls (recompute, dH, dW)", "fused_linear", "dense",
+               "backward", "time", "ratio", "tpo:cpu", "matmul4", "<=", 1.10),
+    ],
+))
 _preset(Preset(
     "logits-speedup-cpu", "cpu",
     "Logits path against eager PyTorch, fwd+bwd at M=8192 V=32768 fp32: tpo_loss on G=8 K=8 T=128 "

@@ -272,7 +272,8 @@ def markdown(run: dict) -> str:
         "- columns: median time of the timed region; `peak` = peak memory over a baseline taken before the inputs "
         "existed (inputs included); `extra` = peak minus the inputs and the gradients a caller keeps (dH, dW); "
         "throughput: logits paths 3 passes over [M,V] (forward read, backward read + write), i.e. 6*M*V bytes in bf16, "
-        "fused-linear 2*M*V*H flops per matmul (1 forward, 3 backward); speedup = t(baseline) / t(row); "
+        "fused-linear 2*M*V*H flops per matmul (1 forward, 3 backward), and beside ours (dense) the bytes the pass reads and "
+        "writes beyond its matmuls, from the tile plan (tpo_kernels.ops.tiles.traffic_account); speedup = t(baseline) / t(row); "
         "memory = peak(row) / peak(baseline); check = loss and gradient norms against the eager reference"
     )
     out.append("")
@@ -286,6 +287,7 @@ def markdown(run: dict) -> str:
     groups: Dict[tuple, List[dict]] = OrderedDict()
     for r in results:
         groups.setdefault((r["case"], r["dtype"], r["variant"]), []).append(r)
+    device_type = "cpu" if meta.get("device_name", "CPU").startswith("CPU") else "cuda"
     for (case_name, dtype, variant), rows in groups.items():
         case = C.CASES[case_name]
         extra = ""
@@ -319,6 +321,9 @@ def markdown(run: dict) -> str:
             thr_s = f"{thr['value']:.3g} {thr['unit']}" if thr else f"{r['tokens_per_s']:.3g} tok/s"
             if thr and thr.get("vs_copy") is not None:
                 thr_s += f" ({thr['vs_copy']:.0%} of copy)"
+            traffic = C.pass_traffic(case_name, r["shape"], dtype, variant, r["provider"], r["mode"], device_type)
+            if traffic is not None:
+                thr_s += f"; {traffic / 1e9:.3g} GB beyond matmuls"
             out.append(
                 f"| {label} | {r['provider']} | {r['mode']} | {_fmt_ms(r['time_s']['median'])} | {_fmt_mib(r['peak_bytes'])} | "
                 f"{_fmt_mib(r['extra_bytes'])} | {thr_s} | {_vs(r, 'speedup', '.2f')} | {_vs(r, 'memory', '.2f')} | {_check(r)} |"

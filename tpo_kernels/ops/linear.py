@@ -12,10 +12,13 @@ the chain rule of the linear layer::
 
     dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
 
-Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. Tiles span
-many tokens so that the matmuls run at full speed and the ``dW`` accumulation stays
-compute-bound; a ``dW`` accumulator wider than the weight dtype (fp32 for a bf16 head) is kept
-per vocabulary block, so it stays small. :class:`TilePolicy` holds these budgets per device.
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The
+backward's tiles take every active token times a vocabulary block as wide as the logits budget
+allows (:func:`~tpo_kernels.ops.tiles.backward_plan`), so that each ``dW`` block is one matmul
+written straight in the weight's dtype, its sum over tokens in the matmul's fp32 accumulator: no
+accumulator tensor, fill or conversion pass. Where such a tile does not fit (or ``grad_accum_dtype``
+asks for sums wider than a matmul's), tokens come in chunks and ``dW`` is summed over them in a
+per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per device.
 
 With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
@@ -37,6 +40,7 @@ written in the backward (a second backward with ``retain_graph`` sees it intact)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 from typing import List, Optional, Tuple, Union
@@ -49,7 +53,7 @@ from ..backends import Backend, backend_by_key
 from ._tags import host_sync_tags
 from .logprobs import row_gradients
 from .row_summary import RowSummary
-from .tiles import VOCAB_ALIGN, TilePolicy, add_product, balanced_chunks
+from .tiles import BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, tile_shape
 from .transform import LogitTransform, folded_inv_temperature
 
 __all__ = ["TiledLinearHead", "TilePolicy", "linear_logprobs"]
@@ -152,21 +156,17 @@ class TiledLinearHead:
         return [self._buffer(rows, vocab, compute_dtype(self.dtype)) for _ in range(count)]
 
     def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
-        """(tokens, vocabulary entries) of one tile over ``num_rows`` rows: at most
-        ``chunk_size * V`` logits, cut along the vocabulary so that a tile spans at least the
-        policy's ``min_tile_tokens`` rows, and so that a ``dW`` accumulator wider than the
-        weight dtype stays within ``accum_bytes``."""
+        """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows
+        (:func:`~tpo_kernels.ops.tiles.tile_shape`)."""
         vocab_size, hidden_size = self.weight.shape
-        logits_budget = self.chunk_size * vocab_size
-        vocab_block = vocab_size
-        if grad_accum_dtype != self.weight.dtype:
-            itemsize = torch.finfo(grad_accum_dtype).bits // 8
-            vocab_block = self.policy.accum_bytes // (itemsize * max(hidden_size, 1))
-        tokens = max(self.chunk_size, min(self.policy.min_tile_tokens, num_rows))
-        vocab_block = max(1, min(vocab_block, logits_budget // tokens))
-        if VOCAB_ALIGN < vocab_block < vocab_size:
-            vocab_block -= vocab_block % VOCAB_ALIGN
-        return max(1, logits_budget // vocab_block), vocab_block
+        return tile_shape(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
+                          grad_accum_dtype)
+
+    def backward_plan(self, num_rows: int, grad_accum_dtype: torch.dtype) -> BackwardPlan:
+        """The backward's tiles over ``num_rows`` active rows (:func:`~tpo_kernels.ops.tiles.backward_plan`)."""
+        vocab_size, hidden_size = self.weight.shape
+        return backward_plan(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
+                             self.dtype, grad_accum_dtype)
 
     def forward(self, with_entropy: bool, cache_rows: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """Per-row ``(stats [2, M], logprob, entropy | None)`` of the tempered logits, as the row
@@ -222,49 +222,70 @@ class TiledLinearHead:
         the forward's ``logits_cache`` (None or empty: every row is recomputed).
 
         Rows where both are exactly 0 are skipped: no recompute, no matmul, no cache read. Tiles
-        are vocabulary blocks (outer loop) times token chunks (inner); ``dW`` and ``db`` are summed
-        over token chunks in ``grad_accum_dtype``, ``dH`` over vocabulary blocks (in that dtype too
-        when there is more than one block)."""
+        are vocabulary blocks (outer loop) times the active rows (:meth:`backward_plan`). When the
+        plan takes every active row in one tile (``one_gemm``), each block's ``dW`` is one matmul
+        written straight into ``dW`` in the weight's dtype (the matmul's own fp32 sum over rows; no
+        accumulator, no fill, no conversion). Otherwise the rows come in token chunks and ``dW`` and
+        ``db`` are summed over them in ``grad_accum_dtype``; ``dH`` is summed over vocabulary blocks
+        (in that dtype too when there is more than one block)."""
         need_hidden, need_weight, need_bias = needs_grad
         hidden, weight = self.hidden, self.weight
         vocab_size, hidden_size = weight.shape
         active = grad_logprob != 0
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
-        chunks, num_active = self._backward_chunks(active, logits_cache, grad_accum_dtype)
-        _, vocab_block = self._tile(num_active, grad_accum_dtype)
+        parts, num_active = self._active_parts(active, logits_cache)
+        plan = self.backward_plan(num_active, grad_accum_dtype)
+        vocab_block = plan.vocab_block
+        chunks = parts if plan.one_gemm else self._chunked(parts, plan.token_block)
         hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
-        tile_rows = max((_num_rows(rows) for rows, _ in chunks), default=0)
+        tile_rows = num_active if plan.one_gemm else max((_num_rows(rows) for rows, _ in chunks), default=0)
         # The tile buffers first: the size of the forward's, they can take that freed memory.
         buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
         fuse_hidden = self.policy.fused_accumulate(hidden.device, self.dtype, hidden_accum)
         fuse_weight = self.policy.fused_accumulate(hidden.device, self.dtype, grad_accum_dtype)
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
+        grad_weight = None
+        if need_weight:  # every block of dW is written (by its matmul or its accumulator) when a row is active
+            grad_weight = torch.empty_like(weight) if chunks else torch.zeros_like(weight)
+        if plan.one_gemm and chunks:
+            # The active rows' hidden states in the tile's row order: a view when the parts are
+            # consecutive, else gathered once (not once per vocabulary block).
+            h_active = _rows_of(hidden, [rows for rows, _ in parts])
         if chunks:  # else every row has zero signal: zero gradients, no matmul
             block_accum = None
-            if need_weight and grad_accum_dtype != weight.dtype:
+            if need_weight and plan.block_accumulator:
                 block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
             for start in range(0, vocab_size, vocab_block):
                 vocab = slice(start, min(start + vocab_block, vocab_size))
-                if need_weight:
-                    dw = grad_weight[vocab] if block_accum is None else block_accum[: vocab.stop - start].zero_()
+                width = vocab.stop - start
+                if need_weight and not plan.one_gemm:
+                    dw = grad_weight[vocab] if block_accum is None else block_accum[:width].zero_()
                 block_weight = self._block_weight(vocab) if need_hidden else None
-                for rows, slots in chunks:
-                    h_rows = hidden[rows]
-                    cached = None if slots is None else self._cached_tile(logits_cache, slots, vocab, buffers[0])
-                    dlogits = self._block_grad(h_rows, rows, vocab, buffers, cached, stats, logprob, grad_logprob,
-                                               grad_entropy, entropy)
+                tile = _tile(buffers[0], tile_rows, width)
+                offset = 0
+                for index, (rows, slots) in enumerate(chunks):
+                    num = _num_rows(rows)
+                    out = tile[offset:offset + num] if plan.one_gemm else tile[:num]
+                    offset += num if plan.one_gemm else 0
+                    h_rows = h_active[offset - num:offset] if plan.one_gemm else hidden[rows]
+                    cached = None if slots is None else self._cached_tile(logits_cache, slots, vocab, out)
+                    dlogits = self._block_grad(h_rows, rows, vocab, out, buffers[1:], cached, stats, logprob,
+                                               grad_logprob, grad_entropy, entropy)
                     if need_hidden:
                         add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
-                    if need_weight:
-                        add_product(dw, slice(None), dlogits.t(), h_rows.to(self.dtype), fuse_weight)
+                    if need_weight and not plan.one_gemm:
+                        _add_chunk_product(dw, dlogits.t(), h_rows.to(self.dtype), fuse_weight,
+                                           first=index == 0 and block_accum is None)
                     if need_bias:
                         grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
+                if need_weight and plan.one_gemm:  # dW[block] = dz.T @ h over every active row, in W's dtype
+                    with _full_precision_reduction(weight.device, self.dtype):
+                        torch.mm(tile.t(), h_active.to(self.dtype), out=grad_weight[vocab])
                 if block_accum is not None:
                     grad_weight[vocab] = dw
         return (
@@ -273,32 +294,39 @@ class TiledLinearHead:
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
 
-    def _backward_chunks(self, active: Tensor, logits_cache: Optional[Tensor], grad_accum_dtype: torch.dtype):
-        """The backward's ``(rows, slots)`` chunks of the ``active`` rows (slots: the rows' places
-        in the cache, None for rows to recompute) and the number of active rows; one read-back."""
+    def _active_parts(self, active: Tensor, logits_cache: Optional[Tensor]):
+        """The ``active`` rows as ``(rows, slots)`` parts, the cached ones first (slots: their places
+        in the cache; None for rows to recompute), empty parts left out, and the number of active
+        rows; one read-back."""
         cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
         cached, slots, recomputed = self._split_rows(active, cache_rows)
-        num_active = _num_rows(cached) + _num_rows(recomputed)
-        token_block, _ = self._tile(num_active, grad_accum_dtype)
-        chunks = list(zip(self._row_chunks(cached, token_block), self._row_chunks(slots, token_block)))
-        chunks += [(rows, None) for rows in self._row_chunks(recomputed, token_block)]
-        return chunks, num_active
+        parts = [(cached, slots), (recomputed, None)]
+        parts = [(rows, part_slots) for rows, part_slots in parts if _num_rows(rows)]
+        return parts, sum(_num_rows(rows) for rows, _ in parts)
 
-    def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, buffer: Tensor) -> Tensor:
+    def _chunked(self, parts, token_block: int):
+        """Each part cut into balanced chunks of at most ``token_block`` rows (slots alike)."""
+        chunks = []
+        for rows, slots in parts:
+            row_chunks = self._row_chunks(rows, token_block)
+            slot_chunks = [None] * len(row_chunks) if slots is None else self._row_chunks(slots, token_block)
+            chunks += list(zip(row_chunks, slot_chunks))
+        return chunks
+
+    def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, out: Tensor) -> Tensor:
         """The cached logits of one tile: a view of the cache for consecutive slots, else gathered
-        into the tile buffer (which the row backward then overwrites in place)."""
+        into ``out`` (the tile's place in the buffer, which the row backward then overwrites in place)."""
         if isinstance(slots, slice):
             return logits_cache[slots, vocab]
-        out = _tile(buffer, slots.numel(), self._vocab_width(vocab))
         return torch.index_select(logits_cache[:, vocab], 0, slots, out=out)
 
-    def _block_grad(self, h_rows, rows, vocab: slice, buffers, cached: Optional[Tensor], stats, logprob, grad_logprob,
-                    grad_entropy, entropy) -> Tensor:
-        """dz for one tile (token rows x vocabulary block) in the first buffer: the row backward
-        of the ``cached`` logits, or in place over the logits recomputed there. With a soft cap the
-        row backward runs on the capped tile (the second buffer) and the chain rule multiplies by
-        the cap's derivative (the third)."""
-        dlogits = _tile(buffers[0], h_rows.shape[0], self._vocab_width(vocab))
+    def _block_grad(self, h_rows, rows, vocab: slice, dlogits: Tensor, cap_buffers, cached: Optional[Tensor], stats,
+                    logprob, grad_logprob, grad_entropy, entropy) -> Tensor:
+        """dz for one tile (token rows x vocabulary block) in ``dlogits`` (contiguous): the row
+        backward of the ``cached`` logits, or in place over the logits recomputed there. With a
+        soft cap the row backward runs on the capped tile (the first of ``cap_buffers``) and the
+        chain rule multiplies by the cap's derivative (the second)."""
+        buffers = [None, *cap_buffers]
         logits = self._logits(h_rows, vocab, dlogits) if cached is None else cached
         row_logits = logits
         if self.transform is not None:
@@ -329,6 +357,46 @@ def _indices(mask: Tensor, count: int) -> Tensor:
 def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
     """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
     return buffer[: rows * vocab].view(rows, vocab)
+
+
+def _rows_of(matrix: Tensor, selections: List[Union[slice, Tensor]]) -> Tensor:
+    """The rows of ``matrix`` the selections pick, in order: a view when they are consecutive
+    slices, else one gather."""
+    if all(isinstance(rows, slice) for rows in selections) and all(
+            a.stop == b.start for a, b in zip(selections, selections[1:])):
+        return matrix[selections[0].start:selections[-1].stop]
+    return matrix[torch.cat([torch.arange(rows.start, rows.stop, device=matrix.device) if isinstance(rows, slice)
+                             else rows for rows in selections])]
+
+
+def _add_chunk_product(out: Tensor, a: Tensor, b: Tensor, fused: bool, first: bool) -> None:
+    """``out += a @ b`` over a chunk of rows (``add_product``); ``out = a @ b`` for the first chunk
+    (a write, so ``out`` needs no zero fill before)."""
+    if not first:
+        add_product(out, slice(None), a, b, fused)
+    elif out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b, out_dtype=out.dtype) if fused else a @ b)
+
+
+@contextlib.contextmanager
+def _full_precision_reduction(device: torch.device, dtype: torch.dtype):
+    """cuBLAS may sum a half-precision matmul's split-K partials in that precision
+    (``allow_bf16/fp16_reduced_precision_reduction``, on by default); a ``dW`` matmul over every
+    active row must sum in fp32, so those are off while it runs (no effect on the CPU)."""
+    flags = torch.backends.cuda.matmul
+    name = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(dtype)
+    if name is None or device.type != "cuda":
+        yield
+        return
+    saved = getattr(flags, name)
+    setattr(flags, name, False)
+    try:
+        yield
+    finally:
+        setattr(flags, name, saved)
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -1,15 +1,19 @@
 """How the fused-linear path cuts its work: tile budgets per device (:class:`TilePolicy`),
-balanced token chunks, and matmul products accumulated into a wider dtype."""
+balanced token chunks, the backward's tile plan (:func:`backward_plan`), matmul products
+accumulated into a wider dtype, and the bytes each pass moves beyond its matmuls
+(:func:`traffic_account`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
+
+from .._dtypes import compute_dtype
 
 ROW_ALIGN = 16  # tile rows (the default chunk_size and balanced chunks are multiples of this)
 # Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
@@ -125,3 +129,142 @@ def balanced_chunks(num_rows: int, max_rows: int) -> List[int]:
     sizes = [small * align] * (count - larger) + [(small + 1) * align] * larger
     sizes[-1] -= units * align - num_rows  # the last chunk ends at num_rows
     return sizes
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How the backward tiles ``num_rows`` active rows: token chunks of at most ``token_block`` rows
+    (:attr:`token_chunks`, the same for every vocabulary block) times vocabulary blocks of ``vocab_block`` entries (the last one
+    shorter). ``one_gemm``: each ``dW`` block is one matmul over every active row, written straight
+    into ``dW`` in the weight's dtype (the matmul sums over the rows in its own fp32 accumulator);
+    else ``dW`` is summed over the token chunks in ``grad_accum_dtype``, through a per-block
+    accumulator when that is wider than the weight's dtype (``block_accumulator``).
+    ``zero_filled``: ``dW`` is zero-filled before the blocks are added into it (the plan before
+    issue 31, :func:`backward_plan` with ``one_gemm=False``; the backward now writes every block)."""
+
+    num_rows: int
+    vocab_size: int
+    vocab_block: int
+    token_block: int
+    one_gemm: bool
+    block_accumulator: bool
+    zero_filled: bool = False
+
+    @property
+    def token_chunks(self) -> List[int]:
+        """The row counts of the token chunks (:func:`balanced_chunks`)."""
+        return balanced_chunks(self.num_rows, self.token_block)
+
+    @property
+    def vocab_blocks(self) -> List[int]:
+        """The widths of the vocabulary blocks, in order."""
+        return [min(self.vocab_block, self.vocab_size - start) for start in range(0, self.vocab_size, self.vocab_block)]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def tile_shape(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: int, policy: TilePolicy,
+               weight_dtype: torch.dtype, accum_dtype: torch.dtype) -> "tuple[int, int]":
+    """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows: at most
+    ``chunk_size * V`` logits, cut along the vocabulary so that a tile spans at least the
+    policy's ``min_tile_tokens`` rows, and so that a ``dW`` accumulator wider than the weight
+    dtype (``accum_dtype``) stays within ``accum_bytes``."""
+    logits_budget = chunk_size * vocab_size
+    vocab_block = vocab_size
+    if accum_dtype != weight_dtype:
+        vocab_block = policy.accum_bytes // (_itemsize(accum_dtype) * max(hidden_size, 1))
+    tokens = max(chunk_size, min(policy.min_tile_tokens, num_rows))
+    vocab_block = max(1, min(vocab_block, logits_budget // tokens))
+    if VOCAB_ALIGN < vocab_block < vocab_size:
+        vocab_block -= vocab_block % VOCAB_ALIGN
+    return max(1, logits_budget // vocab_block), vocab_block
+
+
+def backward_plan(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: int, policy: TilePolicy,
+                  weight_dtype: torch.dtype, logits_dtype: torch.dtype, grad_accum_dtype: torch.dtype,
+                  one_gemm: bool = True) -> BackwardPlan:
+    """The backward's tiles over ``num_rows`` active rows (a pure function of the shapes, dtypes
+    and policy).
+
+    One ``dW`` matmul per vocabulary block (``one_gemm``) when a tile of every active row and at
+    least ``min(V, VOCAB_ALIGN)`` vocabulary entries fits the ``chunk_size * V`` logits budget,
+    the matmul can write the weight's dtype (logits in the weight's dtype), and the sum over rows
+    that ``grad_accum_dtype`` asks for is no wider than the matmul's own accumulator (fp32; fp64
+    for fp64 logits). The blocks are then as wide as the budget allows (a multiple of 128 below
+    V), and, when ``grad_accum_dtype`` is wider than the weight's, hold at most the policy's
+    ``accum_bytes`` of ``dW`` in that dtype (the documented bound of ``grad_accum_dtype``: ``dW``
+    is summed one such vocabulary block at a time). Otherwise (or with ``one_gemm=False``: the plan before issue 31) tokens are chunked as
+    :func:`tile_shape` says and ``dW`` is summed over the chunks in ``grad_accum_dtype``."""
+    logits_budget = chunk_size * vocab_size
+    fits = num_rows > 0 and logits_budget // num_rows >= min(vocab_size, VOCAB_ALIGN)
+    sums_in_gemm = _itemsize(grad_accum_dtype) <= _itemsize(compute_dtype(logits_dtype))
+    if one_gemm and fits and sums_in_gemm and logits_dtype == weight_dtype:
+        vocab_block = min(vocab_size, logits_budget // num_rows)
+        if grad_accum_dtype != weight_dtype:  # summed wider than W: at most accum_bytes of dW a block, as documented
+            vocab_block = max(1, min(vocab_block, policy.accum_bytes // (_itemsize(grad_accum_dtype) * max(hidden_size, 1))))
+        if VOCAB_ALIGN < vocab_block < vocab_size:
+            vocab_block -= vocab_block % VOCAB_ALIGN
+        return BackwardPlan(num_rows, vocab_size, vocab_block, num_rows, True, False)
+    tokens, vocab_block = tile_shape(num_rows, vocab_size, hidden_size, chunk_size, policy, weight_dtype,
+                                     grad_accum_dtype)
+    return BackwardPlan(num_rows, vocab_size, vocab_block, tokens, False,
+                        grad_accum_dtype != weight_dtype, zero_filled=not one_gemm)
+
+
+def traffic_account(plan: BackwardPlan, hidden_size: int, dtype: torch.dtype, grad_accum_dtype: torch.dtype,
+                    out_dtype_matmul: bool, cached: bool, forward_blocks: int,
+                    with_entropy: bool = False) -> Dict[str, Dict[str, int]]:
+    """Bytes each pass reads and writes beyond its matmuls, from the tile plan: ``{"forward":
+    {item: bytes}, "backward": {item: bytes}}``, each with a ``"total"``.
+
+    For a dense batch of one ``dtype`` (hidden, weight and logits): every row counts and has a
+    gradient, cached rows are consecutive (no gather), no bias, no soft cap; gradients of hidden
+    and weight. A matmul's operand reads and one write of its result are the floor (the
+    ``matmul4``/``matmul3`` providers do the same); counted are the row ops' passes over the
+    logits, fills, dtype conversions, and a matmul's reads and writes of an output it adds into
+    (``C`` of ``C += A @ B``) or writes in a wider dtype, less one write of ``dH`` and of ``dW`` in
+    their own dtype (the floor's). ``out_dtype_matmul``: products go into a wider accumulator by an
+    out_dtype matmul (:meth:`TilePolicy.fused_accumulate`), else product -> convert -> add.
+    ``forward_blocks``: the forward's vocabulary blocks per token chunk (its per-row summaries are
+    written once per block: 3 values, 4 with the entropy, in fp32). ``cached`` changes no count
+    (the row backward reads the cache instead of the recomputed tile, and the floor it is held
+    against drops the recompute too); it is kept so that a caller's account says what it covers.
+    """
+    del cached  # documented above: the same bytes either way
+    rows, vocab, size = plan.num_rows, plan.vocab_size, _itemsize(dtype)
+    hidden_elems, weight_elems = rows * hidden_size, vocab * hidden_size
+    row_results = (4 if with_entropy else 3) * 4
+    forward = {"row forward: read the logits": rows * vocab * size,
+               "row forward: per-row summaries": forward_blocks * rows * row_results}
+
+    def accumulate(elems: int, accum_size: int) -> int:
+        """``out += a @ b`` over ``elems`` outputs of ``accum_size`` bytes, products of ``size``."""
+        if accum_size == size or out_dtype_matmul:
+            return 2 * elems * accum_size  # C read and written by the matmul
+        return elems * size + (elems * size + elems * accum_size) + 3 * elems * accum_size  # product, convert, add
+
+    blocks, chunks = plan.vocab_blocks, plan.token_chunks
+    hidden_accum = size if len(blocks) == 1 else max(size, _itemsize(grad_accum_dtype))
+    backward = {"row backward: read the logits, write dz": 2 * rows * vocab * size,
+                "dH: zero fill": hidden_elems * hidden_accum,
+                "dH: accumulate over blocks": len(blocks) * sum(accumulate(r * hidden_size, hidden_accum) for r in chunks),
+                "dH: convert": hidden_elems * (hidden_accum + size) if hidden_accum != size else 0}
+    if plan.one_gemm:
+        backward.update({"dW: zero fill": 0, "dW: write": weight_elems * size})
+    else:
+        accum = _itemsize(grad_accum_dtype) if plan.block_accumulator else size
+        backward["dW: zero fill"] = weight_elems * size if plan.zero_filled else 0  # zeros_like(weight)
+        if plan.block_accumulator:
+            backward["dW: block accumulator fill"] = weight_elems * accum
+        if plan.block_accumulator or plan.zero_filled:
+            backward["dW: accumulate over chunks"] = len(chunks) * accumulate(weight_elems, accum)
+        else:  # the first chunk writes dW, the others add into it
+            backward["dW: accumulate over chunks"] = weight_elems * size + (len(chunks) - 1) * accumulate(weight_elems, accum)
+        if plan.block_accumulator:
+            backward["dW: convert"] = weight_elems * (accum + size)
+    backward["floor: one write of dH and dW"] = -(hidden_elems + weight_elems) * size
+    for items in (forward, backward):
+        items["total"] = sum(items.values())
+    return {"forward": forward, "backward": backward}
