@@ -236,7 +236,7 @@ _SCATTER_PTX_SCRIPT = textwrap.dedent(
     import torch
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
-    from tpo_kernels.bench.kernel_report.triton import _CompileOnlyDriver
+    from bench.kernel_report.triton import _CompileOnlyDriver
     from tpo_kernels.backends.triton import candidate_kernels as ck
 
     driver.set_active(_CompileOnlyDriver(90))
