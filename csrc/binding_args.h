@@ -5,8 +5,10 @@
 // Every extension op takes keyword arguments only, named like the struct fields (addresses are
 // Python ints from tensor.data_ptr(); an optional pointer may be left out, None or 0). A missing,
 // unknown or ill-typed keyword raises TypeError; a struct that would make a kernel read or write
-// out of bounds (null pointers, negative or inconsistent sizes, a bad dtype code, an id outside
-// [0, vocab) where the ids can be read on the host) raises ValueError.
+// out of bounds (null pointers, negative or inconsistent sizes, a bad dtype code) raises
+// ValueError. Ids (labels, candidates) are not checked here: every kernel, CPU and CUDA, guards
+// each id where it touches memory (DESIGN.md, "Ids outside the vocabulary"), so that all backends
+// give the same results for an id outside [0, vocab) instead of one of them raising.
 //
 // Host only: included by the two binding translation units, never by kernel code.
 #pragma once
@@ -208,11 +210,6 @@ inline GroupArgs group_args(Kwargs& in) {
 // Checks
 // ---------------------------------------------------------------------------------------------
 
-// Where the ids (labels, candidates) live. Host ids are range-checked before any write; device
-// ids cannot be read without a synchronization, so the CUDA kernels guard every id themselves
-// (an id outside [0, vocab) is never dereferenced: it yields NaN or is ignored, see cuda/launch.h).
-enum class Ids { kOnHost, kOnDevice };
-
 inline void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
 }
@@ -239,20 +236,7 @@ inline void check_inv_temperature(double inv_temperature) {
         "inv_temperature must be finite and > 0");
 }
 
-// Every id must be < vocab; negative ids are allowed only where they mean "skip" (labels).
-inline void check_ids(const int64_t* ids, int64_t count, int64_t vocab, bool allow_negative,
-                      const char* name) {
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t id = ids[i];
-    if (id >= vocab || (!allow_negative && id < 0)) {
-      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] = " +
-                                  std::to_string(id) + " is outside [0, " + std::to_string(vocab) +
-                                  ")");
-    }
-  }
-}
-
-inline void check_args(const RowForwardArgs& a, Ids ids) {
+inline void check_args(const RowForwardArgs& a) {
   check_dtype(a.dtype);
   check_matrix(a.rows, a.vocab, a.row_stride);
   check_inv_temperature(a.inv_temperature);
@@ -262,10 +246,9 @@ inline void check_args(const RowForwardArgs& a, Ids ids) {
   check_pointer(a.row_max, "row_max");
   check_pointer(a.log_sum, "log_sum");
   check_pointer(a.logprob, "logprob");
-  if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
 }
 
-inline void check_args(const RowBackwardArgs& a, Ids ids) {
+inline void check_args(const RowBackwardArgs& a) {
   check_dtype(a.dtype);
   check_matrix(a.rows, a.vocab, a.row_stride);
   check_inv_temperature(a.inv_temperature);
@@ -282,16 +265,15 @@ inline void check_args(const RowBackwardArgs& a, Ids ids) {
   check(a.grad_entropy == nullptr || a.entropy != nullptr, "grad_entropy needs entropy");
   check(a.out != a.logits || a.out_row_stride == a.row_stride,
         "in-place backward needs out_row_stride == row_stride");
-  if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
 }
 
-inline void check_args(const CandidateArgs& a, CandidateOp op, Ids ids) {
+inline void check_args(const CandidateArgs& a, CandidateOp op) {
   check_dtype(a.dtype);
   check_matrix(a.rows, a.vocab, a.row_stride);
   check_inv_temperature(a.inv_temperature);
   check(a.num_candidates >= 0,
         "num_candidates must be >= 0, got " + std::to_string(a.num_candidates));
-  // rows * num_candidates ids are read (and range-checked below): the count must fit in int64.
+  // rows * num_candidates ids are read (each guarded by the kernel): the count must fit in int64.
   check(a.num_candidates == 0 || a.rows <= std::numeric_limits<int64_t>::max() / a.num_candidates,
         "rows x num_candidates overflows int64: rows " + std::to_string(a.rows) + ", num_candidates " +
             std::to_string(a.num_candidates));
@@ -306,9 +288,6 @@ inline void check_args(const CandidateArgs& a, CandidateOp op, Ids ids) {
     check_pointer(a.grad_cand, "grad_cand");
   }
   check_pointer(a.candidates, "candidates");
-  if (ids == Ids::kOnHost) {
-    check_ids(a.candidates, a.rows * a.num_candidates, a.vocab, false, "candidates");
-  }
 }
 
 inline void check_args(const GroupArgs& a) {

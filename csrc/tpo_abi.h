@@ -12,7 +12,9 @@
 //    float for every other element type;
 //  * a [rows, vocab] matrix has unit column stride and `row_stride` elements between rows
 //    (row_stride >= vocab);
-//  * ids (labels, candidates) are int64; a negative label marks a row that is skipped.
+//  * ids (labels, candidates) are int64; a negative label marks a row that is skipped. The
+//    kernels guard every id against [0, vocab) where they touch memory (the bindings do not
+//    check ids): DESIGN.md, "Ids outside the vocabulary".
 #pragma once
 
 #include <stdint.h>
@@ -29,7 +31,7 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 //   entropy[r] = -sum softmax(z * it) log softmax(z * it).
 // The tempered logsumexp is row_max * it + log_sum; keeping the two apart keeps log-probs of
 // logits with a large common offset accurate. Rows with labels[r] < 0 get 0 in every output and
-// are never read. A row holding NaN (or +inf) gets NaN; a row of only -inf logits gets
+// are never read; rows with labels[r] >= vocab get NaN in every output and are never read. A row holding NaN (or +inf) gets NaN; a row of only -inf logits gets
 // row_max = -inf and NaN elsewhere.
 struct RowForwardArgs {
   int dtype;                 // element type of logits
@@ -50,7 +52,8 @@ struct RowForwardArgs {
 //   out[r, v] = it * (g[r] (onehot(labels[r])[v] - p[v]) - ge[r] p[v] (log p[v] + entropy[r])),
 // where the label's entry takes log p from logprob[r] (its 1 - p as -expm1(logprob)).
 // out may be logits itself (in-place backward, then out_row_stride == row_stride). Rows with
-// g == ge == 0 are written as zeros without reading logits; labels[r] < 0 adds no one-hot term.
+// g == ge == 0 are written as zeros without reading logits; a label outside [0, vocab) adds no
+// one-hot term.
 struct RowBackwardArgs {
   int dtype;                 // element type of logits and out
   int64_t rows;

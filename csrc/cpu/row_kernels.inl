@@ -114,6 +114,13 @@ void forward_rows(const RowForwardArgs& a, int64_t begin, int64_t end) {
       if (entropy != nullptr) entropy[r] = A(0);
       continue;
     }
+    if (label >= a.vocab) {  // outside the vocabulary (DESIGN.md, "Ids outside the vocabulary"):
+      // NaN outputs, the row never read (the binding does not check ids; this is the guard).
+      const A nan = static_cast<A>(quiet_nan_f());
+      row_max[r] = log_sum[r] = logprob[r] = nan;
+      if (entropy != nullptr) entropy[r] = nan;
+      continue;
+    }
     const RowStats<A> st = forward_row<T>(base + r * a.row_stride, a.vocab, it, it2, label,
                                           entropy != nullptr);
     row_max[r] = st.row_max;
@@ -166,7 +173,9 @@ void backward_rows(const RowBackwardArgs& a, int64_t begin, int64_t end) {
       continue;
     }
     const A ent_r = (ge_r != A(0) && ent != nullptr) ? ent[r] : A(0);
-    const int64_t label = a.labels[r];
+    // -1: no one-hot term, for a negative label and for one outside [0, vocab) (never
+    // dereferenced: the binding does not check ids, this is the guard).
+    const int64_t label = (a.labels[r] >= 0 && a.labels[r] < a.vocab) ? a.labels[r] : -1;
     const A label_grad = label >= 0 ? grad_label(logprob[r], g_r, ge_r, ent_r, it) : A(0);
     backward_row<T>(base + r * a.row_stride, o, a.vocab, label,
                     grad_row(row_max[r], log_sum[r], g_r, ge_r, ent_r, it, it2), ge_r != A(0),

@@ -62,8 +62,8 @@ The base class supplies PyTorch implementations of the candidate ops
 kernels for. Inputs reaching a backend have validated metadata: 2-D logits with unit column
 stride, int64 ids, one device. Id values are checked only with ``validate=True``, so every op
 checks each id where it touches memory (DESIGN.md, "Ids outside the vocabulary": the results
-above for ids outside ``[0, V)``, where ``V`` is the view's width, not its row stride; the cpu
-backend's binding refuses them with ``ValueError`` instead).
+above for ids outside ``[0, V)``, where ``V`` is the view's width, not its row stride, on every
+backend).
 """
 
 from __future__ import annotations
