@@ -12,6 +12,12 @@
 //    float for every other element type;
 //  * a [rows, vocab] matrix has unit column stride and `row_stride` elements between rows
 //    (row_stride >= vocab);
+//  * the row ops also read a batch of such matrices, a [B, T, vocab] view whose rows do not
+//    flatten into one row stride (logits[:, :-1]): rows = B * T, `rows_per_batch` = T and
+//    `batch_stride` elements between batch entries, so that row r = b * T + t starts at
+//    b * batch_stride + t * row_stride (row_offset in row_math.h). A plain matrix is the batch of
+//    one: rows_per_batch = rows, batch_stride = 0 (the bindings' defaults). One launch covers
+//    the batch.
 //  * ids (labels, candidates) are int64; a negative label marks a row that is skipped. The
 //    kernels guard every id against [0, vocab) where they touch memory (the bindings do not
 //    check ids): DESIGN.md, "Ids outside the vocabulary".
@@ -38,7 +44,9 @@ struct RowForwardArgs {
   int64_t rows;
   int64_t vocab;
   int64_t row_stride;
-  const void* logits;        // [rows, vocab]
+  int64_t rows_per_batch;    // T >= 1 dividing rows (rows when not batched)
+  int64_t batch_stride;      // >= 0, elements between batch entries
+  const void* logits;        // [rows, vocab] (or [rows / T, T, vocab])
   const int64_t* labels;     // [rows]
   double inv_temperature;
   void* row_max;             // [rows] compute dtype
@@ -59,7 +67,9 @@ struct RowBackwardArgs {
   int64_t rows;
   int64_t vocab;
   int64_t row_stride;
-  const void* logits;        // [rows, vocab]
+  int64_t rows_per_batch;    // T >= 1 dividing rows (rows when not batched), logits and out
+  int64_t batch_stride;      // >= 0, elements between the logits' batch entries
+  const void* logits;        // [rows, vocab] (or [rows / T, T, vocab])
   const int64_t* labels;     // [rows]
   const void* row_max;       // [rows] compute dtype
   const void* log_sum;       // [rows] compute dtype
@@ -70,6 +80,7 @@ struct RowBackwardArgs {
   double inv_temperature;
   void* out;                 // [rows, vocab], out_row_stride between rows
   int64_t out_row_stride;
+  int64_t out_batch_stride;  // >= 0, elements between out's batch entries
 };
 
 // Candidate ops of token-level TPO, K = num_candidates ids per row of a [rows, vocab] matrix:

@@ -470,14 +470,19 @@ def test_binding_rejects_bad_arguments():
         ({"dtype": -1}, "dtype"),
         ({"inv_temperature": 0.0}, "inv_temperature"),
         ({"inv_temperature": float("nan")}, "inv_temperature"),
+        ({"rows_per_batch": 3}, r"rows_per_batch \(3\) must be >= 1 and divide rows \(4\)"),
+        ({"rows_per_batch": 0}, "rows_per_batch"),
+        ({"rows_per_batch": 2, "batch_stride": -16}, "batch_stride must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=message):
             ext.row_forward(**{**good, **change})
+    ext.row_forward(**good, rows_per_batch=2, batch_stride=16)  # the batch layout of [2, 2, 8]
     # Keyword arguments only, each named like its csrc/tpo_abi.h field, each of its type.
     for kwargs, message in [
         ({k: v for k, v in good.items() if k != "log_sum"}, "missing required keyword argument 'log_sum'"),
         ({**good, "entropyy": 0}, "unexpected keyword argument 'entropyy'"),
         ({**good, "rows": 4.0}, "rows must be an int"),
+        ({**good, "rows_per_batch": 2.0}, "rows_per_batch must be an int"),
         ({**good, "dtype": True}, "dtype must be an int"),
         ({**good, "logits": None}, "logits must be an address"),
         ({**good, "logits": -8}, "non-negative address"),

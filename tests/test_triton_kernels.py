@@ -480,8 +480,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
             for flag in (False, True):
                 sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "row_max_ptr": "*" + acc,
                        "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
-                       "entropy_ptr": "*" + acc, "row_stride": "i64",
-                       "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
+                       "entropy_ptr": "*" + acc, "rows_per_batch": "i64", "batch_stride": "i64",
+                       "row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
                        "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
                        "VEC": "constexpr", "ACCURATE_MATH": "constexpr"}
                 ptx = build(rk._row_forward_kernel, sig, {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096,
@@ -490,7 +490,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
                        "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
-                       "entropy_ptr": "*" + acc, "logits_row_stride": "i64",
+                       "entropy_ptr": "*" + acc, "rows_per_batch": "i64", "logits_batch_stride": "i64",
+                       "logits_row_stride": "i64", "out_batch_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
                        "ACC": "constexpr", "BLOCK_V": "constexpr", "VEC": "constexpr",

@@ -121,8 +121,12 @@ def _dtype_name(value) -> str:
 
 def _spec_text(src, options) -> str:
     """Constexprs (by parameter name), num_warps, and the integer arguments that are *not* known
-    to be multiples of 16 (those decide vector widths)."""
+    to be multiples of 16 (those decide vector widths); arguments the kernel declares
+    ``do_not_specialize`` (a batch's rows per entry, a divisor only) are never specialized and do
+    not count."""
     names = list(src.signature)
+    params = getattr(getattr(src, "fn", None), "params", [])
+    unspecialized = {p.name for p in params if getattr(p, "do_not_specialize", False)}
     parts = []
     for key, value in sorted(src.constants.items()):
         index = key[0] if isinstance(key, tuple) else key
@@ -135,7 +139,7 @@ def _spec_text(src, options) -> str:
     parts.append(f"warps={options.get('num_warps', '?')}")
     unaligned = []
     for index, (name, ty) in enumerate(src.signature.items()):
-        if ty in ("i32", "i64", "u32", "u64"):
+        if ty in ("i32", "i64", "u32", "u64") and name not in unspecialized:
             attrs = src.attrs.get((index,), [])
             if not any(a[0] == "tt.divisibility" and a[1] >= 16 for a in attrs):
                 unaligned.append(name)

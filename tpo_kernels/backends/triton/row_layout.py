@@ -13,6 +13,39 @@ from .. import triton_interpreter_enabled
 
 
 @triton.jit
+def row_offset(row, rows_per_batch, batch_stride, row_stride):
+    """Element offset of row ``row = b * T + t`` (int64) of a batched ``[B, T, V]`` view:
+    ``b * batch_stride + t * row_stride``. A ``[M, V]`` matrix is the batch of one (``T = M``), so
+    one launch covers ``logits[:, :-1]``, whose rows do not flatten into one row stride."""
+    batch = row // rows_per_batch
+    return batch * batch_stride + (row - batch * rows_per_batch) * row_stride
+
+
+def batch_layout(t: Tensor) -> Tuple[int, int, int]:
+    """``(rows_per_batch, batch_stride, row_stride)`` of a row-op input ``[M, V]`` or ``[B, T,
+    V]`` (unit column stride): the arguments of :func:`row_offset`."""
+    per_batch = t.shape[-2]
+    step = t.stride(-2) if per_batch > 1 else t.shape[-1]
+    if t.dim() == 2:
+        return max(per_batch, 1), 0, step
+    return max(per_batch, 1), (t.stride(0) if t.shape[0] > 1 else 0), step
+
+
+def row_batch(t: Tensor) -> Tensor:
+    """``t`` as the row kernels read it: a ``[M, V]`` matrix or a ``[B, T, V]`` view with unit
+    column stride whose rows never overlap (read in place, one launch); anything else copied."""
+    if t.dim() not in (2, 3):
+        raise ValueError(f"logits must be [rows, vocab] or [batch, rows, vocab], got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        return t.contiguous()
+    if t.dim() == 3 and t.shape[0] > 1:
+        per_batch, step, vocab = batch_layout(t)[0], batch_layout(t)[2], t.shape[-1]
+        if step < vocab or t.stride(0) < (per_batch - 1) * step + vocab:
+            return t.contiguous()
+    return t
+
+
+@triton.jit
 def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
     """Split the row whose first element is element ``row_start`` of the tensor.
 
@@ -59,7 +92,7 @@ def chunk_geometry(logits: Tensor, block_v: Optional[int]) -> Tuple[int, int]:
     """``(BLOCK_V, VEC)``: the chunk width (``block_v`` or ``pick_block_v``'s, at least one
     vector) and the elements per 16-byte vector, to which each row's body is aligned."""
     vec = 16 // logits.element_size()
-    block = int(block_v) if block_v else pick_block_v(logits.shape[1], logits.element_size())
+    block = int(block_v) if block_v else pick_block_v(logits.shape[-1], logits.element_size())
     return max(block, vec), vec
 
 
