@@ -468,7 +468,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         # launchers' specialization for a vocabulary that is not a multiple of 16.
         attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"]
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        build.ttir = compiled.asm["ttir"]
+        return compiled.asm["ptx"]
+
+    def label_logit_loaded_first(ttir, dt):
+        # The label's logit is the forward's one scalar load of the logits: it must come before
+        # the chunk loop (issued at the row's start), not after it (a dependent load at the tail).
+        scalar = re.search(r"tt\.load %[\w.]+ : !tt\.ptr<" + dt + ">", ttir)
+        return scalar is not None and scalar.start() < ttir.index("scf.for")
 
     def vector_ops(ptx, op):
         return len(re.findall(op + r"\\.global(\\.[a-z]+)*\\.v(4\\.b32|2\\.b64)", ptx))
@@ -487,6 +495,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                 ptx = build(rk._row_forward_kernel, sig, {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096,
                             "VEC": vec, "ACCURATE_MATH": True}, arch)
                 assert vector_ops(ptx, "ld") > 0, "row forward: no 16-byte loads"
+                assert label_logit_loaded_first(build.ttir, {"bf16": "bf16", "fp64": "f64"}[dt]), \
+                    "row forward: label's logit loaded after the loop"
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
                        "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,

@@ -172,6 +172,9 @@ def _row_forward_kernel(
         label = label_id.to(tl.int32)  # in [0, vocab), vocab < 2**31: int32 column compares
         row_start = row_offset(row, rows_per_batch, batch_stride, row_stride)
         row_ptr = logits_ptr + row_start
+        # The label's logit first: its load overlaps the row's stream instead of being a dependent
+        # load at the row's tail (after the last chunk's reduction).
+        z_label = tl.load(row_ptr + label).to(ACC)
         head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         scale2 = scale * tl.full([], LOG2E, ACC)
@@ -198,7 +201,7 @@ def _row_forward_kernel(
         run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
         rest = tl.sum(lane_sum, axis=None)
         shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
-        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale  # natural units from here on
+        d_y = (z_label - shift) * scale  # natural units from here on
         e_y = tl.exp(d_y)
         total = rest + e_y
         log_sum = tl.log(total)
