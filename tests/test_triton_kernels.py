@@ -488,7 +488,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
             for flag in (False, True):
                 sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "row_max_ptr": "*" + acc,
                        "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
-                       "entropy_ptr": "*" + acc, "rows_per_batch": "i64", "batch_stride": "i64",
+                       "entropy_ptr": "*" + acc, "base_offset": "i32", "rows_per_batch": "i64", "batch_stride": "i64",
                        "row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
                        "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
                        "VEC": "constexpr", "ACCURATE_MATH": "constexpr"}
@@ -500,7 +500,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
                        "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
-                       "entropy_ptr": "*" + acc, "rows_per_batch": "i64", "logits_batch_stride": "i64",
+                       "entropy_ptr": "*" + acc, "logits_base_offset": "i32", "out_base_offset": "i32",
+                       "rows_per_batch": "i64", "logits_batch_stride": "i64",
                        "logits_row_stride": "i64", "out_batch_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",

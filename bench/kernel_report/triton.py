@@ -56,6 +56,22 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
             out.append(Scenario(f"row fwd+bwd V={vocab} entropy", name,
                                 lambda b, f=row_ops: f(b, entropy=True)))
 
+            def row_ops_unaligned(backend, dt=dt, acc=acc, vocab=vocab, entropy=False):
+                # logits[:, 1:] of a [2, 3, V] buffer: with an odd V the view starts off a 16-byte
+                # boundary and its rows do not flatten (one launch with a batch stride), the
+                # specializations of the README's slices; in place, as the logits path runs it.
+                logits = torch.randn(2, 3, vocab).to(dt)[:, 1:]
+                labels = torch.tensor([1, vocab - 1, 0, 2])
+                stats, logprob, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
+                g = torch.ones(4, dtype=acc)
+                backend.row_backward(logits, labels, stats, logprob, g, grad_entropy=g if entropy else None,
+                                     entropy=ent, inv_temperature=1.0, out=logits)
+
+            if vocab % 2:
+                out.append(Scenario(f"row fwd+bwd V={vocab} unaligned start", name, row_ops_unaligned))
+                out.append(Scenario(f"row fwd+bwd V={vocab} unaligned start entropy", name,
+                                    lambda b, f=row_ops_unaligned: f(b, entropy=True)))
+
             def candidates(backend, dt=dt, acc=acc, vocab=vocab):
                 cand = torch.randint(0, vocab, (4, num_cand))
                 backend.candidate_forward(torch.randn(4, vocab).to(dt), cand, inv_temperature=1.0)

@@ -8,7 +8,11 @@ are int64 because ``row * stride`` can exceed 2**31; columns are int32. Each pro
 vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64 for fp64 logits).
 
 Memory access. A row starts 16-byte aligned only when ``stride * element size`` is a multiple of
-16 (not for V = 50257 or 32001), so a program reads its row in sections (``row_sections``): the
+16 (not for V = 50257 or 32001), and a view's first element only when its start is (not for
+``logits[:, :-1]``'s entries or ``logits[:, 1:]`` with such a V). The kernels receive an aligned
+base, the view's start rounded down to 16 bytes, and add the remainder to every row offset
+(``aligned_base``), so that Triton knows the base is aligned whatever the view's start; a
+program reads its row in sections (``row_sections``): the
 columns before the first aligned one and the last ``< VEC`` columns as one small masked tile,
 then whole chunks from the aligned column with no mask, then one chunk whose mask is constant
 over ``VEC`` columns. With ``tl.multiple_of`` on the aligned offset every chunk is read (and the
@@ -64,7 +68,7 @@ from triton.language.extra import libdevice
 
 from ..._dtypes import compute_dtype
 from .. import triton_interpreter_enabled
-from .row_layout import (batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
+from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
                          pick_num_warps, row_batch, row_offset, row_sections)
 
 
@@ -141,9 +145,9 @@ def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: 
     return new_max, lane_sum, lane_t
 
 
-# rows_per_batch only divides the row index (row_offset): no specialization on its value, so a batch of any
-# T compiles once (and its value says nothing about alignment).
-@triton.jit(do_not_specialize=["rows_per_batch"])
+# rows_per_batch only divides the row index (row_offset) and the base offsets (aligned_base) only shift it: no
+# specialization on their values, so any T and any start compile once (they say nothing about alignment).
+@triton.jit(do_not_specialize=["base_offset", "rows_per_batch"])
 def _row_forward_kernel(
     logits_ptr,
     labels_ptr,
@@ -151,6 +155,7 @@ def _row_forward_kernel(
     log_sum_ptr,
     logprob_ptr,
     entropy_ptr,
+    base_offset,
     rows_per_batch,
     batch_stride,
     row_stride,
@@ -170,7 +175,7 @@ def _row_forward_kernel(
     # a label in [0, vocab) reads the row; see the else branch for the others.
     if (label_id >= 0) & (label_id < vocab):
         label = label_id.to(tl.int32)  # in [0, vocab), vocab < 2**31: int32 column compares
-        row_start = row_offset(row, rows_per_batch, batch_stride, row_stride)
+        row_start = base_offset + row_offset(row, rows_per_batch, batch_stride, row_stride)
         row_ptr = logits_ptr + row_start
         # The label's logit first: its load overlaps the row's stream instead of being a dependent
         # load at the row's tail (after the last chunk's reduction).
@@ -266,9 +271,9 @@ def _store_row_grad(in_row, out_row, in_body, out_body, head, body_len, vec_len,
                 coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
 
 
-# rows_per_batch only divides the row index (row_offset): no specialization on its value, so a batch of any
-# T compiles once (and its value says nothing about alignment).
-@triton.jit(do_not_specialize=["rows_per_batch"])
+# rows_per_batch only divides the row index (row_offset) and the base offsets (aligned_base) only shift it: no
+# specialization on their values, so any T and any start compile once (they say nothing about alignment).
+@triton.jit(do_not_specialize=["logits_base_offset", "out_base_offset", "rows_per_batch"])
 def _row_backward_kernel(
     logits_ptr,
     out_ptr,
@@ -279,6 +284,8 @@ def _row_backward_kernel(
     grad_ptr,
     grad_entropy_ptr,
     entropy_ptr,
+    logits_base_offset,
+    out_base_offset,
     rows_per_batch,
     logits_batch_stride,
     logits_row_stride,
@@ -302,8 +309,8 @@ def _row_backward_kernel(
         active = (g != 0) | (ge != 0)
     else:
         active = g != 0
-    in_start = row_offset(row, rows_per_batch, logits_batch_stride, logits_row_stride)
-    out_start = row_offset(row, rows_per_batch, out_batch_stride, out_row_stride)
+    in_start = logits_base_offset + row_offset(row, rows_per_batch, logits_batch_stride, logits_row_stride)
+    out_start = out_base_offset + row_offset(row, rows_per_batch, out_batch_stride, out_row_stride)
     head, body_len, vec_len = row_sections(in_start, vocab, VEC, BLOCK_V)
     in_body = logits_ptr + tl.multiple_of(in_start + head, VEC)
     if OUT_ALIGNED:  # out's rows start at the logits' rows' offset modulo VEC
@@ -374,14 +381,16 @@ def row_forward(
     logits = row_batch(logits)
     labels = labels.reshape(-1).contiguous()
     block, vec = chunk_geometry(logits, block_v)
+    base, base_offset = aligned_base(logits, vec)
     with device_guard(logits):
         _row_forward_kernel[(rows,)](
-            logits,
+            base,
             labels,
             stats[0],
             stats[1],
             logprob,
             entropy if with_entropy else logprob,  # placeholder pointer, unused without entropy
+            base_offset,
             *batch_layout(logits),
             vocab,
             *split_scalar(inv_temperature),
@@ -431,10 +440,12 @@ def row_backward(
     block, vec = chunk_geometry(logits, block_v)
     in_per_batch, in_batch_stride, in_row_stride = batch_layout(logits)
     _, out_batch_stride, out_row_stride = batch_layout(target)
+    in_base, in_base_offset = aligned_base(logits, vec)
+    out_base, out_base_offset = aligned_base(target, vec)
     with device_guard(logits):
         _row_backward_kernel[(rows,)](
-            logits,
-            target,
+            in_base,
+            out_base,
             labels,
             row_max,
             log_sum,
@@ -442,6 +453,8 @@ def row_backward(
             grad_logprob,
             grad_entropy if has_ge else grad_logprob,  # placeholders, unused without ge
             entropy if has_ge else logprob,
+            in_base_offset,
+            out_base_offset,
             in_per_batch,
             in_batch_stride,
             in_row_stride,
@@ -454,7 +467,8 @@ def row_backward(
             BLOCK_V=block,
             VEC=vec,
             # out's rows start at the logits' rows' offsets modulo VEC
-            OUT_ALIGNED=(out_row_stride - in_row_stride) % vec == 0 and (out_batch_stride - in_batch_stride) % vec == 0,
+            OUT_ALIGNED=((out_base_offset - in_base_offset) % vec == 0 and (out_row_stride - in_row_stride) % vec == 0
+                         and (out_batch_stride - in_batch_stride) % vec == 0),
             ACCURATE_MATH=use_libdevice(),
             num_warps=pick_num_warps(block),
         )

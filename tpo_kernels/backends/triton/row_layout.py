@@ -45,6 +45,18 @@ def row_batch(t: Tensor) -> Tensor:
     return t
 
 
+def aligned_base(t: Tensor, vec: int) -> Tuple[Tensor, int]:
+    """``(base, offset)``: a tensor on ``t``'s storage whose first element is ``t``'s start rounded
+    down to a 16-byte boundary (``vec`` elements), and ``t``'s start in elements from it, which the
+    kernels add to every row offset. Passing the aligned base lets Triton specialize the pointer as
+    16-byte aligned (vector loads and stores) for any view start, e.g. ``logits[:, 1:]`` with an odd
+    V; ``t`` itself (offset 0) when its start is aligned or its storage's is not."""
+    remainder = (t.data_ptr() // t.element_size()) % vec if t.data_ptr() % t.element_size() == 0 else 0
+    if remainder == 0 or t.storage_offset() < remainder:
+        return t, 0
+    return t.as_strided((1,), (1,), t.storage_offset() - remainder), remainder
+
+
 @triton.jit
 def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
     """Split the row whose first element is element ``row_start`` of the tensor.
