@@ -5,8 +5,10 @@
 // Every extension op takes keyword arguments only, named like the struct fields (addresses are
 // Python ints from tensor.data_ptr(); an optional pointer may be left out, None or 0). A missing,
 // unknown or ill-typed keyword raises TypeError; a struct that would make a kernel read or write
-// out of bounds (null pointers, negative or inconsistent sizes, a bad dtype code, an id outside
-// [0, vocab) where the ids can be read on the host) raises ValueError.
+// out of bounds (null pointers, negative or inconsistent sizes, a bad dtype code) raises
+// ValueError. Ids (labels, candidates) are not checked here: every kernel, CPU and CUDA, guards
+// each id where it touches memory (DESIGN.md, "Ids outside the vocabulary"), so that all backends
+// give the same results for an id outside [0, vocab) instead of one of them raising.
 //
 // Host only: included by the two binding translation units, never by kernel code.
 #pragma once
@@ -42,6 +44,14 @@ class Kwargs {
   template <class P>
   P* optional_pointer(const char* name) {
     return reinterpret_cast<P*>(address(name, false));
+  }
+
+  // An optional int keyword: `fallback` when absent or None.
+  int64_t optional_integer(const char* name, int64_t fallback) {
+    const py::object value = get(name, false);
+    if (!value || value.is_none()) return fallback;
+    if (!is_int(value)) fail(name, "must be an int");
+    return value.cast<int64_t>();
   }
 
   int64_t integer(const char* name) {
@@ -133,6 +143,8 @@ inline RowForwardArgs row_forward_args(Kwargs& in) {
   a.rows = in.integer("rows");
   a.vocab = in.integer("vocab");
   a.row_stride = in.integer("row_stride");
+  a.rows_per_batch = in.optional_integer("rows_per_batch", a.rows);
+  a.batch_stride = in.optional_integer("batch_stride", 0);
   a.logits = in.pointer<const void>("logits");
   a.labels = in.pointer<const int64_t>("labels");
   a.inv_temperature = in.real("inv_temperature");
@@ -149,6 +161,8 @@ inline RowBackwardArgs row_backward_args(Kwargs& in) {
   a.rows = in.integer("rows");
   a.vocab = in.integer("vocab");
   a.row_stride = in.integer("row_stride");
+  a.rows_per_batch = in.optional_integer("rows_per_batch", a.rows);
+  a.batch_stride = in.optional_integer("batch_stride", 0);
   a.logits = in.pointer<const void>("logits");
   a.labels = in.pointer<const int64_t>("labels");
   a.row_max = in.pointer<const void>("row_max");
@@ -160,6 +174,7 @@ inline RowBackwardArgs row_backward_args(Kwargs& in) {
   a.inv_temperature = in.real("inv_temperature");
   a.out = in.pointer<void>("out");
   a.out_row_stride = in.integer("out_row_stride");
+  a.out_batch_stride = in.optional_integer("out_batch_stride", 0);
   return a;
 }
 
@@ -208,11 +223,6 @@ inline GroupArgs group_args(Kwargs& in) {
 // Checks
 // ---------------------------------------------------------------------------------------------
 
-// Where the ids (labels, candidates) live. Host ids are range-checked before any write; device
-// ids cannot be read without a synchronization, so the CUDA kernels guard every id themselves
-// (an id outside [0, vocab) is never dereferenced: it yields NaN or is ignored, see cuda/launch.h).
-enum class Ids { kOnHost, kOnDevice };
-
 inline void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
 }
@@ -234,27 +244,26 @@ inline void check_matrix(int64_t rows, int64_t vocab, int64_t row_stride) {
                                  std::to_string(vocab) + ")");
 }
 
+// The batch layout of a row op (tpo_abi.h): T >= 1 dividing rows, a non-negative batch stride.
+inline void check_batches(int64_t rows, int64_t rows_per_batch, int64_t batch_stride,
+                          const char* batch_stride_name) {
+  if (rows == 0) return;
+  check(rows_per_batch >= 1 && rows % rows_per_batch == 0,
+        "rows_per_batch (" + std::to_string(rows_per_batch) + ") must be >= 1 and divide rows (" +
+            std::to_string(rows) + ")");
+  check(batch_stride >= 0, std::string(batch_stride_name) + " must be >= 0, got " +
+                               std::to_string(batch_stride));
+}
+
 inline void check_inv_temperature(double inv_temperature) {
   check(std::isfinite(inv_temperature) && inv_temperature > 0.0,
         "inv_temperature must be finite and > 0");
 }
 
-// Every id must be < vocab; negative ids are allowed only where they mean "skip" (labels).
-inline void check_ids(const int64_t* ids, int64_t count, int64_t vocab, bool allow_negative,
-                      const char* name) {
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t id = ids[i];
-    if (id >= vocab || (!allow_negative && id < 0)) {
-      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] = " +
-                                  std::to_string(id) + " is outside [0, " + std::to_string(vocab) +
-                                  ")");
-    }
-  }
-}
-
-inline void check_args(const RowForwardArgs& a, Ids ids) {
+inline void check_args(const RowForwardArgs& a) {
   check_dtype(a.dtype);
   check_matrix(a.rows, a.vocab, a.row_stride);
+  check_batches(a.rows, a.rows_per_batch, a.batch_stride, "batch_stride");
   check_inv_temperature(a.inv_temperature);
   if (a.rows == 0) return;
   check_pointer(a.logits, "logits");
@@ -262,12 +271,13 @@ inline void check_args(const RowForwardArgs& a, Ids ids) {
   check_pointer(a.row_max, "row_max");
   check_pointer(a.log_sum, "log_sum");
   check_pointer(a.logprob, "logprob");
-  if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
 }
 
-inline void check_args(const RowBackwardArgs& a, Ids ids) {
+inline void check_args(const RowBackwardArgs& a) {
   check_dtype(a.dtype);
   check_matrix(a.rows, a.vocab, a.row_stride);
+  check_batches(a.rows, a.rows_per_batch, a.batch_stride, "batch_stride");
+  check_batches(a.rows, a.rows_per_batch, a.out_batch_stride, "out_batch_stride");
   check_inv_temperature(a.inv_temperature);
   check(a.out_row_stride >= a.vocab, "out_row_stride (" + std::to_string(a.out_row_stride) +
                                          ") must be >= vocab (" + std::to_string(a.vocab) + ")");
@@ -280,18 +290,18 @@ inline void check_args(const RowBackwardArgs& a, Ids ids) {
   check_pointer(a.grad_logprob, "grad_logprob");
   check_pointer(a.out, "out");
   check(a.grad_entropy == nullptr || a.entropy != nullptr, "grad_entropy needs entropy");
-  check(a.out != a.logits || a.out_row_stride == a.row_stride,
-        "in-place backward needs out_row_stride == row_stride");
-  if (ids == Ids::kOnHost) check_ids(a.labels, a.rows, a.vocab, true, "labels");
+  check(a.out != a.logits || (a.out_row_stride == a.row_stride &&
+                              (a.rows_per_batch == a.rows || a.out_batch_stride == a.batch_stride)),
+        "in-place backward needs out_row_stride == row_stride and out_batch_stride == batch_stride");
 }
 
-inline void check_args(const CandidateArgs& a, CandidateOp op, Ids ids) {
+inline void check_args(const CandidateArgs& a, CandidateOp op) {
   check_dtype(a.dtype);
   check_matrix(a.rows, a.vocab, a.row_stride);
   check_inv_temperature(a.inv_temperature);
   check(a.num_candidates >= 0,
         "num_candidates must be >= 0, got " + std::to_string(a.num_candidates));
-  // rows * num_candidates ids are read (and range-checked below): the count must fit in int64.
+  // rows * num_candidates ids are read (each guarded by the kernel): the count must fit in int64.
   check(a.num_candidates == 0 || a.rows <= std::numeric_limits<int64_t>::max() / a.num_candidates,
         "rows x num_candidates overflows int64: rows " + std::to_string(a.rows) + ", num_candidates " +
             std::to_string(a.num_candidates));
@@ -306,9 +316,6 @@ inline void check_args(const CandidateArgs& a, CandidateOp op, Ids ids) {
     check_pointer(a.grad_cand, "grad_cand");
   }
   check_pointer(a.candidates, "candidates");
-  if (ids == Ids::kOnHost) {
-    check_ids(a.candidates, a.rows * a.num_candidates, a.vocab, false, "candidates");
-  }
 }
 
 inline void check_args(const GroupArgs& a) {
@@ -336,13 +343,15 @@ inline void check_args(const GroupArgs& a) {
 // ---------------------------------------------------------------------------------------------
 
 constexpr const char* kRowForwardDoc =
-    "row_forward(*, dtype, rows, vocab, row_stride, logits, labels, inv_temperature, row_max, "
-    "log_sum, logprob, entropy=0): row_max[r] = max logits[r], log_sum[r] = log sum exp((logits[r] "
+    "row_forward(*, dtype, rows, vocab, row_stride, rows_per_batch=rows, batch_stride=0, logits, "
+    "labels, inv_temperature, row_max, log_sum, logprob, entropy=0): row r = b * rows_per_batch + t "
+    "starts at b * batch_stride + t * row_stride; row_max[r] = max logits[r], log_sum[r] = log sum exp((logits[r] "
     "- row_max[r]) * it), logprob[r] = log softmax(logits[r] * it)[labels[r]] and optionally the "
     "entropy; rows with labels[r] < 0 get 0 and are not read (csrc/tpo_abi.h).";
 constexpr const char* kRowBackwardDoc =
-    "row_backward(*, dtype, rows, vocab, row_stride, logits, labels, row_max, log_sum, logprob, "
-    "grad_logprob, grad_entropy=0, entropy=0, inv_temperature, out, out_row_stride): out[r, v] = it * "
+    "row_backward(*, dtype, rows, vocab, row_stride, rows_per_batch=rows, batch_stride=0, logits, "
+    "labels, row_max, log_sum, logprob, grad_logprob, grad_entropy=0, entropy=0, inv_temperature, "
+    "out, out_row_stride, out_batch_stride=0): rows laid out as in row_forward; out[r, v] = it * "
     "(g (onehot - p) - ge p (log p + H)); out may be logits (in place); rows with g == ge == 0 "
     "are zero-filled without reading logits (csrc/tpo_abi.h).";
 constexpr const char* kCandidateForwardDoc =

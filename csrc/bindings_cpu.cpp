@@ -2,8 +2,10 @@
 // tensor.data_ptr()), so the extension needs no torch headers and no torch C++ ABI.
 //
 // Each op reads its keyword arguments into its ABI struct (tpo_abi.h) and checks it
-// (binding_args.h: null pointers, sizes, dtype code, and every label / candidate id, which live
-// in host memory here) before the kernels touch anything. Every op also takes an optional
+// (binding_args.h: null pointers, sizes, dtype code) before the kernels touch anything. Ids
+// (labels, candidates) are guarded by the kernels themselves, as on the CUDA backend: a label
+// >= vocab gives NaN, a candidate outside [0, vocab) NaN or no write (DESIGN.md, "Ids outside the
+// vocabulary"). Every op also takes an optional
 // num_threads (the cpu backend passes torch.get_num_threads(); csrc/cpu/parallel.h).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -21,7 +23,6 @@ namespace py = pybind11;
 namespace {
 
 using tpo::CandidateOp;
-using tpo::binding::Ids;
 using tpo::binding::Kwargs;
 
 // The thread budget of one call: num_threads when given, else the number of hardware threads.
@@ -40,7 +41,7 @@ void row_forward(const py::kwargs& kwargs) {
   const tpo::RowForwardArgs args = tpo::binding::row_forward_args(in);
   const int threads = num_threads(kwargs, in, "row_forward");
   in.finish();
-  tpo::binding::check_args(args, Ids::kOnHost);
+  tpo::binding::check_args(args);
   py::gil_scoped_release release;
   tpo::cpu::row_forward(args, threads);
 }
@@ -50,7 +51,7 @@ void row_backward(const py::kwargs& kwargs) {
   const tpo::RowBackwardArgs args = tpo::binding::row_backward_args(in);
   const int threads = num_threads(kwargs, in, "row_backward");
   in.finish();
-  tpo::binding::check_args(args, Ids::kOnHost);
+  tpo::binding::check_args(args);
   py::gil_scoped_release release;
   tpo::cpu::row_backward(args, threads);
 }
@@ -60,7 +61,7 @@ void candidate_forward(const py::kwargs& kwargs) {
   const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kForward);
   const int threads = num_threads(kwargs, in, "candidate_forward");
   in.finish();
-  tpo::binding::check_args(args, CandidateOp::kForward, Ids::kOnHost);
+  tpo::binding::check_args(args, CandidateOp::kForward);
   py::gil_scoped_release release;
   tpo::cpu::candidate_forward(args, threads);
 }
@@ -70,7 +71,7 @@ void candidate_backward(const py::kwargs& kwargs) {
   const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kBackward);
   const int threads = num_threads(kwargs, in, "candidate_backward");
   in.finish();
-  tpo::binding::check_args(args, CandidateOp::kBackward, Ids::kOnHost);
+  tpo::binding::check_args(args, CandidateOp::kBackward);
   py::gil_scoped_release release;
   tpo::cpu::candidate_backward(args, threads);
 }

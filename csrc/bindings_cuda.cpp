@@ -19,7 +19,6 @@ namespace py = pybind11;
 namespace {
 
 using tpo::CandidateOp;
-using tpo::binding::Ids;
 using tpo::binding::Kwargs;
 
 tpo::cuda::Launch launch_args(Kwargs& in) {
@@ -40,7 +39,7 @@ void row_forward(const py::kwargs& kwargs) {
   const tpo::RowForwardArgs args = tpo::binding::row_forward_args(in);
   const tpo::cuda::Launch launch = launch_args(in);
   in.finish();
-  tpo::binding::check_args(args, Ids::kOnDevice);
+  tpo::binding::check_args(args);
   py::gil_scoped_release release;
   raise_if(tpo::cuda::row_forward(args, launch), "row_forward");
 }
@@ -50,7 +49,7 @@ void row_backward(const py::kwargs& kwargs) {
   const tpo::RowBackwardArgs args = tpo::binding::row_backward_args(in);
   const tpo::cuda::Launch launch = launch_args(in);
   in.finish();
-  tpo::binding::check_args(args, Ids::kOnDevice);
+  tpo::binding::check_args(args);
   py::gil_scoped_release release;
   raise_if(tpo::cuda::row_backward(args, launch), "row_backward");
 }
@@ -60,7 +59,7 @@ void candidate_forward(const py::kwargs& kwargs) {
   const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kForward);
   const tpo::cuda::Launch launch = launch_args(in);
   in.finish();
-  tpo::binding::check_args(args, CandidateOp::kForward, Ids::kOnDevice);
+  tpo::binding::check_args(args, CandidateOp::kForward);
   py::gil_scoped_release release;
   raise_if(tpo::cuda::candidate_forward(args, launch), "candidate_forward");
 }
@@ -70,7 +69,7 @@ void candidate_backward(const py::kwargs& kwargs) {
   const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kBackward);
   const tpo::cuda::Launch launch = launch_args(in);
   in.finish();
-  tpo::binding::check_args(args, CandidateOp::kBackward, Ids::kOnDevice);
+  tpo::binding::check_args(args, CandidateOp::kBackward);
   py::gil_scoped_release release;
   raise_if(tpo::cuda::candidate_backward(args, launch), "candidate_backward");
 }

@@ -38,6 +38,15 @@
 
 namespace tpo {
 
+// Offset (elements) of row r of a row op's batched view (tpo_abi.h): r = b * T + t starts at
+// b * batch_stride + t * row_stride. For a plain matrix (T = rows, batch_stride = 0) it is
+// r * row_stride.
+TPO_HD int64_t row_offset(int64_t r, int64_t rows_per_batch, int64_t batch_stride,
+                          int64_t row_stride) {
+  const int64_t b = r / rows_per_batch;
+  return b * batch_stride + (r - b * rows_per_batch) * row_stride;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bit casts
 // ---------------------------------------------------------------------------------------------

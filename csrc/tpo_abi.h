@@ -12,7 +12,15 @@
 //    float for every other element type;
 //  * a [rows, vocab] matrix has unit column stride and `row_stride` elements between rows
 //    (row_stride >= vocab);
-//  * ids (labels, candidates) are int64; a negative label marks a row that is skipped.
+//  * the row ops also read a batch of such matrices, a [B, T, vocab] view whose rows do not
+//    flatten into one row stride (logits[:, :-1]): rows = B * T, `rows_per_batch` = T and
+//    `batch_stride` elements between batch entries, so that row r = b * T + t starts at
+//    b * batch_stride + t * row_stride (row_offset in row_math.h). A plain matrix is the batch of
+//    one: rows_per_batch = rows, batch_stride = 0 (the bindings' defaults). One launch covers
+//    the batch.
+//  * ids (labels, candidates) are int64; a negative label marks a row that is skipped. The
+//    kernels guard every id against [0, vocab) where they touch memory (the bindings do not
+//    check ids): DESIGN.md, "Ids outside the vocabulary".
 #pragma once
 
 #include <stdint.h>
@@ -29,14 +37,16 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 //   entropy[r] = -sum softmax(z * it) log softmax(z * it).
 // The tempered logsumexp is row_max * it + log_sum; keeping the two apart keeps log-probs of
 // logits with a large common offset accurate. Rows with labels[r] < 0 get 0 in every output and
-// are never read. A row holding NaN (or +inf) gets NaN; a row of only -inf logits gets
+// are never read; rows with labels[r] >= vocab get NaN in every output and are never read. A row holding NaN (or +inf) gets NaN; a row of only -inf logits gets
 // row_max = -inf and NaN elsewhere.
 struct RowForwardArgs {
   int dtype;                 // element type of logits
   int64_t rows;
   int64_t vocab;
   int64_t row_stride;
-  const void* logits;        // [rows, vocab]
+  int64_t rows_per_batch;    // T >= 1 dividing rows (rows when not batched)
+  int64_t batch_stride;      // >= 0, elements between batch entries
+  const void* logits;        // [rows, vocab] (or [rows / T, T, vocab])
   const int64_t* labels;     // [rows]
   double inv_temperature;
   void* row_max;             // [rows] compute dtype
@@ -50,13 +60,16 @@ struct RowForwardArgs {
 //   out[r, v] = it * (g[r] (onehot(labels[r])[v] - p[v]) - ge[r] p[v] (log p[v] + entropy[r])),
 // where the label's entry takes log p from logprob[r] (its 1 - p as -expm1(logprob)).
 // out may be logits itself (in-place backward, then out_row_stride == row_stride). Rows with
-// g == ge == 0 are written as zeros without reading logits; labels[r] < 0 adds no one-hot term.
+// g == ge == 0 are written as zeros without reading logits; a label outside [0, vocab) adds no
+// one-hot term.
 struct RowBackwardArgs {
   int dtype;                 // element type of logits and out
   int64_t rows;
   int64_t vocab;
   int64_t row_stride;
-  const void* logits;        // [rows, vocab]
+  int64_t rows_per_batch;    // T >= 1 dividing rows (rows when not batched), logits and out
+  int64_t batch_stride;      // >= 0, elements between the logits' batch entries
+  const void* logits;        // [rows, vocab] (or [rows / T, T, vocab])
   const int64_t* labels;     // [rows]
   const void* row_max;       // [rows] compute dtype
   const void* log_sum;       // [rows] compute dtype
@@ -67,6 +80,7 @@ struct RowBackwardArgs {
   double inv_temperature;
   void* out;                 // [rows, vocab], out_row_stride between rows
   int64_t out_row_stride;
+  int64_t out_batch_stride;  // >= 0, elements between out's batch entries
 };
 
 // Candidate ops of token-level TPO, K = num_candidates ids per row of a [rows, vocab] matrix:

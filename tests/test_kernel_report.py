@@ -326,6 +326,12 @@ def test_triton_launches_compiled_as_specialized_and_a_spill_found(tmp_path):
         assert max(row.loads) == 128, row.loads  # a 151936-wide bf16 row is 16-byte aligned
     unaligned = by[("_row_forward_kernel", "row fwd+bwd V=50257")]
     assert "not%16:" in unaligned.spec and "vocab" in unaligned.spec  # what the launcher passed
+    # A view starting off a 16-byte boundary (logits[:, 1:], odd V) is compiled too, and still
+    # reads (and writes) 128 bits at a time without spilling: the kernels get an aligned base.
+    for kernel in ("_row_forward_kernel", "_row_backward_kernel"):
+        row = by[(kernel, "row fwd+bwd V=50257 unaligned start")]
+        assert max(row.loads) == 128 and not row.spilled, (row.loads, row.stack, row.local)
+    assert max(by[("_row_backward_kernel", "row fwd+bwd V=50257 unaligned start")].stores) == 128
     spill = by[("spilly", "deliberate spill")]
     assert spill.spilled and spill.fails and spill.local_insts > 0 and spill.spec.startswith("BLOCK=8192 warps=1")
     status, text = KR.verdict(rows)

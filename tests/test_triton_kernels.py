@@ -468,7 +468,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         # launchers' specialization for a vocabulary that is not a multiple of 16.
         attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"]
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        build.ttir = compiled.asm["ttir"]
+        return compiled.asm["ptx"]
+
+    def label_logit_loaded_first(ttir, dt):
+        # The label's logit is the forward's one scalar load of the logits: it must come before
+        # the chunk loop (issued at the row's start), not after it (a dependent load at the tail).
+        scalar = re.search(r"tt\.load %[\w.]+ : !tt\.ptr<" + dt + ">", ttir)
+        return scalar is not None and scalar.start() < ttir.index("scf.for")
 
     def vector_ops(ptx, op):
         return len(re.findall(op + r"\\.global(\\.[a-z]+)*\\.v(4\\.b32|2\\.b64)", ptx))
@@ -480,17 +488,21 @@ _COMPILE_SCRIPT = textwrap.dedent(
             for flag in (False, True):
                 sig = {"logits_ptr": "*" + dt, "labels_ptr": "*i64", "row_max_ptr": "*" + acc,
                        "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
-                       "entropy_ptr": "*" + acc, "row_stride": "i64",
-                       "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
+                       "entropy_ptr": "*" + acc, "base_offset": "i32", "rows_per_batch": "i64", "batch_stride": "i64",
+                       "row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
                        "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
                        "VEC": "constexpr", "ACCURATE_MATH": "constexpr"}
                 ptx = build(rk._row_forward_kernel, sig, {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096,
                             "VEC": vec, "ACCURATE_MATH": True}, arch)
                 assert vector_ops(ptx, "ld") > 0, "row forward: no 16-byte loads"
+                assert label_logit_loaded_first(build.ttir, {"bf16": "bf16", "fp64": "f64"}[dt]), \
+                    "row forward: label's logit loaded after the loop"
                 sig = {"logits_ptr": "*" + dt, "out_ptr": "*" + dt, "labels_ptr": "*i64",
                        "row_max_ptr": "*" + acc, "log_sum_ptr": "*" + acc, "logprob_ptr": "*" + acc,
                        "grad_ptr": "*" + acc, "grad_entropy_ptr": "*" + acc,
-                       "entropy_ptr": "*" + acc, "logits_row_stride": "i64",
+                       "entropy_ptr": "*" + acc, "logits_base_offset": "i32", "out_base_offset": "i32",
+                       "rows_per_batch": "i64", "logits_batch_stride": "i64",
+                       "logits_row_stride": "i64", "out_batch_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
                        "ACC": "constexpr", "BLOCK_V": "constexpr", "VEC": "constexpr",

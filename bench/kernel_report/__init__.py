@@ -9,7 +9,10 @@ kernel of tpo_kernels, compiled for sm_80 and sm_90 on a machine without a GPU.
 **Triton.** Each operation of the Triton backend is called through the backend interface
 (``TritonBackend().row_forward(...)`` and so on) on small CPU tensors of representative shapes:
 2 rows of each vocabulary in ``--vocab`` (default 32000, 50257, 151936: block sizes and warp counts
-as at training shapes, and a vocabulary that is not a multiple of 16), K=8 candidates, H=4096,
+as at training shapes, and a vocabulary that is not a multiple of 16), and for each odd vocabulary
+the row ops on ``logits[:, 1:]`` of a ``[2, 3, V]`` buffer (a view whose start is off a 16-byte
+boundary and whose rows do not flatten: the specializations of the README's ``logits[:, :-1]``),
+K=8 candidates, H=4096,
 16 groups of 8 sequences of 128 tokens, in every dtype the launcher takes. A stand-in Triton
 driver names the target GPU and turns each launch into a compile only
 (``JITFunction.run(..., warmup=True)``), so every kernel is built exactly as its launcher

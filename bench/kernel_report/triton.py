@@ -56,6 +56,22 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
             out.append(Scenario(f"row fwd+bwd V={vocab} entropy", name,
                                 lambda b, f=row_ops: f(b, entropy=True)))
 
+            def row_ops_unaligned(backend, dt=dt, acc=acc, vocab=vocab, entropy=False):
+                # logits[:, 1:] of a [2, 3, V] buffer: with an odd V the view starts off a 16-byte
+                # boundary and its rows do not flatten (one launch with a batch stride), the
+                # specializations of the README's slices; in place, as the logits path runs it.
+                logits = torch.randn(2, 3, vocab).to(dt)[:, 1:]
+                labels = torch.tensor([1, vocab - 1, 0, 2])
+                stats, logprob, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
+                g = torch.ones(4, dtype=acc)
+                backend.row_backward(logits, labels, stats, logprob, g, grad_entropy=g if entropy else None,
+                                     entropy=ent, inv_temperature=1.0, out=logits)
+
+            if vocab % 2:
+                out.append(Scenario(f"row fwd+bwd V={vocab} unaligned start", name, row_ops_unaligned))
+                out.append(Scenario(f"row fwd+bwd V={vocab} unaligned start entropy", name,
+                                    lambda b, f=row_ops_unaligned: f(b, entropy=True)))
+
             def candidates(backend, dt=dt, acc=acc, vocab=vocab):
                 cand = torch.randint(0, vocab, (4, num_cand))
                 backend.candidate_forward(torch.randn(4, vocab).to(dt), cand, inv_temperature=1.0)
@@ -121,8 +137,12 @@ def _dtype_name(value) -> str:
 
 def _spec_text(src, options) -> str:
     """Constexprs (by parameter name), num_warps, and the integer arguments that are *not* known
-    to be multiples of 16 (those decide vector widths)."""
+    to be multiples of 16 (those decide vector widths); arguments the kernel declares
+    ``do_not_specialize`` (a batch's rows per entry, a divisor only) are never specialized and do
+    not count."""
     names = list(src.signature)
+    params = getattr(getattr(src, "fn", None), "params", [])
+    unspecialized = {p.name for p in params if getattr(p, "do_not_specialize", False)}
     parts = []
     for key, value in sorted(src.constants.items()):
         index = key[0] if isinstance(key, tuple) else key
@@ -135,7 +155,7 @@ def _spec_text(src, options) -> str:
     parts.append(f"warps={options.get('num_warps', '?')}")
     unaligned = []
     for index, (name, ty) in enumerate(src.signature.items()):
-        if ty in ("i32", "i64", "u32", "u64"):
+        if ty in ("i32", "i64", "u32", "u64") and name not in unspecialized:
             attrs = src.attrs.get((index,), [])
             if not any(a[0] == "tt.divisibility" and a[1] >= 16 for a in attrs):
                 unaligned.append(name)

@@ -1,5 +1,6 @@
 // CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter.
-// One block per row for the vocab-sized passes: 16-byte loads where the row is aligned (scalar
+// One block per row for the vocab-sized passes (rows of a batched [B, T, V] view too: one launch,
+// row r = b * T + t at b * batch_stride + t * row_stride): 16-byte loads where the row is aligned (scalar
 // head/tail otherwise), several packs in flight per thread, per-thread online softmax in base 2
 // in the accumulation type (fp32; fp64 for fp64 logits), warp-shuffle + shared-memory merge. The
 // per-element arithmetic is the shared row_math.h, the same code the CPU extension runs.
@@ -87,6 +88,7 @@ __device__ __forceinline__ void add_packs(const uint4* __restrict__ packs, int64
 template <class T, int kBlock, bool kEntropy>
 __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     row_forward_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
+                       int64_t rows_per_batch, int64_t batch_stride, int64_t first_row,
                        const int64_t* __restrict__ labels, acc_t<T> it, acc_t<T> it2,
                        acc_t<T>* __restrict__ row_max, acc_t<T>* __restrict__ log_sum,
                        acc_t<T>* __restrict__ logprob, acc_t<T>* __restrict__ entropy) {
@@ -94,7 +96,8 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
   constexpr int N = Pack<T>::kSize;
   constexpr int U = packs_in_flight<T>();
   __shared__ SoftmaxState<A> scratch[kBlock / 32];
-  const int64_t row = blockIdx.x;
+  // Row r = b * T + t of the batched view (tpo_abi.h); one launch covers every batch entry.
+  const int64_t row = first_row + blockIdx.x;
   const int64_t label = labels[row];
   if (label < 0 || label >= vocab) {  // skipped row (0) / invalid label (NaN): never read
     if (threadIdx.x == 0) {
@@ -106,7 +109,10 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     }
     return;
   }
-  const T* x = logits + row * row_stride;
+  const T* x = logits + row_offset(row, rows_per_batch, batch_stride, row_stride);
+  // The label's logit is loaded first, by the thread that finishes the row: its latency overlaps
+  // the row's stream instead of adding a dependent load after the block merge.
+  const A z_label = threadIdx.x == 0 ? Elem<T>::load(x[label]) : A(0);
   SoftmaxState<A> st = softmax_empty<A>();
 
   const int64_t head = aligned_head<T>(x, vocab);
@@ -137,7 +143,7 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
 
   st = block_merge_states<kBlock>(st, scratch, it2);
   if (threadIdx.x == 0) {
-    const RowStats<A> r = softmax_finish(st, Elem<T>::load(x[label]), it, it2);
+    const RowStats<A> r = softmax_finish(st, z_label, it, it2);
     row_max[row] = r.row_max;
     log_sum[row] = r.log_sum;
     logprob[row] = r.logprob;
@@ -205,7 +211,9 @@ __device__ __forceinline__ void backward_row(const T* x, T* o, int64_t vocab, in
 template <class T, int kBlock>
 __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     row_backward_kernel(const T* logits, T* out, int64_t vocab, int64_t row_stride,
-                        int64_t out_row_stride, const int64_t* __restrict__ labels,
+                        int64_t out_row_stride, int64_t rows_per_batch, int64_t batch_stride,
+                        int64_t out_batch_stride, int64_t first_row,
+                        const int64_t* __restrict__ labels,
                         const acc_t<T>* __restrict__ row_max, const acc_t<T>* __restrict__ log_sum,
                         const acc_t<T>* __restrict__ logprob,
                         const acc_t<T>* __restrict__ grad_logprob,
@@ -213,10 +221,10 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
                         const acc_t<T>* __restrict__ entropy, acc_t<T> it, acc_t<T> it2) {
   using A = acc_t<T>;
   constexpr int N = Pack<T>::kSize;
-  const int64_t row = blockIdx.x;
+  const int64_t row = first_row + blockIdx.x;  // r = b * T + t of the batched view (tpo_abi.h)
   const A g = grad_logprob[row];
   const A ge = grad_entropy != nullptr ? grad_entropy[row] : A(0);
-  T* o = out + row * out_row_stride;
+  T* o = out + row_offset(row, rows_per_batch, out_batch_stride, out_row_stride);
   int64_t head = aligned_head<T>(o, vocab);
   int64_t num_packs = (vocab - head) / N;
 
@@ -229,7 +237,7 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     return;
   }
 
-  const T* x = logits + row * row_stride;
+  const T* x = logits + row_offset(row, rows_per_batch, batch_stride, row_stride);
   const uintptr_t misalign = (reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(o)) & 15u;
   if (misalign != 0) {  // input and output rows not co-aligned: scalar path for this row
     head = vocab;
@@ -308,14 +316,16 @@ void launch_row_forward(const RowForwardArgs& a, cudaStream_t stream) {
     constexpr int kBlock = decltype(block)::value;
     for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
       const unsigned grid = static_cast<unsigned>(count);
+      // The base pointers stay whole: blocks index rows from `start` (batched views have no
+      // per-chunk base).
       if (entropy != nullptr) {
         row_forward_kernel<T, kBlock, true><<<grid, kBlock, 0, stream>>>(
-            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it, it2,
-            row_max + start, log_sum + start, logprob + start, entropy + start);
+            logits, a.vocab, a.row_stride, a.rows_per_batch, a.batch_stride, start, a.labels, it,
+            it2, row_max, log_sum, logprob, entropy);
       } else {
         row_forward_kernel<T, kBlock, false><<<grid, kBlock, 0, stream>>>(
-            logits + start * a.row_stride, a.vocab, a.row_stride, a.labels + start, it, it2,
-            row_max + start, log_sum + start, logprob + start, nullptr);
+            logits, a.vocab, a.row_stride, a.rows_per_batch, a.batch_stride, start, a.labels, it,
+            it2, row_max, log_sum, logprob, nullptr);
       }
     });
   });
@@ -338,10 +348,8 @@ void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
     constexpr int kBlock = decltype(block)::value;
     for_grid_chunks(a.rows, [&](int64_t start, int64_t count) {
       row_backward_kernel<T, kBlock><<<static_cast<unsigned>(count), kBlock, 0, stream>>>(
-          logits + start * a.row_stride, out + start * a.out_row_stride, a.vocab, a.row_stride,
-          a.out_row_stride, a.labels + start, row_max + start, log_sum + start, logprob + start,
-          g + start,
-          ge != nullptr ? ge + start : nullptr, ent != nullptr ? ent + start : nullptr, it, it2);
+          logits, out, a.vocab, a.row_stride, a.out_row_stride, a.rows_per_batch, a.batch_stride,
+          a.out_batch_stride, start, a.labels, row_max, log_sum, logprob, g, ge, ent, it, it2);
     });
   });
 }

@@ -1,7 +1,10 @@
 """The interface every backend implements: the vocabulary-sized row ops (layer 1), the
 candidate ops of token-level TPO and, optionally, a fused group op (layer 2).
 
-Row ops (``M`` rows of a ``[M, V]`` logits matrix; tensors first, settings keyword-only):
+Row ops (``M`` rows of a ``[M, V]`` logits matrix, or ``M = B T`` rows of a ``[B, T, V]`` view
+whose rows do not flatten into one row stride, such as ``logits[:, :-1]``: row ``b T + t``, read
+in place, one launch each way; labels and per-row values are ``[M]`` in that order and ``out``
+has the logits' shape; tensors first, settings keyword-only):
 
 * ``row_forward(logits, labels, *, inv_temperature, with_entropy) -> (stats, logprob, entropy | None)``
 
@@ -59,11 +62,11 @@ the rounding (``None`` lets the caller take the difference of the rounded p and 
 
 The base class supplies PyTorch implementations of the candidate ops
 (:mod:`tpo_kernels.backends.torch_candidates`) and of the group op; a backend overrides what it has
-kernels for. Inputs reaching a backend have validated metadata: 2-D logits with unit column
-stride, int64 ids, one device. Id values are checked only with ``validate=True``, so every op
+kernels for. Inputs reaching a backend have validated metadata: 2-D logits (3-D for the row
+ops) with unit column stride, int64 ids, one device. Id values are checked only with ``validate=True``, so every op
 checks each id where it touches memory (DESIGN.md, "Ids outside the vocabulary": the results
-above for ids outside ``[0, V)``, where ``V`` is the view's width, not its row stride; the cpu
-backend's binding refuses them with ``ValueError`` instead).
+above for ids outside ``[0, V)``, where ``V`` is the view's width, not its row stride, on every
+backend).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 Both extensions take keyword arguments only, named like the fields of the argument structs in
 ``csrc/tpo_abi.h`` (addresses from ``tensor.data_ptr()``); the CUDA ops add ``device`` and
 ``stream``. This module prepares the tensors once for both: 2-D row-major views (row stride >= V,
-unit column stride; anything else is copied with ``.contiguous()``), int64 labels and candidates,
+unit column stride; anything else is copied with ``.contiguous()``) and, for the row ops, ``[B, T,
+V]`` views whose rows do not flatten (``logits[:, :-1]``: read in place, one launch with a batch
+stride), int64 labels and candidates,
 per-row values in the compute dtype, every tensor on the device of the one the kernel reads.
 These pointer-boundary checks raise ``ValueError`` / ``TypeError``; the extensions re-check what
 could make a kernel touch memory it should not. A subclass supplies the extension and
@@ -45,15 +47,43 @@ def as_rows(t: Tensor, what: str = "logits") -> Tensor:
     return t.contiguous()
 
 
+def as_row_batch(t: Tensor, what: str = "logits") -> Tensor:
+    """The row ops' input: :func:`as_rows` for a ``[M, V]`` matrix; a ``[B, T, V]`` view (the
+    ``logits[:, :-1]`` slice, whose rows do not flatten into one row stride) stays as it is when
+    the kernels can walk it in one launch (unit column stride, rows that never overlap), else it
+    is copied."""
+    if t.dim() == 2:
+        return as_rows(t, what)
+    if t.dim() != 3:
+        raise ValueError(f"{what} must be [rows, vocab] or [batch, rows, vocab], got shape {tuple(t.shape)}")
+    batch, per_batch, vocab = t.shape
+    if t.numel() > 0 and t.stride(2) == 1:
+        step = t.stride(1) if per_batch > 1 else vocab
+        if step >= vocab and (batch == 1 or t.stride(0) >= (per_batch - 1) * step + vocab):
+            return t
+    return t.contiguous()
+
+
+def batch_args(t: Tensor) -> dict:
+    """``rows_per_batch, batch_stride`` of a row-op input (:func:`as_row_batch`): row ``r = b * T + t``
+    starts at ``b * batch_stride + t * row_stride`` (csrc/tpo_abi.h); a matrix is one batch entry."""
+    if t.dim() == 2:
+        return dict(rows_per_batch=max(t.shape[0], 1), batch_stride=0)
+    return dict(rows_per_batch=max(t.shape[1], 1), batch_stride=t.stride(0) if t.shape[0] > 1 else 0)
+
+
 def row_stride(t: Tensor) -> int:
-    rows, vocab = t.shape
-    return t.stride(0) if rows > 1 else max(vocab, 1)
+    """Elements between consecutive rows of a ``[M, V]`` matrix (or within a batch entry of a
+    ``[B, T, V]`` view)."""
+    rows, vocab = t.shape[-2:]
+    return t.stride(-2) if rows > 1 else max(vocab, 1)
 
 
 def matrix_args(t: Tensor) -> dict:
-    """The ``dtype, rows, vocab, row_stride`` fields of a matrix returned by :func:`as_rows`."""
-    rows, vocab = t.shape
-    return dict(dtype=DTYPE_CODES[t.dtype], rows=rows, vocab=vocab, row_stride=row_stride(t))
+    """The ``dtype, rows, vocab, row_stride`` fields of a matrix returned by :func:`as_rows` (or
+    of a batch returned by :func:`as_row_batch`: ``rows`` counts every batch entry's rows)."""
+    vocab = t.shape[-1]
+    return dict(dtype=DTYPE_CODES[t.dtype], rows=t.shape[:-1].numel(), vocab=vocab, row_stride=row_stride(t))
 
 
 def per_row(t: Optional[Tensor], rows: int, dtype: torch.dtype, device, what: str) -> Optional[Tensor]:
@@ -124,16 +154,17 @@ class NativeBackend(Backend):
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         launch = self._launch_args(logits, "logits")
         dtype_code(logits.dtype)
-        x = as_rows(logits)
-        rows = x.shape[0]
+        x = as_row_batch(logits)
+        rows = x.shape[:-1].numel()
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
         stats = torch.empty(2, rows, dtype=acc, device=x.device)
         logprob = torch.empty(rows, dtype=acc, device=x.device)
         entropy = torch.empty(rows, dtype=acc, device=x.device) if with_entropy else None
         self.extension.row_forward(
-            **matrix_args(x), logits=ptr(x), labels=ptr(lab), inv_temperature=float(inv_temperature),
-            row_max=ptr(stats[0]), log_sum=ptr(stats[1]), logprob=ptr(logprob), entropy=ptr(entropy), **launch,
+            **matrix_args(x), **batch_args(x), logits=ptr(x), labels=ptr(lab),
+            inv_temperature=float(inv_temperature), row_max=ptr(stats[0]), log_sum=ptr(stats[1]), logprob=ptr(logprob),
+            entropy=ptr(entropy), **launch,
         )
         return stats, logprob, entropy
 
@@ -155,8 +186,8 @@ class NativeBackend(Backend):
         dtype_code(logits.dtype)
         if out.shape != logits.shape:
             raise ValueError(f"out must have the logits' shape {tuple(logits.shape)}, got {tuple(out.shape)}")
-        x = as_rows(logits)
-        rows = x.shape[0]
+        x = as_row_batch(logits)
+        rows = x.shape[:-1].numel()
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
         if stats.dim() != 2 or stats.shape[0] != 2:
@@ -173,17 +204,19 @@ class NativeBackend(Backend):
             ent = per_row(entropy, rows, acc, x.device, "entropy")
         # Write straight into `out` when the kernel can (this is the in-place path when out is
         # logits); otherwise into a temporary that is copied over. An `out` that starts at the
-        # logits' address with another row stride would be overwritten while still being read,
-        # so it gets a temporary too.
-        direct = out.dtype == x.dtype and as_rows(out, "out") is out
+        # logits' address with another layout would be overwritten while still being read, so it
+        # gets a temporary too.
+        direct = out.dtype == x.dtype and as_row_batch(out, "out") is out
         target = out if direct else torch.empty_like(x)
-        if target.data_ptr() == x.data_ptr() and row_stride(target) != row_stride(x):
+        if target.data_ptr() == x.data_ptr() and (row_stride(target), batch_args(target)) != (row_stride(x),
+                                                                                            batch_args(x)):
             target = torch.empty_like(x)
             direct = False
         self.extension.row_backward(
-            **matrix_args(x), logits=ptr(x), labels=ptr(lab), row_max=ptr(row_max), log_sum=ptr(log_sum),
-            logprob=ptr(lp), grad_logprob=ptr(g), grad_entropy=ptr(ge), entropy=ptr(ent),
-            inv_temperature=float(inv_temperature), out=ptr(target), out_row_stride=row_stride(target), **launch,
+            **matrix_args(x), **batch_args(x), logits=ptr(x), labels=ptr(lab), row_max=ptr(row_max),
+            log_sum=ptr(log_sum), logprob=ptr(lp), grad_logprob=ptr(g), grad_entropy=ptr(ge), entropy=ptr(ent),
+            inv_temperature=float(inv_temperature), out=ptr(target), out_row_stride=row_stride(target),
+            out_batch_stride=batch_args(target)["batch_stride"], **launch,
         )
         if not direct:
             out.copy_(target)

@@ -1,7 +1,8 @@
 """``tpo_kernels::logprobs``: per-token log-probs (and entropies) of a ``[M, V]`` logits matrix
 (unit column stride, any row stride >= V) or of ``[B, T, V]`` logits whose rows do not flatten into
-one row stride (the ``logits[:, :-1]`` slice: B launches on ``[T, V]`` views, no copy), as a custom
-op whose backward is the backend's fused row backward.
+one row stride (the ``logits[:, :-1]`` slice: the row ops take it as it is, with a batch stride,
+so it is one launch forward and one backward, no copy), as a custom op whose backward is the
+backend's fused row backward.
 
 Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
 entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
@@ -39,7 +40,7 @@ def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entro
     row_op = backend_by_key(backend).row_forward
     inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
     transform = LogitTransform.of(logit_scale, logit_softcap)
-    if transform is None and logits.dim() == 2:  # one launch over the whole matrix
+    if transform is None:  # one launch over the whole matrix or batch
         stats, logprob, entropy = row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy)
     else:
         stats, logprob, entropy = _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy)
@@ -51,8 +52,9 @@ def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entro
 def _pieces(logits: Tensor, transform: Optional[LogitTransform]) -> Iterator[Tuple[Tensor, slice]]:
     """``(2-D view, its rows in the flat [M] order)`` pairs covering ``[M, V]`` logits, or ``[B, T, V]``
     logits whose rows do not flatten into one row stride (``logits[:, :-1]``): one view per leading
-    index, read with its row stride instead of copied. With a soft cap, views of at most one row
-    chunk (:func:`row_chunk`), the size of the capped buffer."""
+    index, read with its row stride instead of copied, in views of at most one row chunk
+    (:func:`row_chunk`), the size of the soft cap's buffer. Only the soft-capped path walks pieces
+    (without a cap the row ops take the whole batch in one launch)."""
     vocab = logits.shape[-1]
     blocks = [logits] if logits.dim() == 2 else list(logits.unbind(0))
     step = None if transform is None else row_chunk(logits.shape[:-1].numel(), vocab, logits.device)
@@ -105,8 +107,8 @@ def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, 
 def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
                   grad_entropy: Optional[Tensor], entropy: Optional[Tensor], inv_temperature: float, backend: str,
                   logit_scale: float, logit_softcap: Optional[float], out: Tensor) -> None:
-    """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``), piece by
-    piece (:func:`_pieces`) unless one launch covers the matrix.
+    """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``): one launch
+    over the matrix or batch, or piece by piece (:func:`_pieces`) with a soft cap.
 
     With a soft cap, per row chunk: recompute the capped chunk, run the row backward on it in
     place, multiply by the cap's derivative and write the result into ``out``'s rows (the chunk
@@ -114,7 +116,7 @@ def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tenso
     row_op = backend_by_key(backend).row_backward
     inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
     transform = LogitTransform.of(logit_scale, logit_softcap)
-    if transform is None and logits.dim() == 2:
+    if transform is None:
         row_op(logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
                inv_temperature=inv_t, out=out)
         return

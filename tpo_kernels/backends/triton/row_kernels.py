@@ -1,12 +1,18 @@
 """Triton row ops (layer 1): per-row statistics, label log-prob and entropy, and the row backward.
 
 One program per row of the ``[M, V]`` logits on a 1-D grid (grid dim 0 takes up to 2**31 - 1
-programs). Row offsets are int64 because ``row * stride`` can exceed 2**31; columns are int32.
-Each program walks the vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64
-for fp64 logits).
+programs), or of a ``[B, T, V]`` view whose rows do not flatten into one row stride (``logits[:,
+:-1]``): program ``r = b * T + t`` reads the row at ``b * batch_stride + t * row_stride``
+(``row_offset``), so the batch is one launch each way, read (and written) in place. Row offsets
+are int64 because ``row * stride`` can exceed 2**31; columns are int32. Each program walks the
+vocabulary in ``BLOCK_V`` chunks; the math runs in fp32 registers (fp64 for fp64 logits).
 
 Memory access. A row starts 16-byte aligned only when ``stride * element size`` is a multiple of
-16 (not for V = 50257 or 32001), so a program reads its row in sections (``row_sections``): the
+16 (not for V = 50257 or 32001), and a view's first element only when its start is (not for
+``logits[:, :-1]``'s entries or ``logits[:, 1:]`` with such a V). The kernels receive an aligned
+base, the view's start rounded down to 16 bytes, and add the remainder to every row offset
+(``aligned_base``), so that Triton knows the base is aligned whatever the view's start; a
+program reads its row in sections (``row_sections``): the
 columns before the first aligned one and the last ``< VEC`` columns as one small masked tile,
 then whole chunks from the aligned column with no mask, then one chunk whose mask is constant
 over ``VEC`` columns. With ``tl.multiple_of`` on the aligned offset every chunk is read (and the
@@ -62,8 +68,8 @@ from triton.language.extra import libdevice
 
 from ..._dtypes import compute_dtype
 from .. import triton_interpreter_enabled
-from .row_layout import (chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in, pick_num_warps,
-                         row_sections)
+from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
+                         pick_num_warps, row_batch, row_offset, row_sections)
 
 
 def split_scalar(value: float) -> Tuple[float, float, float]:
@@ -139,7 +145,9 @@ def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: 
     return new_max, lane_sum, lane_t
 
 
-@triton.jit
+# rows_per_batch only divides the row index (row_offset) and the base offsets (aligned_base) only shift it: no
+# specialization on their values, so any T and any start compile once (they say nothing about alignment).
+@triton.jit(do_not_specialize=["base_offset", "rows_per_batch"])
 def _row_forward_kernel(
     logits_ptr,
     labels_ptr,
@@ -147,6 +155,9 @@ def _row_forward_kernel(
     log_sum_ptr,
     logprob_ptr,
     entropy_ptr,
+    base_offset,
+    rows_per_batch,
+    batch_stride,
     row_stride,
     vocab,
     inv_t_hi,
@@ -164,8 +175,11 @@ def _row_forward_kernel(
     # a label in [0, vocab) reads the row; see the else branch for the others.
     if (label_id >= 0) & (label_id < vocab):
         label = label_id.to(tl.int32)  # in [0, vocab), vocab < 2**31: int32 column compares
-        row_start = row * row_stride
+        row_start = base_offset + row_offset(row, rows_per_batch, batch_stride, row_stride)
         row_ptr = logits_ptr + row_start
+        # The label's logit first: its load overlaps the row's stream instead of being a dependent
+        # load at the row's tail (after the last chunk's reduction).
+        z_label = tl.load(row_ptr + label).to(ACC)
         head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         scale2 = scale * tl.full([], LOG2E, ACC)
@@ -192,7 +206,7 @@ def _row_forward_kernel(
         run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
         rest = tl.sum(lane_sum, axis=None)
         shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
-        d_y = (tl.load(row_ptr + label).to(ACC) - shift) * scale  # natural units from here on
+        d_y = (z_label - shift) * scale  # natural units from here on
         e_y = tl.exp(d_y)
         total = rest + e_y
         log_sum = tl.log(total)
@@ -257,7 +271,9 @@ def _store_row_grad(in_row, out_row, in_body, out_body, head, body_len, vec_len,
                 coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
 
 
-@triton.jit
+# rows_per_batch only divides the row index (row_offset) and the base offsets (aligned_base) only shift it: no
+# specialization on their values, so any T and any start compile once (they say nothing about alignment).
+@triton.jit(do_not_specialize=["logits_base_offset", "out_base_offset", "rows_per_batch"])
 def _row_backward_kernel(
     logits_ptr,
     out_ptr,
@@ -268,7 +284,12 @@ def _row_backward_kernel(
     grad_ptr,
     grad_entropy_ptr,
     entropy_ptr,
+    logits_base_offset,
+    out_base_offset,
+    rows_per_batch,
+    logits_batch_stride,
     logits_row_stride,
+    out_batch_stride,
     out_row_stride,
     vocab,
     inv_t_hi,
@@ -288,8 +309,8 @@ def _row_backward_kernel(
         active = (g != 0) | (ge != 0)
     else:
         active = g != 0
-    in_start = row * logits_row_stride
-    out_start = row * out_row_stride
+    in_start = logits_base_offset + row_offset(row, rows_per_batch, logits_batch_stride, logits_row_stride)
+    out_start = out_base_offset + row_offset(row, rows_per_batch, out_batch_stride, out_row_stride)
     head, body_len, vec_len = row_sections(in_start, vocab, VEC, BLOCK_V)
     in_body = logits_ptr + tl.multiple_of(in_start + head, VEC)
     if OUT_ALIGNED:  # out's rows start at the logits' rows' offset modulo VEC
@@ -349,27 +370,28 @@ def row_forward(
     block_v: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(stats [2, M], logprob, entropy | None)`` per row, in the compute dtype (see the
-    backends contract)."""
-    rows, vocab = logits.shape
+    backends contract), of ``[M, V]`` logits or of a ``[B, T, V]`` view (``M = B T``, one launch)."""
+    rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
     acc = compute_dtype(logits.dtype)
     stats = torch.empty(2, rows, dtype=acc, device=logits.device)
     logprob = torch.empty(rows, dtype=acc, device=logits.device)
     entropy = torch.empty(rows, dtype=acc, device=logits.device) if with_entropy else None
     if rows == 0:
         return stats, logprob, entropy
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    labels = labels.contiguous()
+    logits = row_batch(logits)
+    labels = labels.reshape(-1).contiguous()
     block, vec = chunk_geometry(logits, block_v)
+    base, base_offset = aligned_base(logits, vec)
     with device_guard(logits):
         _row_forward_kernel[(rows,)](
-            logits,
+            base,
             labels,
             stats[0],
             stats[1],
             logprob,
             entropy if with_entropy else logprob,  # placeholder pointer, unused without entropy
-            logits.stride(0),
+            base_offset,
+            *batch_layout(logits),
             vocab,
             *split_scalar(inv_temperature),
             WITH_ENTROPY=bool(with_entropy),
@@ -396,19 +418,18 @@ def row_backward(
     out: Tensor,
     block_v: Optional[int] = None,
 ) -> None:
-    """Write the row gradient into ``out`` (may be ``logits`` itself; see backends contract)."""
-    rows, vocab = logits.shape
+    """Write the row gradient into ``out`` (may be ``logits`` itself; see backends contract) for
+    ``[M, V]`` logits or a ``[B, T, V]`` view (one launch; ``out`` has the logits' shape)."""
+    rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
     if rows == 0:
         return
     if grad_entropy is not None and entropy is None:
         raise ValueError("row_backward: grad_entropy needs the forward entropy")
-    # The kernel writes rows with unit column stride; anything else goes through a copy.
-    target = out
-    if out.stride(1) != 1:
-        target = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    labels = labels.contiguous()
+    # The kernel writes rows with unit column stride that never overlap; anything else goes
+    # through a copy.
+    target = out if row_batch(out) is out else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    logits = row_batch(logits)
+    labels = labels.reshape(-1).contiguous()
     row_max, log_sum = stats[0].contiguous(), stats[1].contiguous()
     logprob = logprob.contiguous()
     grad_logprob = grad_logprob.contiguous()
@@ -417,10 +438,14 @@ def row_backward(
         grad_entropy = grad_entropy.contiguous()
         entropy = entropy.contiguous()
     block, vec = chunk_geometry(logits, block_v)
+    in_per_batch, in_batch_stride, in_row_stride = batch_layout(logits)
+    _, out_batch_stride, out_row_stride = batch_layout(target)
+    in_base, in_base_offset = aligned_base(logits, vec)
+    out_base, out_base_offset = aligned_base(target, vec)
     with device_guard(logits):
         _row_backward_kernel[(rows,)](
-            logits,
-            target,
+            in_base,
+            out_base,
             labels,
             row_max,
             log_sum,
@@ -428,15 +453,22 @@ def row_backward(
             grad_logprob,
             grad_entropy if has_ge else grad_logprob,  # placeholders, unused without ge
             entropy if has_ge else logprob,
-            logits.stride(0),
-            target.stride(0),
+            in_base_offset,
+            out_base_offset,
+            in_per_batch,
+            in_batch_stride,
+            in_row_stride,
+            out_batch_stride,
+            out_row_stride,
             vocab,
             *split_scalar(inv_temperature),
             HAS_ENTROPY_GRAD=has_ge,
             ACC=_acc_type(logits.dtype),
             BLOCK_V=block,
             VEC=vec,
-            OUT_ALIGNED=(target.stride(0) - logits.stride(0)) % vec == 0,
+            # out's rows start at the logits' rows' offsets modulo VEC
+            OUT_ALIGNED=((out_base_offset - in_base_offset) % vec == 0 and (out_row_stride - in_row_stride) % vec == 0
+                         and (out_batch_stride - in_batch_stride) % vec == 0),
             ACCURATE_MATH=use_libdevice(),
             num_warps=pick_num_warps(block),
         )

@@ -13,6 +13,51 @@ from .. import triton_interpreter_enabled
 
 
 @triton.jit
+def row_offset(row, rows_per_batch, batch_stride, row_stride):
+    """Element offset of row ``row = b * T + t`` (int64) of a batched ``[B, T, V]`` view:
+    ``b * batch_stride + t * row_stride``. A ``[M, V]`` matrix is the batch of one (``T = M``), so
+    one launch covers ``logits[:, :-1]``, whose rows do not flatten into one row stride."""
+    batch = row // rows_per_batch
+    return batch * batch_stride + (row - batch * rows_per_batch) * row_stride
+
+
+def batch_layout(t: Tensor) -> Tuple[int, int, int]:
+    """``(rows_per_batch, batch_stride, row_stride)`` of a row-op input ``[M, V]`` or ``[B, T,
+    V]`` (unit column stride): the arguments of :func:`row_offset`."""
+    per_batch = t.shape[-2]
+    step = t.stride(-2) if per_batch > 1 else t.shape[-1]
+    if t.dim() == 2:
+        return max(per_batch, 1), 0, step
+    return max(per_batch, 1), (t.stride(0) if t.shape[0] > 1 else 0), step
+
+
+def row_batch(t: Tensor) -> Tensor:
+    """``t`` as the row kernels read it: a ``[M, V]`` matrix or a ``[B, T, V]`` view with unit
+    column stride whose rows never overlap (read in place, one launch); anything else copied."""
+    if t.dim() not in (2, 3):
+        raise ValueError(f"logits must be [rows, vocab] or [batch, rows, vocab], got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        return t.contiguous()
+    if t.dim() == 3 and t.shape[0] > 1:
+        per_batch, step, vocab = batch_layout(t)[0], batch_layout(t)[2], t.shape[-1]
+        if step < vocab or t.stride(0) < (per_batch - 1) * step + vocab:
+            return t.contiguous()
+    return t
+
+
+def aligned_base(t: Tensor, vec: int) -> Tuple[Tensor, int]:
+    """``(base, offset)``: a tensor on ``t``'s storage whose first element is ``t``'s start rounded
+    down to a 16-byte boundary (``vec`` elements), and ``t``'s start in elements from it, which the
+    kernels add to every row offset. Passing the aligned base lets Triton specialize the pointer as
+    16-byte aligned (vector loads and stores) for any view start, e.g. ``logits[:, 1:]`` with an odd
+    V; ``t`` itself (offset 0) when its start is aligned or its storage's is not."""
+    remainder = (t.data_ptr() // t.element_size()) % vec if t.data_ptr() % t.element_size() == 0 else 0
+    if remainder == 0 or t.storage_offset() < remainder:
+        return t, 0
+    return t.as_strided((1,), (1,), t.storage_offset() - remainder), remainder
+
+
+@triton.jit
 def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
     """Split the row whose first element is element ``row_start`` of the tensor.
 
@@ -59,7 +104,7 @@ def chunk_geometry(logits: Tensor, block_v: Optional[int]) -> Tuple[int, int]:
     """``(BLOCK_V, VEC)``: the chunk width (``block_v`` or ``pick_block_v``'s, at least one
     vector) and the elements per 16-byte vector, to which each row's body is aligned."""
     vec = 16 // logits.element_size()
-    block = int(block_v) if block_v else pick_block_v(logits.shape[1], logits.element_size())
+    block = int(block_v) if block_v else pick_block_v(logits.shape[-1], logits.element_size())
     return max(block, vec), vec
 
 
