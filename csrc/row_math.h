@@ -38,13 +38,21 @@
 
 namespace tpo {
 
-// Offset (elements) of row r of a row op's batched view (tpo_abi.h): r = b * T + t starts at
-// b * batch_stride + t * row_stride. For a plain matrix (T = rows, batch_stride = 0) it is
-// r * row_stride.
-TPO_HD int64_t row_offset(int64_t r, int64_t rows_per_batch, int64_t batch_stride,
-                          int64_t row_stride) {
+// Row r = b * T + t of a row op's batched view (tpo_abi.h), split once per row (the backward
+// places its input and output rows from the one split: a 64-bit division is a called routine on
+// a GPU).
+struct BatchedRow {
+  int64_t batch;  // b
+  int64_t t;      // the row within its batch entry
+};
+TPO_HD BatchedRow batched_row(int64_t r, int64_t rows_per_batch) {
   const int64_t b = r / rows_per_batch;
-  return b * batch_stride + (r - b * rows_per_batch) * row_stride;
+  return BatchedRow{b, r - b * rows_per_batch};
+}
+// Offset (elements) of the row: b * batch_stride + t * row_stride. For a plain matrix
+// (T = rows, batch_stride = 0) it is r * row_stride.
+TPO_HD int64_t row_offset(BatchedRow at, int64_t batch_stride, int64_t row_stride) {
+  return at.batch * batch_stride + at.t * row_stride;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ replays: TPO on the kept responses only (``tpo_kernels.reference.tpo_loss``) for
 weighted group of ``policy_loss._weighted_inputs``' docstring, written out here, for weights.
 """
 
+import math
+
 import pytest
 import torch
 from _verl_batches import PROMPT, K, T, TinyEngine, actor_config, policy_inputs, reorder, rollout, verl_mini_batch
@@ -165,6 +167,25 @@ def test_sequence_weights_give_the_weighted_group(eta, anchor, threshold):
     assert torch.equal(grad[out], torch.zeros_like(grad[out]))
 
 
+@pytest.mark.parametrize("anchor", [True, False])
+def test_weights_up_to_verls_bound_on_old_log_probs_near_zero(anchor):
+    """A weight at verl's largest (e^20, its clamp on the log ratio) on responses whose old
+    log-probs are near 0: log p_old + log w is far above 0, yet the weighted group is exact (the
+    anchor is shifted by a constant, never a log-probability above 0)."""
+    batch = rollout()
+    batch["old_log_prob"] = (batch["old_log_prob"] * 1e-4).masked_fill(~batch["mask"], 0.0)
+    weights = torch.ones(B, dtype=torch.float64)
+    weights[[0, K + 2]] = math.exp(20.0)
+    weights[2 * K + 1] = 1e-3
+    logits, _, kwargs = policy_inputs(batch)
+    loss, _ = tpo_policy_loss(**kwargs, config=actor_config(), anchor=anchor,
+                              rollout_is_weights=weights.unsqueeze(1) * batch["mask"])
+    grad = torch.autograd.grad(loss, logits)[0]
+    want, want_grad = weighted_reference(batch, weights, anchor=anchor)
+    torch.testing.assert_close(loss, want, **TOLERANCE)
+    torch.testing.assert_close(grad, want_grad, **TOLERANCE)
+
+
 def test_weights_of_zero_and_one_are_the_rejection_of_the_zeros():
     """The test's weighted replay agrees with tpo_kernels.reference on the kept responses when
     the weights are 0 or 1, and so does the loss: a zero weight is a rejection."""
@@ -263,10 +284,11 @@ def test_weights_other_than_the_recorded_ones_are_refused():
 
 
 @pytest.mark.parametrize("weights,match", [
-    (lambda mask: -mask.double(), "finite and >= 0"),
-    (lambda mask: torch.full(mask.shape, float("nan"), dtype=torch.float64), "finite and >= 0"),
+    (lambda mask: -mask.double(), r"in \[0, e\^20\]"),
+    (lambda mask: torch.full(mask.shape, float("nan"), dtype=torch.float64), r"in \[0, e\^20\]"),
+    (lambda mask: torch.full(mask.shape, math.exp(20.5), dtype=torch.float64), r"in \[0, e\^20\]"),
     (lambda mask: torch.ones(B, T + 1, dtype=torch.float64), r"\[B, T\]"),
-])
+], ids=["negative", "nan", "above_verl_bound", "shape"])
 def test_bad_weights_are_refused(weights, match):
     batch = rollout()
     _, _, kwargs = policy_inputs(batch)

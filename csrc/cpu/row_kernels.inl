@@ -121,7 +121,7 @@ void forward_rows(const RowForwardArgs& a, int64_t begin, int64_t end) {
       if (entropy != nullptr) entropy[r] = nan;
       continue;
     }
-    const T* row = base + row_offset(r, a.rows_per_batch, a.batch_stride, a.row_stride);
+    const T* row = base + row_offset(batched_row(r, a.rows_per_batch), a.batch_stride, a.row_stride);
     const RowStats<A> st = forward_row<T>(row, a.vocab, it, it2, label, entropy != nullptr);
     row_max[r] = st.row_max;
     log_sum[r] = st.log_sum;
@@ -165,7 +165,8 @@ void backward_rows(const RowBackwardArgs& a, int64_t begin, int64_t end) {
   const A it = static_cast<A>(a.inv_temperature);
   const A it2 = base2_scale<A>(a.inv_temperature);
   for (int64_t r = begin; r < end; ++r) {
-    T* o = out + row_offset(r, a.rows_per_batch, a.out_batch_stride, a.out_row_stride);
+    const BatchedRow at = batched_row(r, a.rows_per_batch);
+    T* o = out + row_offset(at, a.out_batch_stride, a.out_row_stride);
     const A g_r = g[r];
     const A ge_r = ge != nullptr ? ge[r] : A(0);
     if (g_r == A(0) && ge_r == A(0)) {  // zero-signal row: write zeros, never read the logits
@@ -177,7 +178,7 @@ void backward_rows(const RowBackwardArgs& a, int64_t begin, int64_t end) {
     // dereferenced: the binding does not check ids, this is the guard).
     const int64_t label = (a.labels[r] >= 0 && a.labels[r] < a.vocab) ? a.labels[r] : -1;
     const A label_grad = label >= 0 ? grad_label(logprob[r], g_r, ge_r, ent_r, it) : A(0);
-    const T* x = base + row_offset(r, a.rows_per_batch, a.batch_stride, a.row_stride);
+    const T* x = base + row_offset(at, a.batch_stride, a.row_stride);
     backward_row<T>(x, o, a.vocab, label,
                     grad_row(row_max[r], log_sum[r], g_r, ge_r, ent_r, it, it2), ge_r != A(0),
                     label_grad);

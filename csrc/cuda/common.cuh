@@ -73,6 +73,16 @@ __device__ __forceinline__ void unpack(const Pack<T>& pk, acc_t<T> (&z)[Pack<T>:
   }
 }
 
+// The value, as nvcc must keep it whole: without it nvcc re-derives a row's offset from its parts
+// (b * batch_stride + t * row_stride) at each use and keeps the parts live across the row's loop,
+// which made the 64-register bf16/fp16 row backward spill on sm_80 (and fp64 take 88 registers).
+// On an offset, not on the pointer: a pointer through asm loses its global address space (generic
+// LD/ST instead of LDG/STG).
+__device__ __forceinline__ int64_t opaque(int64_t value) {
+  asm("" : "+l"(value));
+  return value;
+}
+
 // Number of leading elements before the first 16-byte-aligned element of a row at address p
 // (at most `count`).
 template <class T>

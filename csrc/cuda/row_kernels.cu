@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     }
     return;
   }
-  const T* x = logits + row_offset(row, rows_per_batch, batch_stride, row_stride);
+  const T* x = logits + row_offset(batched_row(row, rows_per_batch), batch_stride, row_stride);
   // The label's logit is loaded first, by the thread that finishes the row: its latency overlaps
   // the row's stream instead of adding a dependent load after the block merge.
   const A z_label = threadIdx.x == 0 ? Elem<T>::load(x[label]) : A(0);
@@ -224,7 +224,9 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
   const int64_t row = first_row + blockIdx.x;  // r = b * T + t of the batched view (tpo_abi.h)
   const A g = grad_logprob[row];
   const A ge = grad_entropy != nullptr ? grad_entropy[row] : A(0);
-  T* o = out + row_offset(row, rows_per_batch, out_batch_stride, out_row_stride);
+  const BatchedRow at = batched_row(row, rows_per_batch);
+  T* o = out + opaque(row_offset(at, out_batch_stride, out_row_stride));
+  const T* x = logits + opaque(row_offset(at, batch_stride, row_stride));
   int64_t head = aligned_head<T>(o, vocab);
   int64_t num_packs = (vocab - head) / N;
 
@@ -237,7 +239,6 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
     return;
   }
 
-  const T* x = logits + row_offset(row, rows_per_batch, batch_stride, row_stride);
   const uintptr_t misalign = (reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(o)) & 15u;
   if (misalign != 0) {  // input and output rows not co-aligned: scalar path for this row
     head = vocab;
@@ -246,16 +247,19 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
   const int64_t label = labels[row];
   const A ent = ge != A(0) ? entropy[row] : A(0);
   const GradRow<A> c = grad_row(row_max[row], log_sum[row], g, ge, ent, it, it2);
+  // The label's entry, from the forward's log-prob (never from the logits, which the loop below
+  // may overwrite), computed before the loop so that only it and the label stay live across it.
+  const bool label_in_row = label >= 0 && label < vocab;  // (one >= vocab is never dereferenced)
+  const A label_grad = label_in_row ? grad_label(logprob[row], g, ge, ent, it) : A(0);
   if (ge != A(0)) {
     backward_row<T, kBlock, true>(x, o, vocab, head, num_packs, c);
   } else {
     backward_row<T, kBlock, false>(x, o, vocab, head, num_packs, c);
   }
-  // The label's entry, from the forward's log-prob (never from the logits, which the loop above
-  // may have overwritten): after the barrier, so that it replaces the loop's value.
-  if (label >= 0 && label < vocab) {  // (a label >= vocab is never dereferenced, see launch.h)
+  // After the barrier, so that it replaces the loop's value.
+  if (label_in_row) {
     __syncthreads();
-    if (threadIdx.x == 0) o[label] = Elem<T>::store(grad_label(logprob[row], g, ge, ent, it));
+    if (threadIdx.x == 0) o[label] = Elem<T>::store(label_grad);
   }
 }
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...functional import tpo_loss_from_logprobs
-from .advantage import SCORE_BITS, decode_advantages, decode_members, response_weights
+from .advantage import MAX_LOG_WEIGHT, SCORE_BITS, decode_advantages, decode_members, response_weights
 from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
@@ -223,23 +223,31 @@ def _weighted_inputs(weights: Tensor, log_prob: Tensor, old_log_prob: Tensor, ma
     log w_i with length_normalize, which divides by n_i), a constant, so each token's gradient is
     the weighted group's. The target policy (p = q) is the unweighted one; the weights change how
     much each sample counts. ``w = 0`` takes a response out of its group (no mass, no gradient, the
-    rest renormalized), exactly as a rejection mask does; equal weights change nothing."""
+    rest renormalized), exactly as a rejection mask does; equal weights change nothing.
+
+    The anchor takes ``log w_i - MAX_LOG_WEIGHT`` rather than ``log w_i``: the same constant for
+    every member of every group (on every rank and micro-batch), so q is unchanged, and the
+    anchor stays a log-probability (<= 0) as tpo_loss checks (w up to e^20, old log-probs near 0)."""
     kept = weights > 0
     counted = mask.any(dim=1)
     log_w = torch.where(kept, torch.log(torch.where(kept, weights, 1.0)), 0.0)
-    if length_normalize:
-        log_w = log_w * mask.sum(dim=1)
+    anchor_log_w = log_w - MAX_LOG_WEIGHT
+    tokens_per_shift = mask.sum(dim=1) if length_normalize else 1
     first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
     device = log_prob.device
-    shift = torch.zeros(log_prob.shape, dtype=torch.float64, device=device).scatter_(
-        1, first.to(device), torch.where(counted, log_w, 0.0).unsqueeze(1).to(device))
+
+    def on_first_token(per_response: Tensor) -> Tensor:
+        values = torch.where(counted & kept, per_response * tokens_per_shift, 0.0)
+        return torch.zeros(log_prob.shape, dtype=torch.float64, device=device).scatter_(
+            1, first.to(device), values.unsqueeze(1).to(device))
+
     kept_mask = mask & kept.to(mask.device).unsqueeze(1)
-    inputs = dict(logprobs=log_prob + shift.to(log_prob.dtype), mask=kept_mask,
+    inputs = dict(logprobs=log_prob + on_first_token(log_w).to(log_prob.dtype), mask=kept_mask,
                   group_ids=torch.where(kept.to(group_ids.device), group_ids, -1), anchor=True)
     if anchor:
-        inputs["old_logprobs"] = old_log_prob.detach().to(torch.float64) + shift
+        inputs["old_logprobs"] = old_log_prob.detach().to(torch.float64) + on_first_token(anchor_log_w)
     else:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i per response
-        inputs["old_logprobs"] = torch.where(kept, torch.log(torch.where(kept, weights, 1.0)), 0.0).to(device)
+        inputs["old_logprobs"] = torch.where(kept, anchor_log_w, 0.0).to(device)
     return inputs
 
 
@@ -340,10 +348,10 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
             own_old = own_old / lengths[: len(own_old)]
         old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens])
         if log_w is not None:
-            old_ell = old_ell + log_w
-        old_ell = old_ell.to(device, dtype)
+            old_ell = old_ell + (log_w - MAX_LOG_WEIGHT)  # <= 0: see _weighted_inputs
+        old_ell = old_ell.to(device)  # float64: the sums and the shift keep their digits
     elif log_w is not None:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i
-        old_ell = log_w.to(device, dtype)
+        old_ell = (log_w - MAX_LOG_WEIGHT).to(device)
     ids = torch.cat([ids_cpu[own], record.group_ids[others]])
     scores = torch.cat([u_cpu[own], record.scores[others]])
     per_group, aux = tpo_loss_from_logprobs(
