@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tpo_kernels
-from tpo_kernels._validate.batches import OLD_LOGPROB_SLACK
+from tpo_kernels.checks.batches import OLD_LOGPROB_SLACK
 
 N, T, V, H = 4, 5, 13, 8
 CALLS = ["tpo_loss", "fused_linear_tpo_loss", "tpo_loss_from_logprobs"]

@@ -1,6 +1,6 @@
 """The layering the design promises (DESIGN.md section 2): ops/ and distributed/ are leaves below
-the pipeline. ops/ imports neither distributed/ nor _validate/, and neither raises the
-ValueError / TypeError of a user-input check (those live in _validate/)."""
+the pipeline. ops/ imports neither distributed/ nor checks/, and neither raises the
+ValueError / TypeError of a user-input check (those live in checks/)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _imports(path: pathlib.Path):
 @pytest.mark.parametrize("path", _modules("ops"), ids=lambda p: p.name)
 def test_ops_imports_neither_distributed_nor_validation(path):
     forbidden = [name for name in _imports(path)
-                 if name.startswith(("tpo_kernels.distributed", "tpo_kernels._validate", "tpo_kernels.pipeline"))]
+                 if name.startswith(("tpo_kernels.distributed", "tpo_kernels.checks", "tpo_kernels.pipeline"))]
     assert not forbidden, f"{path.name} imports {forbidden}"
 
 
@@ -42,7 +42,7 @@ def test_no_user_input_checks_below_the_pipeline(path):
     raised = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
               if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
               and getattr(node.exc.func, "id", None) in ("ValueError", "TypeError")]
-    assert not raised, f"{path.name} raises ValueError/TypeError at lines {raised}: move the check to _validate/"
+    assert not raised, f"{path.name} raises ValueError/TypeError at lines {raised}: move the check to checks/"
 
 
 def test_distributed_holds_no_autograd_function():

@@ -3,7 +3,7 @@
 A public function states its call as a frozen request (:mod:`tpo_kernels.requests`:
 :class:`SequenceRequest`, :class:`LogprobsRequest`, :class:`CandidateRequest`); the pipeline
 
-1. checks it (:mod:`tpo_kernels._validate`: every check lives there),
+1. checks it (:mod:`tpo_kernels.checks`: every check lives there),
 2. decides where the vocabulary lives -- whole, or sharded over ``vocab_parallel_group`` (the
    row ops of :mod:`tpo_kernels.ops.vocab_shard` with :class:`~tpo_kernels.distributed.VocabShard`
    as their seam) -- and where the groups live -- local, or gathered over ``process_group``
@@ -26,11 +26,9 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _validate
+from . import checks
 from . import distributed
 from ._dtypes import compute_dtype
-from ._validate import placement
-from ._validate.compiling import check_traceable
 from .group_math import group_sum, portable_group_targets
 from .backends import backend_key, get_backend
 from .layout import candidate_layout
@@ -59,13 +57,13 @@ distributed.agreement.register_names(
 class _Checked:
     """One rank's call after its local checks."""
 
-    settings: _validate.LossSettings
+    settings: checks.LossSettings
     key: str  # the backend, as the ops take it
     device: torch.device
     dtype: torch.dtype  # the compute dtype
     rows: Tuple  # what the row op reads (per source kind)
     labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
-    batch: Optional[_validate.PreparedBatch] = None
+    batch: Optional[checks.PreparedBatch] = None
     group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
     shard_request: Optional[distributed.ShardRequest] = None  # this rank's vocabulary shard, if split
 
@@ -93,7 +91,7 @@ def _data_group(process_group):
     if process_group is None:
         return None, None
     try:
-        placement.check_group("process_group", process_group)
+        checks.check_group("process_group", process_group)
         return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
     except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
         return None, error
@@ -118,8 +116,8 @@ def _vocab_group_hint(source: Source, where: Placement):
         return None
 
 
-def _settings(options: Options, temperature: Optional[float] = None) -> _validate.LossSettings:
-    return _validate.check_settings(
+def _settings(options: Options, temperature: Optional[float] = None) -> checks.LossSettings:
+    return checks.check_settings(
         eta=options.eta, anchor=options.anchor, temperature=options.temperature if temperature is None else temperature,
         reduction=options.reduction, return_aux=options.return_aux, validate=options.validate,
         return_entropy=options.return_entropy, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
@@ -127,7 +125,7 @@ def _settings(options: Options, temperature: Optional[float] = None) -> _validat
     )
 
 
-def _check_sharded_transform(settings: _validate.LossSettings, sharded: bool) -> None:
+def _check_sharded_transform(settings: checks.LossSettings, sharded: bool) -> None:
     if sharded and settings.logit_softcap is not None:
         raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
                          "(vocab_parallel_group / DTensor shards); logit_scale is")
@@ -136,8 +134,8 @@ def _check_sharded_transform(settings: _validate.LossSettings, sharded: bool) ->
 def _check_rows(source: Source, sharded: bool, original) -> Tuple[Tuple, torch.device, torch.dtype, int]:
     """The row op's inputs: ``(rows, device, compute dtype, vocabulary size of this rank)``."""
     if isinstance(source, Logits):
-        logits = _validate.check_logits(source.logits)
-        inplace_backward = _validate.check_flag("inplace_backward", source.inplace_backward)
+        logits = checks.check_logits(source.logits)
+        inplace_backward = checks.check_flag("inplace_backward", source.inplace_backward)
         matrix, copied = logits_rows(logits, sharded)
         # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf
         # (a DTensor's local shard neither, when the DTensor is a leaf). Under torch.compile the
@@ -146,12 +144,12 @@ def _check_rows(source: Source, sharded: bool, original) -> Tuple[Tuple, torch.d
         inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and owner.grad_fn is not None))
         return ("logits", matrix, inplace), logits.device, compute_dtype(logits.dtype), logits.shape[-1]
     hidden, weight, bias = source.hidden, source.weight, source.bias
-    _validate.check_head(hidden, weight, bias)
-    chunk_size = _validate.check_chunk_size(source.chunk_size)
-    accum = _validate.check_grad_accum_dtype(source.grad_accum_dtype, weight.dtype)
-    _validate.check_tile_policy(source.tile_policy, TilePolicy)
+    checks.check_head(hidden, weight, bias)
+    chunk_size = checks.check_chunk_size(source.chunk_size)
+    accum = checks.check_grad_accum_dtype(source.grad_accum_dtype, weight.dtype)
+    checks.check_tile_policy(source.tile_policy, TilePolicy)
     policy = source.tile_policy or TilePolicy.for_device(hidden.device)
-    cache = _validate.check_logits_cache(source.logits_cache_bytes, policy.logits_cache_bytes, sharded)
+    cache = checks.check_logits_cache(source.logits_cache_bytes, policy.logits_cache_bytes, sharded)
     policy = policy.with_logits_cache(cache)
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     if chunk_size is None:  # the tile budget, in rows of V
@@ -170,7 +168,7 @@ def _token_shape(source: Source) -> Tuple[int, ...]:
 def _check_sequence(request: SequenceRequest, source: Source, sharded: bool, whole: bool, original) -> _Checked:
     batch = request.batch
     if isinstance(source, Logprobs):
-        logprobs = _validate.check_float_tensor("logprobs", source.logprobs, (1, 2))
+        logprobs = checks.check_float_tensor("logprobs", source.logprobs, (1, 2))
         settings = _settings(request.options, temperature=1.0)
         device, dtype, vocab_size = logprobs.device, compute_dtype(logprobs.dtype), 1
         # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
@@ -183,7 +181,7 @@ def _check_sequence(request: SequenceRequest, source: Source, sharded: bool, who
     _check_sharded_transform(settings, sharded)
     key = backend_key(get_backend(request.options.backend, device))
     input_name = {"logits": "logits", "head": "hidden", "logprobs": "logprobs"}[rows[0]]
-    prepared = _validate.prepare_batch(
+    prepared = checks.prepare_batch(
         _token_shape(source), None if sharded else vocab_size, device, dtype, labels, batch.scores,
         group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
         ignore_index=batch.ignore_index, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
@@ -238,7 +236,7 @@ def _agree_on_vocabulary(request, group, checked: Optional[_Checked], failure: O
     hidden = checked.rows[1].shape[-1] if checked is not None and checked.rows[0] == "head" else 0
     tokens = 0 if checked is None else checked.labels.numel()
     settings = _agreed_settings(request.function, checked, {"tokens": tokens, "hidden size": hidden})
-    labels = torch.zeros((), dtype=torch.int64) if checked is None else placement.fingerprint(checked.labels)
+    labels = torch.zeros((), dtype=torch.int64) if checked is None else checks.fingerprint(checked.labels)
     size = 0 if shard_request is None else shard_request.size
     start = -1 if shard_request is None or shard_request.start is None else shard_request.start
     agreement = distributed.agree(
@@ -251,7 +249,7 @@ def _agree_on_vocabulary(request, group, checked: Optional[_Checked], failure: O
         shard = distributed.VocabShard.place(shard_request, [c["size"] for c in agreement.counts],
                                              [c["start"] for c in agreement.counts])
         # The labels are the same on every rank (their fingerprints agree): so is this verdict.
-        placement.check_labels_below(checked.labels, shard.vocab_size, checked.settings.validate)
+        checks.check_labels_below(checked.labels, shard.vocab_size, checked.settings.validate)
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
     return shard, None
@@ -272,7 +270,7 @@ def _agree_on_groups(group, function: str, checked: Optional[_Checked], failure:
         return None, agreement.error
     sizes = tuple(c["count"] for c in agreement.counts)
     try:
-        placement.check_split_batch(sizes, group_size, [c["any kept"] for c in agreement.counts],
+        checks.check_split_batch(sizes, group_size, [c["any kept"] for c in agreement.counts],
                                     checked.settings.validate, what)
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
@@ -360,7 +358,7 @@ def _distributed_keywords(where: Placement) -> tuple:
 
 def sequence_loss(request: SequenceRequest) -> LossOutput:
     """Sequence-level TPO: row op, then the group stage over local or gathered groups."""
-    check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
+    checks.check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
     data_group, failure = _data_group(request.placement.process_group)
     hint = _vocab_group_hint(request.source, request.placement)
     batch = request.batch
@@ -368,7 +366,7 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
     def check() -> _Checked:
         source, shard_request, original = _resolve_source(request.source, request.placement)
         if shard_request is not None and data_group is not None:
-            placement.check_groups_apart(shard_request.group, data_group)
+            checks.check_groups_apart(shard_request.group, data_group)
         checked = _check_sequence(request, source, shard_request is not None, data_group is None, original)
         checked.shard_request = shard_request
         return checked
@@ -413,25 +411,25 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
 
 def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropies) of the labels, over a whole or sharded vocabulary."""
-    check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
+    checks.check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
     hint = _vocab_group_hint(request.source, request.placement)
 
     def check() -> _Checked:
         source, shard_request, original = _resolve_source(request.source, request.placement)
         rows, device, dtype, vocab_size = _check_rows(source, shard_request is not None, original)
         options = request.options
-        inv_temperature = 1.0 / _validate.check_positive("temperature", options.temperature)
-        scale, cap = _validate.check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
-        settings = _validate.LossSettings(
+        inv_temperature = 1.0 / checks.check_positive("temperature", options.temperature)
+        scale, cap = checks.check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
+        settings = checks.LossSettings(
             eta=1.0, anchor=True, inv_temperature=inv_temperature, reduction="none", return_aux=False,
-            validate=_validate.check_flag("validate", options.validate),
-            return_entropy=_validate.check_flag("return_entropy", options.return_entropy), logit_scale=scale,
+            validate=checks.check_flag("validate", options.validate),
+            return_entropy=checks.check_flag("return_entropy", options.return_entropy), logit_scale=scale,
             logit_softcap=cap,
         )
         _check_sharded_transform(settings, shard_request is not None)
         key = backend_key(get_backend(options.backend, device))
         input_name = "logits" if rows[0] == "logits" else "hidden"
-        labels = _validate.prepare_labels(request.labels, _token_shape(source), None if shard_request else vocab_size,
+        labels = checks.prepare_labels(request.labels, _token_shape(source), None if shard_request else vocab_size,
                                           device, input_name, request.ignore_index, settings.validate)
         return _Checked(settings, key, device, dtype, rows, labels, shard_request=shard_request)
 
@@ -451,23 +449,23 @@ def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, 
 
 def candidate_loss(request: CandidateRequest) -> LossOutput:
     """Token-level TPO: each state's K candidates form a group (states may be split over ranks)."""
-    check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
+    checks.check_traceable(request.function, request.options.validate, _distributed_keywords(request.placement))
     source = request.source
     data_group, failure = _data_group(request.placement.process_group)
 
     def check() -> _Checked:
         options = request.options
         if isinstance(source, Logits):
-            matrix = _validate.check_logits(source.logits, (2,))
+            matrix = checks.check_logits(source.logits, (2,))
             num_states, vocab_size, device = matrix.shape[0], matrix.shape[1], matrix.device
             dtype, input_name = compute_dtype(matrix.dtype), "logits"
         else:
-            _validate.check_head(source.hidden, source.weight, source.bias, hidden_ndims=(2,), same_dtype=True)
+            checks.check_head(source.hidden, source.weight, source.bias, hidden_ndims=(2,), same_dtype=True)
             num_states, vocab_size, device = source.hidden.shape[0], source.weight.shape[0], source.hidden.device
             dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
         settings = _settings(options)
         key = backend_key(get_backend(options.backend, device))
-        candidates, scores, old = _validate.prepare_candidates(
+        candidates, scores, old = checks.prepare_candidates(
             num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
             input_name, settings.validate, whole=data_group is None,
         )
@@ -516,7 +514,7 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
 # ----------------------------------------------------------------------------- row layouts
 
 
-def transformed_candidates(gather: Callable[[float], Tensor], settings: _validate.LossSettings) -> Tensor:
+def transformed_candidates(gather: Callable[[float], Tensor], settings: checks.LossSettings) -> Tensor:
     """Tempered candidate logits through the logit transform. ``gather(inv_temperature)`` gives
     ``[R, K]`` candidate logits times that factor: the scale folds in without a cap; with one,
     the raw logits are gathered and capped in plain autograd (``[R, K]`` entries only)."""

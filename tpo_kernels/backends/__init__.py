@@ -23,7 +23,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from .._validate import check_backend_arg, check_backend_device
+from ..checks import check_backend_arg, check_backend_device
 from .interface import Backend
 
 BACKEND_NAMES = ("torch", "triton", "cpu", "cuda")

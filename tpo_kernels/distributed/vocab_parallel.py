@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.row_summary import RowSummary
-from .._validate import placement
+from .. import checks
 from .collectives import all_gather_stacked, all_reduce_sum
 
 
@@ -31,7 +31,7 @@ class VocabShard:
     def place(cls, request: "ShardRequest", sizes: List[int], starts: List[int]) -> "VocabShard":
         """This rank's shard from every rank's (size, start | -1) in group rank order, as agreed
         (the shards must tile ``[0, V)``: the same error on every rank otherwise)."""
-        starts = placement.check_shard_tiling(sizes, starts)
+        starts = checks.check_shard_tiling(sizes, starts)
         return cls(request.group, starts[dist.get_rank(request.group)], request.size, sum(sizes))
 
     def merge(self, summary: RowSummary, inv_temperature: float) -> RowSummary:
@@ -89,14 +89,14 @@ def _dtensor_shard(name: str, x, dim: int, group, start: Optional[int]) -> Tuple
     mesh, placements = x.device_mesh, x.placements
     sharded = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == dim]
     others = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in sharded)
-    placement.check_dtensor_vocab(name, dim, placements, sharded, others)
+    checks.check_dtensor_vocab(name, dim, placements, sharded, others)
     mesh_dim = sharded[0]
     mesh_group = mesh.get_group(mesh_dim)
     world, coord, vocab = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim), x.shape[dim]
     chunk = -(-vocab // world)  # DTensor's Shard splits like torch.chunk
     shard_start = min(coord * chunk, vocab)
     local = x.to_local()
-    placement.check_dtensor_shard(name, group, mesh_group, start, shard_start, local.shape[dim],
+    checks.check_dtensor_shard(name, group, mesh_group, start, shard_start, local.shape[dim],
                                   min(chunk, vocab - shard_start), vocab, world)
     return local, ShardRequest(mesh_group, local.shape[dim], shard_start)
 
@@ -107,13 +107,13 @@ def vocab_shard(name: str, x, group, start, dim: int = -1) -> Tuple[Tensor, Opti
     dimension's group and its offset; a plain tensor with ``group`` is this rank's contiguous
     shard, at ``start`` or (None) after the lower ranks' shards. The pipeline exchanges every
     rank's request with its checks and then places the shards (:meth:`VocabShard.place`)."""
-    start = placement.check_vocab_start_index(start, group) if not _is_dtensor(x) else start
+    start = checks.check_vocab_start_index(start, group) if not _is_dtensor(x) else start
     if _is_dtensor(x):
         return _dtensor_shard(name, x, dim, group, start)
     if group is None:
         return x, None
-    placement.check_group("vocab_parallel_group", group)
-    placement.check_shard_size(name, x, dim)
+    checks.check_group("vocab_parallel_group", group)
+    checks.check_shard_size(name, x, dim)
     return x, ShardRequest(group, x.shape[dim], start)
 
 
@@ -136,7 +136,7 @@ def vocab_parallel_head(hidden, weight, bias, group, start):
     hidden = replicated_local("hidden", hidden)
     if _is_dtensor(bias):
         bias, bias_shard = _dtensor_shard("bias", bias, 0, None, None)
-        placement.check_bias_shard((bias_shard.start, bias_shard.size), (shard.start, shard.size))
+        checks.check_bias_shard((bias_shard.start, bias_shard.size), (shard.start, shard.size))
     return hidden, weight, bias, shard
 
 
@@ -147,5 +147,5 @@ def replicated_local(name: str, x):
         return x
     from torch.distributed.tensor import Replicate  # noqa: PLC0415
 
-    placement.check_replicated(name, x.placements, all(isinstance(p, Replicate) for p in x.placements))
+    checks.check_replicated(name, x.placements, all(isinstance(p, Replicate) for p in x.placements))
     return x.to_local()

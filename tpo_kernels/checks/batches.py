@@ -14,9 +14,8 @@ from torch import Tensor
 
 from ..group_math import length_weights, segment_sum
 from ..layout import BatchLayout, build_layout
-from .scalars import _is_int, check_beta
-from .deferred import ValueChecks
-from .tensors import check_integer_dtype, check_tensor, prepare_labels, reject_meta
+from .arguments import _is_int, check_beta
+from .tensors import ValueChecks, check_integer_dtype, check_tensor, prepare_labels, reject_meta
 
 
 # ----------------------------------------------------------------------------- sequence batches
@@ -215,7 +214,7 @@ def prepare_batch(
     shape = dict(padded_shape=token_shape) if len(token_shape) == 2 else dict(cu_seqlens=cu_seqlens,
                                                                             packed_extent=packed_extent)
     layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids, **shape)
-    # The value checks, read back once at the end (see _validate/deferred.py).
+    # The value checks, read back once at the end (see ValueChecks in checks/tensors.py).
     checks = ValueChecks() if validate else None
     counted = None if len(token_shape) == 2 else layout.token_seq >= 0  # padded: every row is inside
     if mask is not None:
