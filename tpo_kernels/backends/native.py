@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
-from .interface import Backend
+from . import Backend
 
 # Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}

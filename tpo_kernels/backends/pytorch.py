@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
-from .interface import Backend
+from . import Backend
 
 _CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per buffer: few ops per call, far below one [M, V] copy
 

@@ -1,5 +1,5 @@
 """PyTorch candidate ops for token-level TPO: the defaults of every backend (see the candidate-op
-contract in :mod:`tpo_kernels.backends.interface`). Backends with their own kernels override them.
+contract in :mod:`tpo_kernels.backends`). Backends with their own kernels override them.
 
 Nothing here forms an ``[R, V]`` tensor except the dense logits gradient the logits path must
 return; every sum runs in a fixed order (no float atomics).

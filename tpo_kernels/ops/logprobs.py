@@ -7,7 +7,7 @@ backend's fused row backward.
 Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
 entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
 never read). The row statistics (max and log-sum, see the row-op contract in
-:mod:`tpo_kernels.backends.interface`) and ``lp`` itself are kept for the backward. Backward,
+:mod:`tpo_kernels.backends`) and ``lp`` itself are kept for the backward. Backward,
 with ``p = softmax(z / tau)``::
 
     dz[r, v] = (g[r] * (onehot(y_r)[v] - p[v]) - ge[r] * p[v] * (log p[v] + H[r])) / tau

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import triton_interpreter_enabled
-from ..interface import Backend
+from .. import Backend
 from . import candidate_kernels, group_kernel, row_kernels
 
 
