@@ -312,12 +312,12 @@ def test_keyword_and_policy_field_must_agree():
 
 
 def test_a_vocabulary_parallel_head_refuses_the_cache():
-    from tpo_kernels import checks
+    from tpo_kernels.checks import arguments
 
     with pytest.raises(ValueError, match="vocabulary-parallel"):
-        checks.check_logits_cache(1 << 20, 0, vocab_parallel=True)
+        arguments.check_logits_cache(1 << 20, 0, vocab_parallel=True)
     with pytest.raises(ValueError, match="vocabulary-parallel"):
-        checks.check_logits_cache(0, 1 << 20, vocab_parallel=True)
+        arguments.check_logits_cache(0, 1 << 20, vocab_parallel=True)
 
 
 def test_policy_field_alone_turns_the_cache_on():

@@ -96,7 +96,7 @@ import torch
 from torch import Tensor
 
 from .. import group_math
-from ..checks import check_backend_arg, check_backend_device
+from ..checks.arguments import check_backend_arg, check_backend_device
 from . import torch_candidates
 
 class Backend:

@@ -1,4 +1,7 @@
-"""Every input check of the public API, one copy each.
+"""Every input check of the public API, one copy each, in the order a call meets them:
+:mod:`.call` (the check pass of a call, which gives its frozen plan), :mod:`.arguments` (one
+argument each), :mod:`.batches` (a batch as flat rows and a layout) and :mod:`.placement` (where
+the data lives across ranks; entered only by a distributed call).
 
 Checks run in Python before any kernel launch and raise ``ValueError`` / ``TypeError`` naming
 the argument. Checks of metadata (types, shapes, dtypes, devices, hyper-parameters) are free;
@@ -7,86 +10,3 @@ result back from the device, so ``validate=False`` skips them (for compiled and 
 where a host round trip is not allowed). With ``validate=False`` bad values give wrong results,
 never out-of-bounds memory access: the native backends re-check ids at their pointer boundary.
 """
-
-from .batches import PreparedBatch, check_grouping, check_scores, prepare_batch, prepare_candidates
-from .arguments import (
-    LossSettings,
-    REDUCTIONS,
-    check_backend_arg,
-    check_backend_device,
-    check_beta,
-    check_entropy_coef,
-    check_flag,
-    check_ignore_index,
-    check_int,
-    check_logit_transform,
-    check_positive,
-    check_reduction,
-    check_settings,
-    check_tile_policy,
-    check_traceable,
-)
-from .tensors import (
-    check_chunk_size,
-    check_float_tensor,
-    check_grad_accum_dtype,
-    check_head,
-    check_integer_dtype,
-    check_logits,
-    check_logits_cache,
-    check_bias_shard,
-    check_dtensor_shard,
-    check_dtensor_vocab,
-    check_group,
-    check_groups_apart,
-    check_labels_below,
-    check_replicated,
-    check_shard_size,
-    check_shard_tiling,
-    check_split_batch,
-    check_tensor,
-    check_vocab_start_index,
-    fingerprint,
-    prepare_labels,
-    reject_meta,
-)
-
-__all__ = [
-    "check_backend_arg",
-    "check_backend_device",
-    "check_beta",
-    "check_bias_shard",
-    "check_chunk_size",
-    "check_dtensor_shard",
-    "check_dtensor_vocab",
-    "check_entropy_coef",
-    "check_flag",
-    "check_float_tensor",
-    "check_grad_accum_dtype",
-    "check_group",
-    "check_groups_apart",
-    "check_head",
-    "check_ignore_index",
-    "check_int",
-    "check_integer_dtype",
-    "check_labels_below",
-    "check_logit_transform",
-    "check_logits",
-    "check_logits_cache",
-    "check_positive",
-    "check_reduction",
-    "check_replicated",
-    "check_settings",
-    "check_shard_size",
-    "check_shard_tiling",
-    "check_split_batch",
-    "check_tensor",
-    "check_tile_policy",
-    "check_traceable",
-    "check_vocab_start_index",
-    "fingerprint",
-    "LossSettings",
-    "prepare_labels",
-    "REDUCTIONS",
-    "reject_meta",
-]

@@ -14,8 +14,7 @@ from torch import Tensor
 
 from ..group_math import length_weights, segment_sum
 from ..layout import BatchLayout, build_layout
-from .arguments import _is_int, check_beta
-from .tensors import ValueChecks, check_integer_dtype, check_tensor, prepare_labels, reject_meta
+from .arguments import ValueChecks, _is_int, check_beta, check_integer_dtype, check_tensor, prepare_labels, reject_meta
 
 
 # ----------------------------------------------------------------------------- sequence batches

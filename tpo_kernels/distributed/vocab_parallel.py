@@ -3,7 +3,6 @@ shards (per-token partials merged in rank order, ``dH`` summed)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -12,7 +11,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.row_summary import RowSummary
-from .. import checks
+from ..checks import placement
+from ..checks.call import is_dtensor
 from .collectives import all_gather_stacked, all_reduce_sum
 
 
@@ -31,7 +31,7 @@ class VocabShard:
     def place(cls, request: "ShardRequest", sizes: List[int], starts: List[int]) -> "VocabShard":
         """This rank's shard from every rank's (size, start | -1) in group rank order, as agreed
         (the shards must tile ``[0, V)``: the same error on every rank otherwise)."""
-        starts = checks.check_shard_tiling(sizes, starts)
+        starts = placement.check_shard_tiling(sizes, starts)
         return cls(request.group, starts[dist.get_rank(request.group)], request.size, sum(sizes))
 
     def merge(self, summary: RowSummary, inv_temperature: float) -> RowSummary:
@@ -52,20 +52,6 @@ class VocabShard:
     def sum_hidden_grad(self, grad_hidden: Tensor) -> Tensor:
         """``dH`` summed over the shards (the all-reduce of any tensor-parallel linear layer)."""
         return all_reduce_sum(grad_hidden, self.group, "hidden_grad")
-
-
-def _dtensor_type():
-    # A DTensor can only exist once torch.distributed.tensor has been imported: avoid importing it.
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
-def is_dtensor(x) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(x, cls)
-
-
-_is_dtensor = is_dtensor
 
 
 def dtensor_vocab_group(x, dim: int):
@@ -89,14 +75,14 @@ def _dtensor_shard(name: str, x, dim: int, group, start: Optional[int]) -> Tuple
     mesh, placements = x.device_mesh, x.placements
     sharded = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == dim]
     others = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in sharded)
-    checks.check_dtensor_vocab(name, dim, placements, sharded, others)
+    placement.check_dtensor_vocab(name, dim, placements, sharded, others)
     mesh_dim = sharded[0]
     mesh_group = mesh.get_group(mesh_dim)
     world, coord, vocab = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim), x.shape[dim]
     chunk = -(-vocab // world)  # DTensor's Shard splits like torch.chunk
     shard_start = min(coord * chunk, vocab)
     local = x.to_local()
-    checks.check_dtensor_shard(name, group, mesh_group, start, shard_start, local.shape[dim],
+    placement.check_dtensor_shard(name, group, mesh_group, start, shard_start, local.shape[dim],
                                   min(chunk, vocab - shard_start), vocab, world)
     return local, ShardRequest(mesh_group, local.shape[dim], shard_start)
 
@@ -107,13 +93,13 @@ def vocab_shard(name: str, x, group, start, dim: int = -1) -> Tuple[Tensor, Opti
     dimension's group and its offset; a plain tensor with ``group`` is this rank's contiguous
     shard, at ``start`` or (None) after the lower ranks' shards. The pipeline exchanges every
     rank's request with its checks and then places the shards (:meth:`VocabShard.place`)."""
-    start = checks.check_vocab_start_index(start, group) if not _is_dtensor(x) else start
-    if _is_dtensor(x):
+    start = placement.check_vocab_start_index(start, group) if not is_dtensor(x) else start
+    if is_dtensor(x):
         return _dtensor_shard(name, x, dim, group, start)
     if group is None:
         return x, None
-    checks.check_group("vocab_parallel_group", group)
-    checks.check_shard_size(name, x, dim)
+    placement.check_group("vocab_parallel_group", group)
+    placement.check_shard_size(name, x, dim)
     return x, ShardRequest(group, x.shape[dim], start)
 
 
@@ -134,18 +120,18 @@ def vocab_parallel_head(hidden, weight, bias, group, start):
     if shard is None:
         return hidden, weight, bias, None
     hidden = replicated_local("hidden", hidden)
-    if _is_dtensor(bias):
+    if is_dtensor(bias):
         bias, bias_shard = _dtensor_shard("bias", bias, 0, None, None)
-        checks.check_bias_shard((bias_shard.start, bias_shard.size), (shard.start, shard.size))
+        placement.check_bias_shard((bias_shard.start, bias_shard.size), (shard.start, shard.size))
     return hidden, weight, bias, shard
 
 
 def replicated_local(name: str, x):
     """A DTensor replicated on every mesh dimension (e.g. hidden states next to a
     vocabulary-sharded head) as its local tensor; anything else unchanged."""
-    if not _is_dtensor(x):
+    if not is_dtensor(x):
         return x
     from torch.distributed.tensor import Replicate  # noqa: PLC0415
 
-    checks.check_replicated(name, x.placements, all(isinstance(p, Replicate) for p in x.placements))
+    placement.check_replicated(name, x.placements, all(isinstance(p, Replicate) for p in x.placements))
     return x.to_local()

@@ -58,7 +58,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..checks import check_flag, check_int, check_logit_transform, check_positive
+from ..checks.arguments import check_flag, check_int, check_logit_transform, check_positive
 from ..backends import Backend, backend_status, get_backend, triton_interpreter_enabled
 from .edges import _EDGE_CASES, _edge_long
 from .heartbeat import Heartbeat

@@ -1,0 +1,430 @@
+"""The check pass of a call: every check a public call makes, run once before any work, giving a
+frozen :class:`Plan`.
+
+A plan says everything the work needs and nothing it must re-check: the checked settings, the
+backend, the compute dtype, what the row op reads (a typed record: :class:`LogitsRows`,
+:class:`HeadRows`, :class:`LogprobRows` or :class:`CandidateRows`), the flat labels, the
+prepared batch and, for a vocabulary split over ranks, this rank's shard request. The pipeline
+runs the pass inside the block whose exception the ranks exchange (so that a failing check on one
+rank becomes the same error on every rank), then agrees, then works. :mod:`tpo_kernels.distributed`
+is entered only when a vocabulary group or a DTensor is present.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .._dtypes import compute_dtype
+from ..backends import backend_key, get_backend
+from ..ops import TilePolicy
+from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
+from ..requests import Source
+from .arguments import (LossSettings, check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype,
+                        check_head, check_logit_transform, check_logits, check_logits_cache, check_positive,
+                        check_settings, check_tile_policy, prepare_labels)
+from .batches import PreparedBatch, prepare_batch, prepare_candidates
+from .placement import check_group, check_groups_apart
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class LogitsRows:
+    """The log-prob row op reads a ``[M, V]`` matrix, or a ``[B, T, V]`` view whose rows do not
+    flatten into one row stride (``logits[:, :-1]``), in place."""
+
+    matrix: Tensor
+    inplace_backward: bool  # the backward may overwrite the logits' buffer
+
+
+@dataclass(frozen=True)
+class HeadTiles:
+    """How the fused head cuts its work (see :mod:`tpo_kernels.ops.tiles`)."""
+
+    chunk_size: int  # rows of V per tile
+    policy: TilePolicy
+    grad_accum_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """The fused head's row op reads hidden states ``[M, H]`` and an lm_head, tile by tile."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    tiles: HeadTiles
+
+
+@dataclass(frozen=True)
+class LogprobRows:
+    """Per-token log-probs a trainer computed: no row op."""
+
+    logprobs: Tensor
+
+
+@dataclass(frozen=True)
+class CandidateRows:
+    """Token-level TPO: each state's candidate ids, their scores and old log-probs."""
+
+    input_name: str  # "logits" or "hidden"
+    candidates: Tensor  # [R, K] int64
+    scores: Tensor  # [R, K]
+    old_logprobs: Optional[Tensor]
+
+
+RowSource = Union[LogitsRows, HeadRows, LogprobRows, CandidateRows]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's call after its check pass."""
+
+    settings: LossSettings
+    backend: str  # the backend's key, as the ops take it
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype
+    rows: RowSource
+    labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
+    batch: Optional[PreparedBatch] = None
+    group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
+    shard_request: object = None  # this rank's vocabulary shard (distributed.ShardRequest), if split
+
+
+# ----------------------------------------------------------------------------- compiling
+
+# What a call checks when Dynamo traces it (``torch.compile``).
+#
+# Two things cannot be part of a single graph: the value checks of ``validate=True`` (they read a
+# result back to the host to decide whether to raise) and the collectives of a distributed call
+# (the agreement of the ranks and the gathers run eagerly). Without ``fullgraph=True`` Dynamo
+# breaks the graph there and runs them eagerly, which works; with it, Dynamo stops with an error
+# about ``Tensor.tolist()`` or a skipped function that names neither cause. A call traced as one
+# graph therefore stops first, with an error that says what to change.
+
+
+@torch.compiler.assume_constant_result
+def _refuse_in_one_graph(message: str) -> bool:
+    """Raise ``RuntimeError(message)`` while Dynamo traces with ``fullgraph=True`` (or under
+    ``torch._dynamo.error_on_graph_break(True)``), where a graph break is an error; False
+    otherwise. Runs at trace time (``assume_constant_result``): Dynamo's current frame can be
+    read there, and an error raised there reaches the user with its own words first (inside
+    Dynamo's ``InternalTorchDynamoError``; traced code raising would read "Observed exception").
+    A Dynamo without these fields gives no verdict (False), which leaves Dynamo's own error."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # noqa: PLC0415
+
+        tx = InstructionTranslator.current_tx()
+        one_graph = bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001 - another Dynamo: no verdict
+        return False
+    if one_graph:
+        raise RuntimeError(message)
+    return False
+
+
+def check_traceable(function: str, validate: bool, distributed_keywords: tuple) -> None:
+    """Raise one clear error when ``function`` is traced as a single graph with value checks
+    (``validate=True``) or distributed keywords (``distributed_keywords``: the names of those
+    that are set); nothing outside ``torch.compile``. Runs before any other check."""
+    if not torch.compiler.is_compiling():
+        return
+    if distributed_keywords:
+        names = " and ".join(distributed_keywords)
+        _refuse_in_one_graph(
+            f"{function} with {names} cannot be traced into one graph: distributed calls run eagerly (the ranks "
+            f"agree on their inputs and gather rows with collectives). Call it outside the compiled region, or "
+            f"compile without fullgraph=True so that Dynamo runs it eagerly between graphs")
+    elif validate is True:
+        _refuse_in_one_graph(
+            f"{function} with validate=True cannot be traced into one graph: its value checks read results back "
+            f"to the host. Pass validate=False under torch.compile(fullgraph=True) (or compile without "
+            f"fullgraph, which runs the checks eagerly between graphs)")
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def is_dtensor(x) -> bool:
+    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def data_group(process_group):
+    """``(data-parallel group | None, failure | None)``: the group (None for one rank: nothing to
+    gather), or why ``process_group`` is none (then this rank has no group to report on, unless a
+    vocabulary group carries the error)."""
+    if process_group is None:
+        return None, None
+    try:
+        check_group("process_group", process_group)
+        return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
+    except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
+        return None, error
+
+
+def vocab_group_hint(source: Source, where: Placement):
+    """The group this call's vocabulary would be split over, read without any check, so that a
+    rank whose placement checks fail still joins its peers' exchange on it and reports there:
+    ``vocab_parallel_group`` when it is a process group, else the mesh group a DTensor logits /
+    weight is sharded over on the vocabulary, else None."""
+    if where.vocab_parallel_group is not None:
+        group = where.vocab_parallel_group
+        ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return group if ready and isinstance(group, torch.distributed.ProcessGroup) else None
+    tensor, dim = (source.logits, -1) if isinstance(source, Logits) else (
+        (source.weight, 0) if isinstance(source, Head) else (None, 0))
+    if not is_dtensor(tensor):
+        return None
+    from ..distributed.vocab_parallel import dtensor_vocab_group  # noqa: PLC0415 - only with a DTensor
+
+    try:
+        return dtensor_vocab_group(tensor, dim)
+    except Exception:  # noqa: BLE001 - a malformed DTensor: no group to report on
+        return None
+
+
+def _resolve_source(source: Source, where: Placement):
+    """``(source with local tensors, shard request | None, the logits as passed | None)``: the
+    vocabulary's placement, before any check that needs its size. A call with neither a
+    vocabulary group nor a DTensor has its whole vocabulary here: distributed/ is not entered."""
+    if (where.vocab_parallel_group is None and where.vocab_start_index is None
+            and not is_dtensor(source.logits if isinstance(source, Logits) else getattr(source, "weight", None))):
+        return source, None, None
+    from .. import distributed  # noqa: PLC0415 - only for a sharded vocabulary
+
+    if isinstance(source, Logits):
+        logits, shard = distributed.vocab_shard("logits", source.logits, where.vocab_parallel_group,
+                                                where.vocab_start_index)
+        return Logits(logits=logits, inplace_backward=source.inplace_backward), shard, source.logits
+    if isinstance(source, Head):
+        hidden, weight, bias, shard = distributed.vocab_parallel_head(source.hidden, source.weight, source.bias,
+                                                                      where.vocab_parallel_group,
+                                                                      where.vocab_start_index)
+        return Head(hidden=hidden, weight=weight, bias=bias, chunk_size=source.chunk_size,
+                    grad_accum_dtype=source.grad_accum_dtype, tile_policy=source.tile_policy,
+                    logits_cache_bytes=source.logits_cache_bytes), shard, None
+    return source, None, None
+
+
+# ----------------------------------------------------------------------------- settings and rows
+
+
+def _settings(options: Options, temperature: Optional[float] = None) -> LossSettings:
+    return check_settings(
+        eta=options.eta, anchor=options.anchor, temperature=options.temperature if temperature is None else temperature,
+        reduction=options.reduction, return_aux=options.return_aux, validate=options.validate,
+        return_entropy=options.return_entropy, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
+        score_eps=options.score_eps, length_normalize=options.length_normalize, entropy_coef=options.entropy_coef,
+    )
+
+
+def _check_sharded_transform(settings: LossSettings, sharded: bool) -> None:
+    if sharded and settings.logit_softcap is not None:
+        raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
+                         "(vocab_parallel_group / DTensor shards); logit_scale is")
+
+
+def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, torch.device, torch.dtype, int]:
+    """The row op's inputs: ``(rows, device, compute dtype, vocabulary size of this rank)``."""
+    if isinstance(source, Logits):
+        logits = check_logits(source.logits)
+        inplace_backward = check_flag("inplace_backward", source.inplace_backward)
+        matrix, copied = logits_rows(logits, sharded)
+        # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf
+        # (a DTensor's local shard neither, when the DTensor is a leaf). Under torch.compile the
+        # graph owns the buffers: the backward is out of place.
+        owner = logits if original is None else original
+        inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and owner.grad_fn is not None))
+        rows = LogitsRows(matrix=matrix, inplace_backward=inplace)
+        return rows, logits.device, compute_dtype(logits.dtype), logits.shape[-1]
+    hidden, weight, bias = source.hidden, source.weight, source.bias
+    check_head(hidden, weight, bias)
+    chunk_size = check_chunk_size(source.chunk_size)
+    accum = check_grad_accum_dtype(source.grad_accum_dtype, weight.dtype)
+    check_tile_policy(source.tile_policy, TilePolicy)
+    policy = source.tile_policy or TilePolicy.for_device(hidden.device)
+    cache = check_logits_cache(source.logits_cache_bytes, policy.logits_cache_bytes, sharded)
+    policy = policy.with_logits_cache(cache)
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    if chunk_size is None:  # the tile budget, in rows of V
+        chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])
+    rows = HeadRows(hidden=flat, weight=weight, bias=bias,
+                    tiles=HeadTiles(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum))
+    dtype = compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    return rows, hidden.device, dtype, weight.shape[0]
+
+
+def _token_shape(source: Source) -> Tuple[int, ...]:
+    if isinstance(source, Logprobs):
+        return tuple(source.logprobs.shape)
+    return tuple((source.logits if isinstance(source, Logits) else source.hidden).shape[:-1])
+
+
+# ----------------------------------------------------------------------------- the check pass
+
+
+@dataclass(frozen=True)
+class CheckedCall:
+    """A call after its check pass on this rank: its plan, or the failure its peers raise too."""
+
+    plan: Optional[Plan]  # None when a check failed
+    failure: Optional[BaseException]
+    data_group: object = None  # the process group the groups are gathered over (None: local groups)
+    vocab_group: object = None  # the group of the vocabulary exchange (None: the whole vocabulary here)
+
+
+def check_call(request: Union[SequenceRequest, LogprobsRequest, CandidateRequest]) -> CheckedCall:
+    """The check pass of a call, before any work. On one rank a failing check raises here. With
+    a group present (a process group, a vocabulary group, a DTensor) the failure is returned
+    instead, for the ranks to exchange (the pipeline's agreement): every rank then raises it,
+    none waits for a peer that has stopped."""
+    where = request.placement
+    keywords = tuple(name for name in ("process_group", "vocab_parallel_group") if getattr(where, name) is not None)
+    check_traceable(request.function, request.options.validate, keywords)
+    data_parallel, failure = data_group(where.process_group)
+    hint = None if isinstance(request, CandidateRequest) else vocab_group_hint(request.source, where)
+    distributed_call = hint is not None or data_parallel is not None
+    if failure is not None and not distributed_call:
+        raise failure
+    plan = None
+    if failure is None:
+        try:
+            if isinstance(request, SequenceRequest):
+                plan = plan_sequence(request, data_parallel)
+            elif isinstance(request, LogprobsRequest):
+                plan = plan_logprobs(request)
+            else:
+                plan = plan_candidates(request, data_parallel)
+        except Exception as error:  # noqa: BLE001 - every rank raises it after the exchange
+            if not distributed_call:
+                raise
+            failure = error
+    # The vocabulary exchange: the resolved shard's group, or (this rank's checks failed) the
+    # group its arguments name.
+    vocab_group = hint if plan is None else (None if plan.shard_request is None else plan.shard_request.group)
+    return CheckedCall(plan=plan, failure=failure, data_group=data_parallel, vocab_group=vocab_group)
+
+
+# ----------------------------------------------------------------------------- the three plans
+
+
+def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
+    """The check pass of a sequence-level loss (``data_parallel``: the checked data-parallel
+    group, or None)."""
+    source, shard_request, original = _resolve_source(request.source, request.placement)
+    sharded = shard_request is not None
+    if sharded and data_parallel is not None:
+        check_groups_apart(shard_request.group, data_parallel)
+    batch = request.batch
+    if isinstance(source, Logprobs):
+        logprobs = check_float_tensor("logprobs", source.logprobs, (1, 2))
+        settings = _settings(request.options, temperature=1.0)
+        device, dtype, vocab_size = logprobs.device, compute_dtype(logprobs.dtype), 1
+        # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
+        labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=device)
+        rows: RowSource = LogprobRows(logprobs=logprobs)
+        input_name = "logprobs"
+    else:
+        rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
+        settings = _settings(request.options)
+        labels = batch.labels
+        input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
+    _check_sharded_transform(settings, sharded)
+    key = backend_key(get_backend(request.options.backend, device))
+    prepared = prepare_batch(
+        _token_shape(source), None if sharded else vocab_size, device, dtype, labels, batch.scores,
+        group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
+        ignore_index=batch.ignore_index, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+        beta=batch.beta, input_name=input_name, validate=settings.validate, whole=data_parallel is None,
+        length_normalize=settings.length_normalize,
+    )
+    # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
+    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels,
+                batch=prepared, group_size=prepared.split_group_size, shard_request=shard_request)
+
+
+def plan_logprobs(request: LogprobsRequest) -> Plan:
+    """The check pass of the per-token log-probs."""
+    source, shard_request, original = _resolve_source(request.source, request.placement)
+    sharded = shard_request is not None
+    rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
+    options = request.options
+    inv_temperature = 1.0 / check_positive("temperature", options.temperature)
+    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
+    settings = LossSettings(
+        eta=1.0, anchor=True, inv_temperature=inv_temperature, reduction="none", return_aux=False,
+        validate=check_flag("validate", options.validate),
+        return_entropy=check_flag("return_entropy", options.return_entropy), logit_scale=scale,
+        logit_softcap=cap,
+    )
+    _check_sharded_transform(settings, sharded)
+    key = backend_key(get_backend(options.backend, device))
+    input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
+    labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
+                            input_name, request.ignore_index, settings.validate)
+    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=labels,
+                shard_request=shard_request)
+
+
+def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
+    """The check pass of token-level TPO (``data_parallel`` as in :func:`plan_sequence`)."""
+    source, options = request.source, request.options
+    if isinstance(source, Logits):
+        matrix = check_logits(source.logits, (2,))
+        num_states, vocab_size, device = matrix.shape[0], matrix.shape[1], matrix.device
+        dtype, input_name = compute_dtype(matrix.dtype), "logits"
+    else:
+        check_head(source.hidden, source.weight, source.bias, hidden_ndims=(2,), same_dtype=True)
+        num_states, vocab_size, device = source.hidden.shape[0], source.weight.shape[0], source.hidden.device
+        dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
+    settings = _settings(options)
+    key = backend_key(get_backend(options.backend, device))
+    candidates, scores, old = prepare_candidates(
+        num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
+        input_name, settings.validate, whole=data_parallel is None,
+    )
+    rows = CandidateRows(input_name=input_name, candidates=candidates, scores=scores, old_logprobs=old)
+    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=None)
+
+
+# ----------------------------------------------------------------------------- row layouts
+
+
+def rows_matrix(x: Tensor) -> Tuple[Tensor, bool]:
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
+    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
+    width = x.shape[-1]
+    row_stride = _flat_row_stride(x)
+    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
+        return x.reshape(-1, width), False  # a view
+    return x.reshape(-1, width).contiguous(), True
+
+
+def logits_rows(x: Tensor, sharded: bool = False) -> Tuple[Tensor, bool]:
+    """:func:`rows_matrix` for the log-prob row op, which also reads ``[B, T, V]`` logits whose
+    rows do not flatten into one row stride (``logits[:, :-1]``) in one launch: such logits pass
+    as they are, instead of a copy (which would triple the peak memory of the logits path). A
+    vocabulary shard's row op takes a matrix."""
+    if (not sharded and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
+            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
+        return x, False
+    return rows_matrix(x)
+
+
+def _flat_row_stride(x: Tensor) -> Optional[int]:
+    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
+    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
+    apart than those within one). Size-1 dims do not count."""
+    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
+        if outer_stride != inner_size * inner_stride:
+            return None
+    return dims[-1][1] if dims else x.shape[-1]

@@ -1,0 +1,123 @@
+"""Checks of where a call's data lives: process groups, vocabulary shards, DTensor placements,
+and the checks of a batch split over ranks that only the ranks' agreed sizes can decide (every
+rank raises the same error, since every rank decides from the same gathered records). Entered
+only by a call with a process group, a vocabulary group or a DTensor."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .arguments import _is_int
+
+
+def check_group(name: str, group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{name} needs torch.distributed initialized (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
+def check_vocab_start_index(start, group) -> Optional[int]:
+    if start is None:
+        return None
+    if group is None:
+        raise ValueError("vocab_start_index needs vocab_parallel_group")
+    if not _is_int(start) or int(start) < 0:
+        raise ValueError(f"vocab_start_index must be an int >= 0 or None, got {start!r}")
+    return int(start)
+
+
+def check_shard_size(name: str, x, dim: int) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[dim] == 0:
+        raise ValueError(f"{name} must hold at least one vocabulary entry on every rank")
+
+
+def check_dtensor_vocab(name: str, dim: int, placements, sharded: List[int], others_replicated: bool) -> None:
+    if len(sharded) != 1 or not others_replicated:
+        raise ValueError(
+            f"{name} as a DTensor must be sharded on the vocabulary (dim {dim}) over one mesh dimension and "
+            f"replicated on the others, got placements {placements}"
+        )
+
+
+def check_dtensor_shard(name: str, group, mesh_group, start: Optional[int], shard_start: int, local_size: int,
+                        expected_size: int, vocab: int, world: int) -> None:
+    if group is not None and group is not mesh_group:
+        raise ValueError(f"vocab_parallel_group differs from the mesh dimension {name} is sharded over")
+    if local_size != expected_size:
+        raise ValueError(f"{name}: unexpected DTensor shard size {local_size} for {vocab} ids over {world} ranks")
+    if start is not None and start != shard_start:
+        raise ValueError(f"vocab_start_index={start} but {name}'s DTensor shard starts at {shard_start}")
+
+
+def check_replicated(name: str, placements, replicated: bool) -> None:
+    if not replicated:
+        raise ValueError(f"{name} as a DTensor must be replicated (the tokens of every vocabulary shard), "
+                         f"got placements {placements}")
+
+
+def check_bias_shard(bias_span: Tuple[int, int], weight_span: Tuple[int, int]) -> None:
+    if bias_span != weight_span:
+        raise ValueError("bias must be sharded on the vocabulary like weight")
+
+
+def check_shard_tiling(sizes: Sequence[int], starts: Sequence[int]) -> List[int]:
+    """Every rank's shard start (given on every rank or on none: -1), such that the shards tile
+    ``[0, V)``; in rank order when not given."""
+    if any((s == -1) != (starts[0] == -1) for s in starts):
+        raise ValueError("vocab_start_index must be given on every rank of vocab_parallel_group or on none")
+    if starts[0] == -1:
+        starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    spans = sorted(zip(starts, sizes))
+    vocab = sum(sizes)
+    if [s for s, _ in spans] != [sum(n for _, n in spans[:i]) for i in range(len(spans))]:
+        raise ValueError(f"vocabulary shards (start, size) must tile [0, {vocab}) without gaps or overlap, got {spans}")
+    return list(starts)
+
+
+def check_groups_apart(vocab_group, process_group) -> None:
+    """Ranks splitting the batch hold different tokens, so they cannot also split one token's
+    vocabulary: the two groups must differ (a 2-D mesh)."""
+    if list(dist.get_process_group_ranks(vocab_group)) == list(dist.get_process_group_ranks(process_group)):
+        raise ValueError(
+            "the vocabulary is sharded over the ranks of process_group, which hold different completions; "
+            "use a tensor-parallel group for the vocabulary (for FSDP2, call the loss inside the wrapped "
+            "module's forward, where the lm_head weight is unsharded)"
+        )
+
+
+def check_split_batch(sizes: Sequence[int], group_size: Optional[int], any_kept: Sequence[int], validate: bool,
+                      what: str = "completion") -> None:
+    """The batch over all ranks of process_group: not empty, ``group_size`` dividing it, and (with
+    ``validate``) some completion with a counted token."""
+    total = sum(sizes)
+    if total == 0:
+        raise ValueError(f"the batch holds no {what} on any rank of process_group (N == 0)")
+    if group_size is not None and total % group_size != 0:
+        raise ValueError(f"group_size must divide the number of completions over all ranks, N={total} "
+                         f"(per rank {list(sizes)}), got {group_size}")
+    if validate and not any(any_kept):
+        raise ValueError("no completion on any rank of process_group has a counted token "
+                         "(all masked or ignore_index)")
+
+
+def check_labels_below(flat_labels: Tensor, vocab_size: int, validate: bool) -> None:
+    """Counted labels (``>= 0``) below the vocabulary size, once a sharded vocabulary's size is
+    known (one read-back)."""
+    if validate and bool((flat_labels >= vocab_size).any()):
+        found = flat_labels[flat_labels >= vocab_size][0].item()
+        raise ValueError(f"labels must hold ids in [0, {vocab_size}) or ignore_index at counted positions; "
+                         f"found {found}")
+
+
+def fingerprint(x: Tensor) -> Tensor:
+    """A 0-d int64 checksum of an integer tensor, position-weighted, computed on its device."""
+    flat = x.reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 1_000_003 + 1
+    return (flat * weights).sum() + flat.numel()
