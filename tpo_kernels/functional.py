@@ -138,12 +138,17 @@ def tpo_loss(
             (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local).
     """
     return pipeline.sequence_loss(SequenceRequest(
-        "tpo_loss", Logits(logits, inplace_backward),
-        Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
-                       ref_logprobs, beta),
-        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         return_entropy, validate, score_eps, length_normalize, entropy_coef),
-        Placement(process_group, vocab_parallel_group, vocab_start_index),
+        function="tpo_loss",
+        source=Logits(logits=logits, inplace_backward=inplace_backward),
+        batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
+                    cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
+                    ref_logprobs=ref_logprobs, beta=beta),
+        options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
+                        logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
+                        return_entropy=return_entropy, validate=validate, score_eps=score_eps,
+                        length_normalize=length_normalize, entropy_coef=entropy_coef),
+        placement=Placement(process_group=process_group, vocab_parallel_group=vocab_parallel_group,
+                            vocab_start_index=vocab_start_index),
     ))
 
 
@@ -187,12 +192,15 @@ def tpo_loss_from_logprobs(
     :func:`fused_linear_tpo_loss`, which read it from their own pass.
     """
     return pipeline.sequence_loss(SequenceRequest(
-        "tpo_loss_from_logprobs", Logprobs(logprobs),
-        Batch(None, scores, group_size, group_ids, cu_seqlens, mask, -100, old_logprobs, ref_logprobs,
-                       beta),
-        Options(eta, anchor, 1.0, reduction=reduction, backend=backend, return_aux=return_aux,
-                         validate=validate, score_eps=score_eps, length_normalize=length_normalize),
-        Placement(process_group),
+        function="tpo_loss_from_logprobs",
+        source=Logprobs(logprobs=logprobs),
+        batch=Batch(labels=None, scores=scores, group_size=group_size, group_ids=group_ids,
+                    cu_seqlens=cu_seqlens, mask=mask, ignore_index=-100, old_logprobs=old_logprobs,
+                    ref_logprobs=ref_logprobs, beta=beta),
+        options=Options(eta=eta, anchor=anchor, temperature=1.0, reduction=reduction, backend=backend,
+                        return_aux=return_aux, validate=validate, score_eps=score_eps,
+                        length_normalize=length_normalize),
+        placement=Placement(process_group=process_group),
     ))
 
 
@@ -220,10 +228,13 @@ def selective_logprobs(
     (module docstring) ``logits`` is this rank's vocabulary shard ``[..., V_r]``.
     """
     return pipeline.selective_logprobs(LogprobsRequest(
-        "selective_logprobs", Logits(logits), labels, ignore_index,
-        Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
-                         backend=backend, return_entropy=return_entropy, validate=validate),
-        Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+        function="selective_logprobs",
+        source=Logits(logits=logits),
+        labels=labels,
+        ignore_index=ignore_index,
+        options=Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                        backend=backend, return_entropy=return_entropy, validate=validate),
+        placement=Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
     ))
 
 
@@ -294,13 +305,18 @@ def fused_linear_tpo_loss(
     supported.
     """
     return pipeline.sequence_loss(SequenceRequest(
-        "fused_linear_tpo_loss", Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
-                                               logits_cache_bytes),
-        Batch(labels, scores, group_size, group_ids, cu_seqlens, mask, ignore_index, old_logprobs,
-                       ref_logprobs, beta),
-        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         return_entropy, validate, score_eps, length_normalize, entropy_coef),
-        Placement(process_group, vocab_parallel_group, vocab_start_index),
+        function="fused_linear_tpo_loss",
+        source=Head(hidden=hidden, weight=weight, bias=bias, chunk_size=chunk_size, grad_accum_dtype=grad_accum_dtype,
+                    tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes),
+        batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
+                    cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
+                    ref_logprobs=ref_logprobs, beta=beta),
+        options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
+                        logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
+                        return_entropy=return_entropy, validate=validate, score_eps=score_eps,
+                        length_normalize=length_normalize, entropy_coef=entropy_coef),
+        placement=Placement(process_group=process_group, vocab_parallel_group=vocab_parallel_group,
+                            vocab_start_index=vocab_start_index),
     ))
 
 
@@ -336,10 +352,12 @@ def fused_linear_logprobs(
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
     return pipeline.selective_logprobs(LogprobsRequest(
-        "fused_linear_logprobs", Head(hidden, weight, bias, chunk_size, grad_accum_dtype, tile_policy,
-                                               logits_cache_bytes),
-        labels, ignore_index,
-        Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
-                         backend=backend, return_entropy=return_entropy, validate=validate),
-        Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+        function="fused_linear_logprobs",
+        source=Head(hidden=hidden, weight=weight, bias=bias, chunk_size=chunk_size, grad_accum_dtype=grad_accum_dtype,
+                    tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes),
+        labels=labels,
+        ignore_index=ignore_index,
+        options=Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                        backend=backend, return_entropy=return_entropy, validate=validate),
+        placement=Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
     ))

@@ -39,7 +39,7 @@ fixed-order reductions, never atomics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,6 +60,23 @@ class GroupResult:
     # e.g. a large eta, the difference of the rounded fp32 values keeps only a few digits).
     # None: p - q of the fields above.
     coef: Optional[Tensor] = None
+
+    def to(self, dtype: torch.dtype) -> "GroupResult":
+        """Every tensor in ``dtype`` (``coef`` formed first when it is None)."""
+        coef = self.p - self.q if self.coef is None else self.coef
+        return GroupResult(seq_logprobs=self.seq_logprobs.to(dtype), u=self.u.to(dtype), p=self.p.to(dtype),
+                           q=self.q.to(dtype), group_loss=self.group_loss.to(dtype), coef=coef.to(dtype))
+
+    def to_op(self) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The six tensors the group custom op returns (``coef`` formed when None); :meth:`from_op`
+        reads them back."""
+        coef = self.p - self.q if self.coef is None else self.coef
+        return self.seq_logprobs, self.u, self.p, self.q, self.group_loss, coef
+
+    @staticmethod
+    def from_op(outputs: Tuple[Tensor, ...]) -> "GroupResult":
+        seq_logprobs, u, p, q, group_loss, coef = outputs
+        return GroupResult(seq_logprobs=seq_logprobs, u=u, p=p, q=q, group_loss=group_loss, coef=coef)
 
 
 def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
@@ -202,5 +219,5 @@ def portable_group_targets(
         to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor,
         score_eps,
     )
-    results = (ell, from_dense(u), from_dense(p), from_dense(q), group_loss, from_dense(p - q))
-    return GroupResult(*(t.to(out_dtype) for t in results))
+    return GroupResult(seq_logprobs=ell, u=from_dense(u), p=from_dense(p), q=from_dense(q), group_loss=group_loss,
+                       coef=from_dense(p - q)).to(out_dtype)

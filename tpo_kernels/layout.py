@@ -32,10 +32,6 @@ class BatchLayout:
     group_size: Optional[int]  # K when every group is K contiguous completions, else None
     padded_len: Optional[int]  # T for a padded [N, T] batch, None for packed
 
-    @property
-    def device(self) -> torch.device:
-        return self.seq_start.device
-
     def op_args(self) -> tuple:
         """The layout as the tensors and ints a custom op can take (see :meth:`from_op_args`)."""
         return (

@@ -122,8 +122,9 @@ def _agree_on_groups(group, function: str, plan: Optional[Plan], failure: Option
                                     plan.settings.validate, what)
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
-    return distributed.GroupGather(group, tuple(n * per_item for n in sizes), group_size or per_item, group_ids,
-                                   all(c["all kept"] for c in agreement.counts)), None
+    return distributed.GroupGather(group=group, sizes=tuple(n * per_item for n in sizes),
+                                   group_size=group_size or per_item, group_ids=group_ids,
+                                   all_kept=all(c["all kept"] for c in agreement.counts)), None
 
 
 # ----------------------------------------------------------------------------- row ops

@@ -65,10 +65,15 @@ def token_tpo_loss(
             then covers every rank's states, ``aux["state_offset"]`` is this rank's first.
     """
     return pipeline.candidate_loss(CandidateRequest(
-        "token_tpo_loss", Logits(logits), candidates, scores, old_logprobs,
-        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         validate=validate, score_eps=score_eps),
-        Placement(process_group),
+        function="token_tpo_loss",
+        source=Logits(logits=logits),
+        candidates=candidates,
+        scores=scores,
+        old_logprobs=old_logprobs,
+        options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
+                        logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
+                        validate=validate, score_eps=score_eps),
+        placement=Placement(process_group=process_group),
     ))
 
 
@@ -100,8 +105,13 @@ def fused_linear_token_tpo_loss(
     Everything else as in :func:`token_tpo_loss`.
     """
     return pipeline.candidate_loss(CandidateRequest(
-        "fused_linear_token_tpo_loss", Head(hidden, weight, bias), candidates, scores, old_logprobs,
-        Options(eta, anchor, temperature, logit_scale, logit_softcap, reduction, backend, return_aux,
-                         validate=validate, score_eps=score_eps),
-        Placement(process_group),
+        function="fused_linear_token_tpo_loss",
+        source=Head(hidden=hidden, weight=weight, bias=bias),
+        candidates=candidates,
+        scores=scores,
+        old_logprobs=old_logprobs,
+        options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
+                        logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
+                        validate=validate, score_eps=score_eps),
+        placement=Placement(process_group=process_group),
     ))

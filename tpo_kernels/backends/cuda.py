@@ -126,4 +126,4 @@ class CudaBackend(NativeBackend):
             score_eps=float(score_eps), anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
             group_loss=ptr(group_loss), **launch,
         )
-        return GroupResult(*(t.to(dtype) for t in (ell, u, p, q, group_loss, p - q)))
+        return GroupResult(seq_logprobs=ell, u=u, p=p, q=q, group_loss=group_loss, coef=p - q).to(dtype)

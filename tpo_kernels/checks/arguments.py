@@ -1,12 +1,12 @@
 """Checks of one argument each: scalars and the loss settings, tensors (types, shapes, dtypes,
-devices), labels, and the value checks read back from the device once per call."""
+devices)."""
 
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor
 from .._dtypes import FLOAT_DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
+_INT64_LIMIT = 2 ** 63
 
 
 # ----------------------------------------------------------------------------- scalars
@@ -205,48 +206,6 @@ def check_tile_policy(tile_policy, policy_type: type) -> None:
         raise TypeError(f"tile_policy must be a TilePolicy or None, got {type(tile_policy).__name__}")
 
 
-# ----------------------------------------------------------------------------- value checks
-
-# Value checks read back from the device together, once per call.
-#
-# A check of values (label ranges, finite scores, ...) needs its result on the host to raise an
-# error, and every read-back makes the host wait for the device. The value checks of one call are
-# therefore computed on the device as 0-d bool tensors, stacked and read back with one
-# ``tolist()``; only when a check fails is more read, to word its error.
-
-
-class ValueChecks:
-    """Conditions gathered during a call and read back by :meth:`read`, in the order added."""
-
-    def __init__(self) -> None:
-        self._conditions: List[Tensor] = []
-        self._errors: List[Optional[Callable[[], Exception]]] = []
-
-    def require(self, holds: Tensor, error: Callable[[], Exception]) -> None:
-        """At :meth:`read`, raise ``error()`` unless the 0-d bool ``holds`` is True."""
-        self._conditions.append(holds)
-        self._errors.append(error)
-
-    def observe(self, value: Tensor) -> int:
-        """Read the 0-d bool ``value`` back with the checks; returns its index in :meth:`read`."""
-        self._conditions.append(value)
-        self._errors.append(None)
-        return len(self._conditions) - 1
-
-    def read(self) -> List[bool]:
-        """One read-back of every condition; raises the error of the first that fails."""
-        if not self._conditions:
-            return []
-        values = torch.stack([c.reshape(()) for c in self._conditions]).tolist()
-        for holds, error in zip(values, self._errors):
-            if error is not None and not holds:
-                raise error()
-        return values
-
-
-_INT64_LIMIT = 2 ** 63
-
-
 # ----------------------------------------------------------------------------- tensors
 
 
@@ -353,43 +312,6 @@ def check_grad_accum_dtype(grad_accum_dtype, weight_dtype: torch.dtype) -> torch
             f"grad_accum_dtype must be torch.float32, float64 or the weight dtype, got {grad_accum_dtype!r}"
         )
     return torch.promote_types(grad_accum_dtype, weight_dtype)
-
-
-# ----------------------------------------------------------------------------- labels
-
-
-def _label_error(labels: Tensor, bad: Tensor, vocab_size: int) -> ValueError:
-    found = labels[bad][0].item()  # reads back, on the error path only
-    return ValueError(
-        f"labels must hold ids in [0, {vocab_size}) or ignore_index at counted positions; found {found}"
-    )
-
-
-def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch.device, input_name: str,
-                   ignore_index, validate: bool, mask: Optional[Tensor] = None,
-                   checks: Optional[ValueChecks] = None) -> Tensor:
-    """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
-    or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
-    ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
-    shards are placed): added to ``checks`` when given, else read back here."""
-    check_tensor("labels", labels, device, input_name)
-    check_integer_dtype("labels", labels)
-    if tuple(labels.shape) != tuple(token_shape):
-        raise ValueError(
-            f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
-        )
-    ignore_index = check_ignore_index(ignore_index)
-    flat = labels.reshape(-1)
-    counted = flat != ignore_index
-    if mask is not None:
-        counted = counted & mask
-    if validate:
-        pending = ValueChecks() if checks is None else checks
-        bad = counted & (flat < 0) if vocab_size is None else counted & ((flat < 0) | (flat >= vocab_size))
-        pending.require(~bad.any(), lambda: _label_error(flat, bad, vocab_size))
-        if checks is None:
-            pending.read()
-    return torch.where(counted, flat.to(torch.int64), -1).contiguous()
 
 
 def check_logits_cache(logits_cache_bytes, policy_bytes, vocab_parallel: bool) -> int:

@@ -7,14 +7,90 @@ from dataclasses import dataclass
 import os
 import sys
 import warnings
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..group_math import length_weights, segment_sum
 from ..layout import BatchLayout, build_layout
-from .arguments import ValueChecks, _is_int, check_beta, check_integer_dtype, check_tensor, prepare_labels, reject_meta
+from .arguments import _is_int, check_beta, check_ignore_index, check_integer_dtype, check_tensor, reject_meta
+
+
+# ----------------------------------------------------------------------------- value checks
+
+# Value checks read back from the device together, once per call.
+#
+# A check of values (label ranges, finite scores, ...) needs its result on the host to raise an
+# error, and every read-back makes the host wait for the device. The value checks of one call are
+# therefore computed on the device as 0-d bool tensors, stacked and read back with one
+# ``tolist()``; only when a check fails is more read, to word its error.
+
+
+class ValueChecks:
+    """Conditions gathered during a call and read back by :meth:`read`, in the order added."""
+
+    def __init__(self) -> None:
+        self._conditions: List[Tensor] = []
+        self._errors: List[Optional[Callable[[], Exception]]] = []
+
+    def require(self, holds: Tensor, error: Callable[[], Exception]) -> None:
+        """At :meth:`read`, raise ``error()`` unless the 0-d bool ``holds`` is True."""
+        self._conditions.append(holds)
+        self._errors.append(error)
+
+    def observe(self, value: Tensor) -> int:
+        """Read the 0-d bool ``value`` back with the checks; returns its index in :meth:`read`."""
+        self._conditions.append(value)
+        self._errors.append(None)
+        return len(self._conditions) - 1
+
+    def read(self) -> List[bool]:
+        """One read-back of every condition; raises the error of the first that fails."""
+        if not self._conditions:
+            return []
+        values = torch.stack([c.reshape(()) for c in self._conditions]).tolist()
+        for holds, error in zip(values, self._errors):
+            if error is not None and not holds:
+                raise error()
+        return values
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def _label_error(labels: Tensor, bad: Tensor, vocab_size: int) -> ValueError:
+    found = labels[bad][0].item()  # reads back, on the error path only
+    return ValueError(
+        f"labels must hold ids in [0, {vocab_size}) or ignore_index at counted positions; found {found}"
+    )
+
+
+def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch.device, input_name: str,
+                   ignore_index, validate: bool, mask: Optional[Tensor] = None,
+                   checks: Optional[ValueChecks] = None) -> Tensor:
+    """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
+    or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
+    ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
+    shards are placed): added to ``checks`` when given, else read back here."""
+    check_tensor("labels", labels, device, input_name)
+    check_integer_dtype("labels", labels)
+    if tuple(labels.shape) != tuple(token_shape):
+        raise ValueError(
+            f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
+        )
+    ignore_index = check_ignore_index(ignore_index)
+    flat = labels.reshape(-1)
+    counted = flat != ignore_index
+    if mask is not None:
+        counted = counted & mask
+    if validate:
+        pending = ValueChecks() if checks is None else checks
+        bad = counted & (flat < 0) if vocab_size is None else counted & ((flat < 0) | (flat >= vocab_size))
+        pending.require(~bad.any(), lambda: _label_error(flat, bad, vocab_size))
+        if checks is None:
+            pending.read()
+    return torch.where(counted, flat.to(torch.int64), -1).contiguous()
 
 
 # ----------------------------------------------------------------------------- sequence batches
@@ -275,17 +351,20 @@ def prepare_batch(
                            lambda: ValueError("ref_logprobs must be finite at counted tokens"))
 
     if not validate:
-        return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat,
+        return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
+                             old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat,
                              split_group_size=split_group_size)
     observed = checks.read()
     if not whole:
         kept = None if observed[all_counted] else counted_seqs
-        return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat, kept,
-                             bool(observed[any_counted]), split_group_size)
+        return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
+                             old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, kept=kept,
+                             any_kept=bool(observed[any_counted]), split_group_size=split_group_size)
     if not observed[all_counted]:
         layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
                               members=counted_seqs, **shape)
-    return PreparedBatch(token_shape, flat_labels, layout, scores, old_seq, beta, ref_flat)
+    return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
+                         old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat)
 
 
 # ----------------------------------------------------------------------------- candidates

@@ -26,8 +26,8 @@ from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest
 from ..requests import Source
 from .arguments import (LossSettings, check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype,
                         check_head, check_logit_transform, check_logits, check_logits_cache, check_positive,
-                        check_settings, check_tile_policy, prepare_labels)
-from .batches import PreparedBatch, prepare_batch, prepare_candidates
+                        check_settings, check_tile_policy)
+from .batches import PreparedBatch, prepare_batch, prepare_candidates, prepare_labels
 from .placement import check_group, check_groups_apart
 
 

@@ -61,11 +61,10 @@ with ``fullgraph=True`` a distributed call stops with an error saying so):
         vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
         fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
 """
-from .agreement import Agreement, agree
-from .collectives import CollectiveLog, CollectiveRecord, all_gather_stacked, count_collectives
+from .agreement import agree
+from .collectives import count_collectives
 from .data_parallel import GroupGather
-from .vocab_parallel import ShardRequest, VocabShard, replicated_local, vocab_parallel_head, vocab_shard
+from .vocab_parallel import ShardRequest, VocabShard, vocab_parallel_head, vocab_shard
 
-__all__ = ["Agreement", "CollectiveLog", "CollectiveRecord", "GroupGather", "ShardRequest", "VocabShard", "agree",
-           "all_gather_stacked", "count_collectives", "replicated_local",
-           "vocab_parallel_head", "vocab_shard"]
+__all__ = ["GroupGather", "ShardRequest", "VocabShard", "agree", "count_collectives", "vocab_parallel_head",
+           "vocab_shard"]

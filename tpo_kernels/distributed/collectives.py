@@ -58,8 +58,9 @@ def count_collectives() -> Iterator[CollectiveLog]:
 def _record(op: str, purpose: str, world: int, payload: Tensor, output: Tensor) -> None:
     if not _LOGS:
         return
-    record = CollectiveRecord(op, purpose, world, payload.numel() * payload.element_size(),
-                              output.numel() * output.element_size())
+    record = CollectiveRecord(op=op, purpose=purpose, world_size=world,
+                              payload_bytes=payload.numel() * payload.element_size(),
+                              output_bytes=output.numel() * output.element_size())
     for log in _LOGS:
         log.append(record)
 

@@ -43,7 +43,8 @@ class VocabShard:
         if with_entropy:
             parts.append(summary.entropy)
         gathered = all_gather_stacked(torch.stack(parts), self.group, "partials")  # [P, C, M]
-        ranks = [RowSummary(g[0], g[1], g[2], g[4] if with_entropy else None, g[3] != 0) for g in gathered]
+        ranks = [RowSummary(row_max=g[0], log_sum=g[1], label_logprob=g[2], entropy=g[4] if with_entropy else None,
+                            has_label=g[3] != 0) for g in gathered]
         merged = ranks[0]
         for other in ranks[1:]:
             merged = merged.merge(other, inv_temperature)

@@ -50,8 +50,7 @@ def _group_targets_op(
         token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor,
         score_eps=score_eps,
     )
-    coef = result.p - result.q if result.coef is None else result.coef
-    return (result.seq_logprobs, result.u, result.p, result.q, result.group_loss, coef)
+    return result.to_op()
 
 
 @_group_targets_op.register_fake
@@ -90,7 +89,7 @@ def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *
     near-tie tolerance of :func:`tpo_kernels.group_math.standardize_dense`."""
     outputs = _group_targets_op(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, score_eps,
                                 backend)
-    return GroupResult(*outputs)
+    return GroupResult.from_op(outputs)
 
 
 def reduce_groups(group_loss: Tensor, reduction: str) -> Tensor:

@@ -53,9 +53,5 @@ class RowSummary(NamedTuple):
         if self.entropy is not None:
             mixed = torch.exp(log_w_a) * (self.entropy - log_w_a) + torch.exp(log_w_b) * (other.entropy - log_w_b)
             entropy = torch.where(empty_b, self.entropy, torch.where(empty_a, other.entropy, mixed))
-        return RowSummary(m, log_sum, logprob, entropy, self.has_label | other.has_label)
-
-    @property
-    def stats(self) -> Tensor:
-        """``[2, M]`` row statistics, as the row backward takes them."""
-        return torch.stack([self.row_max, self.log_sum])
+        return RowSummary(row_max=m, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                          has_label=self.has_label | other.has_label)

@@ -206,11 +206,12 @@ def backward_plan(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: 
             vocab_block = max(1, min(vocab_block, policy.accum_bytes // (_itemsize(grad_accum_dtype) * max(hidden_size, 1))))
         if VOCAB_ALIGN < vocab_block < vocab_size:
             vocab_block -= vocab_block % VOCAB_ALIGN
-        return BackwardPlan(num_rows, vocab_size, vocab_block, num_rows, True, False)
+        return BackwardPlan(num_rows=num_rows, vocab_size=vocab_size, vocab_block=vocab_block, token_block=num_rows,
+                            one_gemm=True, block_accumulator=False)
     tokens, vocab_block = tile_shape(num_rows, vocab_size, hidden_size, chunk_size, policy, weight_dtype,
                                      grad_accum_dtype)
-    return BackwardPlan(num_rows, vocab_size, vocab_block, tokens, False,
-                        grad_accum_dtype != weight_dtype, zero_filled=not one_gemm)
+    return BackwardPlan(num_rows=num_rows, vocab_size=vocab_size, vocab_block=vocab_block, token_block=tokens,
+                        one_gemm=False, block_accumulator=grad_accum_dtype != weight_dtype, zero_filled=not one_gemm)
 
 
 def traffic_account(plan: BackwardPlan, hidden_size: int, dtype: torch.dtype, grad_accum_dtype: torch.dtype,

@@ -59,7 +59,8 @@ class _ShardLogprobs(torch.autograd.Function):
         read_labels = torch.where(counted, torch.where(owned, local, 0), -1)  # every counted row is read
         stats, logprob, entropy = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=inv_temperature,
                                                                    with_entropy=with_entropy)
-        merged = seam.merge(RowSummary(stats[0], stats[1], logprob, entropy, owned), inv_temperature)
+        merged = seam.merge(RowSummary(row_max=stats[0], log_sum=stats[1], label_logprob=logprob, entropy=entropy,
+                                       has_label=owned), inv_temperature)
         stats, logprob, entropy = _whole(merged, counted)
         ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, stats, logprob, entropy)
         ctx.settings = (inv_temperature, with_entropy, inplace_backward, key)
@@ -99,7 +100,8 @@ class _ShardLinearLogprobs(torch.autograd.Function):
                                policy, vocab_offset=seam.start)
         stats, logprob, entropy = head.forward(with_entropy)
         owned, _ = _owned(labels, seam)
-        merged = seam.merge(RowSummary(stats[0], stats[1], logprob, entropy, owned), inv_temperature)
+        merged = seam.merge(RowSummary(row_max=stats[0], log_sum=stats[1], label_logprob=logprob, entropy=entropy,
+                                       has_label=owned), inv_temperature)
         stats, logprob, entropy = _whole(merged, labels >= 0)
         ctx.save_for_backward(hidden, weight, bias, labels, stats, logprob, entropy)
         ctx.settings = (seam, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key)

@@ -232,8 +232,8 @@ def check_arguments(
         chosen = _resolve(backends, device)
         if not chosen:
             raise RuntimeError(f"no backend runs on {device} here: {backend_status()}")
-    return CheckArguments(device, dtype, chosen, paths, temperature=temperature, eta=eta, logit_scale=logit_scale,
-                          logit_softcap=logit_softcap, long_tokens=long_tokens, seed=seed, **shape)
+    return CheckArguments(device=device, dtype=dtype, backends=chosen, paths=paths, temperature=temperature, eta=eta,
+                          logit_scale=logit_scale, logit_softcap=logit_softcap, long_tokens=long_tokens, seed=seed, **shape)
 
 
 def check(

@@ -78,9 +78,10 @@ def _make_inputs(device, dtype, n, k, t, v, h, temperature, eta, seed, logit_sca
     candidates = torch.randint(0, v, (r, k), generator=gen)
     cand_scores = torch.randn(r, k, generator=gen, dtype=torch.float64)
     cand_scores[::3] = 1.0  # tied states
-    return _Inputs(logits.view(n, t, v), labels.to(device), put(scores, torch.float32), put(token_logprobs),
-                   put(hidden), put(weight), put(bias), candidates.to(device), put(cand_scores, torch.float32), k,
-                   temperature, eta, logit_scale, logit_softcap)
+    return _Inputs(logits=logits.view(n, t, v), labels=labels.to(device), scores=put(scores, torch.float32),
+                   token_logprobs=put(token_logprobs), hidden=put(hidden), weight=put(weight), bias=put(bias),
+                   candidates=candidates.to(device), cand_scores=put(cand_scores, torch.float32), group_size=k,
+                   temperature=temperature, eta=eta, logit_scale=logit_scale, logit_softcap=logit_softcap)
 
 
 def row_chunks(rows: int, width: int) -> List[slice]:

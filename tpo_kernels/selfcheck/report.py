@@ -139,8 +139,9 @@ class _Rows:
         self.report, self.section, self.backend, self.path = report, section, backend, path
 
     def add(self, quantity, max_abs, max_rel, tolerance, passed, note=""):
-        self.report.rows.append(CheckRow(self.section, self.backend, self.path, quantity, float(max_abs),
-                                         float(max_rel), tolerance, bool(passed), note))
+        self.report.rows.append(CheckRow(section=self.section, backend=self.backend, path=self.path, quantity=quantity,
+                                         max_abs=float(max_abs), max_rel=float(max_rel), tolerance=tolerance,
+                                         passed=bool(passed), note=note))
 
     def abs_bound(self, quantity, actual, expected, atol, note=""):
         diff, max_abs, max_rel = _errors(actual, expected)
