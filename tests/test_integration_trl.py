@@ -23,7 +23,7 @@ from trl import GRPOConfig  # noqa: E402
 from tpo_kernels import reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffle_groups  # noqa: E402
-from tpo_kernels.integrations.trl.trainer import tpo_scores_from_rewards  # noqa: E402
+from tpo_kernels.integrations.trl.generation_batch import tpo_scores_from_rewards  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

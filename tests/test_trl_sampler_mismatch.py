@@ -19,7 +19,7 @@ from _trl_mismatch import K, gradient_error, make_trainer  # noqa: E402
 from _trl_tiny import build_tiny_olmo2  # noqa: E402
 
 from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
-from tpo_kernels.integrations.trl.trainer import sampler_kept  # noqa: E402
+from tpo_kernels.integrations.trl.generation_batch import sampler_kept  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from .linear import TiledLinearHead, TilePolicy
+from .linear import TilePolicy
+from .linear_head import TiledLinearHead
 from .logprobs import row_gradients
 from .row_summary import RowSummary
 

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..._dtypes import compute_dtype
 from .candidate_weight_grad import num_warps, weight_grad
-from .row_kernels import device_guard
+from .kernel_support import device_guard
 
 
 @triton.jit

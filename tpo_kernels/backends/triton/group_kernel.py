@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ...group_math import GroupResult
 from ...layout import BatchLayout
-from .row_kernels import device_guard, scalar_from_parts, split_scalar
+from .kernel_support import device_guard, scalar_from_parts, split_scalar
 
 
 @triton.jit

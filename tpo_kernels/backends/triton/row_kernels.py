@@ -54,8 +54,8 @@ where the label's entry takes ``log p_y`` from the forward and ``1 - p_y = -expm
 Rows with ``g == 0`` and ``ge == 0`` are zero-filled without reading the logits. Every chunk is
 loaded before it is stored by the same program, so ``out`` may alias ``logits``.
 
-``log1p`` / ``expm1`` come from libdevice when compiled; the interpreter (no libdevice) uses
-Kahan's forms over its exact numpy ``exp`` / ``log``.
+``log1p`` / ``expm1``, the fp32 parts of a float argument (``split_scalar``) and the device guard
+are shared with the other kernels (:mod:`.kernel_support`).
 """
 
 from typing import Optional, Tuple
@@ -64,57 +64,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
 from ..._dtypes import compute_dtype
-from .. import triton_interpreter_enabled
+from .kernel_support import device_guard, expm1, log1p, scalar_from_parts, split_scalar, use_libdevice
 from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
                          pick_num_warps, row_batch, row_offset, row_sections)
-
-
-def split_scalar(value: float) -> Tuple[float, float, float]:
-    """Split a Python float into three fp32-exact parts whose sum is ``value`` to ~72 bits.
-
-    Triton types a float kernel argument as fp32 (and the interpreter rounds Python floats to
-    fp32), so an fp64 kernel would otherwise see a temperature or eta rounded to 24 bits.
-    ``scalar_from_parts`` rebuilds the value in the compute dtype.
-    """
-    value = float(value)
-    hi = float(torch.tensor(value, dtype=torch.float32))
-    mid = float(torch.tensor(value - hi, dtype=torch.float32))
-    lo = float(torch.tensor(value - hi - mid, dtype=torch.float32))
-    return hi, mid, lo
-
-
-@triton.jit
-def scalar_from_parts(hi, mid, lo, ACC: tl.constexpr):
-    return tl.cast(hi, ACC) + (tl.cast(mid, ACC) + tl.cast(lo, ACC))
-
-
-def use_libdevice() -> bool:
-    """The ACCURATE_MATH constexpr of the kernels: libdevice when compiled, not interpreted."""
-    return not triton_interpreter_enabled()
-
-
-@triton.jit
-def log1p(x, ACCURATE_MATH: tl.constexpr):
-    if ACCURATE_MATH:
-        return libdevice.log1p(x)
-    else:
-        u = 1.0 + x
-        den = tl.where(u == 1.0, 1.0, u - 1.0)
-        return tl.where(u == 1.0, x, tl.log(u) * (x / den))
-
-
-@triton.jit
-def expm1(x, ACCURATE_MATH: tl.constexpr):
-    if ACCURATE_MATH:
-        return libdevice.expm1(x)
-    else:
-        u = tl.exp(x)
-        log_u = tl.log(tl.where(u == 1.0, 2.0, u))
-        out = (u - 1.0) * (x / tl.where(u == 1.0, 1.0, log_u))
-        return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, out))
 
 
 # Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, which saves the multiply
@@ -350,15 +304,6 @@ def _row_backward_kernel(
 
 def _acc_type(dtype: torch.dtype):
     return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
-
-
-def device_guard(tensor: Tensor):
-    # Triton launches on the current CUDA device; make it the tensor's.
-    if tensor.is_cuda:
-        return torch.cuda.device(tensor.device)
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def row_forward(

@@ -172,7 +172,8 @@ from .private_api import check_private_api  # noqa: E402
 check_private_api()
 from .config import TargetPOConfig, check_tpo_args  # noqa: E402
 from .head import add_tpo_head  # noqa: E402
-from .trainer import TargetPOTrainer, shuffle_groups  # noqa: E402
+from .generation_batch import shuffle_groups  # noqa: E402
+from .trainer import TargetPOTrainer  # noqa: E402
 
 __all__ = ["TESTED_TRL_VERSIONS", "TargetPOConfig", "TargetPOTrainer", "add_tpo_head", "check_tpo_args",
            "shuffle_groups"]

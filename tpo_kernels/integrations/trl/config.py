@@ -81,7 +81,7 @@ class TargetPOConfig(GRPOConfig):
 
 
 # vLLM's importance-sampling modes whose meaning TPO takes over: a completion whose sampler /
-# trainer ratio is out of TRL's bounds is left out of its group (see trainer.sampler_kept).
+# trainer ratio is out of TRL's bounds is left out of its group (see generation_batch.sampler_kept).
 SAMPLER_MASK_MODES = ("sequence_mask", "token_mask")
 
 

@@ -1,4 +1,10 @@
-"""TargetPOTrainer: GRPOTrainer with whole-group micro-batches and the TPO loss."""
+"""TargetPOTrainer: GRPOTrainer with whole-group micro-batches and the TPO loss.
+
+The class reads in the order of a step: batching (generation, scores, whole-group micro-batches),
+the loss call's request, the entropy bonus, the rows a group's other micro-steps hold, and the
+loss. The plain functions of TRL's batch it calls are in :mod:`.generation_batch`, its metrics in
+:mod:`.metrics`.
+"""
 
 from __future__ import annotations
 
@@ -15,98 +21,9 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
                      sampler_mode_refusal)
+from .generation_batch import sampler_kept, shuffle_groups, take_rows, tpo_scores_from_rewards
 from .head import add_tpo_head, serve_trl_fused_head, trl_fused_head_missing
-
-
-def shuffle_groups(
-    batch: Dict[str, Any], group_size: int, generator: Optional[torch.Generator] = None
-) -> Dict[str, Any]:
-    """Shuffle the rows of a TRL batch dict by whole groups of ``group_size`` consecutive rows.
-
-    Tensors with a leading row dimension and lists are permuted in unison; 0-dim tensors and None
-    are kept. Rows within a group keep their order.
-    """
-    sized = [v for v in batch.values() if v is not None and not (isinstance(v, Tensor) and v.ndim == 0)]
-    if not sized:
-        return dict(batch)
-    rows = len(sized[0])
-    if rows % group_size != 0:
-        raise ValueError(f"cannot shuffle {rows} rows by whole groups of {group_size}")
-    order = torch.randperm(rows // group_size, generator=generator)
-    perm = (order.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
-    index = perm.tolist()
-
-    def permute(value):
-        if value is None or (isinstance(value, Tensor) and value.ndim == 0):
-            return value
-        if isinstance(value, Tensor):
-            return value[perm.to(value.device)]
-        return [value[i] for i in index]
-
-    return {key: permute(value) for key, value in batch.items()}
-
-
-def _take_rows(batch: Dict[str, Any], index: Tensor) -> Dict[str, Any]:
-    """The rows ``index`` of every ``[rows, ...]`` tensor of a batch dict; 0-dim tensors and None kept."""
-    return {key: value[index.to(value.device)] if isinstance(value, Tensor) and value.ndim > 0 else value
-            for key, value in batch.items()}
-
-
-def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_size: int, aggregation: str,
-                            score_eps: float) -> Tensor:
-    """Each completion's TPO score (float64) from TRL's ``[rows, reward functions]`` rewards
-    (NaN where a function returned None; rows in groups of ``group_size`` consecutive rows).
-
-    ``"sum_then_normalize"`` (TRL's default): the weighted sum ``sum_k w_k r_k`` of the raw rewards,
-    which the loss standardizes within the group under the tie rule. ``"normalize_then_sum"``: each
-    reward is first standardized within the group by TPO's own rule (population std; centered,
-    undivided, when the std is at most ``score_eps``; 0 when the group ties exactly), then weighted and
-    summed. A completion no function scored gets its group's mean score (TRL's advantage 0: no
-    signal of its own); a group with no scored completion ties at 0.
-    """
-    rewards = rewards_per_func.double()
-    weights = weights.to(rewards).view(1, 1, -1)
-    grouped = rewards.view(-1, group_size, rewards.shape[1])
-    scored = ~torch.isnan(grouped)
-    if aggregation == "normalize_then_sum":
-        count = scored.sum(dim=1, keepdim=True)
-        mean = grouped.nansum(dim=1, keepdim=True) / count
-        centered = grouped - mean
-        std = (centered.square().nansum(dim=1, keepdim=True) / count).sqrt()
-        low = grouped.masked_fill(~scored, float("inf")).amin(dim=1, keepdim=True)
-        high = grouped.masked_fill(~scored, -float("inf")).amax(dim=1, keepdim=True)
-        # Exact ties are tested on the values (the float mean of equal values may differ from them).
-        standardized = torch.where(low == high, 0.0, torch.where(std > score_eps, centered / std, centered))
-        grouped = standardized.masked_fill(~scored, float("nan"))
-    elif aggregation != "sum_then_normalize":
-        raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
-    scores = (grouped * weights).nansum(dim=2)
-    unscored = ~scored.any(dim=2)
-    scores = scores.masked_fill(unscored, float("nan"))
-    fill = torch.nan_to_num(scores.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(scores)
-    return torch.where(unscored, fill, scores).reshape(-1)
-
-
-def sampler_kept(importance_sampling_ratio: Tensor, token_mask: Tensor) -> Tensor:
-    """Which completions ([rows] bool) the sampler-trainer mismatch check keeps, from TRL's
-    ``importance_sampling_ratio`` of the masking modes: ``[rows, 1]`` (``sequence_mask``:
-    ``exp(sum_t (old_t - sampler_t))`` over the counted tokens) or ``[rows, T]`` (``token_mask``:
-    ``exp(old_t - sampler_t)`` per token), which TRL sets to 0 where it lies outside
-    ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` (0 also when it
-    underflows: TRL's weight is then 0 as well). A completion is left out when its sequence ratio is
-    0, or (``token_mask``) when the ratio of any of its counted tokens is: TPO's group softmax is over
-    whole completions, so a completion the sampler drew with an untrustworthy token is left out whole
-    rather than scored on a subset of its tokens."""
-    if importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != token_mask.shape[0]:
-        raise ValueError(f"importance_sampling_ratio must be [rows, 1] or [rows, T] for {tuple(token_mask.shape)} "
-                         f"completion tokens, got {tuple(importance_sampling_ratio.shape)}")
-    masked = importance_sampling_ratio == 0
-    if importance_sampling_ratio.shape[1] == 1:
-        return ~masked[:, 0]
-    if importance_sampling_ratio.shape != token_mask.shape:
-        raise ValueError(f"a per-token importance_sampling_ratio must have the completions' shape "
-                         f"{tuple(token_mask.shape)}, got {tuple(importance_sampling_ratio.shape)}")
-    return ~(masked & token_mask.to(masked.device)).any(dim=1)
+from .metrics import log_tpo_metrics
 
 
 class TargetPOTrainer(GRPOTrainer):
@@ -257,7 +174,7 @@ class TargetPOTrainer(GRPOTrainer):
             rows, first = batch, rank * local_rows
         else:
             rows, first = self._gather_generation_batch(batch), 0
-        return [_take_rows(rows, order[step, rank] - first) for step in range(steps)]
+        return [take_rows(rows, order[step, rank] - first) for step in range(steps)]
 
     def _gather_generation_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         """The generation batch of every process, in process order: ``[rows, ...]`` tensors are
@@ -475,7 +392,7 @@ class TargetPOTrainer(GRPOTrainer):
             # optimizer step's mean and the gradients to 1/W of its gradient; W times the gradient,
             # straight through (value unchanged), makes it whole.
             loss = window * loss - (window - 1) * loss.detach()
-        self._log_tpo_metrics(out, request, mode)
+        log_tpo_metrics(self._metrics[mode], self.accelerator.gather, out, request)
         if self._entropy_bonus_on():
             self._update_adaptive_entropy(out, inputs["completion_ids"].shape[0], mode)
         # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
@@ -487,50 +404,3 @@ class TargetPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         return loss
-
-    # -- metrics -----------------------------------------------------------------------------
-
-    def _log_tpo_metrics(self, out: Dict[str, Any], request: Dict[str, Any], mode: str) -> None:
-        """Metrics over the step's micro-batch of every process. Per-group quantities are sums of
-        per-completion terms (``KL(q || p) = sum_i q_i log(q_i / p_i)``, ``H(p) = -sum_i p_i log p_i``),
-        so they hold when a group spans processes; groups are counted by their global id."""
-        loss = out["loss"].detach().float()
-        mask = out["mask"]  # the call's rows: this micro-step's, then any detached ones
-        columns = torch.zeros(mask.shape[0], 9, device=loss.device)
-        columns[:, 0] = request["metric_group_ids"].to(loss.device).float()
-        aux = out["aux"]
-        if aux is not None:  # left-out completions have p = q = u = 0
-            p, q = aux["p"].float(), aux["q"].float()
-            xlogy = torch.special.xlogy
-            columns[:, 1] = out["kept"].float()
-            columns[:, 2] = (aux["u"] != 0).float()
-            columns[:, 3] = xlogy(q, q) - xlogy(q, p)
-            columns[:, 4] = -xlogy(p, p)
-            columns[:, 5] = -xlogy(q, q)
-            columns[:, 6] = mask.sum(dim=1).float()
-            if request["token_entropy"]:
-                columns[:, 7] = (aux["token_entropy"].float() * mask).sum(dim=1)
-            if request["beta"] != 0.0:
-                diff = out["ref_logprobs"].float() - aux["token_logprobs"].float()
-                columns[:, 8] = ((torch.exp(diff) - diff - 1.0) * mask).sum(dim=1)
-        rows = self.accelerator.gather(columns).cpu()  # every process's completions: one read-back
-        losses = self.accelerator.gather(loss.reshape(1)).cpu()  # and each process's loss
-        ids, kept, signal = rows[:, 0], rows[:, 1] > 0, rows[:, 2] > 0
-        num_groups = ids.unique().numel()
-        kept_groups = ids[kept].unique().numel()
-        kl_sum, hp_sum, hq_sum, tokens, ent_sum, k3_sum = rows[:, 3:].sum(dim=0).tolist()
-
-        def ratio(num: float, den: float) -> float:
-            return num / den if den > 0 else float("nan")
-
-        metrics = self._metrics[mode]
-        metrics["tpo/loss"].append(losses.mean().item())  # each process's loss (the same one when groups are split)
-        metrics["tpo/kl_q_p"].append(ratio(kl_sum, kept_groups))
-        metrics["tpo/entropy_p"].append(ratio(hp_sum, kept_groups))
-        metrics["tpo/entropy_q"].append(ratio(hq_sum, kept_groups))
-        metrics["tpo/frac_zero_signal_groups"].append(ratio(num_groups - ids[signal].unique().numel(), num_groups))
-        metrics["tpo/frac_excluded_completions"].append(ratio(float((~kept).sum()), ids.numel()))
-        if request["token_entropy"]:
-            metrics["tpo/token_entropy"].append(ratio(ent_sum, tokens))
-        if request["beta"] != 0.0:
-            metrics["tpo/kl_k3"].append(ratio(k3_sum, tokens))

@@ -1,0 +1,399 @@
+"""The tiled linear head (:class:`TiledLinearHead`): per-token log-probs (and entropies) of
+``z = hidden @ weight.T (+ bias)`` and their gradients, without ever materializing the ``[tokens,
+vocab]`` logits. The custom op ``tpo_kernels::linear_logprobs`` (:mod:`.linear`) and the row ops on
+a vocabulary shard (:mod:`.vocab_shard`) run it.
+
+Logits exist one tile at a time (a block of tokens times a block of the vocabulary, at most
+``chunk_size * V`` entries). The forward keeps, per token, the row statistics of the row ops
+(max and log-sum), the label's log-prob and, on request, the entropy, merged across vocabulary
+blocks with bounded terms only (:meth:`~tpo_kernels.ops.row_summary.RowSummary.merge`). The backward receives a
+per-token gradient ``g`` (and ``ge`` for entropies), recomputes the logits of the tokens with a
+nonzero one only, tile by tile, turns them in place into ``dz`` with the backend's row backward
+(the forward's statistics cover the whole vocabulary, so a block's softmax is exact) and applies
+the chain rule of the linear layer::
+
+    dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
+
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The
+backward's tiles take every active token times a vocabulary block as wide as the logits budget
+allows (:func:`~tpo_kernels.ops.tiles.backward_plan`), so that each ``dW`` block is one matmul
+written straight in the weight's dtype, its sum over tokens in the matmul's fp32 accumulator: no
+accumulator tensor, fill or conversion pass. Where such a tile does not fit (or ``grad_accum_dtype``
+asks for sums wider than a matmul's), tokens come in chunks and ``dW`` is summed over them in a
+per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per device.
+
+With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
+buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
+
+Logits cache (``TilePolicy.logits_cache_bytes``). Memory can buy the recompute back: the forward
+writes the logits of the first candidate rows that fit the budget straight into a ``[rows, V]``
+cache (the op returns it, so autograd saves it) instead of a tile buffer, and the backward's row
+op reads those tiles from it: three matmuls per cached token instead of four. The candidates are
+the counted rows, or those of them a ``cache_candidates`` mask keeps: the caller's prediction of the
+rows that will have a gradient (the TPO pipeline leaves out the tokens of zero-signal groups), so
+that no slot goes to a row the backward never reads. The cache's size is the budget's whatever the
+mask (a static shape under ``torch.compile``); a mispredicted row only costs its recompute. The
+cache holds the logits in their own dtype (the wider of hidden and weight), exactly what the
+forward's row op read, so a cached token's gradient differs from a recomputed one only by the
+recompute's rounding (a matmul over other row blocks may sum in another order). Rows that do not
+count are not cached; rows with zero gradient are neither read nor recomputed. The cache is never
+written in the backward (a second backward with ``retain_graph`` sees it intact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .._dtypes import compute_dtype
+from ..backends import Backend
+from .row_summary import RowSummary
+from .tiles import BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, tile_shape
+from .transform import LogitTransform
+
+__all__ = ["TiledLinearHead"]
+
+
+class TiledLinearHead:
+    """A linear head over a flat token matrix, evaluated one tile of logits at a time.
+
+    ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` (the weight's
+    dtype) or None; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A
+    tile never holds more than ``chunk_size * V`` logits. Hidden states and weight may differ in
+    dtype (bf16 activations under an fp32 head): logits are computed in the wider of the two, and
+    only a tile's operands are cast, never the whole of either.
+
+    ``vocab_offset``: the vocabulary id of ``weight``'s first row when it is one shard of a
+    vocabulary-parallel head (:mod:`tpo_kernels.distributed`). Labels stay global ids; a counted
+    row whose label lies on another shard gets its logsumexp (and entropy) over this shard,
+    target 0, and no one-hot term in the backward.
+
+    ``cache_candidates``: ``[M]`` bool, the rows a logits cache may hold (the counted ones among
+    them, first come); None: every counted row.
+    """
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                 backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
+                 vocab_offset: int = 0, transform: Optional[LogitTransform] = None,
+                 cache_candidates: Optional[Tensor] = None) -> None:
+        self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
+        self.backend, self.inv_temperature = backend, inv_temperature
+        self.chunk_size, self.policy = chunk_size, policy
+        self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
+        self.vocab_offset, self.transform = vocab_offset, transform
+        self.cache_candidates = cache_candidates
+
+    @staticmethod
+    def _row_chunks(rows: Union[slice, Tensor], chunk_size: int) -> List[Union[slice, Tensor]]:
+        """Selected rows (a slice, or ascending indices) in balanced chunks of at most
+        ``chunk_size`` (:func:`balanced_chunks`): slices of a slice (no gather), index tensors of
+        indices. Two selections of one size split alike."""
+        sizes = balanced_chunks(_num_rows(rows), chunk_size)
+        if isinstance(rows, Tensor):
+            return list(rows.split(sizes)) if sizes else []
+        bounds = list(itertools.accumulate(sizes, initial=rows.start))
+        return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+    def _cache_slots(self, cache_rows: int) -> Tensor:
+        """``[M]`` int64: each row's place in a cache of ``cache_rows`` rows, -1 for the rows it
+        does not hold. The cache holds the first counted candidate rows, in row order; the forward
+        and the backward derive the same places from the labels and the candidates."""
+        wanted = self.labels >= 0
+        if self.cache_candidates is not None:
+            wanted = wanted & self.cache_candidates
+        slot = torch.cumsum(wanted, 0) - 1
+        return torch.where(wanted & (slot < cache_rows), slot, -1)
+
+    def _split_rows(self, active: Tensor, cache_rows: int):
+        """The ``active`` rows (``[M]`` bool) as ``(cached, slots, recomputed)``: the rows a cache of
+        ``cache_rows`` rows holds, their places in it, and the other active rows. Each is a slice
+        when consecutive (no gather), else ascending indices; one read-back finds the sizes.
+
+        The slots run from 0 when every row the cache holds is active, and the cached rows too
+        when the cache holds rows ``0, 1, ...`` (each at its own index); the recomputed rows are
+        then the rest of the batch when every row is active."""
+        num_rows = active.shape[0]
+        slot = self._cache_slots(cache_rows)
+        in_cache = slot >= 0
+        cached, recomputed = active & in_cache, active & ~in_cache
+        misplaced = in_cache & (slot != torch.arange(num_rows, device=slot.device))
+        num_cached, num_recomputed, num_in_cache, num_misplaced = torch.stack(
+            (cached.sum(), recomputed.sum(), in_cache.sum(), misplaced.sum())).tolist()
+        slots_from_0 = num_cached == num_in_cache
+        rows_from_0 = slots_from_0 and num_misplaced == 0
+        cached_rows = slice(0, num_cached) if rows_from_0 else _indices(cached, num_cached)
+        slots = slice(0, num_cached) if slots_from_0 else slot[cached_rows]
+        if rows_from_0 and num_cached + num_recomputed == num_rows:
+            return cached_rows, slots, slice(num_cached, num_rows)
+        return cached_rows, slots, _indices(recomputed, num_recomputed)
+
+    def _block_weight(self, vocab: slice) -> Tensor:
+        return self.weight[vocab].to(self.dtype)
+
+    def _logits(self, h_rows: Tensor, vocab: slice, out: Tensor) -> Tensor:
+        """``h_rows @ W[vocab].T (+ b[vocab])`` written into ``out`` (a tile: unit column stride)."""
+        weight, h_rows = self._block_weight(vocab), h_rows.to(self.dtype)
+        if self.bias is None:
+            return torch.mm(h_rows, weight.t(), out=out)
+        return torch.addmm(self.bias[vocab].to(self.dtype), h_rows, weight.t(), out=out)
+
+    def _buffer(self, rows: int, vocab: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return self.hidden.new_empty(max(rows, 1) * vocab, dtype=dtype or self.dtype)
+
+    def _vocab_width(self, vocab: slice) -> int:
+        return min(vocab.stop, self.weight.shape[0]) - vocab.start
+
+    def _cap_buffers(self, rows: int, vocab: int, count: int) -> List[Tensor]:
+        """``count`` tile buffers in the compute dtype for the soft-capped logits (and their
+        derivative); none without a cap."""
+        if self.transform is None:
+            return []
+        return [self._buffer(rows, vocab, compute_dtype(self.dtype)) for _ in range(count)]
+
+    def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
+        """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows
+        (:func:`~tpo_kernels.ops.tiles.tile_shape`)."""
+        vocab_size, hidden_size = self.weight.shape
+        return tile_shape(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
+                          grad_accum_dtype)
+
+    def backward_plan(self, num_rows: int, grad_accum_dtype: torch.dtype) -> BackwardPlan:
+        """The backward's tiles over ``num_rows`` active rows (:func:`~tpo_kernels.ops.tiles.backward_plan`)."""
+        vocab_size, hidden_size = self.weight.shape
+        return backward_plan(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
+                             self.dtype, grad_accum_dtype)
+
+    def forward(self, with_entropy: bool, cache_rows: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Per-row ``(stats [2, M], logprob, entropy | None)`` of the tempered logits, as the row
+        ops define them, in the compute dtype; 0 on rows that do not count (their logits are never
+        computed). ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits
+        of the first ``cache_rows`` counted candidate rows, in row order (slots past them stay
+        unwritten).
+
+        Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
+        merge with :meth:`RowSummary.merge`."""
+        num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
+        stats = self.hidden.new_zeros(2, num_rows, dtype=compute_dtype(self.dtype))
+        logprob = torch.zeros_like(stats[0])
+        entropy = torch.zeros_like(stats[0]) if with_entropy else None
+        self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
+        cached, slots, uncached = self._split_rows(self.labels >= 0, cache_rows)  # the forward's one read-back
+        token_block, vocab_block = self._tile(_num_rows(cached) + _num_rows(uncached), self.weight.dtype)
+        # (rows, slots): slots are the rows' places in the cache, None for a row not cached.
+        chunks = list(zip(self._row_chunks(cached, token_block), self._row_chunks(slots, token_block)))
+        chunks += [(rows, None) for rows in self._row_chunks(uncached, token_block)]
+        tile_rows = max((_num_rows(rows) for rows, slots in chunks if slots is None), default=0)
+        buffer = self._buffer(tile_rows, vocab_block)
+        capped = self._cap_buffers(max((_num_rows(rows) for rows, _ in chunks), default=0), vocab_block, 1)
+        for rows, slots in chunks:
+            h_rows, labels = self.hidden[rows], self.labels[rows]
+            row = None
+            for start in range(0, vocab_size, vocab_block):
+                vocab = slice(start, start + vocab_block)
+                out = (_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)) if slots is None
+                       else self.logits_cache[slots, vocab])
+                logits = self._logits(h_rows, vocab, out)
+                if capped:  # the row op reads the soft-capped tile
+                    logits = self.transform.cap(logits, capped[0])
+                local = labels - (self.vocab_offset + start)
+                inside = (local >= 0) & (local < logits.shape[1])
+                # Every row is read: a label outside the block stands in as 0, its log-prob unused.
+                block_stats, block_lp, block_entropy = self.backend.row_forward(
+                    logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
+                    with_entropy=with_entropy,
+                )
+                block = RowSummary(block_stats[0], block_stats[1], block_lp, block_entropy, inside)
+                row = block if row is None else row.merge(block, self.inv_temperature)
+            stats[0, rows], stats[1, rows], logprob[rows] = row.row_max, row.log_sum, row.label_logprob
+            if with_entropy:
+                entropy[rows] = row.entropy
+        return stats, logprob, entropy
+
+    def backward(self, stats: Tensor, logprob: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
+                 entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool], grad_accum_dtype: torch.dtype,
+                 logits_cache: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
+        per-row gradients of the log-probs and entropies (both 0 on rows that do not count), and
+        the forward's ``logits_cache`` (None or empty: every row is recomputed).
+
+        Rows where both are exactly 0 are skipped: no recompute, no matmul, no cache read. Tiles
+        are vocabulary blocks (outer loop) times the active rows (:meth:`backward_plan`). When the
+        plan takes every active row in one tile (``one_gemm``), each block's ``dW`` is one matmul
+        written straight into ``dW`` in the weight's dtype (the matmul's own fp32 sum over rows; no
+        accumulator, no fill, no conversion). Otherwise the rows come in token chunks and ``dW`` and
+        ``db`` are summed over them in ``grad_accum_dtype``; ``dH`` is summed over vocabulary blocks
+        (in that dtype too when there is more than one block)."""
+        need_hidden, need_weight, need_bias = needs_grad
+        hidden, weight = self.hidden, self.weight
+        vocab_size, hidden_size = weight.shape
+        active = grad_logprob != 0
+        if grad_entropy is not None:
+            active = active | (grad_entropy != 0)
+        parts, num_active = self._active_parts(active, logits_cache)
+        plan = self.backward_plan(num_active, grad_accum_dtype)
+        vocab_block = plan.vocab_block
+        chunks = parts if plan.one_gemm else self._chunked(parts, plan.token_block)
+        hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
+        if vocab_block != vocab_size:
+            hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
+
+        tile_rows = num_active if plan.one_gemm else max((_num_rows(rows) for rows, _ in chunks), default=0)
+        # The tile buffers first: the size of the forward's, they can take that freed memory.
+        buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
+        fuse_hidden = self.policy.fused_accumulate(hidden.device, self.dtype, hidden_accum)
+        fuse_weight = self.policy.fused_accumulate(hidden.device, self.dtype, grad_accum_dtype)
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=hidden_accum) if need_hidden else None
+        grad_bias = weight.new_zeros(vocab_size, dtype=grad_accum_dtype) if need_bias else None
+        grad_weight = None
+        if need_weight:  # every block of dW is written (by its matmul or its accumulator) when a row is active
+            grad_weight = torch.empty_like(weight) if chunks else torch.zeros_like(weight)
+        if plan.one_gemm and chunks:
+            # The active rows' hidden states in the tile's row order: a view when the parts are
+            # consecutive, else gathered once (not once per vocabulary block).
+            h_active = _rows_of(hidden, [rows for rows, _ in parts])
+        if chunks:  # else every row has zero signal: zero gradients, no matmul
+            block_accum = None
+            if need_weight and plan.block_accumulator:
+                block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
+            for start in range(0, vocab_size, vocab_block):
+                vocab = slice(start, min(start + vocab_block, vocab_size))
+                width = vocab.stop - start
+                if need_weight and not plan.one_gemm:
+                    dw = grad_weight[vocab] if block_accum is None else block_accum[:width].zero_()
+                block_weight = self._block_weight(vocab) if need_hidden else None
+                tile = _tile(buffers[0], tile_rows, width)
+                offset = 0
+                for index, (rows, slots) in enumerate(chunks):
+                    num = _num_rows(rows)
+                    out = tile[offset:offset + num] if plan.one_gemm else tile[:num]
+                    offset += num if plan.one_gemm else 0
+                    h_rows = h_active[offset - num:offset] if plan.one_gemm else hidden[rows]
+                    cached = None if slots is None else self._cached_tile(logits_cache, slots, vocab, out)
+                    dlogits = self._block_grad(h_rows, rows, vocab, out, buffers[1:], cached, stats, logprob,
+                                               grad_logprob, grad_entropy, entropy)
+                    if need_hidden:
+                        add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
+                    if need_weight and not plan.one_gemm:
+                        _add_chunk_product(dw, dlogits.t(), h_rows.to(self.dtype), fuse_weight,
+                                           first=index == 0 and block_accum is None)
+                    if need_bias:
+                        grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
+                if need_weight and plan.one_gemm:  # dW[block] = dz.T @ h over every active row, in W's dtype
+                    with _full_precision_reduction(weight.device, self.dtype):
+                        torch.mm(tile.t(), h_active.to(self.dtype), out=grad_weight[vocab])
+                if block_accum is not None:
+                    grad_weight[vocab] = dw
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            grad_weight,
+            None if grad_bias is None else grad_bias.to(weight.dtype),
+        )
+
+    def _active_parts(self, active: Tensor, logits_cache: Optional[Tensor]):
+        """The ``active`` rows as ``(rows, slots)`` parts, the cached ones first (slots: their places
+        in the cache; None for rows to recompute), empty parts left out, and the number of active
+        rows; one read-back."""
+        cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
+        cached, slots, recomputed = self._split_rows(active, cache_rows)
+        parts = [(cached, slots), (recomputed, None)]
+        parts = [(rows, part_slots) for rows, part_slots in parts if _num_rows(rows)]
+        return parts, sum(_num_rows(rows) for rows, _ in parts)
+
+    def _chunked(self, parts, token_block: int):
+        """Each part cut into balanced chunks of at most ``token_block`` rows (slots alike)."""
+        chunks = []
+        for rows, slots in parts:
+            row_chunks = self._row_chunks(rows, token_block)
+            slot_chunks = [None] * len(row_chunks) if slots is None else self._row_chunks(slots, token_block)
+            chunks += list(zip(row_chunks, slot_chunks))
+        return chunks
+
+    def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, out: Tensor) -> Tensor:
+        """The cached logits of one tile: a view of the cache for consecutive slots, else gathered
+        into ``out`` (the tile's place in the buffer, which the row backward then overwrites in place)."""
+        if isinstance(slots, slice):
+            return logits_cache[slots, vocab]
+        return torch.index_select(logits_cache[:, vocab], 0, slots, out=out)
+
+    def _block_grad(self, h_rows, rows, vocab: slice, dlogits: Tensor, cap_buffers, cached: Optional[Tensor], stats,
+                    logprob, grad_logprob, grad_entropy, entropy) -> Tensor:
+        """dz for one tile (token rows x vocabulary block) in ``dlogits`` (contiguous): the row
+        backward of the ``cached`` logits, or in place over the logits recomputed there. With a
+        soft cap the row backward runs on the capped tile (the first of ``cap_buffers``) and the
+        chain rule multiplies by the cap's derivative (the second)."""
+        buffers = [None, *cap_buffers]
+        logits = self._logits(h_rows, vocab, dlogits) if cached is None else cached
+        row_logits = logits
+        if self.transform is not None:
+            row_logits = self.transform.cap(logits, buffers[1])
+            derivative = self.transform.derivative(logits, buffers[2])
+        labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
+        labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
+        self.backend.row_backward(
+            row_logits, labels, stats[:, rows], logprob[rows], grad_logprob[rows],
+            grad_entropy=None if grad_entropy is None else grad_entropy[rows],
+            entropy=None if entropy is None else entropy[rows],
+            inv_temperature=self.inv_temperature, out=row_logits if self.transform is not None else dlogits,
+        )
+        if self.transform is not None:
+            dlogits.copy_(row_logits.mul_(derivative))
+        return dlogits
+
+
+def _num_rows(rows: Union[slice, Tensor]) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def _indices(mask: Tensor, count: int) -> Tensor:
+    """The ascending indices of the ``count`` True entries of ``mask``, without a read-back."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
+    """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
+    return buffer[: rows * vocab].view(rows, vocab)
+
+
+def _rows_of(matrix: Tensor, selections: List[Union[slice, Tensor]]) -> Tensor:
+    """The rows of ``matrix`` the selections pick, in order: a view when they are consecutive
+    slices, else one gather."""
+    if all(isinstance(rows, slice) for rows in selections) and all(
+            a.stop == b.start for a, b in zip(selections, selections[1:])):
+        return matrix[selections[0].start:selections[-1].stop]
+    return matrix[torch.cat([torch.arange(rows.start, rows.stop, device=matrix.device) if isinstance(rows, slice)
+                             else rows for rows in selections])]
+
+
+def _add_chunk_product(out: Tensor, a: Tensor, b: Tensor, fused: bool, first: bool) -> None:
+    """``out += a @ b`` over a chunk of rows (``add_product``); ``out = a @ b`` for the first chunk
+    (a write, so ``out`` needs no zero fill before)."""
+    if not first:
+        add_product(out, slice(None), a, b, fused)
+    elif out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b, out_dtype=out.dtype) if fused else a @ b)
+
+
+@contextlib.contextmanager
+def _full_precision_reduction(device: torch.device, dtype: torch.dtype):
+    """cuBLAS may sum a half-precision matmul's split-K partials in that precision
+    (``allow_bf16/fp16_reduced_precision_reduction``, on by default); a ``dW`` matmul over every
+    active row must sum in fp32, so those are off while it runs (no effect on the CPU)."""
+    flags = torch.backends.cuda.matmul
+    name = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(dtype)
+    if name is None or device.type != "cuda":
+        yield
+        return
+    saved = getattr(flags, name)
+    setattr(flags, name, False)
+    try:
+        yield
+    finally:
+        setattr(flags, name, saved)
