@@ -28,12 +28,12 @@ from torch import Tensor
 from .checks import placement
 from .checks.arguments import LossSettings
 from . import distributed
-from .checks.call import HeadRows, LogitsRows, LogprobRows, Plan, check_call, rows_matrix
+from .checks.call import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .group_math import group_sum, portable_group_targets
 from .layout import candidate_layout
 from .ops import candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
 from .ops.group import GroupObjective
-from .ops.transform import LogitTransform, folded_inv_temperature
+from .ops.logprobs import LogitTransform, folded_inv_temperature, rows_matrix
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, SequenceRequest
 

@@ -17,10 +17,7 @@ backwards. The backend travels as a string key (:func:`tpo_kernels.backends.back
 """
 
 from .candidates import candidate_logits, linear_candidate_logits
-from .group import group_targets
 from .linear import TilePolicy, linear_logprobs
-from .linear_head import TiledLinearHead
 from .logprobs import token_logprobs
 
-__all__ = ["TilePolicy", "TiledLinearHead", "candidate_logits", "group_targets", "linear_candidate_logits",
-           "linear_logprobs", "token_logprobs"]
+__all__ = ["TilePolicy", "candidate_logits", "linear_candidate_logits", "linear_logprobs", "token_logprobs"]

@@ -21,7 +21,7 @@ from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
 from .logprobs import row_gradients
 from .tiles import TilePolicy
-from .transform import LogitTransform, folded_inv_temperature
+from .logprobs import LogitTransform, folded_inv_temperature
 
 __all__ = ["TilePolicy", "linear_logprobs"]
 
@@ -130,7 +130,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
                     chunk_size: int, policy: TilePolicy, grad_accum_dtype: torch.dtype, backend: str,
                     cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """``(logprobs [M], entropy [M] | None)`` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))``
-    tempered (:mod:`tpo_kernels.ops.transform`) for int64 ``labels`` (negative: skipped), in the
+    tempered (:class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64 ``labels`` (negative: skipped), in the
     compute dtype; differentiable in hidden, weight, bias. The policy's logits cache is kept only
     when a gradient will be taken, for the counted rows among ``cache_candidates`` (``[M]`` bool;
     None: every counted row) that fit it."""

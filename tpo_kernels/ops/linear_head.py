@@ -22,7 +22,7 @@ accumulator tensor, fill or conversion pass. Where such a tile does not fit (or 
 asks for sums wider than a matmul's), tokens come in chunks and ``dW`` is summed over them in a
 per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per device.
 
-With a logit soft cap (:mod:`tpo_kernels.ops.transform`) each tile is capped into a compute-dtype
+With a logit soft cap (:class:`tpo_kernels.ops.logprobs.LogitTransform`) each tile is capped into a compute-dtype
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
 
 Logits cache (``TilePolicy.logits_cache_bytes``). Memory can buy the recompute back: the forward
@@ -54,7 +54,7 @@ from .._dtypes import compute_dtype
 from ..backends import Backend
 from .row_summary import RowSummary
 from .tiles import BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, tile_shape
-from .transform import LogitTransform
+from .logprobs import LogitTransform
 
 __all__ = ["TiledLinearHead"]
 
@@ -207,7 +207,8 @@ class TiledLinearHead:
                     logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
                     with_entropy=with_entropy,
                 )
-                block = RowSummary(block_stats[0], block_stats[1], block_lp, block_entropy, inside)
+                block = RowSummary(row_max=block_stats[0], log_sum=block_stats[1], label_logprob=block_lp,
+                                   entropy=block_entropy, has_label=inside)
                 row = block if row is None else row.merge(block, self.inv_temperature)
             stats[0, rows], stats[1, rows], logprob[rows] = row.row_max, row.log_sum, row.label_logprob
             if with_entropy:

@@ -16,13 +16,15 @@ for the incoming gradients ``g`` (of lp) and ``ge`` (of H). With ``inplace_backw
 gradient is written over the logits buffer, which saves a ``[M, V]`` tensor; the op marks the
 buffer as modified, so a second consumer of the same logits fails loudly.
 
-``logit_scale`` and ``logit_softcap`` transform the logits first (:mod:`tpo_kernels.ops.transform`):
+``logit_scale`` and ``logit_softcap`` transform the logits first (:class:`LogitTransform`, below):
 a scale alone folds into ``inv_temperature``; a soft cap runs the row ops on capped row chunks.
+The fused head (:mod:`tpo_kernels.ops.linear`) takes the same transform from here.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -30,7 +32,101 @@ from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import backend_by_key
-from .transform import LogitTransform, folded_inv_temperature, row_chunk
+from .tiles import TilePolicy
+
+
+# ----------------------------------------------------------------------------- logit transform
+
+# Logit scaling and soft-capping, applied by the orchestration layer around unchanged row ops.
+#
+# Models transform their lm_head output before the softmax: Cohere multiplies it by
+# ``logit_scale``, Granite divides it by ``logits_scaling`` (``logit_scale = 1 / logits_scaling``),
+# Gemma 2/3 soft-cap it, ``c * tanh(z / c)`` (``final_logit_softcapping``). The log-probs are those of
+#
+#     z' = softcap(scale * z) / temperature,        softcap(x) = c * tanh(x / c)
+#
+# Without a cap the scale folds exactly into the row ops' ``inv_temperature`` (no extra pass). With
+# one, each chunk (logits path) or tile (fused-linear path) of raw logits is capped into a buffer in
+# the compute dtype, the row op runs on it, and the backward recomputes the chunk, runs the row
+# backward on it and applies the chain rule ``dz = dz' * scale * sech^2(scale * z / c)``. sech^2 is
+# ``1 / cosh^2``, exact to the last bits where ``1 - tanh^2`` would cancel, and 0 at +-inf logits.
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``z -> softcap * tanh(scale * z / softcap)``, on chunks of raw logits."""
+
+    scale: float
+    softcap: float
+
+    @staticmethod
+    def of(logit_scale: float, logit_softcap: Optional[float]) -> Optional["LogitTransform"]:
+        """The transform the row ops cannot fold into ``inv_temperature``; None without a cap."""
+        return None if logit_softcap is None else LogitTransform(logit_scale, logit_softcap)
+
+    def cap(self, z: Tensor, buffer: Tensor) -> Tensor:
+        """``softcap(scale * z)`` in a view of the flat ``buffer`` (its dtype: the compute dtype)."""
+        out = _view_like(buffer, z).copy_(z)
+        return out.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap)
+
+    def derivative(self, z: Tensor, buffer: Tensor) -> Tensor:
+        """``d softcap(scale * z) / dz = scale / cosh^2(scale * z / softcap)`` in a view of ``buffer``."""
+        out = _view_like(buffer, z).copy_(z)
+        return out.mul_(self.scale / self.softcap).cosh_().square_().reciprocal_().mul_(self.scale)
+
+    def differentiable(self, z: Tensor) -> Tensor:
+        """The transform in plain autograd, for the few gathered logits of token-level TPO."""
+        return torch.tanh(z * (self.scale / self.softcap)) * self.softcap
+
+
+def _view_like(buffer: Tensor, like: Tensor) -> Tensor:
+    return buffer[: like.numel()].view(like.shape)
+
+
+def folded_inv_temperature(inv_temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> float:
+    """The factor the row ops multiply the (capped) logits by: ``scale / temperature`` without a
+    cap (the scale folds in), ``1 / temperature`` with one (the cap applied the scale)."""
+    return inv_temperature if logit_softcap is not None else inv_temperature * logit_scale
+
+
+def row_chunk(num_rows: int, vocab_size: int, device: torch.device) -> int:
+    """Rows per chunk of the capped logits path: the device's fused-linear tile budget."""
+    return TilePolicy.for_device(device).chunk_size(num_rows, vocab_size)
+
+
+# ----------------------------------------------------------------------------- row layouts
+
+
+def rows_matrix(x: Tensor) -> Tuple[Tensor, bool]:
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
+    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
+    width = x.shape[-1]
+    row_stride = _flat_row_stride(x)
+    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
+        return x.reshape(-1, width), False  # a view
+    return x.reshape(-1, width).contiguous(), True
+
+
+def logits_rows(x: Tensor, sharded: bool = False) -> Tuple[Tensor, bool]:
+    """:func:`rows_matrix` for the log-prob row op, which also reads ``[B, T, V]`` logits whose
+    rows do not flatten into one row stride (``logits[:, :-1]``) in one launch: such logits pass
+    as they are, instead of a copy (which would triple the peak memory of the logits path). A
+    vocabulary shard's row op takes a matrix."""
+    if (not sharded and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
+            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
+        return x, False
+    return rows_matrix(x)
+
+
+def _flat_row_stride(x: Tensor) -> Optional[int]:
+    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
+    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
+    apart than those within one). Size-1 dims do not count."""
+    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
+        if outer_stride != inner_size * inner_stride:
+            return None
+    return dims[-1][1] if dims else x.shape[-1]
 
 
 @torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
@@ -205,7 +301,7 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, wi
                    inplace_backward: bool, backend: str, logit_scale: float = 1.0,
                    logit_softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` or ``[B, T, V]`` logits (module
-    docstring) through the logit transform (:mod:`tpo_kernels.ops.transform`) for int64
+    docstring) through the logit transform (:class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64
     ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
     logprobs, entropy, _ = _logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
                                      logit_scale, logit_softcap)

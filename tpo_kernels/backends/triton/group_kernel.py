@@ -189,4 +189,4 @@ def fused_group_targets(
                 BLOCK_T=block_t,
                 num_warps=4,
             )
-    return GroupResult(*(t.to(out_dtype) for t in (ell, u, p, q, group_loss, p - q)))
+    return GroupResult(seq_logprobs=ell, u=u, p=p, q=q, group_loss=group_loss, coef=p - q).to(out_dtype)

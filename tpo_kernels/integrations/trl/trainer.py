@@ -40,7 +40,7 @@ class TargetPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: Optional[TargetPOConfig] = None, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            args = TargetPOConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-TargetPO")
+            args = TargetPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-TargetPO")
         if not isinstance(args, TargetPOConfig):
             raise TypeError(
                 f"args must be a TargetPOConfig (a GRPOConfig with the TPO fields), got {type(args).__name__}"
