@@ -249,7 +249,7 @@ def case_long_completions():
         for b in BACKENDS:
             def run_group():
                 from tpo_kernels.backends import get_backend
-                from tpo_kernels.layout import build_layout
+                from tpo_kernels.group_math import build_layout
                 layout = build_layout(n * t, torch.device("cpu"), padded_shape=(n, t), cu_seqlens=None,
                                       group_size=n, group_ids=None)
                 res = get_backend(b, torch.device("cpu")).group_targets(

@@ -13,8 +13,7 @@ from torch import Tensor
 
 from tpo_kernels import reference
 from tpo_kernels.backends import backend_key, get_backend
-from tpo_kernels.group_math import GroupResult, length_weights, segment_sum
-from tpo_kernels.layout import build_layout
+from tpo_kernels.group_math import GroupResult, build_layout, length_weights, segment_sum
 from tpo_kernels.ops.group import group_targets
 
 

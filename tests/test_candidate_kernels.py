@@ -23,7 +23,7 @@ import torch
 import tpo_kernels.backends.torch_candidates as torch_ops
 from tpo_kernels.backends import Backend
 from bench import kernel_report
-from tpo_kernels.layout import pair_runs
+from tpo_kernels.group_math import pair_runs
 
 from _backends import DEVICE, ROOT, needs_triton, needs_triton_nvidia_compiler
 

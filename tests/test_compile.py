@@ -92,7 +92,7 @@ def test_custom_ops_pass_opcheck(op):
     elif op == "linear_logprobs":
         args = (hidden, weight, None, flat_labels, 1.0, True, 8, 4, 1 << 20, torch.float32, "torch")
     elif op == "group_targets":
-        from tpo_kernels.layout import build_layout
+        from tpo_kernels.group_math import build_layout
 
         layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
         token_lp = (-torch.rand(N * T)).requires_grad_()

@@ -11,8 +11,7 @@ import torch
 from tpo_kernels._dtypes import compute_dtype
 from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends.pytorch import TorchBackend
-from tpo_kernels.group_math import portable_group_targets as torch_group_targets
-from tpo_kernels.layout import build_layout
+from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
 from _backends import CUDA_EXTENSION, needs_cuda, needs_cuda_extension
 from _native_helpers import (

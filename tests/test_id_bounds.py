@@ -20,7 +20,7 @@ import torch
 
 import tpo_kernels
 from tpo_kernels.backends import get_backend
-from tpo_kernels.layout import pair_runs
+from tpo_kernels.group_math import pair_runs
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS, needs_triton
 

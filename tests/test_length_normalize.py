@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from tpo_kernels import reference
-from tpo_kernels.group_math import length_weights, segment_sum
-from tpo_kernels.layout import build_layout
+from tpo_kernels.group_math import build_layout, length_weights, segment_sum
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
 from _batches import make_batch

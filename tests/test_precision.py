@@ -232,7 +232,7 @@ def test_defect3_long_completions_group_softmax(backend):
     _, ref = reference.tpo_loss(logits.double(), labels, scores.double(), group_size=4, return_aux=True)
     if backend == "triton" and not torch.cuda.is_available():
         from tpo_kernels.backends import get_backend
-        from tpo_kernels.layout import build_layout
+        from tpo_kernels.group_math import build_layout
 
         tokens = tk.selective_logprobs(logits, labels, backend="cpu" if _supported("cpu") else "torch")
         layout = build_layout(4 * t, DEVICE, padded_shape=(4, t), group_size=4)

@@ -15,7 +15,7 @@ import torch
 import tpo_kernels.backends.torch_candidates as candidate_ops
 from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
 from tpo_kernels.backends import Backend
-from tpo_kernels.layout import pair_runs
+from tpo_kernels.group_math import pair_runs
 
 from _backends import DEVICE, backend_params, needs_triton
 from _dispatch import OutputSizes

@@ -29,8 +29,7 @@ from .checks import placement
 from .checks.arguments import LossSettings
 from . import distributed
 from .checks.call import HeadRows, LogitsRows, LogprobRows, Plan, check_call
-from .group_math import group_sum, portable_group_targets
-from .layout import candidate_layout
+from .group_math import candidate_layout, group_sum, portable_group_targets
 from .ops import candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
 from .ops.group import GroupObjective
 from .ops.logprobs import LogitTransform, folded_inv_temperature, rows_matrix

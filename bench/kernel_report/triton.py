@@ -32,7 +32,7 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
     its launcher takes, at representative shapes (see the module docstring)."""
     import torch
 
-    from tpo_kernels.layout import build_layout, pair_runs
+    from tpo_kernels.group_math import build_layout, pair_runs
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
     out: List[Scenario] = []

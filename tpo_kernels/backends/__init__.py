@@ -65,7 +65,7 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
 * ``candidate_linear_backward(grad, hidden, weight, candidates, *, runs, with_hidden,
   with_weight, with_bias) -> (dhidden, dweight, dbias)``, each None unless requested, for
   ``grad`` = dLoss/d(untempered candidate logit); ``runs`` is
-  :func:`tpo_kernels.layout.pair_runs` (needed for the weight and bias gradients), so that
+  :func:`tpo_kernels.group_math.pair_runs` (needed for the weight and bias gradients), so that
   weight rows are summed in a fixed order. An id outside ``[0, V)`` adds nothing to dhidden (its
   grad is ignored) and is not written in dweight / dbias.
 

@@ -23,8 +23,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..group_math import GroupResult
-from ..layout import BatchLayout
+from ..group_math import BatchLayout, GroupResult
 from . import _reason
 from . import torch_candidates as torch_candidate_ops
 from .native import DTYPE_CODES, NativeBackend, per_row, ptr

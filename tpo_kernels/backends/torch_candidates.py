@@ -99,7 +99,7 @@ def candidate_linear_backward(
     with_bias: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(dH, dW, db)`` for ``grad[r, k]`` = dLoss/d(untempered candidate logit), as in
-    the Triton kernels; ``runs`` is :func:`tpo_kernels.layout.pair_runs` (needed
+    the Triton kernels; ``runs`` is :func:`tpo_kernels.group_math.pair_runs` (needed
     for dW / db). Sums run in the compute dtype ``grad.dtype``; results take the input dtypes.
 
     All three are weighted bag sums, so they use ``embedding_bag(mode="sum")``, whose forward sums

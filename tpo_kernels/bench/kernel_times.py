@@ -49,7 +49,7 @@ class StageRunner:
 def logits_stages(inputs, shape: dict, backend_name: str, device: torch.device) -> Dict[str, Callable[[], object]]:
     """The three stages of the ``logits`` case for ``backend_name``, set up on ``inputs``."""
     from tpo_kernels.backends import get_backend
-    from tpo_kernels.layout import build_layout
+    from tpo_kernels.group_math import build_layout
 
     backend = get_backend(backend_name, device)
     with torch.no_grad():

@@ -12,8 +12,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..group_math import length_weights, segment_sum
-from ..layout import BatchLayout, build_layout
+from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
 from .arguments import _is_int, check_beta, check_ignore_index, check_integer_dtype, check_tensor, reject_meta
 
 

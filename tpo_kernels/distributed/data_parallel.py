@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..layout import BatchLayout, build_layout
+from ..group_math import BatchLayout, build_layout
 from .collectives import all_gather_stacked
 
 

@@ -5,7 +5,7 @@ logits; its backward scatters ``dc / tau`` back into a dense ``[R, V]`` gradient
 vocabulary-sized work). ``tpo_kernels::linear_candidate_logits`` computes the same from hidden
 states as K dot products per state, ``(h[r] . W[y] + b[y]) / tau``, so that nothing of size
 ``[R, V]`` exists; its backward gives ``dH``, ``dW`` (rows of the candidate ids) and ``db``,
-with weight rows summed in a fixed order (:func:`tpo_kernels.layout.pair_runs`).
+with weight rows summed in a fixed order (:func:`tpo_kernels.group_math.pair_runs`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import backend_by_key
-from ..layout import pair_runs
+from ..group_math import pair_runs
 from ._tags import host_sync_tags
 
 

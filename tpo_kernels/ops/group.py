@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_math import GroupResult, group_sum, length_weights, segment_sum
-from ..layout import BatchLayout
+from ..group_math import BatchLayout, GroupResult, group_sum, length_weights, segment_sum
 
 
 @torch.library.custom_op("tpo_kernels::group_targets", mutates_args=())
@@ -134,7 +133,7 @@ class GroupObjective:
     reduction over groups and, for sequence-level TPO, the optional k3 KL-to-reference term
     ``beta * mean_t(exp(r - lp) - (r - lp) - 1)`` over counted tokens (per group for
     ``reduction="none"``). Token-level TPO is the special case of one-token "completions" with
-    the K candidates of a state as a group (:func:`tpo_kernels.layout.candidate_layout`).
+    the K candidates of a state as a group (:func:`tpo_kernels.group_math.candidate_layout`).
 
     With a ``gather`` the completions are split over ranks: each rank's per-completion rows
     (sequence log-prob, score, kept, old sequence log-prob, k3 sums) are gathered and every rank

@@ -1,5 +1,5 @@
 """The weight and bias gradients of the Triton fused-linear candidate ops: for the (r, k) pairs
-stably sorted by token id (:func:`tpo_kernels.layout.pair_runs`; the pairs of token ``v`` form one
+stably sorted by token id (:func:`tpo_kernels.group_math.pair_runs`; the pairs of token ``v`` form one
 run),
 
     dW[v] = sum over the run of v of grad[r, k] * h[r],    db[v] = sum over the run of grad[r, k]

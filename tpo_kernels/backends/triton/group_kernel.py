@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...group_math import GroupResult
-from ...layout import BatchLayout
+from ...group_math import BatchLayout, GroupResult
 from .kernel_support import device_guard, scalar_from_parts, split_scalar
 
 
