@@ -106,8 +106,9 @@ def _setup_context(ctx, inputs, output):
     logprobs, entropy, stats, logits_cache = output
     ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache, cache_candidates)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.settings = (inv_temperature, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
-                    logit_scale, logit_softcap, matmul_out_dtype)
+    ctx.inv_temperature, ctx.chunk_size, ctx.backend = inv_temperature, chunk_size, backend
+    ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype = min_tile_tokens, accum_bytes, grad_accum_dtype
+    ctx.logit_scale, ctx.logit_softcap, ctx.matmul_out_dtype = logit_scale, logit_softcap, matmul_out_dtype
     ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
 
 
@@ -117,7 +118,9 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_stats, grad_logits_cache):
                                                          ctx.with_entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
-                                      entropy, logits_cache, cache_candidates, *needs, *ctx.settings)
+                                      entropy, logits_cache, cache_candidates, *needs, ctx.inv_temperature,
+                                      ctx.chunk_size, ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype,
+                                      ctx.backend, ctx.logit_scale, ctx.logit_softcap, ctx.matmul_out_dtype)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
     return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)  # labels, the settings and the candidates
 

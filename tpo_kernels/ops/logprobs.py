@@ -265,7 +265,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
-    ctx.transform = (logit_scale, logit_softcap)
+    ctx.logit_scale, ctx.logit_softcap = logit_scale, logit_softcap
 
 
 def row_gradients(counted: Tensor, logprobs: Tensor, entropy: Optional[Tensor], grad_logprobs: Optional[Tensor],
@@ -286,7 +286,7 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
     grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
                                                          ctx.with_entropy)
     args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend,
-            *ctx.transform)
+            ctx.logit_scale, ctx.logit_softcap)
     settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)

@@ -64,17 +64,17 @@ class _ShardLogprobs(torch.autograd.Function):
                                        has_label=owned), inv_temperature)
         stats, logprob, entropy = _whole(merged, counted)
         ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, stats, logprob, entropy)
-        ctx.settings = (inv_temperature, with_entropy, inplace_backward, key)
+        ctx.inv_temperature, ctx.with_entropy, ctx.inplace_backward, ctx.backend = (inv_temperature, with_entropy,
+                                                                                 inplace_backward, key)
         return logprob, entropy if with_entropy else logprob.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, grad_labels, counted, stats, logprob, entropy = ctx.saved_tensors
-        inv_temperature, with_entropy, inplace_backward, key = ctx.settings
         grad_logprobs, grad_entropy, entropy = row_gradients(counted, logprob, entropy, grad_logprobs, grad_entropy,
-                                                             with_entropy)
-        args = (grad_labels, stats, logprob, grad_logprobs, grad_entropy, entropy, inv_temperature, key)
-        if inplace_backward:
+                                                             ctx.with_entropy)
+        args = (grad_labels, stats, logprob, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
+        if ctx.inplace_backward:
             torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
             grad = logits
         else:
@@ -105,20 +105,21 @@ class _ShardLinearLogprobs(torch.autograd.Function):
                                        has_label=owned), inv_temperature)
         stats, logprob, entropy = _whole(merged, labels >= 0)
         ctx.save_for_backward(hidden, weight, bias, labels, stats, logprob, entropy)
-        ctx.settings = (seam, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key)
+        ctx.seam, ctx.inv_temperature, ctx.with_entropy, ctx.backend = seam, inv_temperature, with_entropy, key
+        ctx.chunk_size, ctx.policy, ctx.grad_accum_dtype = chunk_size, policy, grad_accum_dtype
         return logprob, entropy if with_entropy else logprob.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, stats, logprob, entropy = ctx.saved_tensors
-        seam, inv_temperature, with_entropy, chunk_size, policy, grad_accum_dtype, key = ctx.settings
+        seam = ctx.seam
         grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprob, entropy, grad_logprobs,
-                                                             grad_entropy, with_entropy)
-        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
-                               policy, vocab_offset=seam.start)
+                                                             grad_entropy, ctx.with_entropy)
+        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(ctx.backend), ctx.inv_temperature,
+                               ctx.chunk_size, ctx.policy, vocab_offset=seam.start)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         grad_hidden, grad_weight, grad_bias = head.backward(stats, logprob, grad_logprobs, grad_entropy, entropy,
-                                                            needs, grad_accum_dtype)
+                                                            needs, ctx.grad_accum_dtype)
         if grad_hidden is not None:  # every shard's contribution to dH
             grad_hidden = seam.sum_hidden_grad(grad_hidden)
         return (grad_hidden, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
