@@ -240,10 +240,12 @@ class GroupResult:
 
 
 def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
-    """Deterministic per-completion sum of a flat ``[M]`` tensor (rows that do not count must
-    hold 0). Differentiable."""
+    """Deterministic per-completion sum of a flat ``[M]`` tensor, or of ``[M, C]`` columns at once
+    (one call for several per-token quantities); rows that do not count must hold 0.
+    Differentiable."""
+    columns = token_values.shape[1:]
     if layout.padded_len is not None:
-        return token_values.view(layout.num_seqs, layout.padded_len).sum(dim=1)
+        return token_values.view(layout.num_seqs, layout.padded_len, *columns).sum(dim=1)
     # Packed: scatter into a dense [N + 1, max_len] tensor (row N collects rows outside every
     # completion) and sum each row in order.
     seq = torch.where(layout.token_seq >= 0, layout.token_seq, layout.num_seqs)
@@ -252,7 +254,7 @@ def segment_sum(token_values: Tensor, layout: BatchLayout) -> Tensor:
     )
     pos = torch.where(layout.token_seq >= 0, pos, 0)
     width = max(layout.max_seq_len, 1)
-    dense = token_values.new_zeros(layout.num_seqs + 1, width)
+    dense = token_values.new_zeros(layout.num_seqs + 1, width, *columns)
     dense = dense.index_put((seq, pos.clamp(max=width - 1)), token_values)
     return dense[: layout.num_seqs].sum(dim=1)
 
@@ -278,11 +280,13 @@ def _dense_slots(layout: BatchLayout):
 
 
 def group_sum(seq_values: Tensor, layout: BatchLayout) -> Tensor:
-    """Deterministic per-group sum of a per-completion ``[N]`` tensor. Differentiable."""
+    """Deterministic per-group sum of a per-completion ``[N]`` tensor, or of ``[N, C]`` columns
+    at once. Differentiable."""
+    columns = seq_values.shape[1:]
     if layout.group_size is not None:
-        return seq_values.view(layout.num_groups, layout.group_size).sum(dim=1)
+        return seq_values.view(layout.num_groups, layout.group_size, *columns).sum(dim=1)
     rows, cols = _dense_slots(layout)
-    dense = seq_values.new_zeros(layout.num_groups, layout.max_group_size)
+    dense = seq_values.new_zeros(layout.num_groups, layout.max_group_size, *columns)
     dense = dense.index_put((rows, cols), seq_values[layout.group_members])
     return dense.sum(dim=1)
 

@@ -167,16 +167,22 @@ class GroupObjective:
         """The loss from flat ``[M]`` token log-probs (0 on rows that do not count) and, with
         ``entropy_coef > 0``, the ``[M]`` token entropies of the same row op (differentiable)."""
         self.token_logprobs = token_logprobs
-        # The token-mean terms beside the group term: (weight, per-completion sums).
-        terms = []
+        # The token-mean terms beside the group term (the k3 KL term, the entropy bonus): their
+        # weights, and their per-completion sums with the counted tokens', in one segment sum.
+        weights, token_terms = [], []
         if self.beta > 0:
-            terms.append((self.beta, self._k3_sums(token_logprobs)))
+            weights.append(self.beta)
+            token_terms.append(self._k3_terms(token_logprobs))
         if self.entropy_coef > 0:
-            terms.append((-self.entropy_coef, segment_sum(torch.where(self.valid, token_entropy, 0.0), self.layout)))
-        seq_counted = segment_sum(self.valid.to(token_logprobs.dtype), self.layout) if terms else None
+            weights.append(-self.entropy_coef)
+            token_terms.append(torch.where(self.valid, token_entropy.to(token_logprobs.dtype), 0.0))
+        sums, seq_counted = [], None
+        if token_terms:
+            token_terms.append(self.valid.to(token_logprobs.dtype))
+            seq_columns = segment_sum(torch.stack(token_terms, dim=1), self.layout)
+            sums, seq_counted = list(seq_columns[:, :-1].unbind(1)), seq_columns[:, -1]
         if self.length_normalize:  # the sequence sums become means over counted tokens
             token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
-        sums = [seq_sums for _, seq_sums in terms]
         if self.gather is None:
             self.result = group_targets(token_logprobs, self.layout, self.scores,
                                         old_seq_logprobs=self.old_seq_logprobs, eta=self.eta, anchor=self.anchor,
@@ -184,7 +190,7 @@ class GroupObjective:
         else:
             sums, seq_counted = self._gathered(token_logprobs, sums, seq_counted)
         loss = reduce_groups(self.result.group_loss, self.reduction)
-        for (weight, _), seq_sums in zip(terms, sums):
+        for weight, seq_sums in zip(weights, sums):
             loss = loss + weight * self._token_mean(seq_sums, seq_counted)
         return loss.to(token_logprobs.dtype)
 
@@ -211,11 +217,10 @@ class GroupObjective:
         gathered_sums = [rows[:, first_sum + i] for i in range(len(sums))]
         return gathered_sums, (None if seq_counted is None else rows[:, -1].detach())
 
-    def _k3_sums(self, token_logprobs: Tensor) -> Tensor:
-        """Per completion: the sum of the k3 terms over its counted tokens."""
+    def _k3_terms(self, token_logprobs: Tensor) -> Tensor:
+        """Per token: the k3 estimate of KL(pi || pi_ref), 0 where not counted."""
         diff = self.ref_logprobs - token_logprobs
-        k3 = torch.where(self.valid, torch.exp(diff) - diff - 1.0, 0.0)
-        return segment_sum(k3, self.layout)
+        return torch.where(self.valid, torch.exp(diff) - diff - 1.0, 0.0)
 
     def _token_mean(self, seq_sums: Tensor, seq_counted: Tensor) -> Tensor:
         """A token term's reduction: the mean over every counted token of the batch (every
@@ -248,12 +253,14 @@ class GroupObjective:
             "u": r.u.detach()[mine],
             "coef": r.coef.detach()[mine] * self.loss_weight(),
             "group_loss": r.group_loss.detach(),
-            "kl_q_p": group_sum(q_log_q - torch.where(q > 0, q * log_p, 0.0), layout),
-            "entropy_p": -group_sum(torch.where(p > 0, p * log_p, 0.0), layout),
-            "entropy_q": -group_sum(q_log_q, layout),
         }
+        # The per-group metrics in one group sum.
+        per_member = torch.stack([q_log_q - torch.where(q > 0, q * log_p, 0.0), torch.where(p > 0, p * log_p, 0.0),
+                                  q_log_q, (p != q).to(p.dtype)], dim=1)
+        kl_q_p, p_log_p, q_log_q_sum, differing = group_sum(per_member, layout).unbind(1)
+        aux.update(kl_q_p=kl_q_p, entropy_p=-p_log_p, entropy_q=-q_log_q_sum)
         aux = {name: value.to(out) for name, value in aux.items()}
-        aux["zero_signal"] = group_sum((p != q).to(p.dtype), layout) == 0
+        aux["zero_signal"] = differing == 0
         if self.gather is not None:
             aux["seq_offset"] = mine.start
         return aux
