@@ -223,9 +223,7 @@ class GroupResult:
 
     def to(self, dtype: torch.dtype) -> "GroupResult":
         """Every tensor in ``dtype`` (``coef`` formed first when it is None)."""
-        coef = self.p - self.q if self.coef is None else self.coef
-        return GroupResult(seq_logprobs=self.seq_logprobs.to(dtype), u=self.u.to(dtype), p=self.p.to(dtype),
-                           q=self.q.to(dtype), group_loss=self.group_loss.to(dtype), coef=coef.to(dtype))
+        return GroupResult.from_op(tuple(t.to(dtype) for t in self.to_op()))
 
     def to_op(self) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The six tensors the group custom op returns (``coef`` formed when None); :meth:`from_op`

@@ -171,6 +171,16 @@ def data_group(process_group):
         return None, error
 
 
+def _vocabulary_tensor(source: Source) -> Tuple[Optional[Tensor], int]:
+    """The tensor that holds the vocabulary and its dimension: the logits' last, the lm_head
+    weight's first; None for log-probs."""
+    if isinstance(source, Logits):
+        return source.logits, -1
+    if isinstance(source, Head):
+        return source.weight, 0
+    return None, 0
+
+
 def vocab_group_hint(source: Source, where: Placement):
     """The group this call's vocabulary would be split over, read without any check, so that a
     rank whose placement checks fail still joins its peers' exchange on it and reports there:
@@ -180,8 +190,7 @@ def vocab_group_hint(source: Source, where: Placement):
         group = where.vocab_parallel_group
         ready = torch.distributed.is_available() and torch.distributed.is_initialized()
         return group if ready and isinstance(group, torch.distributed.ProcessGroup) else None
-    tensor, dim = (source.logits, -1) if isinstance(source, Logits) else (
-        (source.weight, 0) if isinstance(source, Head) else (None, 0))
+    tensor, dim = _vocabulary_tensor(source)
     if not is_dtensor(tensor):
         return None
     from ..distributed.vocab_parallel import dtensor_vocab_group  # noqa: PLC0415 - only with a DTensor
@@ -197,7 +206,7 @@ def _resolve_source(source: Source, where: Placement):
     vocabulary's placement, before any check that needs its size. A call with neither a
     vocabulary group nor a DTensor has its whole vocabulary here: distributed/ is not entered."""
     if (where.vocab_parallel_group is None and where.vocab_start_index is None
-            and not is_dtensor(source.logits if isinstance(source, Logits) else getattr(source, "weight", None))):
+            and not is_dtensor(_vocabulary_tensor(source)[0])):
         return source, None, None
     from .. import distributed  # noqa: PLC0415 - only for a sharded vocabulary
 
