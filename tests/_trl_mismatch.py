@@ -99,6 +99,11 @@ class StubSamplerTrainer(TargetPOTrainer):
         return out
 
 
+def no_gap(row, length):
+    """A sampler that agrees with the trainer: no per-token gap."""
+    return torch.zeros(length)
+
+
 def generation_rows(inputs) -> torch.Tensor:
     """Each micro-batch row's index in the generation batch: groups move whole and keep their order."""
     group_ids = inputs["tpo_group_ids"].cpu()

@@ -60,3 +60,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model directory, tokenizer) of the tiny OLMo2 the TRL tests train (tests/_trl_tiny.py),
+    saved once per test module."""
+    from _trl_tiny import build_tiny_olmo2  # noqa: PLC0415 - needs transformers: only where used
+
+    path = tmp_path_factory.mktemp("tiny_olmo2")
+    return str(path), build_tiny_olmo2(str(path))

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from _trl_tiny import build_tiny_olmo2, dataset, even_words  # noqa: E402
+from _trl_tiny import dataset, even_words  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from tpo_kernels import reference  # noqa: E402
@@ -28,13 +28,6 @@ from tpo_kernels.integrations.trl.generation_batch import tpo_scores_from_reward
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 K = 4
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model directory, tokenizer): see tests/_trl_tiny.py, saved once."""
-    path = tmp_path_factory.mktemp("tiny_olmo2")
-    return str(path), build_tiny_olmo2(str(path))
 
 
 def distinct_words(completions, **kwargs):

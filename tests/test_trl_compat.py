@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from _trl_tiny import build_tiny_olmo2, dataset, even_words  # noqa: E402
+from _trl_tiny import dataset, even_words  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from tpo_kernels import reference  # noqa: E402
@@ -20,12 +20,6 @@ from tpo_kernels.integrations.trl.private_api import (GRPO_TRAINER_METHODS, HELP
                                                       signature_problems)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_olmo2")
-    return str(path), build_tiny_olmo2(str(path))
 
 
 def test_installed_trl_has_the_pinned_private_api():

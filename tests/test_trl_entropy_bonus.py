@@ -8,24 +8,13 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from _trl_mismatch import gradient_error, make_trainer  # noqa: E402
-from _trl_tiny import build_tiny_olmo2  # noqa: E402
+from _trl_mismatch import gradient_error, make_trainer, no_gap  # noqa: E402
 
 from tpo_kernels import reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_olmo2")
-    return str(path), build_tiny_olmo2(str(path))
-
-
-def no_gap(row, length):
-    return torch.zeros(length)
 
 
 def run(tiny, tmp_path, **overrides):

@@ -15,23 +15,12 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from _trl_mismatch import K, gradient_error, make_trainer  # noqa: E402
-from _trl_tiny import build_tiny_olmo2  # noqa: E402
+from _trl_mismatch import K, gradient_error, make_trainer, no_gap  # noqa: E402
 
 from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
 from tpo_kernels.integrations.trl.generation_batch import sampler_kept  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_olmo2")
-    return str(path), build_tiny_olmo2(str(path))
-
-
-def no_gap(row, length):
-    return torch.zeros(length)
 
 
 # Per generation-batch row, the gap old - sampler: (token position, value) pairs. With
