@@ -5,6 +5,7 @@ reference gives the chunk size's verdicts and errors whatever the chunk size."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -195,12 +196,11 @@ class _Perturbed(TorchBackend):
         self.shift, self.grad_scale = shift, grad_scale
 
     def row_forward(self, logits, labels, *, inv_temperature, with_entropy):
-        stats, logprob, entropy = super().row_forward(logits, labels, inv_temperature=inv_temperature,
-                                                      with_entropy=with_entropy)
-        return stats, logprob + self.shift, entropy
+        summary = super().row_forward(logits, labels, inv_temperature=inv_temperature, with_entropy=with_entropy)
+        return dataclasses.replace(summary, label_logprob=summary.label_logprob + self.shift)
 
-    def row_backward(self, logits, labels, stats, logprob, grad_logprob, *, out, **kwargs):
-        super().row_backward(logits, labels, stats, logprob, grad_logprob, out=out, **kwargs)
+    def row_backward(self, logits, labels, summary, grad_logprob, *, out, **kwargs):
+        super().row_backward(logits, labels, summary, grad_logprob, out=out, **kwargs)
         out.mul_(self.grad_scale)
 
 
@@ -232,8 +232,8 @@ def test_cli_check_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     original = torch_backend.row_forward
 
     def shifted(*a, **kw):
-        stats, lp, ent = original(*a, **kw)
-        return stats, lp + 1e-3, ent
+        summary = original(*a, **kw)
+        return dataclasses.replace(summary, label_logprob=summary.label_logprob + 1e-3)
 
     monkeypatch.setattr(torch_backend, "row_forward", shifted)
     assert cli.main(args) == 1

@@ -4,6 +4,7 @@ the binding's argument checks. Tolerances: see tests/_native_helpers.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -14,6 +15,7 @@ from tpo_kernels._dtypes import compute_dtype
 from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.backends.row_summary import RowSummary
 
 from _backends import HAS_GPU, backend_available, needs_cpu
 from _native_helpers import (
@@ -51,13 +53,18 @@ def isa(request):
 
 
 def forward(backend, logits, labels, it=1.0, with_entropy=True):
-    """``(stats [2, M], logprob, entropy | None)`` of the row-op contract."""
+    """The row op's ``RowSummary`` (the row-op contract)."""
     return backend.row_forward(logits, labels, inv_temperature=it, with_entropy=with_entropy)
 
 
-def backward(backend, logits, labels, stats, lp, g, out, it=1.0, ge=None, entropy=None):
-    backend.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=entropy, inv_temperature=it,
-                         out=out)
+def unpack(summary):
+    """``(stats [2, M] = (row_max; log_sum), logprob, entropy | None)`` of a summary, as the
+    assertions below read them."""
+    return torch.stack([summary.row_max, summary.log_sum]), summary.label_logprob, summary.entropy
+
+
+def backward(backend, logits, labels, summary, g, out, it=1.0, ge=None):
+    backend.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=it, out=out)
 
 
 def lse_of(stats, it=1.0):
@@ -136,8 +143,10 @@ def test_float_to_16bit_rounds_to_nearest_even(fmt):
 def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
     logits, labels = make_rows(29, 5003, dtype, skip=(4, 17))
     it = 1.0 / temperature
-    stats, lp, entropy = forward(cpu_backend(), logits, labels, it)
-    t_stats, t_lp, t_entropy = forward(TORCH, logits, labels, it)
+    summary = forward(cpu_backend(), logits, labels, it)
+    stats, lp, entropy = unpack(summary)
+    t_summary = forward(TORCH, logits, labels, it)
+    t_stats, t_lp, t_entropy = unpack(t_summary)
     acc = compute_dtype(dtype)
     assert stats.dtype == lp.dtype == entropy.dtype == acc
     torch.testing.assert_close(stats[0], t_stats[0], rtol=0, atol=0)  # the max is exact
@@ -150,7 +159,8 @@ def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
     torch.testing.assert_close(lp.double(), r_target - r_lse, **fwd_tol(dtype))
     torch.testing.assert_close(entropy.double(), r_entropy, **fwd_tol(dtype))
     # Without entropy: same statistics and log-probs, no entropy tensor.
-    stats2, lp2, none = forward(cpu_backend(), logits, labels, it, with_entropy=False)
+    summary2 = forward(cpu_backend(), logits, labels, it, with_entropy=False)
+    stats2, lp2, none = unpack(summary2)
     assert none is None
     assert torch.equal(stats2, stats) and torch.equal(lp2, lp)
 
@@ -160,7 +170,8 @@ def test_row_forward_skipped_rows_are_zero_and_not_read():
     logits, labels = make_rows(8, 300, torch.float32, skip=(1, 6))
     logits[1] = float("nan")
     logits[6] = float("inf")
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     for t in (stats[0], stats[1], lp, entropy):
         assert t[1].item() == 0.0 and t[6].item() == 0.0
         assert torch.isfinite(t).all()
@@ -175,7 +186,8 @@ def test_row_forward_masked_vocab_and_nan(isa):
     labels[1] = 9_500
     logits[2] = float("-inf")  # a fully masked row
     logits[3, 7] = float("nan")  # NaN must propagate, not vanish
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
     lse = lse_of(stats)
     for r in (0, 1):
@@ -201,7 +213,8 @@ def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where, isa
     if where == "alone_in_masked_chunk":
         logits[0, :4096] = float("-inf")  # the chunk's max is no finite logit
     logits[0, column] = value
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     for name, t in (("row_max", stats[0]), ("log_sum", stats[1]), ("logprob", lp), ("entropy", entropy)):
         assert torch.isnan(t[0]), name
         assert torch.isfinite(t[1:]).all(), name
@@ -215,7 +228,8 @@ def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where, isa
 def test_large_rows(dtype, isa):
     # Odd vocab over many chunks, large logits range.
     logits, labels = make_rows(16, 131_072 + 7, dtype, scale=8.0, skip=(3,))
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
     keep = labels >= 0
     torch.testing.assert_close(lse_of(stats)[keep], r_lse[keep], rtol=2e-6, atol=1e-5)
@@ -223,9 +237,9 @@ def test_large_rows(dtype, isa):
     torch.testing.assert_close(entropy.double(), r_entropy, rtol=1e-5, atol=1e-5)
     g = torch.randn(16)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, stats, lp, g, out)
+    backward(cpu_backend(), logits, labels, summary, g, out)
     ref = torch.empty_like(logits)
-    backward(TORCH, logits, labels, stats, lp, g, ref)
+    backward(TORCH, logits, labels, summary, g, ref)
     torch.testing.assert_close(out, ref, **grad_tol(dtype))
 
 
@@ -240,7 +254,8 @@ def test_large_rows(dtype, isa):
 def test_row_backward_matches_torch(dtype, with_entropy, isa):
     logits, labels = make_rows(23, 2051, dtype, skip=(2,))
     it = 1.0 / 0.8
-    stats, lp, entropy = forward(TORCH, logits, labels, it)
+    summary = forward(TORCH, logits, labels, it)
+    stats, lp, entropy = unpack(summary)
     acc = compute_dtype(dtype)
     g = torch.randn(23, dtype=acc)
     g[[5, 9]] = 0.0
@@ -248,11 +263,10 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
     if ge is not None:
         ge[5] = 0.0
         ge[11] = 0.0
-    ent = entropy if with_entropy else None
     got = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, stats, lp, g, got, it, ge, ent)
+    backward(cpu_backend(), logits, labels, summary, g, got, it, ge)
     want = torch.empty_like(logits)
-    backward(TORCH, logits, labels, stats, lp, g, want, it, ge, ent)
+    backward(TORCH, logits, labels, summary, g, want, it, ge)
     torch.testing.assert_close(got, want, **grad_tol(dtype))
     assert (got[5] == 0).all()
 
@@ -261,13 +275,14 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_backward_in_place_equals_out_of_place(dtype, isa):
     logits, labels = make_rows(12, 4099, dtype, skip=(7,))
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     acc = compute_dtype(dtype)
     g, ge = torch.randn(12, dtype=acc), torch.randn(12, dtype=acc)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, stats, lp, g, out, ge=ge, entropy=entropy)
+    backward(cpu_backend(), logits, labels, summary, g, out, ge=ge)
     buffer = logits.clone()
-    backward(cpu_backend(), buffer, labels, stats, lp, g, buffer, ge=ge, entropy=entropy)
+    backward(cpu_backend(), buffer, labels, summary, g, buffer, ge=ge)
     assert torch.equal(buffer, out)  # the label's entry comes from lp, not the overwritten logit
 
 
@@ -275,13 +290,14 @@ def test_row_backward_in_place_equals_out_of_place(dtype, isa):
 def test_zero_signal_rows_written_without_reading():
     logits, labels = make_rows(6, 999, torch.float32)
     logits[2] = float("nan")  # g == ge == 0 on this row: must not be read
-    stats, lp, entropy = forward(TORCH, logits, labels)
+    summary = forward(TORCH, logits, labels)
+    stats, lp, entropy = unpack(summary)
     g = torch.randn(6)
     ge = torch.randn(6)
     g[2] = 0.0
     ge[2] = 0.0
     out = torch.full_like(logits, 123.0)
-    backward(cpu_backend(), logits, labels, stats, lp, g, out, ge=ge, entropy=entropy)
+    backward(cpu_backend(), logits, labels, summary, g, out, ge=ge)
     assert (out[2] == 0).all()
     assert torch.isfinite(out).all()
 
@@ -289,11 +305,12 @@ def test_zero_signal_rows_written_without_reading():
 @needs_cpu
 def test_backward_negative_label_has_no_onehot():
     logits, labels = make_rows(4, 100, torch.float64)
-    stats, lp, _ = forward(cpu_backend(), logits, labels, with_entropy=False)
+    summary = forward(cpu_backend(), logits, labels, with_entropy=False)
+    stats, lp, _ = unpack(summary)
     labels[1] = -1
     g = torch.ones(4, dtype=torch.float64)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, stats, lp, g, out)
+    backward(cpu_backend(), logits, labels, summary, g, out)
     p = torch.softmax(logits[1], dim=0)
     torch.testing.assert_close(out[1], -p)
 
@@ -303,9 +320,10 @@ def test_masked_vocab_gradient_is_finite():
     logits, labels = make_rows(3, 500, torch.float32)
     logits[:, ::2] = float("-inf")
     labels[:] = 1
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, labels, stats, lp, torch.ones(3), out, ge=torch.ones(3), entropy=entropy)
+    backward(cpu_backend(), logits, labels, summary, torch.ones(3), out, ge=torch.ones(3))
     assert torch.isfinite(out).all()
     assert (out[:, ::2] == 0).all()
 
@@ -317,19 +335,19 @@ def test_gradcheck_float64():
     class RowLogprob(torch.autograd.Function):
         @staticmethod
         def forward(ctx, logits, labels, it):
-            stats, lp, entropy = backend.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
-            ctx.save_for_backward(logits, labels, stats, lp, entropy)
-            ctx.it = it
-            return lp, entropy
+            summary = backend.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+            ctx.save_for_backward(logits, labels)
+            ctx.summary, ctx.it = summary, it
+            return summary.label_logprob, summary.entropy
 
         @staticmethod
         def backward(ctx, g, ge):
-            logits, labels, stats, lp, entropy = ctx.saved_tensors
+            logits, labels = ctx.saved_tensors
             skipped = labels < 0  # never read in forward: no gradient (as the orchestration does)
             g, ge = torch.where(skipped, 0.0, g), torch.where(skipped, 0.0, ge)
             out = torch.empty_like(logits)
             backend.row_backward(
-                logits, labels, stats, lp, g, grad_entropy=ge, entropy=entropy, inv_temperature=ctx.it, out=out
+                logits, labels, ctx.summary, g, grad_entropy=ge, inv_temperature=ctx.it, out=out
             )
             return out, None, None
 
@@ -342,27 +360,30 @@ def test_gradcheck_float64():
 @needs_cpu
 def test_non_contiguous_inputs():
     base, labels = make_rows(10, 1200, torch.float32)
-    stats_ref, lp_ref, ent_ref = forward(TORCH, base, labels)
+    summary_ref = forward(TORCH, base, labels)
+    stats_ref, lp_ref, ent_ref = unpack(summary_ref)
     # Row-strided view (stride(0) > V): used as is. Transposed copy: needs .contiguous().
     wide = torch.randn(10, 1500)
     wide[:, :1200] = base
     strided = wide[:, :1200]
     transposed = base.t().contiguous().t()
     for view in (strided, transposed):
-        stats, lp, ent = forward(cpu_backend(), view, labels)
+        summary = forward(cpu_backend(), view, labels)
+        stats, lp, ent = unpack(summary)
         torch.testing.assert_close(stats, stats_ref, **fwd_tol(torch.float32))
         torch.testing.assert_close(lp, lp_ref, **fwd_tol(torch.float32))
         torch.testing.assert_close(ent, ent_ref, **ent_tol(torch.float32))
     g = torch.randn(10)
     want = torch.empty_like(base)
-    backward(TORCH, base, labels, stats_ref, lp_ref, g, want)
+    backward(TORCH, base, labels, summary_ref, g, want)
     # In place into each view: the result lands in the view itself.
     for view in (wide.clone()[:, :1200], base.t().contiguous().t()):
-        backward(cpu_backend(), view, labels, stats_ref, lp_ref, g, view)
+        backward(cpu_backend(), view, labels, summary_ref, g, view)
         torch.testing.assert_close(view, want, **grad_tol(torch.float32))
     # Per-row inputs of other dtypes / layouts are converted.
     out = torch.empty(10, 2400)[:, ::2]
-    backward(cpu_backend(), base, labels.int(), stats_ref.double(), lp_ref.double(), g[None, :].t(), out)
+    as_double = summary_ref.map(lambda t: t.double() if t.is_floating_point() else t)
+    backward(cpu_backend(), base, labels.int(), as_double, g[None, :].t(), out)
     torch.testing.assert_close(out, want, **grad_tol(torch.float32))
 
 
@@ -371,7 +392,7 @@ def test_deterministic_and_thread_count():
     logits, labels = make_rows(64, 7000, torch.float32)
     a = forward(cpu_backend(), logits, labels)
     b = forward(cpu_backend(), logits, labels)
-    for x, y in zip(a, b):
+    for x, y in zip(unpack(a), unpack(b)):
         assert torch.equal(x, y)
     assert cpu_ext().max_threads() >= 1
 
@@ -430,17 +451,20 @@ def test_out_of_range_labels_follow_the_id_contract_on_every_isa(isa):
     logits, labels = make_rows(4, 50, torch.float32)
     bad = labels.clone()
     bad[2] = 50
-    stats, lp, entropy = forward(cpu_backend(), logits, bad)
+    summary = forward(cpu_backend(), logits, bad)
+    stats, lp, entropy = unpack(summary)
     for out in (stats[0], stats[1], lp, entropy):
         assert torch.isnan(out[2]) and not torch.isnan(out[[0, 1, 3]]).any()
     out = torch.empty_like(logits)
-    backward(cpu_backend(), logits, bad, stats.nan_to_num(), lp.nan_to_num(), torch.ones(4), out)
+    backward(cpu_backend(), logits, bad, summary.map(lambda t: t.nan_to_num() if t.is_floating_point() else t), torch.ones(4), out)
     assert torch.isfinite(out).all()
     # Row 2: -p (no one-hot term), with the statistics the forward would give for a valid label.
-    valid_stats, _, _ = forward(cpu_backend(), logits, labels)
+    valid_summary = forward(cpu_backend(), logits, labels)
+    valid_stats, _, _ = unpack(valid_summary)
     p = torch.exp(logits[2].double() - valid_stats[0, 2].double() - valid_stats[1, 2].double())
     out_valid_stats = torch.empty_like(logits)
-    backward(cpu_backend(), logits, bad, valid_stats, lp.nan_to_num(), torch.ones(4), out_valid_stats)
+    backward(cpu_backend(), logits, bad, dataclasses.replace(valid_summary, label_logprob=lp.nan_to_num()),
+             torch.ones(4), out_valid_stats)
     torch.testing.assert_close(out_valid_stats[2].double(), -p, rtol=1e-5, atol=1e-7)
 
 
@@ -516,13 +540,14 @@ def test_binding_rejects_bad_arguments():
         forward(cpu_backend(), x, lab.float(), with_entropy=False)
     with pytest.raises(ValueError, match="one per row"):
         forward(cpu_backend(), x, lab[:3], with_entropy=False)
-    stats = torch.zeros(2, 4)
+    summary = RowSummary(row_max=torch.zeros(4), log_sum=torch.zeros(4), label_logprob=out, entropy=None,
+                         has_label=torch.ones(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="grad_entropy needs the forward's entropy"):
-        backward(cpu_backend(), x, lab, stats, out, out, torch.empty_like(x), ge=out)
+        backward(cpu_backend(), x, lab, summary, out, torch.empty_like(x), ge=out)
     with pytest.raises(ValueError, match="out must have the logits' shape"):
-        backward(cpu_backend(), x, lab, stats, out, out, torch.empty(4, 9))
-    with pytest.raises(ValueError, match=r"stats must be \[2, rows\]"):
-        backward(cpu_backend(), x, lab, out, out, out, torch.empty_like(x))
+        backward(cpu_backend(), x, lab, summary, out, torch.empty(4, 9))
+    with pytest.raises(ValueError, match=r"summary.row_max must have 4 elements \(one per row\)"):
+        backward(cpu_backend(), x, lab, dataclasses.replace(summary, row_max=torch.zeros(3)), out, torch.empty_like(x))
     with pytest.raises(ValueError, match=r"candidates must be \[4, K\]"):
         cpu_backend().candidate_forward(x, lab, inv_temperature=1.0)
     with pytest.raises(ValueError, match="CPU tensors|cpu"):
@@ -536,9 +561,10 @@ def test_binding_rejects_bad_arguments():
 def test_empty_inputs():
     logits = torch.empty(0, 10)
     labels = torch.empty(0, dtype=torch.int64)
-    stats, lp, entropy = forward(cpu_backend(), logits, labels)
+    summary = forward(cpu_backend(), logits, labels)
+    stats, lp, entropy = unpack(summary)
     assert stats.shape == (2, 0) and lp.shape == entropy.shape == (0,)
-    backward(cpu_backend(), logits, labels, stats, lp, lp, logits)
+    backward(cpu_backend(), logits, labels, summary, lp, logits)
 
 
 @needs_cpu
@@ -570,8 +596,9 @@ def test_faster_than_eager():
     def native():
         x = base.clone()
         t0 = time.perf_counter()
-        stats, lp, _ = forward(cpu_backend(), x, labels, with_entropy=False)
-        backward(cpu_backend(), x, labels, stats, lp, g, x)
+        summary = forward(cpu_backend(), x, labels, with_entropy=False)
+        stats, lp, _ = unpack(summary)
+        backward(cpu_backend(), x, labels, summary, g, x)
         return time.perf_counter() - t0
 
     eager_s = sorted(eager() for _ in range(3))[1]

@@ -20,6 +20,7 @@ import torch
 
 import tpo_kernels
 from tpo_kernels.backends import get_backend
+from tpo_kernels.backends.row_summary import RowSummary
 from tpo_kernels.group_math import pair_runs
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS, needs_triton
@@ -68,16 +69,17 @@ def test_row_forward_gives_nan_for_labels_outside_the_vocabulary(backend):
     rows = len(ROW_LABELS)
     parent, logits = _padded(rows, torch.Generator().manual_seed(1))
     labels = torch.tensor(ROW_LABELS, device=DEVICE)
-    stats, logprob, entropy = ops.row_forward(logits, labels, inv_temperature=INV_T, with_entropy=True)
+    summary = ops.row_forward(logits, labels, inv_temperature=INV_T, with_entropy=True)
+    logprob, entropy = summary.label_logprob, summary.entropy
     bad, valid, ignored = list(range(len(BAD_LABELS))), len(BAD_LABELS), len(BAD_LABELS) + 1
-    for out in (stats[0], stats[1], logprob, entropy):
+    for out in (summary.row_max, summary.log_sum, logprob, entropy):
         assert torch.isnan(out[bad]).all()
         assert out[ignored] == 0
     z = logits[valid].double() * INV_T
     log_p = torch.log_softmax(z, dim=0)
     torch.testing.assert_close(logprob[valid].double(), log_p[5], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(entropy[valid].double(), -(log_p.exp() * log_p).sum(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(stats[0, valid], logits[valid].max())
+    torch.testing.assert_close(summary.row_max[valid], logits[valid].max())
     _assert_padding_untouched(parent, rows)
 
 
@@ -93,9 +95,10 @@ def test_row_backward_adds_no_one_hot_term_for_labels_outside_the_vocabulary(bac
     # label has a defined gradient: -g p / tau, no one-hot term).
     z = logits.double() * INV_T
     log_p = torch.log_softmax(z, dim=1)
-    stats = torch.stack([logits.amax(dim=1), (torch.logsumexp(z, dim=1) - logits.amax(dim=1).double() * INV_T)])
-    stats = stats.float()
-    logprob = log_p[torch.arange(rows), labels.clamp(0, V - 1)].float()
+    summary = RowSummary(row_max=logits.amax(dim=1).float(),
+                         log_sum=(torch.logsumexp(z, dim=1) - logits.amax(dim=1).double() * INV_T).float(),
+                         label_logprob=log_p[torch.arange(rows), labels.clamp(0, V - 1)].float(), entropy=None,
+                         has_label=(labels >= 0) & (labels < V))
     grad = torch.linspace(0.5, 1.5, rows, device=DEVICE)
     one_hot = torch.zeros(rows, V, dtype=torch.float64, device=DEVICE)
     one_hot[len(BAD_LABELS), 5] = 1.0  # the only row with a label in [0, V)
@@ -103,7 +106,7 @@ def test_row_backward_adds_no_one_hot_term_for_labels_outside_the_vocabulary(bac
     out_parent, out = (parent, logits) if inplace else _padded(rows, gen)
 
     def call():
-        ops.row_backward(logits, labels, stats, logprob, grad, inv_temperature=INV_T, out=out)
+        ops.row_backward(logits, labels, summary, grad, inv_temperature=INV_T, out=out)
 
     call()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

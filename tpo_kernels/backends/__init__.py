@@ -23,33 +23,37 @@ whose rows do not flatten into one row stride, such as ``logits[:, :-1]``: row `
 in place, one launch each way; labels and per-row values are ``[M]`` in that order and ``out``
 has the logits' shape; tensors first, settings keyword-only):
 
-* ``row_forward(logits, labels, *, inv_temperature, with_entropy) -> (stats, logprob, entropy | None)``
+* ``row_forward(logits, labels, *, inv_temperature, with_entropy) -> RowSummary``
 
-  With ``z = logits[r]`` and ``d = (z - max z) * inv_temperature``: ``stats`` is ``[2, M]``,
-  ``stats[0, r] = max z`` (untempered) and ``stats[1, r] = log sum_v exp(d_v)``, so that the
-  tempered logsumexp is ``stats[0] * inv_t + stats[1]`` (never formed: one fp32 lse of logits
-  with a large common offset loses the digits a log-prob needs); ``logprob[r] = log
-  softmax(z * inv_t)[labels[r]]``, computed so that ``1 - p`` keeps its relative accuracy for
-  confident tokens (the label's mass ``e_y`` and the rest ``r`` summed apart: ``-log1p(r / e_y)``
-  when ``r < e_y``); ``entropy[r] = -sum_v p log p`` of the tempered softmax, as ``log_sum - t / s``
-  with ``t = sum exp(d) d`` (no cancellation; ``0 log 0 = 0`` at ``-inf`` logits). All in the
-  compute dtype (float64 for float64 logits, float32 otherwise). Rows with ``labels[r] < 0`` are
-  skipped: their outputs are 0 and the row is never read; a row with ``labels[r] >= V`` is not
-  read either and its four outputs are NaN. A NaN (or ``+inf``) logit makes the
-  row's log_sum, logprob and entropy NaN; a row of only ``-inf`` logits has ``stats[0] = -inf``
-  and NaN log-prob and entropy (there is no distribution).
+  A :class:`~tpo_kernels.backends.row_summary.RowSummary`, built by keyword, of ``[M]`` tensors.
+  With ``z = logits[r]`` and ``d = (z - max z) * inv_temperature``: ``row_max[r] = max z``
+  (untempered) and ``log_sum[r] = log sum_v exp(d_v)``, so that the tempered logsumexp is
+  ``row_max * inv_t + log_sum`` (never formed: one fp32 lse of logits with a large common offset
+  loses the digits a log-prob needs); ``label_logprob[r] = log softmax(z * inv_t)[labels[r]]``,
+  computed so that ``1 - p`` keeps its relative accuracy for confident tokens (the label's mass
+  ``e_y`` and the rest ``r`` summed apart: ``-log1p(r / e_y)`` when ``r < e_y``); ``entropy[r] =
+  -sum_v p log p`` of the tempered softmax, as ``log_sum - t / s`` with ``t = sum exp(d) d`` (no
+  cancellation; ``0 log 0 = 0`` at ``-inf`` logits), None unless ``with_entropy``; ``has_label[r]
+  = 0 <= labels[r] < V`` (bool). All but ``has_label`` in the compute dtype (float64 for float64
+  logits, float32 otherwise). Rows with ``labels[r] < 0`` are skipped: their outputs are 0 and the
+  row is never read; a row with ``labels[r] >= V`` is not read either and its four float outputs
+  are NaN. A NaN (or ``+inf``) logit makes the row's log_sum, label_logprob and entropy NaN; a row
+  of only ``-inf`` logits has ``row_max = -inf`` and NaN log-prob and entropy (there is no
+  distribution).
 
-* ``row_backward(logits, labels, stats, logprob, grad_logprob, *, grad_entropy=None,
-  entropy=None, inv_temperature, out)``
+* ``row_backward(logits, labels, summary, grad_logprob, *, grad_entropy=None, inv_temperature,
+  out)``
 
-  Writes ``out[r, v] = inv_t * (g[r] * (onehot(labels[r])[v] - p[v]) - ge[r] * p[v] * (log p[v]
-  + entropy[r]))`` with ``log p = (logits - stats[0]) * inv_t - stats[1]``, ``g = grad_logprob``
-  and ``ge = grad_entropy`` (None: zero); the label's entry takes ``log p`` from ``logprob`` and
-  ``1 - p`` as ``-expm1(logprob)``. ``p log p`` is 0 where ``p == 0``. ``out`` has the logits'
-  dtype and shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and
-  ``ge == 0`` are written as zeros without reading the logits; a label outside ``[0, V)`` adds no
-  one-hot term. The statistics may come from a wider row than ``logits`` (the fused-linear path passes
-  a vocabulary block with the statistics of the whole row and block-local labels).
+  ``summary``: the ``RowSummary`` of the forward (its ``row_max``, ``log_sum``, ``label_logprob``
+  and, with ``grad_entropy``, ``entropy`` are read). Writes ``out[r, v] = inv_t * (g[r] *
+  (onehot(labels[r])[v] - p[v]) - ge[r] * p[v] * (log p[v] + entropy[r]))`` with ``log p =
+  (logits - row_max) * inv_t - log_sum``, ``g = grad_logprob`` and ``ge = grad_entropy`` (None:
+  zero); the label's entry takes ``log p`` from ``label_logprob`` and ``1 - p`` as
+  ``-expm1(label_logprob)``. ``p log p`` is 0 where ``p == 0``. ``out`` has the logits' dtype and
+  shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and ``ge == 0``
+  are written as zeros without reading the logits; a label outside ``[0, V)`` adds no one-hot
+  term. The summary may come from a wider row than ``logits`` (the fused-linear path passes a
+  vocabulary block with the summary of the whole row and block-local labels).
 
 Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each):
 
@@ -98,6 +102,7 @@ from torch import Tensor
 from .. import group_math
 from ..checks.arguments import check_backend_arg, check_backend_device
 from . import torch_candidates
+from .row_summary import RowSummary
 
 class Backend:
     """A backend: a name, where it runs, and the ops above."""
@@ -113,19 +118,17 @@ class Backend:
 
     def row_forward(
         self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
-    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    ) -> RowSummary:
         raise NotImplementedError
 
     def row_backward(
         self,
         logits: Tensor,
         labels: Tensor,
-        stats: Tensor,
-        logprob: Tensor,
+        summary: RowSummary,
         grad_logprob: Tensor,
         *,
         grad_entropy: Optional[Tensor] = None,
-        entropy: Optional[Tensor] = None,
         inv_temperature: float,
         out: Tensor,
     ) -> None:

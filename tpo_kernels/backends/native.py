@@ -15,13 +15,14 @@ could make a kernel touch memory it should not. A subclass supplies the extensio
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
 from . import Backend
+from .row_summary import RowSummary
 
 # Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -151,33 +152,33 @@ class NativeBackend(Backend):
 
     def row_forward(
         self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
-    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    ) -> RowSummary:
         launch = self._launch_args(logits, "logits")
         dtype_code(logits.dtype)
         x = as_row_batch(logits)
-        rows = x.shape[:-1].numel()
+        rows, vocab = x.shape[:-1].numel(), x.shape[-1]
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
-        stats = torch.empty(2, rows, dtype=acc, device=x.device)
+        # Separate tensors, not views of one: a custom op's outputs may not alias each other.
+        row_max, log_sum = (torch.empty(rows, dtype=acc, device=x.device) for _ in range(2))
         logprob = torch.empty(rows, dtype=acc, device=x.device)
         entropy = torch.empty(rows, dtype=acc, device=x.device) if with_entropy else None
         self.extension.row_forward(
             **matrix_args(x), **batch_args(x), logits=ptr(x), labels=ptr(lab),
-            inv_temperature=float(inv_temperature), row_max=ptr(stats[0]), log_sum=ptr(stats[1]), logprob=ptr(logprob),
+            inv_temperature=float(inv_temperature), row_max=ptr(row_max), log_sum=ptr(log_sum), logprob=ptr(logprob),
             entropy=ptr(entropy), **launch,
         )
-        return stats, logprob, entropy
+        return RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                          has_label=(lab >= 0) & (lab < vocab))
 
     def row_backward(
         self,
         logits: Tensor,
         labels: Tensor,
-        stats: Tensor,
-        logprob: Tensor,
+        summary: RowSummary,
         grad_logprob: Tensor,
         *,
         grad_entropy: Optional[Tensor] = None,
-        entropy: Optional[Tensor] = None,
         inv_temperature: float,
         out: Tensor,
     ) -> None:
@@ -190,18 +191,16 @@ class NativeBackend(Backend):
         rows = x.shape[:-1].numel()
         acc = compute_dtype(x.dtype)
         lab = labels_vector(labels, rows, x.device)
-        if stats.dim() != 2 or stats.shape[0] != 2:
-            raise ValueError(f"stats must be [2, rows] (row_max; log_sum), got shape {tuple(stats.shape)}")
-        row_max = per_row(stats[0], rows, acc, x.device, "stats[0] (row_max)")
-        log_sum = per_row(stats[1], rows, acc, x.device, "stats[1] (log_sum)")
-        lp = per_row(logprob, rows, acc, x.device, "logprob")
+        row_max = per_row(summary.row_max, rows, acc, x.device, "summary.row_max")
+        log_sum = per_row(summary.log_sum, rows, acc, x.device, "summary.log_sum")
+        lp = per_row(summary.label_logprob, rows, acc, x.device, "summary.label_logprob")
         g = per_row(grad_logprob, rows, acc, x.device, "grad_logprob")
         ge = per_row(grad_entropy, rows, acc, x.device, "grad_entropy")
         ent = None
         if ge is not None:
-            if entropy is None:
-                raise ValueError("row_backward: grad_entropy needs the forward's entropy")
-            ent = per_row(entropy, rows, acc, x.device, "entropy")
+            if summary.entropy is None:
+                raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
+            ent = per_row(summary.entropy, rows, acc, x.device, "summary.entropy")
         # Write straight into `out` when the kernel can (this is the in-place path when out is
         # logits); otherwise into a temporary that is copied over. An `out` that starts at the
         # logits' address with another layout would be overwritten while still being read, so it

@@ -18,13 +18,14 @@ the backward adds no one-hot term for it (no index error, no device-side assert)
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
 from . import Backend
+from .row_summary import RowSummary
 
 _CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per buffer: few ops per call, far below one [M, V] copy
 
@@ -65,19 +66,21 @@ class TorchBackend(Backend):
 
     def row_forward(
         self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
-    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    ) -> RowSummary:
         z3 = _as_batch(logits)
         batch, per_batch, v = z3.shape
         m = batch * per_batch
         acc = compute_dtype(logits.dtype)
-        stats = logits.new_zeros(2, m, dtype=acc)
+        row_max, log_sum = logits.new_zeros(m, dtype=acc), logits.new_zeros(m, dtype=acc)
         logprob = logits.new_zeros(m, dtype=acc)
         entropy = logits.new_zeros(m, dtype=acc) if with_entropy else None
         chunks, rows_max = _chunks(batch, per_batch, v)
         buffer = logits.new_empty(rows_max * v, dtype=acc)
         weights = logits.new_empty(rows_max * v, dtype=acc) if with_entropy else None
-        labels3 = labels.reshape(batch, per_batch)
-        stats3, logprob3 = stats.view(2, batch, per_batch), logprob.view(batch, per_batch)
+        labels = labels.reshape(m)
+        labels3 = labels.view(batch, per_batch)
+        row_max3, log_sum3 = row_max.view(batch, per_batch), log_sum.view(batch, per_batch)
+        logprob3 = logprob.view(batch, per_batch)
         entropy3 = entropy.view(batch, per_batch) if with_entropy else None
         for bs, ts in chunks:
             z = z3[bs, ts]  # read only: may be the logits the backward overwrites later
@@ -87,9 +90,9 @@ class TorchBackend(Backend):
             # NaN for a label >= V (as the native kernels), 0 for an ignored (negative) one.
             skipped = torch.where(counted, float("nan"), 0.0).to(acc)
             label = torch.where(in_vocab, lab, 0).unsqueeze(-1)
-            row_max = z.amax(dim=-1).to(acc)
+            chunk_max = z.amax(dim=-1).to(acc)
             # d = (z - max) * it <= 0; an all -inf row shifts by 0 (no -inf - -inf).
-            shift = torch.where(row_max == float("-inf"), 0.0, row_max).unsqueeze(-1)
+            shift = torch.where(chunk_max == float("-inf"), 0.0, chunk_max).unsqueeze(-1)
             d = _shifted(z, shift, inv_temperature, buffer[: z.numel()].view(z.shape))
             d_y = d.gather(-1, label).squeeze(-1)
             if with_entropy:
@@ -101,26 +104,25 @@ class TorchBackend(Backend):
             e_y = e.gather(-1, label).squeeze(-1)
             rest = e.scatter_(-1, label, 0.0).sum(dim=-1)  # the mass without the label
             total = rest + e_y
-            log_sum = torch.log(total)
+            chunk_log_sum = torch.log(total)
             # log(e_y / (e_y + rest)): -log1p(rest / e_y) keeps 1 - p exact-ish for confident tokens.
-            lp = torch.where(rest < e_y, -torch.log1p(rest / e_y), d_y - log_sum)
+            lp = torch.where(rest < e_y, -torch.log1p(rest / e_y), d_y - chunk_log_sum)
             logprob3[bs, ts] = torch.where(in_vocab, lp, skipped)
-            stats3[0, bs, ts] = torch.where(in_vocab, row_max, skipped)
-            stats3[1, bs, ts] = torch.where(in_vocab, log_sum, skipped)
+            row_max3[bs, ts] = torch.where(in_vocab, chunk_max, skipped)
+            log_sum3[bs, ts] = torch.where(in_vocab, chunk_log_sum, skipped)
             if with_entropy:
-                entropy3[bs, ts] = torch.where(in_vocab, log_sum - t / total, skipped)
-        return stats, logprob, entropy
+                entropy3[bs, ts] = torch.where(in_vocab, chunk_log_sum - t / total, skipped)
+        return RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                          has_label=(labels >= 0) & (labels < v))
 
     def row_backward(
         self,
         logits: Tensor,
         labels: Tensor,
-        stats: Tensor,
-        logprob: Tensor,
+        summary: RowSummary,
         grad_logprob: Tensor,
         *,
         grad_entropy: Optional[Tensor] = None,
-        entropy: Optional[Tensor] = None,
         inv_temperature: float,
         out: Tensor,
     ) -> None:
@@ -133,9 +135,12 @@ class TorchBackend(Backend):
         def rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
             return None if t is None else t.reshape(batch, per_batch)
 
-        labels3, logprob3, grad3 = rows_of(labels), rows_of(logprob), rows_of(grad_logprob)
-        grad_entropy3, entropy3 = rows_of(grad_entropy), rows_of(entropy)
-        stats3 = stats.reshape(2, batch, per_batch)
+        labels3, logprob3, grad3 = rows_of(labels), rows_of(summary.label_logprob), rows_of(grad_logprob)
+        grad_entropy3 = rows_of(grad_entropy)
+        entropy3 = rows_of(summary.entropy) if grad_entropy is not None else None
+        if grad_entropy is not None and entropy3 is None:
+            raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
+        row_max3, log_sum3 = rows_of(summary.row_max), rows_of(summary.log_sum)
         # The gradient of a chunk is formed in a scratch buffer; zero-signal rows are filled with 0
         # there (NaN logits or not: masked_fill, no read-back) before the copy out.
         scratch = logits.new_empty(rows_max * v, dtype=acc)
@@ -149,8 +154,8 @@ class TorchBackend(Backend):
             col = torch.where(has_label, label, 0)
             lp = logprob3[bs, ts].unsqueeze(-1)
             label_grad = -g * torch.expm1(lp)  # g (1 - p_y), accurate for confident tokens
-            log_probs = _shifted(z, stats3[0, bs, ts].unsqueeze(-1), it, scratch[: z.numel()].view(z.shape))
-            log_probs.sub_(stats3[1, bs, ts].unsqueeze(-1))
+            log_probs = _shifted(z, row_max3[bs, ts].unsqueeze(-1), it, scratch[: z.numel()].view(z.shape))
+            log_probs.sub_(log_sum3[bs, ts].unsqueeze(-1))
             if grad_entropy is None:
                 grad = log_probs.exp_().mul_(-g * it)  # -g p / tau
             else:

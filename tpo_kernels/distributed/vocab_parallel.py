@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.row_summary import RowSummary
+from ..backends.row_summary import RowSummary
 from ..checks import placement
 from ..checks.call import is_dtensor
 from .collectives import all_gather_stacked, all_reduce_sum
@@ -36,15 +38,15 @@ class VocabShard:
 
     def merge(self, summary: RowSummary, inv_temperature: float) -> RowSummary:
         """The whole vocabulary's summary from every rank's: one all-gather of the ``[C, M]``
-        partials, merged in rank order (the fused-linear tiles' exact merge), so every rank gets
-        the same bits."""
-        with_entropy = summary.entropy is not None
-        parts = [summary.row_max, summary.log_sum, summary.label_logprob, summary.has_label.to(summary.log_sum.dtype)]
-        if with_entropy:
-            parts.append(summary.entropy)
-        gathered = all_gather_stacked(torch.stack(parts), self.group, "partials")  # [P, C, M]
-        ranks = [RowSummary(row_max=g[0], log_sum=g[1], label_logprob=g[2], entropy=g[4] if with_entropy else None,
-                            has_label=g[3] != 0) for g in gathered]
+        partials (one row per present field, each as the compute dtype: exact for the bool
+        ``has_label``), merged in rank order (the fused-linear tiles' exact merge), so every rank
+        gets the same bits."""
+        present = {name: value for name, value in summary.items() if value is not None}
+        stacked = torch.stack([value.to(summary.log_sum.dtype) for value in present.values()])
+        gathered = all_gather_stacked(stacked, self.group, "partials")  # [P, C, M]
+        ranks = [dataclasses.replace(summary, **{name: part.to(value.dtype)
+                                                 for (name, value), part in zip(present.items(), parts)})
+                 for parts in gathered]
         merged = ranks[0]
         for other in ranks[1:]:
             merged = merged.merge(other, inv_temperature)

@@ -3,20 +3,22 @@
 
 The tiled head (:class:`~tpo_kernels.ops.linear_head.TiledLinearHead`) does the work, forward and
 backward; this module registers the forward op and the backward op (each with a fake
-implementation), the autograd rule that joins them (it saves the forward's row statistics and
+implementation), the autograd rule that joins them (it saves the forward's
+:class:`~tpo_kernels.backends.row_summary.RowSummary`, through its ``to_op`` / ``from_op``, and the
 logits cache), and :func:`linear_logprobs`, which keeps the logits cache only when a gradient will
 be taken.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import backend_by_key
+from ..backends.row_summary import RowSummary, op_outputs
 from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
 from .logprobs import row_gradients
@@ -42,19 +44,17 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
                      grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
                      logit_softcap: Optional[float] = None, matmul_out_dtype: Optional[bool] = None,
                      logits_cache_bytes: int = 0,
-                     cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                     cache_candidates: Optional[Tensor] = None) -> op_outputs(extra=1):
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes, cache_candidates)
-    stats, logprob, entropy = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
+    summary = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
     # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
-    # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary").
+    # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
+    # has_label is already False there.
     beyond = labels >= weight.shape[0]
-    stats, logprob = torch.where(beyond, float("nan"), stats), torch.where(beyond, float("nan"), logprob)
-    if entropy is None:
-        entropy = logprob.new_empty(0)
-    else:
-        entropy = torch.where(beyond, float("nan"), entropy)
-    return logprob, entropy, stats, head.logits_cache  # the cache: an output, so autograd can save it
+    summary = summary.map(lambda value: torch.where(beyond, float("nan"), value) if value.is_floating_point()
+                          else value)
+    return (*summary.to_op(), head.logits_cache)  # the cache: an output, so autograd can save it
 
 
 def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor) -> int:
@@ -68,16 +68,15 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
     rows, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, weight.dtype)
     acc = compute_dtype(dtype)
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes)
-    return (hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows if with_entropy else 0, dtype=acc),
-            hidden.new_empty(2, rows, dtype=acc),
-            hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
+    summary = RowSummary.zeros(rows, dtype=acc, device=hidden.device, with_entropy=with_entropy)
+    return (*summary.to_op(), hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
 # Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
 @torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=(), **host_sync_tags())
 def _linear_logprobs_backward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, stats: Tensor, logprobs: Tensor,
-    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits_cache: Tensor,
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
+    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
     cache_candidates: Optional[Tensor], needs_hidden: bool,
     needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
     accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
@@ -85,15 +84,17 @@ def _linear_logprobs_backward(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
                  min_tile_tokens, accum_bytes, matmul_out_dtype, backend, cache_candidates=cache_candidates)
-    grads = head.backward(stats, logprobs, grad_logprobs, grad_entropy, entropy, (needs_hidden, needs_weight, needs_bias),
+    # The entropy is read only with its gradient.
+    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
+    grads = head.backward(summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),
                           grad_accum_dtype, logits_cache)
     # A custom op returns tensors only: an empty one stands for "not requested".
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
 
 
 @_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, logits_cache,
-      cache_candidates, needs_hidden, needs_weight, needs_bias, *settings):
+def _(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates, needs_hidden,
+      needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
@@ -103,8 +104,8 @@ def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
      grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, logits_cache_bytes,
      cache_candidates) = inputs
-    logprobs, entropy, stats, logits_cache = output
-    ctx.save_for_backward(hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache, cache_candidates)
+    *summary, logits_cache = output  # the RowSummary's to_op tensors, then the cache
+    ctx.save_for_backward(hidden, weight, bias, labels, logits_cache, cache_candidates, *summary)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.inv_temperature, ctx.chunk_size, ctx.backend = inv_temperature, chunk_size, backend
     ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype = min_tile_tokens, accum_bytes, grad_accum_dtype
@@ -112,13 +113,14 @@ def _setup_context(ctx, inputs, output):
     ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_stats, grad_logits_cache):
-    hidden, weight, bias, labels, stats, logprobs, entropy, logits_cache, cache_candidates = ctx.saved_tensors
-    grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
-                                                         ctx.with_entropy)
+def _backward(ctx, *grads):
+    hidden, weight, bias, labels, logits_cache, cache_candidates, *saved = ctx.saved_tensors
+    summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
+    grads = RowSummary.from_op(grads[:-1], with_entropy=ctx.with_entropy)  # the last: of the logits cache
+    grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grads.label_logprob, grads.entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-    grads = _linear_logprobs_backward(hidden, weight, bias, labels, stats, logprobs, grad_logprobs, grad_entropy,
-                                      entropy, logits_cache, cache_candidates, *needs, ctx.inv_temperature,
+    grads = _linear_logprobs_backward(hidden, weight, bias, labels, list(summary.to_op()), grad_logprobs, grad_entropy,
+                                      logits_cache, cache_candidates, *needs, ctx.inv_temperature,
                                       ctx.chunk_size, ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype,
                                       ctx.backend, ctx.logit_scale, ctx.logit_softcap, ctx.matmul_out_dtype)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
@@ -139,8 +141,9 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     None: every counted row) that fit it."""
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     cache_bytes = policy.logits_cache_bytes if wants_grad else 0
-    logprobs, entropy, _, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
-                                               policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend,
-                                               logit_scale, logit_softcap, policy.matmul_out_dtype, cache_bytes,
-                                               cache_candidates if cache_bytes else None)
-    return logprobs, (entropy if with_entropy else None)
+    *summary, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
+                                   policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend, logit_scale,
+                                   logit_softcap, policy.matmul_out_dtype, cache_bytes,
+                                   cache_candidates if cache_bytes else None)
+    summary = RowSummary.from_op(summary, with_entropy=with_entropy)
+    return summary.label_logprob, summary.entropy

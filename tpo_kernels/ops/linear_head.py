@@ -4,9 +4,9 @@ vocab]`` logits. The custom op ``tpo_kernels::linear_logprobs`` (:mod:`.linear`)
 a vocabulary shard (:mod:`.vocab_shard`) run it.
 
 Logits exist one tile at a time (a block of tokens times a block of the vocabulary, at most
-``chunk_size * V`` entries). The forward keeps, per token, the row statistics of the row ops
-(max and log-sum), the label's log-prob and, on request, the entropy, merged across vocabulary
-blocks with bounded terms only (:meth:`~tpo_kernels.ops.row_summary.RowSummary.merge`). The backward receives a
+``chunk_size * V`` entries). The forward keeps, per token, the :class:`RowSummary` of the row ops
+(max and log-sum, the label's log-prob and, on request, the entropy), merged across vocabulary
+blocks with bounded terms only (:meth:`~tpo_kernels.backends.row_summary.RowSummary.merge`). The backward receives a
 per-token gradient ``g`` (and ``ge`` for entropies), recomputes the logits of the tokens with a
 nonzero one only, tile by tile, turns them in place into ``dz`` with the backend's row backward
 (the forward's statistics cover the whole vocabulary, so a block's softmax is exact) and applies
@@ -43,6 +43,7 @@ written in the backward (a second backward with ``retain_graph`` sees it intact)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 
 from typing import List, Optional, Tuple, Union
@@ -52,7 +53,7 @@ from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import Backend
-from .row_summary import RowSummary
+from ..backends.row_summary import RowSummary
 from .tiles import BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, tile_shape
 from .logprobs import LogitTransform
 
@@ -168,19 +169,18 @@ class TiledLinearHead:
         return backward_plan(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
                              self.dtype, grad_accum_dtype)
 
-    def forward(self, with_entropy: bool, cache_rows: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """Per-row ``(stats [2, M], logprob, entropy | None)`` of the tempered logits, as the row
-        ops define them, in the compute dtype; 0 on rows that do not count (their logits are never
-        computed). ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits
+    def forward(self, with_entropy: bool, cache_rows: int = 0) -> RowSummary:
+        """The per-row :class:`RowSummary` of the tempered logits, as the row ops define it (its
+        ``has_label``: the label lies in this head's rows of the vocabulary); 0 on rows that do not
+        count (their logits are never computed). ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits
         of the first ``cache_rows`` counted candidate rows, in row order (slots past them stay
         unwritten).
 
         Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
         merge with :meth:`RowSummary.merge`."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
-        stats = self.hidden.new_zeros(2, num_rows, dtype=compute_dtype(self.dtype))
-        logprob = torch.zeros_like(stats[0])
-        entropy = torch.zeros_like(stats[0]) if with_entropy else None
+        summary = RowSummary.zeros(num_rows, dtype=compute_dtype(self.dtype), device=self.hidden.device,
+                                   with_entropy=with_entropy)
         self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
         cached, slots, uncached = self._split_rows(self.labels >= 0, cache_rows)  # the forward's one read-back
         token_block, vocab_block = self._tile(_num_rows(cached) + _num_rows(uncached), self.weight.dtype)
@@ -203,24 +203,20 @@ class TiledLinearHead:
                 local = labels - (self.vocab_offset + start)
                 inside = (local >= 0) & (local < logits.shape[1])
                 # Every row is read: a label outside the block stands in as 0, its log-prob unused.
-                block_stats, block_lp, block_entropy = self.backend.row_forward(
-                    logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
-                    with_entropy=with_entropy,
-                )
-                block = RowSummary(row_max=block_stats[0], log_sum=block_stats[1], label_logprob=block_lp,
-                                   entropy=block_entropy, has_label=inside)
+                block = self.backend.row_forward(logits, torch.where(inside, local, 0),
+                                                 inv_temperature=self.inv_temperature, with_entropy=with_entropy)
+                block = dataclasses.replace(block, has_label=inside)
                 row = block if row is None else row.merge(block, self.inv_temperature)
-            stats[0, rows], stats[1, rows], logprob[rows] = row.row_max, row.log_sum, row.label_logprob
-            if with_entropy:
-                entropy[rows] = row.entropy
-        return stats, logprob, entropy
+            summary.assign(rows, row)
+        return summary
 
-    def backward(self, stats: Tensor, logprob: Tensor, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
-                 entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool], grad_accum_dtype: torch.dtype,
+    def backward(self, summary: RowSummary, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
+                 needs_grad: Tuple[bool, bool, bool], grad_accum_dtype: torch.dtype,
                  logits_cache: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
-        per-row gradients of the log-probs and entropies (both 0 on rows that do not count), and
-        the forward's ``logits_cache`` (None or empty: every row is recomputed).
+        forward's ``summary``, the per-row gradients of the log-probs and entropies (both 0 on rows
+        that do not count), and the forward's ``logits_cache`` (None or empty: every row is
+        recomputed).
 
         Rows where both are exactly 0 are skipped: no recompute, no matmul, no cache read. Tiles
         are vocabulary blocks (outer loop) times the active rows (:meth:`backward_plan`). When the
@@ -258,6 +254,8 @@ class TiledLinearHead:
             # consecutive, else gathered once (not once per vocabulary block).
             h_active = _rows_of(hidden, [rows for rows, _ in parts])
         if chunks:  # else every row has zero signal: zero gradients, no matmul
+            # Each chunk's rows of the summary, selected once for every vocabulary block.
+            chunk_summaries = [summary.select(rows) for rows, _ in chunks]
             block_accum = None
             if need_weight and plan.block_accumulator:
                 block_accum = weight.new_empty(vocab_block, hidden_size, dtype=grad_accum_dtype)
@@ -275,8 +273,8 @@ class TiledLinearHead:
                     offset += num if plan.one_gemm else 0
                     h_rows = h_active[offset - num:offset] if plan.one_gemm else hidden[rows]
                     cached = None if slots is None else self._cached_tile(logits_cache, slots, vocab, out)
-                    dlogits = self._block_grad(h_rows, rows, vocab, out, buffers[1:], cached, stats, logprob,
-                                               grad_logprob, grad_entropy, entropy)
+                    dlogits = self._block_grad(h_rows, rows, vocab, out, buffers[1:], cached, chunk_summaries[index],
+                                               grad_logprob, grad_entropy)
                     if need_hidden:
                         add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
                     if need_weight and not plan.one_gemm:
@@ -321,12 +319,13 @@ class TiledLinearHead:
             return logits_cache[slots, vocab]
         return torch.index_select(logits_cache[:, vocab], 0, slots, out=out)
 
-    def _block_grad(self, h_rows, rows, vocab: slice, dlogits: Tensor, cap_buffers, cached: Optional[Tensor], stats,
-                    logprob, grad_logprob, grad_entropy, entropy) -> Tensor:
+    def _block_grad(self, h_rows, rows, vocab: slice, dlogits: Tensor, cap_buffers, cached: Optional[Tensor],
+                    rows_summary: RowSummary, grad_logprob: Tensor, grad_entropy: Optional[Tensor]) -> Tensor:
         """dz for one tile (token rows x vocabulary block) in ``dlogits`` (contiguous): the row
         backward of the ``cached`` logits, or in place over the logits recomputed there. With a
         soft cap the row backward runs on the capped tile (the first of ``cap_buffers``) and the
-        chain rule multiplies by the cap's derivative (the second)."""
+        chain rule multiplies by the cap's derivative (the second). ``rows_summary``: the forward's
+        summary of the tile's rows."""
         buffers = [None, *cap_buffers]
         logits = self._logits(h_rows, vocab, dlogits) if cached is None else cached
         row_logits = logits
@@ -336,9 +335,8 @@ class TiledLinearHead:
         labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(
-            row_logits, labels, stats[:, rows], logprob[rows], grad_logprob[rows],
+            row_logits, labels, rows_summary, grad_logprob[rows],
             grad_entropy=None if grad_entropy is None else grad_entropy[rows],
-            entropy=None if entropy is None else entropy[rows],
             inv_temperature=self.inv_temperature, out=row_logits if self.transform is not None else dlogits,
         )
         if self.transform is not None:

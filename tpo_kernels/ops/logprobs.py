@@ -6,8 +6,9 @@ backend's fused row backward.
 
 Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
 entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
-never read). The row statistics (max and log-sum, see the row-op contract in
-:mod:`tpo_kernels.backends`) and ``lp`` itself are kept for the backward. Backward,
+never read). The op returns the row op's whole :class:`~tpo_kernels.backends.row_summary.RowSummary`
+(flattened by its ``to_op``; see the row-op contract in :mod:`tpo_kernels.backends`), and the
+autograd rule keeps it for the backward. Backward,
 with ``p = softmax(z / tau)``::
 
     dz[r, v] = (g[r] * (onehot(y_r)[v] - p[v]) - ge[r] * p[v] * (log p[v] + H[r])) / tau
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
 from ..backends import backend_by_key
+from ..backends.row_summary import RowSummary, op_outputs
 from .tiles import TilePolicy
 
 
@@ -132,17 +134,13 @@ def _flat_row_stride(x: Tensor) -> Optional[int]:
 @torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
 def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool,
               inplace_backward: bool, backend: str, logit_scale: float = 1.0,
-              logit_softcap: Optional[float] = None) -> Tuple[Tensor, Tensor, Tensor]:
+              logit_softcap: Optional[float] = None) -> op_outputs():
     row_op = backend_by_key(backend).row_forward
     inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
     transform = LogitTransform.of(logit_scale, logit_softcap)
     if transform is None:  # one launch over the whole matrix or batch
-        stats, logprob, entropy = row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy)
-    else:
-        stats, logprob, entropy = _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy)
-    if entropy is None:
-        entropy = logprob.new_empty(0)
-    return logprob, entropy, stats
+        return row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy).to_op()
+    return _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy).to_op()
 
 
 def _pieces(logits: Tensor, transform: Optional[LogitTransform]) -> Iterator[Tuple[Tensor, slice]]:
@@ -173,48 +171,42 @@ def _capped_buffer(logits: Tensor, transform: Optional[LogitTransform]) -> Optio
 
 
 def _forward_pieces(row_op, transform: Optional[LogitTransform], logits: Tensor, labels: Tensor, inv_t: float,
-                    with_entropy: bool):
+                    with_entropy: bool) -> RowSummary:
     """The row op piece by piece (:func:`_pieces`), each soft-capped into one chunk-sized buffer
     first when there is a cap."""
-    num_rows = logits.shape[:-1].numel()
-    acc = compute_dtype(logits.dtype)
-    stats = logits.new_zeros(2, num_rows, dtype=acc)
-    logprob = logits.new_zeros(num_rows, dtype=acc)
-    entropy = logits.new_zeros(num_rows, dtype=acc) if with_entropy else None
+    summary = RowSummary.zeros(logits.shape[:-1].numel(), dtype=compute_dtype(logits.dtype), device=logits.device,
+                               with_entropy=with_entropy)
     buffer = _capped_buffer(logits, transform)
     for z, rows in _pieces(logits, transform):
         if transform is not None:
             z = transform.cap(z, buffer)
-        stats[:, rows], logprob[rows], piece_entropy = row_op(z, labels[rows], inv_temperature=inv_t,
-                                                              with_entropy=with_entropy)
-        if with_entropy:
-            entropy[rows] = piece_entropy
-    return stats, logprob, entropy
+        summary.assign(rows, row_op(z, labels[rows], inv_temperature=inv_t, with_entropy=with_entropy))
+    return summary
 
 
 @_logprobs.register_fake
 def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale=1.0, logit_softcap=None):
     # math.prod, not Size.numel(): numel() of symbolic sizes pins them under dynamic shapes.
-    rows, acc = math.prod(logits.shape[:-1]), compute_dtype(logits.dtype)
-    return (logits.new_empty(rows, dtype=acc), logits.new_empty(rows if with_entropy else 0, dtype=acc),
-            logits.new_empty(2, rows, dtype=acc))
+    return RowSummary.zeros(math.prod(logits.shape[:-1]), dtype=compute_dtype(logits.dtype), device=logits.device,
+                            with_entropy=with_entropy).to_op()
 
 
-def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
-                  grad_entropy: Optional[Tensor], entropy: Optional[Tensor], inv_temperature: float, backend: str,
-                  logit_scale: float, logit_softcap: Optional[float], out: Tensor) -> None:
+def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
+                  grad_entropy: Optional[Tensor], inv_temperature: float, backend: str, logit_scale: float,
+                  logit_softcap: Optional[float], out: Tensor) -> None:
     """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``): one launch
     over the matrix or batch, or piece by piece (:func:`_pieces`) with a soft cap.
 
     With a soft cap, per row chunk: recompute the capped chunk, run the row backward on it in
     place, multiply by the cap's derivative and write the result into ``out``'s rows (the chunk
-    of ``logits`` is read before its rows of ``out`` are written)."""
+    of ``logits`` is read before its rows of ``out`` are written). ``summary``: the forward's
+    :class:`RowSummary` as its ``to_op`` tensors (the entropy is read only with ``grad_entropy``)."""
+    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
     row_op = backend_by_key(backend).row_backward
     inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
     transform = LogitTransform.of(logit_scale, logit_softcap)
     if transform is None:
-        row_op(logits, labels, stats, logprobs, grad_logprobs, grad_entropy=grad_entropy, entropy=entropy,
-               inv_temperature=inv_t, out=out)
+        row_op(logits, labels, summary, grad_logprobs, grad_entropy=grad_entropy, inv_temperature=inv_t, out=out)
         return
     capped_buffer, derivative_buffer = _capped_buffer(logits, transform), _capped_buffer(logits, transform)
     for (z, rows), (out_piece, _) in zip(_pieces(logits, transform), _pieces(out, transform)):
@@ -222,20 +214,19 @@ def _row_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tenso
         if transform is not None:
             derivative = transform.derivative(z, derivative_buffer)
             z = target = transform.cap(z, capped_buffer)
-        row_op(z, labels[rows], stats[:, rows], logprobs[rows], grad_logprobs[rows],
-               grad_entropy=None if grad_entropy is None else grad_entropy[rows],
-               entropy=None if entropy is None else entropy[rows], inv_temperature=inv_t, out=target)
+        row_op(z, labels[rows], summary.select(rows), grad_logprobs[rows],
+               grad_entropy=None if grad_entropy is None else grad_entropy[rows], inv_temperature=inv_t, out=target)
         if transform is not None:
             out_piece.copy_(z.mul_(derivative))
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
-def _logprobs_backward(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor, grad_logprobs: Tensor,
-                       grad_entropy: Optional[Tensor], entropy: Optional[Tensor], inv_temperature: float,
-                       backend: str, logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> Tensor:
+def _logprobs_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
+                       grad_entropy: Optional[Tensor], inv_temperature: float, backend: str, logit_scale: float = 1.0,
+                       logit_softcap: Optional[float] = None) -> Tensor:
     out = torch.empty_like(logits)
-    _row_backward(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend,
-                  logit_scale, logit_softcap, out)
+    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, inv_temperature, backend, logit_scale,
+                  logit_softcap, out)
     return out
 
 
@@ -245,12 +236,11 @@ def _(logits, *args):
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward_", mutates_args=("logits",))
-def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, stats: Tensor, logprobs: Tensor,
-                               grad_logprobs: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor],
-                               inv_temperature: float, backend: str, logit_scale: float = 1.0,
-                               logit_softcap: Optional[float] = None) -> None:
-    _row_backward(logits, labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, inv_temperature, backend,
-                  logit_scale, logit_softcap, logits)
+def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
+                               grad_entropy: Optional[Tensor], inv_temperature: float, backend: str,
+                               logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> None:
+    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, inv_temperature, backend, logit_scale,
+                  logit_softcap, logits)
 
 
 @_logprobs_backward_inplace.register_fake
@@ -260,32 +250,33 @@ def _(logits, *args):
 
 def _setup_context(ctx, inputs, output):
     logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale, logit_softcap = inputs
-    logprobs, entropy, stats = output
-    ctx.save_for_backward(logits, labels, stats, logprobs, entropy)
+    ctx.save_for_backward(logits, labels, *output)  # the RowSummary's to_op tensors
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
     ctx.logit_scale, ctx.logit_softcap = logit_scale, logit_softcap
 
 
-def row_gradients(counted: Tensor, logprobs: Tensor, entropy: Optional[Tensor], grad_logprobs: Optional[Tensor],
-                  grad_entropy: Optional[Tensor], with_entropy: bool):
-    """The incoming per-row gradients as a row backward takes them: zero on rows that do not
-    count (they were never read), in the compute dtype; ``(grad_logprobs, grad_entropy, entropy)``
-    with the last two None when no entropy gradient arrives."""
-    if grad_logprobs is None:
-        grad_logprobs = torch.zeros_like(logprobs)
+def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[Tensor],
+                  grad_entropy: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The incoming gradients of a summary's log-probs and entropies (None where none arrived)
+    as a row backward takes them: zero on rows that do not count (they were never read), in the
+    compute dtype; ``(grad_logprobs, grad_entropy)``, the second None when the summary has no
+    entropy or no entropy gradient arrives."""
+    logprobs = summary.label_logprob
+    grad_logprobs = torch.zeros_like(logprobs) if grad_logprobs is None else grad_logprobs
     grad_logprobs = torch.where(counted, grad_logprobs.to(logprobs.dtype), 0.0)
-    if not with_entropy or grad_entropy is None:
-        return grad_logprobs, None, None
-    return grad_logprobs, torch.where(counted, grad_entropy.to(logprobs.dtype), 0.0), entropy
+    if summary.entropy is None or grad_entropy is None:
+        return grad_logprobs, None
+    return grad_logprobs, torch.where(counted, grad_entropy.to(logprobs.dtype), 0.0)
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_stats):
-    logits, labels, stats, logprobs, entropy = ctx.saved_tensors
-    grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprobs, entropy, grad_logprobs, grad_entropy,
-                                                         ctx.with_entropy)
-    args = (labels, stats, logprobs, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend,
+def _backward(ctx, *grads):
+    logits, labels, *saved = ctx.saved_tensors
+    summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
+    grads = RowSummary.from_op(grads, with_entropy=ctx.with_entropy)  # of each output, None where none arrived
+    grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grads.label_logprob, grads.entropy)
+    args = (labels, list(summary.to_op()), grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend,
             ctx.logit_scale, ctx.logit_softcap)
     settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
     if ctx.inplace_backward:
@@ -303,6 +294,6 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, wi
     """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` or ``[B, T, V]`` logits (module
     docstring) through the logit transform (:class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64
     ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
-    logprobs, entropy, _ = _logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
-                                     logit_scale, logit_softcap)
-    return logprobs, (entropy if with_entropy else None)
+    summary = RowSummary.from_op(_logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
+                                           logit_scale, logit_softcap), with_entropy=with_entropy)
+    return summary.label_logprob, summary.entropy

@@ -13,16 +13,17 @@ unused) and gets no one-hot term in the backward.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
+from ..backends.row_summary import RowSummary
 from .linear import TilePolicy
 from .linear_head import TiledLinearHead
 from .logprobs import row_gradients
-from .row_summary import RowSummary
 
 
 class ShardSeam(Protocol):
@@ -43,11 +44,12 @@ def _owned(labels: Tensor, seam: ShardSeam) -> Tuple[Tensor, Tensor]:
     return (labels >= 0) & (local >= 0) & (local < seam.size), local
 
 
-def _whole(summary: RowSummary, counted: Tensor):
-    """``(stats [2, M], logprob, entropy | None)`` of the merged summary, 0 on uncounted rows."""
-    zero = lambda x: None if x is None else torch.where(counted, x, 0.0)  # noqa: E731
-    stats = torch.stack([zero(summary.row_max), zero(summary.log_sum)])
-    return stats, zero(summary.label_logprob), zero(summary.entropy)
+def _whole(shard: RowSummary, owned: Tensor, counted: Tensor, seam: ShardSeam, inv_temperature: float) -> RowSummary:
+    """The whole vocabulary's summary from this shard's (whose ``has_label`` becomes ``owned``:
+    the shard read a stand-in label for the rows whose label another shard holds), 0 on
+    uncounted rows."""
+    merged = seam.merge(dataclasses.replace(shard, has_label=owned), inv_temperature)
+    return merged.map(lambda value: torch.where(counted, value, value.new_zeros(())))
 
 
 class _ShardLogprobs(torch.autograd.Function):
@@ -58,22 +60,20 @@ class _ShardLogprobs(torch.autograd.Function):
         counted = labels >= 0
         owned, local = _owned(labels, seam)
         read_labels = torch.where(counted, torch.where(owned, local, 0), -1)  # every counted row is read
-        stats, logprob, entropy = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=inv_temperature,
-                                                                   with_entropy=with_entropy)
-        merged = seam.merge(RowSummary(row_max=stats[0], log_sum=stats[1], label_logprob=logprob, entropy=entropy,
-                                       has_label=owned), inv_temperature)
-        stats, logprob, entropy = _whole(merged, counted)
-        ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, stats, logprob, entropy)
+        shard = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=inv_temperature,
+                                                with_entropy=with_entropy)
+        summary = _whole(shard, owned, counted, seam, inv_temperature)
+        ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, *summary.to_op())
         ctx.inv_temperature, ctx.with_entropy, ctx.inplace_backward, ctx.backend = (inv_temperature, with_entropy,
                                                                                  inplace_backward, key)
-        return logprob, entropy if with_entropy else logprob.new_empty(0)
+        return summary.label_logprob, summary.entropy if with_entropy else summary.label_logprob.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, grad_labels, counted, stats, logprob, entropy = ctx.saved_tensors
-        grad_logprobs, grad_entropy, entropy = row_gradients(counted, logprob, entropy, grad_logprobs, grad_entropy,
-                                                             ctx.with_entropy)
-        args = (grad_labels, stats, logprob, grad_logprobs, grad_entropy, entropy, ctx.inv_temperature, ctx.backend)
+        logits, grad_labels, counted, *saved = ctx.saved_tensors
+        summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
+        grad_logprobs, grad_entropy = row_gradients(counted, summary, grad_logprobs, grad_entropy)
+        args = (grad_labels, list(summary.to_op()), grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend)
         if ctx.inplace_backward:
             torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
             grad = logits
@@ -99,27 +99,24 @@ class _ShardLinearLogprobs(torch.autograd.Function):
                 grad_accum_dtype, key):
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
                                policy, vocab_offset=seam.start)
-        stats, logprob, entropy = head.forward(with_entropy)
         owned, _ = _owned(labels, seam)
-        merged = seam.merge(RowSummary(row_max=stats[0], log_sum=stats[1], label_logprob=logprob, entropy=entropy,
-                                       has_label=owned), inv_temperature)
-        stats, logprob, entropy = _whole(merged, labels >= 0)
-        ctx.save_for_backward(hidden, weight, bias, labels, stats, logprob, entropy)
+        summary = _whole(head.forward(with_entropy), owned, labels >= 0, seam, inv_temperature)
+        ctx.save_for_backward(hidden, weight, bias, labels, *summary.to_op())
         ctx.seam, ctx.inv_temperature, ctx.with_entropy, ctx.backend = seam, inv_temperature, with_entropy, key
         ctx.chunk_size, ctx.policy, ctx.grad_accum_dtype = chunk_size, policy, grad_accum_dtype
-        return logprob, entropy if with_entropy else logprob.new_empty(0)
+        return summary.label_logprob, summary.entropy if with_entropy else summary.label_logprob.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, stats, logprob, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, *saved = ctx.saved_tensors
+        summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
         seam = ctx.seam
-        grad_logprobs, grad_entropy, entropy = row_gradients(labels >= 0, logprob, entropy, grad_logprobs,
-                                                             grad_entropy, ctx.with_entropy)
+        grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grad_logprobs, grad_entropy)
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(ctx.backend), ctx.inv_temperature,
                                ctx.chunk_size, ctx.policy, vocab_offset=seam.start)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grad_hidden, grad_weight, grad_bias = head.backward(stats, logprob, grad_logprobs, grad_entropy, entropy,
-                                                            needs, ctx.grad_accum_dtype)
+        grad_hidden, grad_weight, grad_bias = head.backward(summary, grad_logprobs, grad_entropy, needs,
+                                                            ctx.grad_accum_dtype)
         if grad_hidden is not None:  # every shard's contribution to dH
             grad_hidden = seam.sum_hidden_grad(grad_hidden)
         return (grad_hidden, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)

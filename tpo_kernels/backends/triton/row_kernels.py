@@ -58,7 +58,7 @@ loaded before it is stored by the same program, so ``out`` may alias ``logits``.
 are shared with the other kernels (:mod:`.kernel_support`).
 """
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -66,6 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._dtypes import compute_dtype
+from ..row_summary import RowSummary
 from .kernel_support import device_guard, expm1, log1p, scalar_from_parts, split_scalar, use_libdevice
 from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
                          pick_num_warps, row_batch, row_offset, row_sections)
@@ -313,27 +314,30 @@ def row_forward(
     inv_temperature: float,
     with_entropy: bool,
     block_v: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``(stats [2, M], logprob, entropy | None)`` per row, in the compute dtype (see the
-    backends contract), of ``[M, V]`` logits or of a ``[B, T, V]`` view (``M = B T``, one launch)."""
+) -> RowSummary:
+    """The :class:`RowSummary` of every row (see the backends contract) of ``[M, V]`` logits or
+    of a ``[B, T, V]`` view (``M = B T``, one launch)."""
     rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
     acc = compute_dtype(logits.dtype)
-    stats = torch.empty(2, rows, dtype=acc, device=logits.device)
+    # Separate tensors, not views of one: a custom op's outputs may not alias each other.
+    row_max, log_sum = (torch.empty(rows, dtype=acc, device=logits.device) for _ in range(2))
     logprob = torch.empty(rows, dtype=acc, device=logits.device)
     entropy = torch.empty(rows, dtype=acc, device=logits.device) if with_entropy else None
-    if rows == 0:
-        return stats, logprob, entropy
-    logits = row_batch(logits)
     labels = labels.reshape(-1).contiguous()
+    summary = RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                         has_label=(labels >= 0) & (labels < vocab))
+    if rows == 0:
+        return summary
+    logits = row_batch(logits)
     block, vec = chunk_geometry(logits, block_v)
     base, base_offset = aligned_base(logits, vec)
     with device_guard(logits):
         _row_forward_kernel[(rows,)](
             base,
             labels,
-            stats[0],
-            stats[1],
-            logprob,
+            summary.row_max,
+            summary.log_sum,
+            summary.label_logprob,
             entropy if with_entropy else logprob,  # placeholder pointer, unused without entropy
             base_offset,
             *batch_layout(logits),
@@ -347,18 +351,16 @@ def row_forward(
             num_warps=pick_num_warps(block),
             maxnreg=forward_register_cap(logits.dtype, with_entropy),
         )
-    return stats, logprob, entropy
+    return summary
 
 
 def row_backward(
     logits: Tensor,
     labels: Tensor,
-    stats: Tensor,
-    logprob: Tensor,
+    summary: RowSummary,
     grad_logprob: Tensor,
     *,
     grad_entropy: Optional[Tensor] = None,
-    entropy: Optional[Tensor] = None,
     inv_temperature: float,
     out: Tensor,
     block_v: Optional[int] = None,
@@ -368,20 +370,21 @@ def row_backward(
     rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
     if rows == 0:
         return
-    if grad_entropy is not None and entropy is None:
-        raise ValueError("row_backward: grad_entropy needs the forward entropy")
+    if grad_entropy is not None and summary.entropy is None:
+        raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
     # The kernel writes rows with unit column stride that never overlap; anything else goes
     # through a copy.
     target = out if row_batch(out) is out else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     logits = row_batch(logits)
     labels = labels.reshape(-1).contiguous()
-    row_max, log_sum = stats[0].contiguous(), stats[1].contiguous()
-    logprob = logprob.contiguous()
+    row_max, log_sum = summary.row_max.contiguous(), summary.log_sum.contiguous()
+    logprob = summary.label_logprob.contiguous()
     grad_logprob = grad_logprob.contiguous()
     has_ge = grad_entropy is not None
+    entropy = None
     if has_ge:
         grad_entropy = grad_entropy.contiguous()
-        entropy = entropy.contiguous()
+        entropy = summary.entropy.contiguous()
     block, vec = chunk_geometry(logits, block_v)
     in_per_batch, in_batch_stride, in_row_stride = batch_layout(logits)
     _, out_batch_stride, out_row_stride = batch_layout(target)
