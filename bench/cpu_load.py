@@ -100,9 +100,9 @@ def make_calls(path: str, shape: Tuple[int, ...], seed: int = 0) -> Dict[str, Tu
 
         def rows(backend):
             def run():
-                stats, lp, _ = backend.row_forward(logits, flat_labels, inv_temperature=1.0, with_entropy=False)
-                backend.row_backward(logits, flat_labels, stats, lp, torch.ones_like(lp), inv_temperature=1.0,
-                                     out=torch.empty_like(logits))
+                summary = backend.row_forward(logits, flat_labels, inv_temperature=1.0, with_entropy=False)
+                backend.row_backward(logits, flat_labels, summary, torch.ones_like(summary.label_logprob),
+                                     inv_temperature=1.0, out=torch.empty_like(logits))
             return run
 
         cpu = torch.device("cpu")

@@ -119,3 +119,14 @@ TRITON_NVIDIA_COMPILER = _triton_nvidia_compiler_present()
 needs_triton_nvidia_compiler = pytest.mark.skipif(
     not TRITON_NVIDIA_COMPILER, reason="Triton's NVIDIA compiler is absent"
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Row-op results
+# ----------------------------------------------------------------------------------------------
+
+
+def stats_logprob_entropy(summary):
+    """``(stats [2, M] = (row_max; log_sum), label_logprob, entropy | None)`` of a backend's
+    ``RowSummary``: the three values the kernel tests compare, whatever fields the record adds."""
+    return torch.stack([summary.row_max, summary.log_sum]), summary.label_logprob, summary.entropy

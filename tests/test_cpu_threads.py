@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _backends import needs_cpu
+from _backends import needs_cpu, stats_logprob_entropy
 from _native_helpers import DTYPES, cpu_backend, cpu_ext, make_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,11 +33,12 @@ def torch_threads():
 def _all_ops(logits, labels, candidates):
     """Every row op of the cpu backend on the inputs: forward, backward, candidate fwd/bwd."""
     backend = cpu_backend()
-    stats, lp, ent = backend.row_forward(logits, labels, inv_temperature=0.8, with_entropy=True)
+    summary = backend.row_forward(logits, labels, inv_temperature=0.8, with_entropy=True)
+    stats, lp, ent = stats_logprob_entropy(summary)
     g = torch.linspace(-1.0, 1.0, lp.numel(), dtype=lp.dtype)
     g[::7] = 0.0  # zero-signal rows take the memset branch
     grad = torch.empty_like(logits)
-    backend.row_backward(logits, labels, stats, lp, g, grad_entropy=g.flip(0), entropy=ent, inv_temperature=0.8,
+    backend.row_backward(logits, labels, summary, g, grad_entropy=g.flip(0), inv_temperature=0.8,
                          out=grad)
     cand = backend.candidate_forward(logits, candidates, inv_temperature=0.8)
     cand_grad = torch.empty_like(logits)
@@ -144,14 +145,14 @@ def test_forked_child_starts_its_own_pool(torch_threads):
     there (on a fresh pool), not wait forever for helpers that do not exist."""
     torch_threads(2)
     logits, labels = make_rows(256, 2048, torch.float32)
-    want = cpu_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)[1]
+    want = cpu_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False).label_logprob
     assert cpu_ext().last_threads() == 2
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: report success through the exit status only
         ok = 1
         try:
-            got = cpu_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)[1]
+            got = cpu_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False).label_logprob
             ok = 0 if torch.equal(got, want) and cpu_ext().last_threads() == 2 else 1
         finally:
             os._exit(ok)
@@ -185,7 +186,8 @@ def test_concurrent_callers_get_their_own_results(torch_threads):
         x, y = inputs[i]
         for _ in range(20):
             got = cpu_backend().row_forward(x, y, inv_temperature=1.0, with_entropy=True)
-            if not all(torch.equal(a, b) for a, b in zip(got, want[i])):
+            if not all(torch.equal(a, b) for a, b in zip(stats_logprob_entropy(got),
+                                                           stats_logprob_entropy(want[i]))):
                 failures.append(i)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]

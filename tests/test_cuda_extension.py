@@ -13,7 +13,7 @@ from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
-from _backends import CUDA_EXTENSION, needs_cuda, needs_cuda_extension
+from _backends import CUDA_EXTENSION, needs_cuda, needs_cuda_extension, stats_logprob_entropy
 from _native_helpers import (
     DTYPES,
     cuda_backend,
@@ -109,8 +109,10 @@ def test_row_forward_backward_match_torch(dtype, vocab):
     logits, labels = make_rows(33, vocab, dtype, device="cuda", skip=(3,))
     it = 1.0 / 0.7
     be = cuda_backend()
-    stats, lp, entropy = be.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
-    t_stats, t_lp, t_entropy = TORCH.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    summary = be.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    stats, lp, entropy = stats_logprob_entropy(summary)
+    t_summary = TORCH.row_forward(logits, labels, inv_temperature=it, with_entropy=True)
+    t_stats, t_lp, t_entropy = stats_logprob_entropy(t_summary)
     torch.testing.assert_close(stats, t_stats, **fwd_tol(dtype))
     torch.testing.assert_close(lp, t_lp, **fwd_tol(dtype))
     torch.testing.assert_close(entropy, t_entropy, **ent_tol(dtype))
@@ -119,14 +121,14 @@ def test_row_forward_backward_match_torch(dtype, vocab):
     ge = torch.randn(33, dtype=acc, device="cuda")
     g[7] = ge[7] = 0.0
     for ge_arg in (None, ge):
-        kwargs = dict(grad_entropy=ge_arg, entropy=t_entropy, inv_temperature=it)
+        kwargs = dict(grad_entropy=ge_arg, inv_temperature=it)
         want = torch.empty_like(logits)
-        TORCH.row_backward(logits, labels, t_stats, t_lp, g, **kwargs, out=want)
+        TORCH.row_backward(logits, labels, t_summary, g, **kwargs, out=want)
         got = torch.empty_like(logits)
-        be.row_backward(logits, labels, t_stats, t_lp, g, **kwargs, out=got)
+        be.row_backward(logits, labels, t_summary, g, **kwargs, out=got)
         torch.testing.assert_close(got, want, **grad_tol(dtype))
         in_place = logits.clone()
-        be.row_backward(in_place, labels, t_stats, t_lp, g, **kwargs, out=in_place)
+        be.row_backward(in_place, labels, t_summary, g, **kwargs, out=in_place)
         assert torch.equal(in_place, got)
 
 
@@ -138,16 +140,18 @@ def test_misaligned_rows_and_zero_rows(dtype):
     logits = storage.view(-1)[1 : 1 + 17 * 4097].view(17, 4097)
     labels = torch.randint(0, 4097, (17,), device="cuda")
     logits[4] = float("nan")  # zero-signal row: never read
-    stats, lp, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
-    got_stats, got_lp, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    summary = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    stats, lp, _ = stats_logprob_entropy(summary)
+    got_summary = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    got_stats, got_lp, _ = stats_logprob_entropy(got_summary)
     keep = torch.arange(17, device="cuda") != 4
     torch.testing.assert_close(got_stats[:, keep], stats[:, keep], **fwd_tol(dtype))
     torch.testing.assert_close(got_lp[keep], lp[keep], **fwd_tol(dtype))
     g = torch.randn(17, device="cuda")
     g[4] = 0.0
     want = torch.empty_like(logits)
-    TORCH.row_backward(logits, labels, stats, lp, g, inv_temperature=1.0, out=want)
-    cuda_backend().row_backward(logits, labels, stats, lp, g, inv_temperature=1.0, out=logits)  # in place
+    TORCH.row_backward(logits, labels, summary, g, inv_temperature=1.0, out=want)
+    cuda_backend().row_backward(logits, labels, summary, g, inv_temperature=1.0, out=logits)  # in place
     torch.testing.assert_close(logits[keep], want[keep], **grad_tol(dtype))
     assert (logits[4] == 0).all()
 
@@ -174,11 +178,13 @@ def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where):
         logits[0] = float("-inf")
         logits[0, labels[0]] = label_logit
     logits[0, column] = value
-    stats, lp, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    summary = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     for name, t in (("row_max", stats[0]), ("log_sum", stats[1]), ("logprob", lp), ("entropy", entropy)):
         assert torch.isnan(t[0]), name
         assert torch.isfinite(t[1:]).all(), name
-    t_stats, t_lp, t_entropy = TORCH.row_forward(logits[1:], labels[1:], inv_temperature=1.0, with_entropy=True)
+    t_summary = TORCH.row_forward(logits[1:], labels[1:], inv_temperature=1.0, with_entropy=True)
+    t_stats, t_lp, t_entropy = stats_logprob_entropy(t_summary)
     torch.testing.assert_close(stats[:, 1:], t_stats, **fwd_tol(dtype))
     torch.testing.assert_close(lp[1:], t_lp, **fwd_tol(dtype))
     torch.testing.assert_close(entropy[1:], t_entropy, **ent_tol(dtype))
@@ -189,7 +195,8 @@ def test_skipped_rows_and_invalid_labels_are_not_read():
     logits, labels = make_rows(6, 777, torch.float32, device="cuda", skip=(2,))
     logits[2] = float("nan")
     labels[4] = 777  # out of range: never dereferenced, reported as NaN
-    stats, lp, entropy = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    summary = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     assert stats[0, 2].item() == stats[1, 2].item() == lp[2].item() == entropy[2].item() == 0.0
     assert torch.isnan(stats[1, 4]) and torch.isnan(lp[4])
 
@@ -270,8 +277,10 @@ def test_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
     with torch.cuda.stream(side):
-        stats, lp, _ = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+        summary = cuda_backend().row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+        stats, lp, _ = stats_logprob_entropy(summary)
     side.synchronize()
-    t_stats, t_lp, _ = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    t_summary = TORCH.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    t_stats, t_lp, _ = stats_logprob_entropy(t_summary)
     torch.testing.assert_close(stats, t_stats, **fwd_tol(torch.bfloat16))
     torch.testing.assert_close(lp, t_lp, **fwd_tol(torch.bfloat16))

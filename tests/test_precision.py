@@ -552,7 +552,8 @@ def test_edge_all_tied(backend, anchor):
 def _row_check(backend, logits, labels, rows, inv_t=1.0):
     """Row forward + in-place backward of the cpu backend on ``rows`` of a big matrix, checked
     against float64 on those rows: log-prob within 1e-6, gradient within 2^-10 (fp16 output)."""
-    stats, lp, _ = backend.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=False)
+    summary = backend.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=False)
+    lp = summary.label_logprob
     expected = {}
     for r in rows:
         z = logits[r].double() * inv_t
@@ -561,7 +562,7 @@ def _row_check(backend, logits, labels, rows, inv_t=1.0):
         expected[r][1][labels[r]] += 1.0
     g = torch.zeros(logits.shape[0])
     g[rows] = 1.0
-    backend.row_backward(logits, labels, stats, lp, g, inv_temperature=inv_t, out=logits)  # in place
+    backend.row_backward(logits, labels, summary, g, inv_temperature=inv_t, out=logits)  # in place
     for r in rows:
         assert abs(float(lp[r]) - expected[r][0]) < 1e-6
         assert _err(logits[r], expected[r][1] * inv_t) <= 2 ** -10

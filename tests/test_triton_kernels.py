@@ -19,7 +19,7 @@ from tpo_kernels.backends import get_backend, triton_interpreter_enabled
 from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
-from _backends import BACKEND_STATUS, DEVICE, backend_available, needs_triton_nvidia_compiler
+from _backends import BACKEND_STATUS, DEVICE, backend_available, needs_triton_nvidia_compiler, stats_logprob_entropy
 
 if not backend_available("triton"):
     pytest.skip(f"triton backend: {BACKEND_STATUS['triton']}", allow_module_level=True)
@@ -78,11 +78,13 @@ def test_row_forward_matches_torch(dtype, vocab, block_v):
     logits = _logits(rows, vocab, dtype)
     labels = _labels(rows, vocab, skipped=(2,))
     for inv_t, entropy in ((1.0, True), (1.0 / 0.7, True), (1.0 / 0.7, False)):
-        stats, lp, ent = row_kernels.row_forward(logits, labels,
+        summary = row_kernels.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=entropy,
                                                  block_v=block_v)
-        ref_stats, ref_lp, ref_ent = REF.row_forward(logits, labels,
+        stats, lp, ent = stats_logprob_entropy(summary)
+        ref_summary = REF.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=entropy)
+        ref_stats, ref_lp, ref_ent = stats_logprob_entropy(ref_summary)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         assert stats.dtype == lp.dtype == acc and stats.shape == (2, rows)
         tol = FWD_TOL[dtype]
@@ -102,9 +104,11 @@ def test_row_forward_skipped_rows_are_not_read():
     poisoned = logits.clone()
     poisoned[0] = float("nan")
     poisoned[3] = float("nan")
-    stats, lp, ent = row_kernels.row_forward(poisoned, labels,
+    summary = row_kernels.row_forward(poisoned, labels,
         inv_temperature=1.0, with_entropy=True, block_v=8)
-    ref_stats, ref_lp, ref_ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, ent = stats_logprob_entropy(summary)
+    ref_summary = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    ref_stats, ref_lp, ref_ent = stats_logprob_entropy(ref_summary)
     for out, ref in ((stats[0], ref_stats[0]), (stats[1], ref_stats[1]), (lp, ref_lp), (ent, ref_ent)):
         assert torch.equal(out[[0, 3]], torch.zeros(2, device=DEVICE))
         _close(out, ref, 1e-5)
@@ -118,8 +122,9 @@ def test_row_forward_handles_minus_inf_logits():
     logits[0, :16] = float("-inf")
     logits[1, ::3] = float("-inf")
     labels = torch.tensor([20, 1], device=DEVICE)
-    stats, lp, ent = row_kernels.row_forward(logits, labels,
+    summary = row_kernels.row_forward(logits, labels,
         inv_temperature=1.3, with_entropy=True, block_v=8)
+    stats, lp, ent = stats_logprob_entropy(summary)
     z = logits.double() * 1.3
     ref_lse = torch.logsumexp(z, dim=1)
     p = torch.softmax(z, dim=1)
@@ -135,7 +140,7 @@ def test_row_forward_deterministic():
     labels = _labels(4, 50)
     first = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True, block_v=16)
     second = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True, block_v=16)
-    for a, b in zip(first, second):
+    for a, b in zip(stats_logprob_entropy(first), stats_logprob_entropy(second)):
         assert torch.equal(a, b)
 
 
@@ -160,24 +165,25 @@ def test_row_backward_matches_torch(dtype, with_entropy):
     labels = _labels(rows, vocab, skipped=(2,))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     # Real statistics for the skipped row too (its label stands in as 0 in the forward).
-    stats, lp, ent = REF.row_forward(logits, labels.clamp(min=0), inv_temperature=inv_t, with_entropy=True)
+    summary = REF.row_forward(logits, labels.clamp(min=0), inv_temperature=inv_t, with_entropy=True)
+    stats, lp, ent = stats_logprob_entropy(summary)
     g, ge = _grads(rows, acc, zero_rows=(4,))
     if not with_entropy:
         ge, ent = None, None
     expected = torch.empty_like(logits)
-    REF.row_backward(logits, labels, stats, lp, g,
-        grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=expected)
+    REF.row_backward(logits, labels, summary, g,
+        grad_entropy=ge, inv_temperature=inv_t, out=expected)
 
     out = torch.empty_like(logits)
-    row_kernels.row_backward(logits, labels, stats, lp, g,
-        grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=out, block_v=16)
+    row_kernels.row_backward(logits, labels, summary, g,
+        grad_entropy=ge, inv_temperature=inv_t, out=out, block_v=16)
     _close(out.to(acc), expected.to(acc), GRAD_TOL[dtype])
     assert torch.equal(out[4], torch.zeros_like(out[4]))
 
     # In place: the logits buffer becomes its own gradient.
     inplace = logits.clone()
-    row_kernels.row_backward(inplace, labels, stats, lp, g,
-        grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=inplace, block_v=16)
+    row_kernels.row_backward(inplace, labels, summary, g,
+        grad_entropy=ge, inv_temperature=inv_t, out=inplace, block_v=16)
     assert torch.equal(inplace, out)
 
 
@@ -185,23 +191,24 @@ def test_row_backward_zero_rows_are_not_read():
     rows, vocab = 5, 21
     logits = _logits(rows, vocab, torch.float32)
     labels = _labels(rows, vocab)
-    stats, lp, ent = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    summary = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, ent = stats_logprob_entropy(summary)
     g, ge = _grads(rows, torch.float32, zero_rows=(1, 3))
     ge[0] = 0.0  # row 0: only the log-prob gradient
     g[2] = 0.0  # row 2: only the entropy gradient (still active)
     poisoned = logits.clone()
     poisoned[[1, 3]] = float("nan")
     expected = torch.empty_like(logits)
-    REF.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=expected)
+    REF.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=1.0, out=expected)
     out = torch.full_like(logits, 7.0)
-    row_kernels.row_backward(poisoned, labels, stats, lp, g,
-        grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=out, block_v=8)
+    row_kernels.row_backward(poisoned, labels, summary, g,
+        grad_entropy=ge, inv_temperature=1.0, out=out, block_v=8)
     assert torch.equal(out[[1, 3]], torch.zeros(2, vocab, device=DEVICE))
     _close(out, expected, 1e-5)
     # Without an entropy gradient, g == 0 alone marks a row as zero-signal.
     out = torch.full_like(logits, 7.0)
-    row_kernels.row_backward(poisoned, labels, stats, lp, g,
-        grad_entropy=None, entropy=None, inv_temperature=1.0, out=out, block_v=8)
+    row_kernels.row_backward(poisoned, labels, summary, g,
+        grad_entropy=None, inv_temperature=1.0, out=out, block_v=8)
     assert torch.equal(out[[1, 2, 3]], torch.zeros(3, vocab, device=DEVICE))
     assert torch.isfinite(out).all()
 
@@ -210,12 +217,13 @@ def test_row_backward_through_the_backend_is_deterministic():
     logits = _logits(4, 40, torch.bfloat16)
     labels = _labels(4, 40)
     backend = TritonBackend()
-    stats, lp, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    summary = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
+    stats, lp, ent = stats_logprob_entropy(summary)
     g, ge = _grads(4, torch.float32)
     first, second = torch.empty_like(logits), torch.empty_like(logits)
-    backend.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=first)
-    backend.row_backward(logits, labels, stats, lp, g,
-        grad_entropy=ge, entropy=ent, inv_temperature=1.0, out=second)
+    backend.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=1.0, out=first)
+    backend.row_backward(logits, labels, summary, g,
+        grad_entropy=ge, inv_temperature=1.0, out=second)
     assert torch.equal(first, second)
 
 
@@ -231,11 +239,12 @@ def test_gradient_of_logprob_matches_autograd_float64():
     objective = (g * log_p.gather(1, labels[:, None]).squeeze(1)).sum() + (ge * entropy).sum()
     (expected,) = torch.autograd.grad(objective, logits)
     with torch.no_grad():
-        stats, lp, ent = row_kernels.row_forward(logits, labels,
+        summary = row_kernels.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=True, block_v=4)
+        stats, lp, ent = stats_logprob_entropy(summary)
         out = torch.empty_like(logits)
-        row_kernels.row_backward(logits, labels, stats, lp, g,
-            grad_entropy=ge, entropy=ent, inv_temperature=inv_t, out=out, block_v=4)
+        row_kernels.row_backward(logits, labels, summary, g,
+            grad_entropy=ge, inv_temperature=inv_t, out=out, block_v=4)
     _close(out, expected, 1e-12)
 
 
@@ -301,24 +310,26 @@ def test_row_ops_match_torch_at_every_row_alignment(dtype, offset, vocab):
     labels, hit = _labels_in_sections(starts, vocab, vec, block_v)
     if vocab == 300:  # every section is exercised
         assert hit == set(SECTIONS), hit
-    stats, lp, ent = row_kernels.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True,
+    summary = row_kernels.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True,
                                              block_v=block_v)
-    ref_stats, ref_lp, ref_ent = REF.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True)
+    stats, lp, ent = stats_logprob_entropy(summary)
+    ref_summary = REF.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True)
+    ref_stats, ref_lp, ref_ent = stats_logprob_entropy(ref_summary)
     for got, ref in ((stats, ref_stats), (lp, ref_lp), (ent, ref_ent)):
         _close(got, ref, FWD_TOL[dtype])
 
     acc = stats.dtype
     g, ge = _grads(rows, acc, zero_rows=(3,))
     expected = torch.empty(rows, vocab, dtype=dtype, device=DEVICE)
-    REF.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent, inv_temperature=inv_t,
+    REF.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=inv_t,
                      out=expected)
     out = torch.full((rows, vocab), 7.0, dtype=dtype, device=DEVICE)  # rows start at other offsets
-    row_kernels.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent,
+    row_kernels.row_backward(logits, labels, summary, g, grad_entropy=ge,
                              inv_temperature=inv_t, out=out, block_v=block_v)
     _close(out.to(acc), expected.to(acc), GRAD_TOL[dtype])
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     # In place (out's rows then start where the logits' rows do).
-    row_kernels.row_backward(logits, labels, stats, lp, g, grad_entropy=ge, entropy=ent,
+    row_kernels.row_backward(logits, labels, summary, g, grad_entropy=ge,
                              inv_temperature=inv_t, out=logits, block_v=block_v)
     assert torch.equal(logits, out)
 
@@ -336,8 +347,9 @@ def test_row_forward_nan_or_inf_logit_in_any_section_makes_the_row_nan(section, 
             logits[r, span[len(span) // 2]] = bad
             poisoned.append(r)
     assert poisoned
-    stats, lp, ent = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True,
+    summary = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True,
                                              block_v=block_v)
+    stats, lp, ent = stats_logprob_entropy(summary)
     for value in (stats[1], lp, ent):
         assert value[poisoned].isnan().all()
         assert value[1::2].isfinite().all()
@@ -355,8 +367,9 @@ def test_confident_label_in_any_section_keeps_one_minus_p_accurate(section):
         labels.append(span[-1])
         logits[r, span[-1]] = 25.0
     labels = torch.tensor(labels, device=DEVICE)
-    _, lp, _ = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False,
+    summary = row_kernels.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False,
                                        block_v=block_v)
+    _, lp, _ = stats_logprob_entropy(summary)
     one_minus_p = -torch.expm1(lp.double())
     expected = (vocab - 1) / ((vocab - 1) + torch.exp(torch.tensor(25.0, dtype=torch.float64)))
     torch.testing.assert_close(one_minus_p, expected.expand(rows).to(DEVICE), rtol=1e-5, atol=0)
@@ -366,8 +379,9 @@ def test_row_forward_all_minus_inf_row_has_no_distribution():
     rows, vocab = 8, 37
     logits, _ = _strided_logits(rows, vocab, torch.float32, 1)
     logits[2] = float("-inf")
-    stats, lp, ent = row_kernels.row_forward(logits, _labels(rows, vocab), inv_temperature=1.0,
+    summary = row_kernels.row_forward(logits, _labels(rows, vocab), inv_temperature=1.0,
                                              with_entropy=True, block_v=16)
+    stats, lp, ent = stats_logprob_entropy(summary)
     assert stats[0, 2] == float("-inf") and lp[2].isnan() and ent[2].isnan()
     assert lp[[0, 1, 3]].isfinite().all()
 

@@ -47,10 +47,10 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
             def row_ops(backend, dt=dt, acc=acc, vocab=vocab, entropy=False):
                 logits = torch.randn(2, vocab).to(dt)
                 labels = torch.tensor([1, vocab - 1])
-                stats, logprob, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
+                summary = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
                 g = torch.ones(2, dtype=acc)
-                backend.row_backward(logits, labels, stats, logprob, g, grad_entropy=g if entropy else None,
-                                     entropy=ent, inv_temperature=1.0, out=logits)
+                backend.row_backward(logits, labels, summary, g, grad_entropy=g if entropy else None,
+                                     inv_temperature=1.0, out=logits)
 
             out.append(Scenario(f"row fwd+bwd V={vocab}", name, row_ops))
             out.append(Scenario(f"row fwd+bwd V={vocab} entropy", name,
@@ -62,10 +62,10 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
                 # specializations of the README's slices; in place, as the logits path runs it.
                 logits = torch.randn(2, 3, vocab).to(dt)[:, 1:]
                 labels = torch.tensor([1, vocab - 1, 0, 2])
-                stats, logprob, ent = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
+                summary = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=entropy)
                 g = torch.ones(4, dtype=acc)
-                backend.row_backward(logits, labels, stats, logprob, g, grad_entropy=g if entropy else None,
-                                     entropy=ent, inv_temperature=1.0, out=logits)
+                backend.row_backward(logits, labels, summary, g, grad_entropy=g if entropy else None,
+                                     inv_temperature=1.0, out=logits)
 
             if vocab % 2:
                 out.append(Scenario(f"row fwd+bwd V={vocab} unaligned start", name, row_ops_unaligned))

@@ -5,9 +5,9 @@ checks, the batch layout, autograd bookkeeping and a few small PyTorch ops. The 
 the backend's operations alone, called as ``tpo_loss`` calls them (temperature 1, no entropy,
 eta 1, anchored on-policy, mean reduction):
 
-* ``row_forward``:  ``backend.row_forward(logits[M, V], labels)`` -> row statistics, log-prob;
+* ``row_forward``:  ``backend.row_forward(logits[M, V], labels)`` -> the rows' ``RowSummary``;
 * ``group``:        ``backend.group_targets(token log-probs, layout, scores)`` -> p, q, ...;
-* ``row_backward``: ``backend.row_backward(...)`` writing the logits gradient in place, with the
+* ``row_backward``: ``backend.row_backward(logits, labels, summary, ...)`` writing the logits gradient in place, with the
   per-token gradient ``(p - q)[sequence] / G`` (rows of tied groups get 0 and are skipped, as in
   the real backward).
 
@@ -58,7 +58,8 @@ def logits_stages(inputs, shape: dict, backend_name: str, device: torch.device) 
         rows = logits.view(n * t, v)  # shares the inputs' storage: the backward writes into it
         labels = inputs["labels"].reshape(n * t).contiguous()
         layout = build_layout(n * t, device, padded_shape=(n, t), group_size=shape["K"])
-        stats, token_logprobs, _ = backend.row_forward(rows, labels, inv_temperature=1.0, with_entropy=False)
+        summary = backend.row_forward(rows, labels, inv_temperature=1.0, with_entropy=False)
+        token_logprobs = summary.label_logprob
         scores = inputs["scores"].to(token_logprobs.dtype)
         result = backend.group_targets(token_logprobs, layout, scores, eta=1.0, anchor=True)
         grad = ((result.p - result.q) / layout.num_groups).to(token_logprobs.dtype).repeat_interleave(t)
@@ -73,7 +74,7 @@ def logits_stages(inputs, shape: dict, backend_name: str, device: torch.device) 
 
     def backward():
         with torch.no_grad():
-            backend.row_backward(rows, labels, stats, token_logprobs, grad, inv_temperature=1.0, out=rows)
+            backend.row_backward(rows, labels, summary, grad, inv_temperature=1.0, out=rows)
 
     return {"row_forward": forward, "group": group, "row_backward": backward}
 
