@@ -52,6 +52,11 @@ class RowSummary:
         """``fn`` applied to every present field (an absent one stays None)."""
         return RowSummary(**{name: None if value is None else fn(value) for name, value in self.items()})
 
+    def masked_fill(self, mask: Tensor, value: float) -> "RowSummary":
+        """``value`` in the floating-point fields of the rows where ``mask`` holds (the others,
+        ``has_label`` among them, as they are)."""
+        return self.map(lambda field: field.masked_fill(mask, value) if field.is_floating_point() else field)
+
     def select(self, rows: Union[slice, Tensor]) -> "RowSummary":
         """The summary of the ``rows`` (a slice or an index / mask tensor) of this one."""
         return self.map(lambda value: value[rows])

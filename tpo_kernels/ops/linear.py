@@ -52,9 +52,8 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
     # has_label is already False there.
     beyond = labels >= weight.shape[0]
-    summary = summary.map(lambda value: torch.where(beyond, float("nan"), value) if value.is_floating_point()
-                          else value)
-    return (*summary.to_op(), head.logits_cache)  # the cache: an output, so autograd can save it
+    # The logits cache: an output, so that autograd can save it.
+    return (*summary.masked_fill(beyond, float("nan")).to_op(), head.logits_cache)
 
 
 def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor) -> int:
@@ -119,7 +118,7 @@ def _backward(ctx, *grads):
     grads = RowSummary.from_op(grads[:-1], with_entropy=ctx.with_entropy)  # the last: of the logits cache
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grads.label_logprob, grads.entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-    grads = _linear_logprobs_backward(hidden, weight, bias, labels, list(summary.to_op()), grad_logprobs, grad_entropy,
+    grads = _linear_logprobs_backward(hidden, weight, bias, labels, saved, grad_logprobs, grad_entropy,
                                       logits_cache, cache_candidates, *needs, ctx.inv_temperature,
                                       ctx.chunk_size, ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype,
                                       ctx.backend, ctx.logit_scale, ctx.logit_softcap, ctx.matmul_out_dtype)

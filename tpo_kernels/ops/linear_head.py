@@ -172,9 +172,9 @@ class TiledLinearHead:
     def forward(self, with_entropy: bool, cache_rows: int = 0) -> RowSummary:
         """The per-row :class:`RowSummary` of the tempered logits, as the row ops define it (its
         ``has_label``: the label lies in this head's rows of the vocabulary); 0 on rows that do not
-        count (their logits are never computed). ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits
-        of the first ``cache_rows`` counted candidate rows, in row order (slots past them stay
-        unwritten).
+        count (their logits are never computed). ``self.logits_cache`` becomes a ``[cache_rows, V]``
+        tensor holding the logits of the first ``cache_rows`` counted candidate rows, in row order
+        (slots past them stay unwritten).
 
         Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
         merge with :meth:`RowSummary.merge`."""

@@ -272,11 +272,11 @@ def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[
 
 
 def _backward(ctx, *grads):
-    logits, labels, *saved = ctx.saved_tensors
+    logits, labels, *saved = ctx.saved_tensors  # saved: the summary's to_op tensors, as the backward op takes them
     summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
     grads = RowSummary.from_op(grads, with_entropy=ctx.with_entropy)  # of each output, None where none arrived
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grads.label_logprob, grads.entropy)
-    args = (labels, list(summary.to_op()), grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend,
+    args = (labels, saved, grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend,
             ctx.logit_scale, ctx.logit_softcap)
     settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
     if ctx.inplace_backward:

@@ -49,7 +49,7 @@ def _whole(shard: RowSummary, owned: Tensor, counted: Tensor, seam: ShardSeam, i
     the shard read a stand-in label for the rows whose label another shard holds), 0 on
     uncounted rows."""
     merged = seam.merge(dataclasses.replace(shard, has_label=owned), inv_temperature)
-    return merged.map(lambda value: torch.where(counted, value, value.new_zeros(())))
+    return merged.masked_fill(~counted, 0.0)  # has_label is False there already (not owned)
 
 
 class _ShardLogprobs(torch.autograd.Function):
@@ -73,7 +73,7 @@ class _ShardLogprobs(torch.autograd.Function):
         logits, grad_labels, counted, *saved = ctx.saved_tensors
         summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
         grad_logprobs, grad_entropy = row_gradients(counted, summary, grad_logprobs, grad_entropy)
-        args = (grad_labels, list(summary.to_op()), grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend)
+        args = (grad_labels, saved, grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend)
         if ctx.inplace_backward:
             torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
             grad = logits
