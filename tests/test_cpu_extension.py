@@ -17,7 +17,7 @@ from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.backends.row_summary import RowSummary
 
-from _backends import HAS_GPU, backend_available, needs_cpu
+from _backends import HAS_GPU, backend_available, needs_cpu, stats_logprob_entropy
 from _native_helpers import (
     DTYPES,
     cpu_backend,
@@ -55,12 +55,6 @@ def isa(request):
 def forward(backend, logits, labels, it=1.0, with_entropy=True):
     """The row op's ``RowSummary`` (the row-op contract)."""
     return backend.row_forward(logits, labels, inv_temperature=it, with_entropy=with_entropy)
-
-
-def unpack(summary):
-    """``(stats [2, M] = (row_max; log_sum), logprob, entropy | None)`` of a summary, as the
-    assertions below read them."""
-    return torch.stack([summary.row_max, summary.log_sum]), summary.label_logprob, summary.entropy
 
 
 def backward(backend, logits, labels, summary, g, out, it=1.0, ge=None):
@@ -144,9 +138,9 @@ def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
     logits, labels = make_rows(29, 5003, dtype, skip=(4, 17))
     it = 1.0 / temperature
     summary = forward(cpu_backend(), logits, labels, it)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     t_summary = forward(TORCH, logits, labels, it)
-    t_stats, t_lp, t_entropy = unpack(t_summary)
+    t_stats, t_lp, t_entropy = stats_logprob_entropy(t_summary)
     acc = compute_dtype(dtype)
     assert stats.dtype == lp.dtype == entropy.dtype == acc
     torch.testing.assert_close(stats[0], t_stats[0], rtol=0, atol=0)  # the max is exact
@@ -160,7 +154,7 @@ def test_row_forward_matches_torch_and_reference(dtype, temperature, isa):
     torch.testing.assert_close(entropy.double(), r_entropy, **fwd_tol(dtype))
     # Without entropy: same statistics and log-probs, no entropy tensor.
     summary2 = forward(cpu_backend(), logits, labels, it, with_entropy=False)
-    stats2, lp2, none = unpack(summary2)
+    stats2, lp2, none = stats_logprob_entropy(summary2)
     assert none is None
     assert torch.equal(stats2, stats) and torch.equal(lp2, lp)
 
@@ -171,7 +165,7 @@ def test_row_forward_skipped_rows_are_zero_and_not_read():
     logits[1] = float("nan")
     logits[6] = float("inf")
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     for t in (stats[0], stats[1], lp, entropy):
         assert t[1].item() == 0.0 and t[6].item() == 0.0
         assert torch.isfinite(t).all()
@@ -187,7 +181,7 @@ def test_row_forward_masked_vocab_and_nan(isa):
     logits[2] = float("-inf")  # a fully masked row
     logits[3, 7] = float("nan")  # NaN must propagate, not vanish
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
     lse = lse_of(stats)
     for r in (0, 1):
@@ -214,7 +208,7 @@ def test_row_forward_nan_or_inf_logit_makes_the_row_nan(dtype, value, where, isa
         logits[0, :4096] = float("-inf")  # the chunk's max is no finite logit
     logits[0, column] = value
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     for name, t in (("row_max", stats[0]), ("log_sum", stats[1]), ("logprob", lp), ("entropy", entropy)):
         assert torch.isnan(t[0]), name
         assert torch.isfinite(t[1:]).all(), name
@@ -229,7 +223,7 @@ def test_large_rows(dtype, isa):
     # Odd vocab over many chunks, large logits range.
     logits, labels = make_rows(16, 131_072 + 7, dtype, scale=8.0, skip=(3,))
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     r_lse, r_target, r_entropy = reference_rows(logits, labels, 1.0)
     keep = labels >= 0
     torch.testing.assert_close(lse_of(stats)[keep], r_lse[keep], rtol=2e-6, atol=1e-5)
@@ -255,7 +249,7 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
     logits, labels = make_rows(23, 2051, dtype, skip=(2,))
     it = 1.0 / 0.8
     summary = forward(TORCH, logits, labels, it)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     acc = compute_dtype(dtype)
     g = torch.randn(23, dtype=acc)
     g[[5, 9]] = 0.0
@@ -276,7 +270,7 @@ def test_row_backward_matches_torch(dtype, with_entropy, isa):
 def test_row_backward_in_place_equals_out_of_place(dtype, isa):
     logits, labels = make_rows(12, 4099, dtype, skip=(7,))
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     acc = compute_dtype(dtype)
     g, ge = torch.randn(12, dtype=acc), torch.randn(12, dtype=acc)
     out = torch.empty_like(logits)
@@ -291,7 +285,7 @@ def test_zero_signal_rows_written_without_reading():
     logits, labels = make_rows(6, 999, torch.float32)
     logits[2] = float("nan")  # g == ge == 0 on this row: must not be read
     summary = forward(TORCH, logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     g = torch.randn(6)
     ge = torch.randn(6)
     g[2] = 0.0
@@ -306,7 +300,7 @@ def test_zero_signal_rows_written_without_reading():
 def test_backward_negative_label_has_no_onehot():
     logits, labels = make_rows(4, 100, torch.float64)
     summary = forward(cpu_backend(), logits, labels, with_entropy=False)
-    stats, lp, _ = unpack(summary)
+    stats, lp, _ = stats_logprob_entropy(summary)
     labels[1] = -1
     g = torch.ones(4, dtype=torch.float64)
     out = torch.empty_like(logits)
@@ -321,7 +315,7 @@ def test_masked_vocab_gradient_is_finite():
     logits[:, ::2] = float("-inf")
     labels[:] = 1
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     out = torch.empty_like(logits)
     backward(cpu_backend(), logits, labels, summary, torch.ones(3), out, ge=torch.ones(3))
     assert torch.isfinite(out).all()
@@ -361,7 +355,7 @@ def test_gradcheck_float64():
 def test_non_contiguous_inputs():
     base, labels = make_rows(10, 1200, torch.float32)
     summary_ref = forward(TORCH, base, labels)
-    stats_ref, lp_ref, ent_ref = unpack(summary_ref)
+    stats_ref, lp_ref, ent_ref = stats_logprob_entropy(summary_ref)
     # Row-strided view (stride(0) > V): used as is. Transposed copy: needs .contiguous().
     wide = torch.randn(10, 1500)
     wide[:, :1200] = base
@@ -369,7 +363,7 @@ def test_non_contiguous_inputs():
     transposed = base.t().contiguous().t()
     for view in (strided, transposed):
         summary = forward(cpu_backend(), view, labels)
-        stats, lp, ent = unpack(summary)
+        stats, lp, ent = stats_logprob_entropy(summary)
         torch.testing.assert_close(stats, stats_ref, **fwd_tol(torch.float32))
         torch.testing.assert_close(lp, lp_ref, **fwd_tol(torch.float32))
         torch.testing.assert_close(ent, ent_ref, **ent_tol(torch.float32))
@@ -392,7 +386,7 @@ def test_deterministic_and_thread_count():
     logits, labels = make_rows(64, 7000, torch.float32)
     a = forward(cpu_backend(), logits, labels)
     b = forward(cpu_backend(), logits, labels)
-    for x, y in zip(unpack(a), unpack(b)):
+    for x, y in zip(stats_logprob_entropy(a), stats_logprob_entropy(b)):
         assert torch.equal(x, y)
     assert cpu_ext().max_threads() >= 1
 
@@ -452,7 +446,7 @@ def test_out_of_range_labels_follow_the_id_contract_on_every_isa(isa):
     bad = labels.clone()
     bad[2] = 50
     summary = forward(cpu_backend(), logits, bad)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     for out in (stats[0], stats[1], lp, entropy):
         assert torch.isnan(out[2]) and not torch.isnan(out[[0, 1, 3]]).any()
     out = torch.empty_like(logits)
@@ -460,7 +454,7 @@ def test_out_of_range_labels_follow_the_id_contract_on_every_isa(isa):
     assert torch.isfinite(out).all()
     # Row 2: -p (no one-hot term), with the statistics the forward would give for a valid label.
     valid_summary = forward(cpu_backend(), logits, labels)
-    valid_stats, _, _ = unpack(valid_summary)
+    valid_stats, _, _ = stats_logprob_entropy(valid_summary)
     p = torch.exp(logits[2].double() - valid_stats[0, 2].double() - valid_stats[1, 2].double())
     out_valid_stats = torch.empty_like(logits)
     backward(cpu_backend(), logits, bad, dataclasses.replace(valid_summary, label_logprob=lp.nan_to_num()),
@@ -540,8 +534,7 @@ def test_binding_rejects_bad_arguments():
         forward(cpu_backend(), x, lab.float(), with_entropy=False)
     with pytest.raises(ValueError, match="one per row"):
         forward(cpu_backend(), x, lab[:3], with_entropy=False)
-    summary = RowSummary(row_max=torch.zeros(4), log_sum=torch.zeros(4), label_logprob=out, entropy=None,
-                         has_label=torch.ones(4, dtype=torch.bool))
+    summary = RowSummary.zeros(4, dtype=torch.float32, device=torch.device("cpu"), with_entropy=False)
     with pytest.raises(ValueError, match="grad_entropy needs the forward's entropy"):
         backward(cpu_backend(), x, lab, summary, out, torch.empty_like(x), ge=out)
     with pytest.raises(ValueError, match="out must have the logits' shape"):
@@ -562,7 +555,7 @@ def test_empty_inputs():
     logits = torch.empty(0, 10)
     labels = torch.empty(0, dtype=torch.int64)
     summary = forward(cpu_backend(), logits, labels)
-    stats, lp, entropy = unpack(summary)
+    stats, lp, entropy = stats_logprob_entropy(summary)
     assert stats.shape == (2, 0) and lp.shape == entropy.shape == (0,)
     backward(cpu_backend(), logits, labels, summary, lp, logits)
 
@@ -597,7 +590,7 @@ def test_faster_than_eager():
         x = base.clone()
         t0 = time.perf_counter()
         summary = forward(cpu_backend(), x, labels, with_entropy=False)
-        stats, lp, _ = unpack(summary)
+        stats, lp, _ = stats_logprob_entropy(summary)
         backward(cpu_backend(), x, labels, summary, g, x)
         return time.perf_counter() - t0
 

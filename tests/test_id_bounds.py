@@ -15,6 +15,8 @@ row), ``row_stride + 5`` (a column of the next row) and, for candidates, ``-2``;
 ``2**32 + 5``, which wraps to a valid column in int32.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,10 +97,11 @@ def test_row_backward_adds_no_one_hot_term_for_labels_outside_the_vocabulary(bac
     # label has a defined gradient: -g p / tau, no one-hot term).
     z = logits.double() * INV_T
     log_p = torch.log_softmax(z, dim=1)
-    summary = RowSummary(row_max=logits.amax(dim=1).float(),
-                         log_sum=(torch.logsumexp(z, dim=1) - logits.amax(dim=1).double() * INV_T).float(),
-                         label_logprob=log_p[torch.arange(rows), labels.clamp(0, V - 1)].float(), entropy=None,
-                         has_label=(labels >= 0) & (labels < V))
+    summary = RowSummary.zeros(rows, dtype=torch.float32, device=DEVICE, with_entropy=False)
+    summary = dataclasses.replace(
+        summary, row_max=logits.amax(dim=1).float(),
+        log_sum=(torch.logsumexp(z, dim=1) - logits.amax(dim=1).double() * INV_T).float(),
+        label_logprob=log_p[torch.arange(rows), labels.clamp(0, V - 1)].float())
     grad = torch.linspace(0.5, 1.5, rows, device=DEVICE)
     one_hot = torch.zeros(rows, V, dtype=torch.float64, device=DEVICE)
     one_hot[len(BAD_LABELS), 5] = 1.0  # the only row with a label in [0, V)
