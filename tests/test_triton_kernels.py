@@ -166,10 +166,9 @@ def test_row_backward_matches_torch(dtype, with_entropy):
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     # Real statistics for the skipped row too (its label stands in as 0 in the forward).
     summary = REF.row_forward(logits, labels.clamp(min=0), inv_temperature=inv_t, with_entropy=True)
-    stats, lp, ent = stats_logprob_entropy(summary)
     g, ge = _grads(rows, acc, zero_rows=(4,))
     if not with_entropy:
-        ge, ent = None, None
+        ge = None
     expected = torch.empty_like(logits)
     REF.row_backward(logits, labels, summary, g,
         grad_entropy=ge, inv_temperature=inv_t, out=expected)
@@ -192,7 +191,6 @@ def test_row_backward_zero_rows_are_not_read():
     logits = _logits(rows, vocab, torch.float32)
     labels = _labels(rows, vocab)
     summary = REF.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
-    stats, lp, ent = stats_logprob_entropy(summary)
     g, ge = _grads(rows, torch.float32, zero_rows=(1, 3))
     ge[0] = 0.0  # row 0: only the log-prob gradient
     g[2] = 0.0  # row 2: only the entropy gradient (still active)
@@ -218,7 +216,6 @@ def test_row_backward_through_the_backend_is_deterministic():
     labels = _labels(4, 40)
     backend = TritonBackend()
     summary = backend.row_forward(logits, labels, inv_temperature=1.0, with_entropy=True)
-    stats, lp, ent = stats_logprob_entropy(summary)
     g, ge = _grads(4, torch.float32)
     first, second = torch.empty_like(logits), torch.empty_like(logits)
     backend.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=1.0, out=first)
@@ -241,7 +238,6 @@ def test_gradient_of_logprob_matches_autograd_float64():
     with torch.no_grad():
         summary = row_kernels.row_forward(logits, labels,
             inv_temperature=inv_t, with_entropy=True, block_v=4)
-        stats, lp, ent = stats_logprob_entropy(summary)
         out = torch.empty_like(logits)
         row_kernels.row_backward(logits, labels, summary, g,
             grad_entropy=ge, inv_temperature=inv_t, out=out, block_v=4)

@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Union
 
 import torch
 from torch import Tensor
