@@ -71,8 +71,8 @@ def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, g
 
 
 def _setup_context(ctx, inputs, output):
-    token_seq, seq_group = inputs[3], inputs[4]
-    coef = output[5]
+    _token_logprobs, _seq_start, _seq_len, token_seq, seq_group, *_ = inputs  # the op schema
+    coef = GroupResult.from_op(output).coef
     ctx.save_for_backward(coef, token_seq, seq_group)
 
 
