@@ -93,10 +93,11 @@ def test_custom_ops_pass_opcheck(op):
         args = (hidden, weight, None, flat_labels, 1.0, True, 8, 4, 1 << 20, torch.float32, "torch")
     elif op == "group_targets":
         from tpo_kernels.group_math import build_layout
+        from tpo_kernels.ops.group import layout_op_args
 
         layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
         token_lp = (-torch.rand(N * T)).requires_grad_()
-        args = (token_lp, *layout.op_args(), scores, None, 1.0, True, 1e-6, "torch")  # eta, anchor, score_eps
+        args = (token_lp, *layout_op_args(layout), scores, None, 1.0, True, 1e-6, "torch")  # eta, anchor, score_eps
     elif op == "candidate_logits":
         args = (logits, candidates, 1.0, "torch")
     else:

@@ -73,24 +73,6 @@ class BatchLayout:
     group_size: Optional[int]  # K when every group is K contiguous completions, else None
     padded_len: Optional[int]  # T for a padded [N, T] batch, None for packed
 
-    def op_args(self) -> tuple:
-        """The layout as the tensors and ints a custom op can take (see :meth:`from_op_args`)."""
-        return (
-            self.seq_start, self.seq_len, self.token_seq, self.seq_group, self.group_offsets,
-            self.group_members, self.num_groups, self.max_seq_len, self.max_group_size,
-            self.group_size or 0, self.padded_len or 0,
-        )
-
-    @classmethod
-    def from_op_args(cls, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
-                     num_groups, max_seq_len, max_group_size, group_size, padded_len) -> "BatchLayout":
-        return cls(
-            num_tokens=token_seq.numel(), num_seqs=seq_start.numel(), num_groups=num_groups,
-            seq_start=seq_start, seq_len=seq_len, max_seq_len=max_seq_len, token_seq=token_seq,
-            seq_group=seq_group, group_offsets=group_offsets, group_members=group_members,
-            max_group_size=max_group_size, group_size=group_size or None, padded_len=padded_len or None,
-        )
-
 
 def build_layout(
     num_tokens: int,

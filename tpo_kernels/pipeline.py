@@ -210,7 +210,7 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
     objective = GroupObjective(
         prepared.layout, prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs, eta=settings.eta,
         anchor=settings.anchor, reduction=settings.reduction, backend=plan.backend, beta=prepared.beta,
-        ref_logprobs=prepared.ref_logprobs, valid=prepared.valid, gather=gather, kept=prepared.kept,
+        ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0, gather=gather, kept=prepared.kept,
         score_eps=settings.score_eps, length_normalize=settings.length_normalize,
         entropy_coef=settings.entropy_coef,
     )

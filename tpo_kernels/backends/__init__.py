@@ -100,7 +100,7 @@ import torch
 from torch import Tensor
 
 from .. import group_math
-from ..checks.arguments import check_backend_arg, check_backend_device
+from ..checks.arguments import backend_device_error, check_backend_arg
 from . import torch_candidates
 from .row_summary import RowSummary
 
@@ -189,7 +189,8 @@ def get_backend(backend: Union[str, Backend], device: torch.device) -> Backend:
         reason = backend.unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"backend {backend.name!r} is not usable here: {reason}")
-        check_backend_device(backend.name, backend.supports_device(device), device)
+        if not backend.supports_device(device):
+            raise backend_device_error(backend.name, device)
         return backend
     return _REGISTRY[_usable_backend_name(backend, device.type)]
 
@@ -210,7 +211,8 @@ def _usable_backend_name(backend: str, device_type: str) -> str:
     reason = _reason(backend)
     if reason is not None:
         raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
-    check_backend_device(backend, _load(backend).supports_device(device), device)
+    if not _load(backend).supports_device(device):
+        raise backend_device_error(backend, device)
     return backend
 
 
@@ -223,9 +225,14 @@ def backend_key(backend: Backend) -> str:
     return key
 
 
+def resolve_backend_key(backend: Union[str, Backend], device: torch.device) -> str:
+    """The key of the backend a call dispatches to: :func:`get_backend`, then :func:`backend_key`."""
+    return backend_key(get_backend(backend, device))
+
+
 def backend_by_key(key: str) -> Backend:
     return _REGISTRY[key] if key in _REGISTRY else _load(key)
 
 
 __all__ = ["BACKEND_NAMES", "Backend", "backend_by_key", "backend_key", "backend_status",
-           "get_backend", "triton_interpreter_enabled"]
+           "get_backend", "resolve_backend_key", "triton_interpreter_enabled"]

@@ -196,9 +196,9 @@ def check_backend_arg(backend, names: Tuple[str, ...], backend_type: type) -> No
         raise ValueError(f"backend must be 'auto' or one of {names} (or a Backend instance), got {backend!r}")
 
 
-def check_backend_device(name: str, supported: bool, device: torch.device) -> None:
-    if not supported:
-        raise ValueError(f"backend {name!r} does not run on {device.type} tensors")
+def backend_device_error(name: str, device: torch.device) -> ValueError:
+    """The error of a backend asked to run where it does not (raised by the registry)."""
+    return ValueError(f"backend {name!r} does not run on {device.type} tensors")
 
 
 def check_tile_policy(tile_policy, policy_type: type) -> None:
@@ -254,6 +254,12 @@ def reject_function_transforms(name: str, x: Tensor) -> None:
 def check_integer_dtype(name: str, x: Tensor) -> None:
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+
+
+def check_integer_tensor(name: str, x, device: torch.device, reference: str) -> Tensor:
+    """An integer tensor (ids) on ``reference``'s device."""
+    check_integer_dtype(name, check_tensor(name, x, device, reference))
+    return x
 
 
 def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:

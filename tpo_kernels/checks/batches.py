@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
-from .arguments import _is_int, check_beta, check_ignore_index, check_integer_dtype, check_tensor, reject_meta
+from .arguments import _is_int, check_beta, check_ignore_index, check_integer_dtype, check_integer_tensor, check_tensor, reject_meta
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -72,8 +72,7 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
     or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
     ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
     shards are placed): added to ``checks`` when given, else read back here."""
-    check_tensor("labels", labels, device, input_name)
-    check_integer_dtype("labels", labels)
+    check_integer_tensor("labels", labels, device, input_name)
     if tuple(labels.shape) != tuple(token_shape):
         raise ValueError(
             f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
@@ -116,10 +115,6 @@ class PreparedBatch:
     any_kept: bool = True
     # Of such a part: the checked group_size, K over the concatenation (None with group_ids).
     split_group_size: Optional[int] = None
-
-    @property
-    def valid(self) -> Tensor:
-        return self.labels >= 0
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_name: str,
@@ -180,8 +175,7 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
         if whole and (group_size < 1 or num_seqs % group_size != 0):
             raise ValueError(f"group_size must be >= 1 and divide the number of completions N={num_seqs}, got {group_size}")
         return group_size
-    check_tensor("group_ids", group_ids, device, input_name)
-    check_integer_dtype("group_ids", group_ids)
+    check_integer_tensor("group_ids", group_ids, device, input_name)
     if tuple(group_ids.shape) != (num_seqs,):
         raise ValueError(f"group_ids must have shape [N]=({num_seqs},), got {tuple(group_ids.shape)}")
     return None
@@ -376,8 +370,7 @@ def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, a
     states split over ranks, which may be empty."""
     if num_states == 0 and whole:
         raise ValueError(f"{input_name} holds no state (R == 0)")
-    check_tensor("candidates", candidates, device, input_name)
-    check_integer_dtype("candidates", candidates)
+    check_integer_tensor("candidates", candidates, device, input_name)
     if candidates.dim() != 2 or candidates.shape[0] != num_states or candidates.shape[1] == 0:
         raise ValueError(
             f"candidates must have shape [R, K] with R={num_states} (the rows of {input_name}) and "

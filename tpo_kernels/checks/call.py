@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import compute_dtype
-from ..backends import backend_key, get_backend
+from ..backends import resolve_backend_key
 from ..ops import TilePolicy
 from ..ops.logprobs import logits_rows
 from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
@@ -348,7 +348,7 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
         labels = batch.labels
         input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
     _check_sharded_transform(settings, sharded)
-    key = backend_key(get_backend(request.options.backend, device))
+    key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
         _token_shape(source), None if sharded else vocab_size, device, dtype, labels, batch.scores,
         group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
@@ -376,7 +376,7 @@ def plan_logprobs(request: LogprobsRequest) -> Plan:
         logit_softcap=cap,
     )
     _check_sharded_transform(settings, sharded)
-    key = backend_key(get_backend(options.backend, device))
+    key = resolve_backend_key(options.backend, device)
     input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
     labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
                             input_name, request.ignore_index, settings.validate)
@@ -396,7 +396,7 @@ def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
         num_states, vocab_size, device = source.hidden.shape[0], source.weight.shape[0], source.hidden.device
         dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
     settings = _settings(options)
-    key = backend_key(get_backend(options.backend, device))
+    key = resolve_backend_key(options.backend, device)
     candidates, scores, old = prepare_candidates(
         num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
         input_name, settings.validate, whole=data_parallel is None,

@@ -20,6 +20,13 @@ from ..backends import backend_by_key
 from ..group_math import BatchLayout, GroupResult, group_sum, length_weights, segment_sum
 
 
+def layout_op_args(layout: BatchLayout) -> tuple:
+    """The layout as the op's tensors and ints, in its schema's order (0 stands for None)."""
+    return (layout.seq_start, layout.seq_len, layout.token_seq, layout.seq_group, layout.group_offsets,
+            layout.group_members, layout.num_groups, layout.max_seq_len, layout.max_group_size,
+            layout.group_size or 0, layout.padded_len or 0)
+
+
 @torch.library.custom_op("tpo_kernels::group_targets", mutates_args=())
 def _group_targets_op(
     token_logprobs: Tensor,
@@ -41,9 +48,11 @@ def _group_targets_op(
     score_eps: float,
     backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    layout = BatchLayout.from_op_args(
-        seq_start, seq_len, token_seq, seq_group, group_offsets, group_members, num_groups,
-        max_seq_len, max_group_size, group_size, padded_len,
+    layout = BatchLayout(
+        num_tokens=token_seq.numel(), num_seqs=seq_start.numel(), num_groups=num_groups, seq_start=seq_start,
+        seq_len=seq_len, max_seq_len=max_seq_len, token_seq=token_seq, seq_group=seq_group,
+        group_offsets=group_offsets, group_members=group_members, max_group_size=max_group_size,
+        group_size=group_size or None, padded_len=padded_len or None,
     )
     result = backend_by_key(backend).group_targets(
         token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor,
@@ -62,8 +71,8 @@ def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, g
 
 
 def _setup_context(ctx, inputs, output):
-    token_seq, seq_group = inputs[3], inputs[4]
-    coef = output[5]
+    _token_logprobs, _seq_start, _seq_len, token_seq, seq_group, *_ = inputs  # the op schema
+    coef = GroupResult.from_op(output).coef
     ctx.save_for_backward(coef, token_seq, seq_group)
 
 
@@ -86,8 +95,8 @@ def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
     ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``. ``score_eps``: the
     near-tie tolerance of :func:`tpo_kernels.group_math.standardize_dense`."""
-    outputs = _group_targets_op(token_logprobs, *layout.op_args(), scores, old_seq_logprobs, eta, anchor, score_eps,
-                                backend)
+    outputs = _group_targets_op(token_logprobs, *layout_op_args(layout), scores, old_seq_logprobs, eta, anchor,
+                                score_eps, backend)
     return GroupResult.from_op(outputs)
 
 
