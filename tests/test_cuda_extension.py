@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpo_kernels._dtypes import compute_dtype
+from tpo_kernels.backends.row_summary import compute_dtype
 from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends.pytorch import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets

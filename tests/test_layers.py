@@ -1,6 +1,7 @@
 """The layering the design promises (DESIGN.md section 2): ops/ and distributed/ are leaves below
 the pipeline. ops/ imports neither distributed/ nor checks/, and neither raises the
-ValueError / TypeError of a user-input check (those live in checks/)."""
+ValueError / TypeError of a user-input check (those live in checks/). backends/ is the bottom:
+it imports nothing of the package above it (only group_math, the portable group op)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def _imports(path: pathlib.Path):
 def test_ops_imports_neither_distributed_nor_validation(path):
     forbidden = [name for name in _imports(path)
                  if name.startswith(("tpo_kernels.distributed", "tpo_kernels.checks", "tpo_kernels.pipeline"))]
+    assert not forbidden, f"{path.name} imports {forbidden}"
+
+
+@pytest.mark.parametrize("path", _modules("backends"), ids=lambda p: p.name)
+def test_backends_import_nothing_above_them(path):
+    above = ("tpo_kernels.checks", "tpo_kernels.ops", "tpo_kernels.pipeline", "tpo_kernels.distributed",
+             "tpo_kernels.functional", "tpo_kernels.integrations")
+    forbidden = [name for name in _imports(path) if name.startswith(above)]
     assert not forbidden, f"{path.name} imports {forbidden}"
 
 

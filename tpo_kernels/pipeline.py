@@ -32,7 +32,7 @@ from .checks.call import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .group_math import candidate_layout, group_sum, portable_group_targets
 from .ops import candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
 from .ops.group import GroupObjective
-from .ops.logprobs import LogitTransform, folded_inv_temperature, rows_matrix
+from .ops.logprobs import row_transform, rows_matrix
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, SequenceRequest
 
@@ -137,7 +137,7 @@ def _row_logprobs(plan: Plan, shard, with_entropy: bool,
     if isinstance(rows, LogprobRows):
         return torch.where(plan.labels >= 0, rows.logprobs.reshape(-1).to(plan.dtype), 0.0), None
     if shard is not None:  # a shard's row ops take the scale folded into 1/temperature (no cap)
-        inv_temperature = folded_inv_temperature(s.inv_temperature, s.logit_scale, None)
+        inv_temperature, _ = row_transform(s.inv_temperature, s.logit_scale, None)
         if isinstance(rows, LogitsRows):
             return shard_logprobs(rows.matrix, plan.labels, shard, inv_temperature=inv_temperature,
                                   with_entropy=with_entropy, inplace_backward=rows.inplace_backward,
@@ -290,7 +290,7 @@ def transformed_candidates(gather: Callable[[float], Tensor], settings: LossSett
     """Tempered candidate logits through the logit transform. ``gather(inv_temperature)`` gives
     ``[R, K]`` candidate logits times that factor: the scale folds in without a cap; with one,
     the raw logits are gathered and capped in plain autograd (``[R, K]`` entries only)."""
-    transform = LogitTransform.of(settings.logit_scale, settings.logit_softcap)
+    factor, transform = row_transform(settings.inv_temperature, settings.logit_scale, settings.logit_softcap)
     if transform is None:
-        return gather(folded_inv_temperature(settings.inv_temperature, settings.logit_scale, None))
-    return transform.differentiable(gather(1.0)) * settings.inv_temperature
+        return gather(factor)
+    return transform.differentiable(gather(1.0)) * factor

@@ -100,7 +100,6 @@ import torch
 from torch import Tensor
 
 from .. import group_math
-from ..checks.arguments import backend_device_error, check_backend_arg
 from . import torch_candidates
 from .row_summary import RowSummary
 
@@ -181,16 +180,33 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# The registry checks the one argument it resolves itself (so that backends/ imports nothing above it).
+
+
+def _check_backend_arg(backend) -> None:
+    """``backend`` is "auto", a backend name or a Backend instance."""
+    if isinstance(backend, Backend):
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or a tpo_kernels Backend, got {type(backend).__name__}")
+    if backend != "auto" and backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be 'auto' or one of {BACKEND_NAMES} (or a Backend instance), got {backend!r}")
+
+
+def _device_error(name: str, device: torch.device) -> ValueError:
+    return ValueError(f"backend {name!r} does not run on {device.type} tensors")
+
+
 def get_backend(backend: Union[str, Backend], device: torch.device) -> Backend:
     """Resolve ``backend`` (a name, ``"auto"`` or a :class:`Backend`) to a usable backend for
     ``device``; raises naming ``backend`` when it cannot run there."""
-    check_backend_arg(backend, BACKEND_NAMES, Backend)
+    _check_backend_arg(backend)
     if isinstance(backend, Backend):
         reason = backend.unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"backend {backend.name!r} is not usable here: {reason}")
         if not backend.supports_device(device):
-            raise backend_device_error(backend.name, device)
+            raise _device_error(backend.name, device)
         return backend
     return _REGISTRY[_usable_backend_name(backend, device.type)]
 
@@ -212,7 +228,7 @@ def _usable_backend_name(backend: str, device_type: str) -> str:
     if reason is not None:
         raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
     if not _load(backend).supports_device(device):
-        raise backend_device_error(backend, device)
+        raise _device_error(backend, device)
     return backend
 
 

@@ -20,9 +20,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .._dtypes import compute_dtype
+from .row_summary import RowSummary, compute_dtype
 from . import Backend
-from .row_summary import RowSummary
 
 # Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}

@@ -23,9 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._dtypes import compute_dtype
+from .row_summary import RowSummary, compute_dtype
 from . import Backend
-from .row_summary import RowSummary
 
 _CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per buffer: few ops per call, far below one [M, V] copy
 

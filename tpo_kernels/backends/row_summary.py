@@ -1,5 +1,6 @@
 """The per-row summary of a vocabulary range: what every backend's ``row_forward`` returns, what
-its ``row_backward`` takes back, and the one exact merge of two ranges.
+its ``row_backward`` takes back, and the one exact merge of two ranges; and the compute dtype its
+fields (and every reduction of the package) are in.
 
 A row op over the ``[M, V]`` logits (or a ``[B, T, V]`` view, ``M = B T``) gives, per row, the raw
 max of its logits and the log-sum of ``exp((z - max) / tau)`` (the row statistics), the label's
@@ -21,6 +22,13 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the dtypes the package accepts
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64 (for gradcheck), every other dtype uses float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -139,4 +147,4 @@ def op_outputs(extra: int = 0):
     return Tuple[(Tensor,) * (len(FIELD_NAMES) + extra)]
 
 
-__all__ = ["FIELD_NAMES", "RowSummary", "op_outputs"]
+__all__ = ["FIELD_NAMES", "FLOAT_DTYPES", "RowSummary", "compute_dtype", "op_outputs"]

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._dtypes import FLOAT_DTYPES
+from ..backends.row_summary import FLOAT_DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
 _INT64_LIMIT = 2 ** 63
@@ -184,21 +184,6 @@ def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate,
     if settings.return_entropy and not settings.return_aux:
         raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
     return settings
-
-
-def check_backend_arg(backend, names: Tuple[str, ...], backend_type: type) -> None:
-    """``backend`` is "auto", a backend name or a Backend instance."""
-    if isinstance(backend, backend_type):
-        return
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string or a tpo_kernels Backend, got {type(backend).__name__}")
-    if backend != "auto" and backend not in names:
-        raise ValueError(f"backend must be 'auto' or one of {names} (or a Backend instance), got {backend!r}")
-
-
-def backend_device_error(name: str, device: torch.device) -> ValueError:
-    """The error of a backend asked to run where it does not (raised by the registry)."""
-    return ValueError(f"backend {name!r} does not run on {device.type} tensors")
 
 
 def check_tile_policy(tile_policy, policy_type: type) -> None:

@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._dtypes import compute_dtype
+from ..backends.row_summary import compute_dtype
 from ..backends import resolve_backend_key
 from ..ops import TilePolicy
 from ..ops.logprobs import logits_rows

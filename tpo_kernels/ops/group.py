@@ -72,7 +72,7 @@ def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, g
 
 def _setup_context(ctx, inputs, output):
     _token_logprobs, _seq_start, _seq_len, token_seq, seq_group, *_ = inputs  # the op schema
-    coef = GroupResult.from_op(output).coef
+    _seq_logprobs, _u, _p, _q, _group_loss, coef = output  # GroupResult.to_op's order
     ctx.save_for_backward(coef, token_seq, seq_group)
 
 

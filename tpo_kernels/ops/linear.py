@@ -16,14 +16,13 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._dtypes import compute_dtype
+from ..backends.row_summary import RowSummary, compute_dtype, op_outputs
 from ..backends import backend_by_key
-from ..backends.row_summary import RowSummary, op_outputs
 from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
 from .logprobs import row_gradients
 from .tiles import TilePolicy
-from .logprobs import LogitTransform, folded_inv_temperature
+from .logprobs import row_transform
 
 __all__ = ["TilePolicy", "linear_logprobs"]
 
@@ -32,9 +31,9 @@ def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_soft
           accum_bytes, matmul_out_dtype, backend, logits_cache_bytes=0, cache_candidates=None):
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
                         matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes)
-    return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend),
-                           folded_inv_temperature(inv_temperature, logit_scale, logit_softcap), chunk_size, policy,
-                           transform=LogitTransform.of(logit_scale, logit_softcap), cache_candidates=cache_candidates)
+    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
+    return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend), inv_t, chunk_size, policy,
+                           transform=transform, cache_candidates=cache_candidates)
 
 
 # Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.

@@ -51,9 +51,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._dtypes import compute_dtype
+from ..backends.row_summary import RowSummary, compute_dtype
 from ..backends import Backend
-from ..backends.row_summary import RowSummary
 from .tiles import BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, tile_shape
 from .logprobs import LogitTransform
 

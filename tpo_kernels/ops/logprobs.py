@@ -31,9 +31,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._dtypes import compute_dtype
+from ..backends.row_summary import RowSummary, compute_dtype, op_outputs
 from ..backends import backend_by_key
-from ..backends.row_summary import RowSummary, op_outputs
 from .tiles import TilePolicy
 
 
@@ -61,11 +60,6 @@ class LogitTransform:
     scale: float
     softcap: float
 
-    @staticmethod
-    def of(logit_scale: float, logit_softcap: Optional[float]) -> Optional["LogitTransform"]:
-        """The transform the row ops cannot fold into ``inv_temperature``; None without a cap."""
-        return None if logit_softcap is None else LogitTransform(logit_scale, logit_softcap)
-
     def cap(self, z: Tensor, buffer: Tensor) -> Tensor:
         """``softcap(scale * z)`` in a view of the flat ``buffer`` (its dtype: the compute dtype)."""
         out = _view_like(buffer, z).copy_(z)
@@ -85,10 +79,14 @@ def _view_like(buffer: Tensor, like: Tensor) -> Tensor:
     return buffer[: like.numel()].view(like.shape)
 
 
-def folded_inv_temperature(inv_temperature: float, logit_scale: float, logit_softcap: Optional[float]) -> float:
-    """The factor the row ops multiply the (capped) logits by: ``scale / temperature`` without a
-    cap (the scale folds in), ``1 / temperature`` with one (the cap applied the scale)."""
-    return inv_temperature if logit_softcap is not None else inv_temperature * logit_scale
+def row_transform(inv_temperature: float, logit_scale: float,
+                  logit_softcap: Optional[float]) -> Tuple[float, Optional[LogitTransform]]:
+    """``(factor, transform)``: the factor the row ops multiply the (capped) logits by, and the
+    transform they cannot fold into it. Without a cap the scale folds in: ``(scale / temperature,
+    None)``; with one the cap applies the scale: ``(1 / temperature, the transform)``."""
+    if logit_softcap is None:
+        return inv_temperature * logit_scale, None
+    return inv_temperature, LogitTransform(logit_scale, logit_softcap)
 
 
 def row_chunk(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -136,8 +134,7 @@ def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entro
               inplace_backward: bool, backend: str, logit_scale: float = 1.0,
               logit_softcap: Optional[float] = None) -> op_outputs():
     row_op = backend_by_key(backend).row_forward
-    inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
-    transform = LogitTransform.of(logit_scale, logit_softcap)
+    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
     if transform is None:  # one launch over the whole matrix or batch
         return row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy).to_op()
     return _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy).to_op()
@@ -203,8 +200,7 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
     :class:`RowSummary` as its ``to_op`` tensors (the entropy is read only with ``grad_entropy``)."""
     summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
     row_op = backend_by_key(backend).row_backward
-    inv_t = folded_inv_temperature(inv_temperature, logit_scale, logit_softcap)
-    transform = LogitTransform.of(logit_scale, logit_softcap)
+    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
     if transform is None:
         row_op(logits, labels, summary, grad_logprobs, grad_entropy=grad_entropy, inv_temperature=inv_t, out=out)
         return

@@ -65,8 +65,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..._dtypes import compute_dtype
-from ..row_summary import RowSummary
+from ..row_summary import RowSummary, compute_dtype
 from .kernel_support import device_guard, expm1, log1p, scalar_from_parts, split_scalar, use_libdevice
 from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
                          pick_num_warps, row_batch, row_offset, row_sections)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..._dtypes import compute_dtype
+from ..row_summary import compute_dtype
 from .. import triton_interpreter_enabled
 
 
