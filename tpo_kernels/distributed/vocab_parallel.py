@@ -3,10 +3,9 @@ shards (per-token partials merged in rank order, ``dH`` summed)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
-
-import dataclasses
 
 import torch
 import torch.distributed as dist
