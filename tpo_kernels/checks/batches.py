@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
-from .arguments import _is_int, check_beta, check_ignore_index, check_integer_dtype, check_integer_tensor, check_tensor, reject_meta
+from .arguments import (_is_int, check_beta, check_ignore_index, check_integer_dtype, check_integer_tensor,
+                        check_tensor, reject_meta)
 
 
 # ----------------------------------------------------------------------------- value checks

@@ -111,11 +111,13 @@ def _setup_context(ctx, inputs, output):
     ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
 
 
-def _backward(ctx, *grads):
+def _backward(ctx, *output_grads):
     hidden, weight, bias, labels, logits_cache, cache_candidates, *saved = ctx.saved_tensors
     summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
-    grads = RowSummary.from_op(grads[:-1], with_entropy=ctx.with_entropy)  # the last: of the logits cache
-    grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grads.label_logprob, grads.entropy)
+    # Of each output, None where none arrived; the last output is the logits cache.
+    summary_grads = RowSummary.from_op(output_grads[:-1], with_entropy=ctx.with_entropy)
+    grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
+                                                summary_grads.entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
     grads = _linear_logprobs_backward(hidden, weight, bias, labels, saved, grad_logprobs, grad_entropy,
                                       logits_cache, cache_candidates, *needs, ctx.inv_temperature,

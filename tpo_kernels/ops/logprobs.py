@@ -140,7 +140,7 @@ def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entro
     return _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy).to_op()
 
 
-def _pieces(logits: Tensor, transform: Optional[LogitTransform]) -> Iterator[Tuple[Tensor, slice]]:
+def _pieces(logits: Tensor) -> Iterator[Tuple[Tensor, slice]]:
     """``(2-D view, its rows in the flat [M] order)`` pairs covering ``[M, V]`` logits, or ``[B, T, V]``
     logits whose rows do not flatten into one row stride (``logits[:, :-1]``): one view per leading
     index, read with its row stride instead of copied, in views of at most one row chunk
@@ -148,36 +148,33 @@ def _pieces(logits: Tensor, transform: Optional[LogitTransform]) -> Iterator[Tup
     (without a cap the row ops take the whole batch in one launch)."""
     vocab = logits.shape[-1]
     blocks = [logits] if logits.dim() == 2 else list(logits.unbind(0))
-    step = None if transform is None else row_chunk(logits.shape[:-1].numel(), vocab, logits.device)
+    step = row_chunk(logits.shape[:-1].numel(), vocab, logits.device)
     offset = 0
     for block in blocks:
         rows = block.shape[0]
-        for start in range(0, rows, step or max(rows, 1)):
-            stop = min(start + (step or rows), rows)
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
             yield block[start:stop], slice(offset + start, offset + stop)
         offset += rows
 
 
-def _capped_buffer(logits: Tensor, transform: Optional[LogitTransform]) -> Optional[Tensor]:
-    """A flat compute-dtype buffer for one row chunk of capped logits; None without a cap."""
-    if transform is None:
-        return None
+def _capped_buffer(logits: Tensor) -> Tensor:
+    """A flat compute-dtype buffer for one row chunk of capped logits."""
     rows, vocab = logits.shape[:-1].numel(), logits.shape[-1]
     piece_rows = min(row_chunk(rows, vocab, logits.device), logits.shape[-2])
     return logits.new_empty(max(piece_rows, 1) * vocab, dtype=compute_dtype(logits.dtype))
 
 
-def _forward_pieces(row_op, transform: Optional[LogitTransform], logits: Tensor, labels: Tensor, inv_t: float,
+def _forward_pieces(row_op, transform: LogitTransform, logits: Tensor, labels: Tensor, inv_t: float,
                     with_entropy: bool) -> RowSummary:
     """The row op piece by piece (:func:`_pieces`), each soft-capped into one chunk-sized buffer
-    first when there is a cap."""
+    first."""
     summary = RowSummary.zeros(logits.shape[:-1].numel(), dtype=compute_dtype(logits.dtype), device=logits.device,
                                with_entropy=with_entropy)
-    buffer = _capped_buffer(logits, transform)
-    for z, rows in _pieces(logits, transform):
-        if transform is not None:
-            z = transform.cap(z, buffer)
-        summary.assign(rows, row_op(z, labels[rows], inv_temperature=inv_t, with_entropy=with_entropy))
+    buffer = _capped_buffer(logits)
+    for z, rows in _pieces(logits):
+        capped = transform.cap(z, buffer)
+        summary.assign(rows, row_op(capped, labels[rows], inv_temperature=inv_t, with_entropy=with_entropy))
     return summary
 
 
@@ -204,16 +201,13 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
     if transform is None:
         row_op(logits, labels, summary, grad_logprobs, grad_entropy=grad_entropy, inv_temperature=inv_t, out=out)
         return
-    capped_buffer, derivative_buffer = _capped_buffer(logits, transform), _capped_buffer(logits, transform)
-    for (z, rows), (out_piece, _) in zip(_pieces(logits, transform), _pieces(out, transform)):
-        target = out_piece
-        if transform is not None:
-            derivative = transform.derivative(z, derivative_buffer)
-            z = target = transform.cap(z, capped_buffer)
-        row_op(z, labels[rows], summary.select(rows), grad_logprobs[rows],
-               grad_entropy=None if grad_entropy is None else grad_entropy[rows], inv_temperature=inv_t, out=target)
-        if transform is not None:
-            out_piece.copy_(z.mul_(derivative))
+    capped_buffer, derivative_buffer = _capped_buffer(logits), _capped_buffer(logits)
+    for (z, rows), (out_piece, _) in zip(_pieces(logits), _pieces(out)):
+        derivative = transform.derivative(z, derivative_buffer)
+        capped = transform.cap(z, capped_buffer)  # the row backward runs in place on the capped chunk
+        row_op(capped, labels[rows], summary.select(rows), grad_logprobs[rows],
+               grad_entropy=None if grad_entropy is None else grad_entropy[rows], inv_temperature=inv_t, out=capped)
+        out_piece.copy_(capped.mul_(derivative))
 
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
@@ -267,11 +261,12 @@ def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[
     return grad_logprobs, torch.where(counted, grad_entropy.to(logprobs.dtype), 0.0)
 
 
-def _backward(ctx, *grads):
+def _backward(ctx, *output_grads):
     logits, labels, *saved = ctx.saved_tensors  # saved: the summary's to_op tensors, as the backward op takes them
     summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
-    grads = RowSummary.from_op(grads, with_entropy=ctx.with_entropy)  # of each output, None where none arrived
-    grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grads.label_logprob, grads.entropy)
+    summary_grads = RowSummary.from_op(output_grads, with_entropy=ctx.with_entropy)  # None where none arrived
+    grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
+                                                summary_grads.entropy)
     args = (labels, saved, grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend,
             ctx.logit_scale, ctx.logit_softcap)
     settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
