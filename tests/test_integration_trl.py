@@ -209,6 +209,8 @@ def test_beta_kl_with_fp32_head(tiny, tmp_path):
     check_run(trainer, changed, logs, micro_batches=2)
     assert all("tpo/kl_k3" in entry and entry["tpo/kl_k3"] >= 0.0 for entry in logs)
     assert logs[1]["tpo/kl_k3"] > 0.0  # the policy left the reference after the first step
+    # and under GRPOTrainer's name, over the micro-step's tokens (here the call's: one micro-step per step)
+    assert [entry["kl"] for entry in logs] == pytest.approx([entry["tpo/kl_k3"] for entry in logs], rel=1e-6)
 
 
 def test_mask_truncated_completions(tiny, tmp_path):

@@ -174,6 +174,7 @@ from .config import TargetPOConfig, check_tpo_args  # noqa: E402
 from .head import add_tpo_head  # noqa: E402
 from .generation_batch import shuffle_groups  # noqa: E402
 from .trainer import TargetPOTrainer  # noqa: E402
+from .tiny import tiny_model_and_tokenizer  # noqa: E402
 
 __all__ = ["TESTED_TRL_VERSIONS", "TargetPOConfig", "TargetPOTrainer", "add_tpo_head", "check_tpo_args",
-           "shuffle_groups"]
+           "shuffle_groups", "tiny_model_and_tokenizer"]
