@@ -113,7 +113,10 @@ most one counted completion: no reward signal), ``tpo/frac_excluded_completions`
 ``tpo/token_entropy`` (mean over counted tokens of the policy's tempered token entropy, from the
 loss's own vocabulary pass; off with ``tpo_log_token_entropy=False``) and, when
 ``beta > 0``, ``tpo/kl_k3`` (mean over counted tokens of the k3 KL to the reference), and with
-vLLM's correction ``tpo/frac_masked_by_sampler`` (next to TRL's ``sampling/*`` metrics).
+vLLM's correction ``tpo/frac_masked_by_sampler`` (next to TRL's ``sampling/*`` metrics). Under
+GRPOTrainer's names, as it computes them (over this micro-step's counted tokens, every process's):
+``entropy`` (the token entropy, when computed), ``kl`` (``beta > 0``) and, with the entropy bonus
+on, ``policy_loss`` (the loss before the bonus; ``tpo/loss`` and TRL's ``loss`` include it).
 
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
 the SAPO / VESPO parameters, ``scale_rewards``) do not apply to TPO and are ignored; the options that would silently
