@@ -97,6 +97,35 @@ def test_grpo_metrics_read_this_micro_steps_rows():
     assert metrics["tpo/loss"] == [pytest.approx(0.7)]
 
 
+def _loss_call(mask, entropy, loss, process_group):
+    """A loss call's output and request as :func:`log_tpo_metrics` reads them (no detached rows)."""
+    half = torch.full((mask.shape[0],), 0.5)
+    aux = dict(p=half, q=half, u=torch.ones(mask.shape[0]), token_entropy=entropy,
+               token_logprobs=torch.zeros(mask.shape))
+    out = dict(loss=torch.tensor(loss), mask=mask, kept=mask.any(dim=1), aux=aux, ref_logprobs=None)
+    request = dict(labels=torch.zeros(mask.shape, dtype=torch.long), metric_group_ids=torch.tensor([0, 1]),
+                   token_entropy=True, beta=0.0, entropy_coef=0.5, process_group=process_group)
+    return out, request
+
+
+def test_policy_loss_with_groups_split_over_processes():
+    """Groups gathered over 2 processes: every process returns the same loss, and the bonus's H is
+    the token mean over both processes' tokens (not each process's own mean), as the loss reduces
+    it; ``entropy`` is that mean too (GRPOTrainer's mean over every process's tokens)."""
+    mask_a = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)  # 4 tokens, entropy sum 4
+    mask_b = torch.tensor([[1, 0, 0], [0, 0, 0]], dtype=torch.bool)  # 1 token, entropy sum 6
+    entropy_a, entropy_b = torch.ones(2, 3), torch.full((2, 3), 6.0)
+    sent_by_b = []  # process b's tensors, as the gather receives them
+    log_tpo_metrics(collections.defaultdict(list), lambda tensor: sent_by_b.append(tensor) or tensor,
+                    *_loss_call(mask_b, entropy_b, 0.7, process_group="world"), entropy_bonus=True)
+    from_b = iter(sent_by_b)
+    metrics = collections.defaultdict(list)
+    log_tpo_metrics(metrics, lambda tensor: torch.cat([tensor, next(from_b)]),
+                    *_loss_call(mask_a, entropy_a, 0.7, process_group="world"), entropy_bonus=True)
+    assert metrics["entropy"] == [pytest.approx(10 / 5)]
+    assert metrics["policy_loss"] == [pytest.approx(0.7 + 0.5 * 10 / 5)]
+
+
 @pytest.mark.parametrize("target", [100.0, 0.0])
 def test_adaptive_entropy_follows_trls_controller(tiny, tmp_path, target):
     """Skywork-OR1's controller as GRPOTrainer runs it: the coefficient applies only while the last
