@@ -5,9 +5,10 @@ A block's info string names what it needs beyond the package, and such a block r
 substitute: ``python trl`` (TRL and a model from the hub) with a tiny model saved locally and one
 optimizer step on CPU; ``python distributed`` (torchrun) in one process with the gloo backend and
 a 1 x 1 device mesh on CPU. ``python trl-offline`` (TRL on the package's tiny model) runs as
-written, with the hub switched off (``HF_HUB_OFFLINE=1``, as every block). Whether a block runs here is decided from the libraries its info string
-declares (``REQUIRES``), not from its imports: a block whose declared libraries are not all
-installed is skipped, naming them; a plain ``python`` block must run with the package alone.
+written, with the hub switched off (``HF_HUB_OFFLINE=1``, as every block). Whether a block runs
+here is decided from the libraries its info string declares (``REQUIRES``), not from its imports:
+a block whose declared libraries are not all installed is skipped, naming them; a plain
+``python`` block must run with the package alone.
 """
 
 import ast
