@@ -12,6 +12,9 @@ reference model, vLLM, PEFT and logging are TRL's; only the batching and the los
                               train_dataset=dataset)
     trainer.train()
 
+``tiny_model_and_tokenizer()`` builds a 2-layer model and a word-level tokenizer in memory, for a
+first run without a download or a GPU (the guide's offline recipe, README.md beside this file).
+
 What the trainer does, and why it is exact:
 
 * **Whole groups in every loss call.** TPO normalizes over the K completions of a prompt, so all
