@@ -209,6 +209,8 @@ def test_beta_kl_with_fp32_head(tiny, tmp_path):
     check_run(trainer, changed, logs, micro_batches=2)
     assert all("tpo/kl_k3" in entry and entry["tpo/kl_k3"] >= 0.0 for entry in logs)
     assert logs[1]["tpo/kl_k3"] > 0.0  # the policy left the reference after the first step
+    # and under GRPOTrainer's name, over the micro-step's tokens (here the call's: one micro-step per step)
+    assert [entry["kl"] for entry in logs] == pytest.approx([entry["tpo/kl_k3"] for entry in logs], rel=1e-6)
 
 
 def test_mask_truncated_completions(tiny, tmp_path):
@@ -489,3 +491,20 @@ def test_tpo_head_with_detached_rows_is_the_whole_groups_loss():
     torch.testing.assert_close(head.weight.grad.double(), weight64.grad, rtol=1e-4, atol=1e-6)
     assert out["aux"]["p"].shape == (num_rows,) and out["aux"]["token_entropy"].shape == (num_rows, length)
     assert out["mask"].shape == (num_rows, length) and out["kept"].all()
+
+
+def test_tiny_model_is_built_from_its_seed_and_leaves_the_callers_random_state():
+    """The guide's offline model: the same weights for the same seed, other weights for another
+    seed, the caller's torch random state untouched; its tokenizer maps the words to 3 ... 39."""
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    model, tokenizer = tpo_trl.tiny_model_and_tokenizer()
+    assert torch.equal(torch.get_rng_state(), state)
+    again, _ = tpo_trl.tiny_model_and_tokenizer(seed=0)
+    other, _ = tpo_trl.tiny_model_and_tokenizer(seed=1)
+    weights = [model.state_dict(), again.state_dict(), other.state_dict()]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert not torch.equal(weights[0]["lm_head.weight"], weights[2]["lm_head.weight"])
+    assert model.config.vocab_size == 40 and tokenizer("w0 w36")["input_ids"] == [3, 39]
+    with pytest.raises(TypeError, match="seed"):
+        tpo_trl.tiny_model_and_tokenizer(seed=0.5)

@@ -4,9 +4,11 @@
 A block's info string names what it needs beyond the package, and such a block runs with a local
 substitute: ``python trl`` (TRL and a model from the hub) with a tiny model saved locally and one
 optimizer step on CPU; ``python distributed`` (torchrun) in one process with the gloo backend and
-a 1 x 1 device mesh on CPU. Whether a block runs here is decided from the libraries its info string
-declares (``REQUIRES``), not from its imports: a block whose declared libraries are not all
-installed is skipped, naming them; a plain ``python`` block must run with the package alone.
+a 1 x 1 device mesh on CPU. ``python trl-offline`` (TRL on the package's tiny model) runs as
+written, with the hub switched off (``HF_HUB_OFFLINE=1``, as every block). Whether a block runs
+here is decided from the libraries its info string declares (``REQUIRES``), not from its imports:
+a block whose declared libraries are not all installed is skipped, naming them; a plain
+``python`` block must run with the package alone.
 """
 
 import ast
@@ -36,7 +38,7 @@ def _python_blocks(path: pathlib.Path) -> list:
         return []
     document = path.relative_to(ROOT).as_posix()
     return [(document, kind, code)
-            for kind, code in re.findall(r"^```python( [a-z]+)?\n(.*?)^```", path.read_text(), re.S | re.M)]
+            for kind, code in re.findall(r"^```python( [a-z-]+)?\n(.*?)^```", path.read_text(), re.S | re.M)]
 
 
 README_BLOCKS = _python_blocks(README)
@@ -66,6 +68,7 @@ REQUIRES = {
     "distributed": (),
     "transformers": ("transformers",),
     "trl": ("trl", "transformers", "datasets", "tokenizers"),
+    "trl-offline": ("trl", "transformers", "datasets", "tokenizers"),
 }
 # Libraries a README block may import only when its info string declares them (REQUIRES).
 OPTIONAL_LIBRARIES = ("trl", "transformers", "datasets", "tokenizers", "verl", "matplotlib", "accelerate", "peft")
@@ -144,12 +147,13 @@ def test_readme_has_python_blocks():
     assert README_BLOCKS, "README has no python example"
 
 
-def test_the_trl_guide_holds_the_trl_script():
-    """The TRL training script moved from the README to the guide beside the trainer's code: it is
-    among the blocks run here (as ``python trl``), so the move did not drop it from the test."""
+def test_the_trl_guide_holds_the_offline_recipe_and_the_trl_script():
+    """The TRL guide beside the trainer's code opens with a recipe that runs as written offline on a
+    CPU (``python trl-offline``: nothing substituted), then the training script for a hub model
+    (``python trl``): both are among the blocks run here."""
     if not GUIDES[0].is_file():
         pytest.skip("the TRL guide is not next to the tests (an installed package tested on its own)")
-    assert [kind for document, kind, _ in BLOCKS if document.endswith("trl/README.md")] == [" trl"]
+    assert [kind for document, kind, _ in BLOCKS if document.endswith("trl/README.md")] == [" trl-offline", " trl"]
 
 
 @pytest.mark.parametrize("document,kind,code", BLOCKS, ids=[_block_id(b) for b in enumerate(BLOCKS)])

@@ -2,6 +2,8 @@
 entropy of the loss call's counted tokens) from the loss's own vocabulary pass, static or under
 TRL's adaptive controller, against a float64 replay (``reference.tpo_loss(..., entropy_coef=)``)."""
 
+import collections
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from _trl_mismatch import gradient_error, make_trainer, no_gap  # noqa: E402
 from tpo_kernels import reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
+from tpo_kernels.integrations.trl.metrics import log_tpo_metrics  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -27,9 +30,15 @@ def run(tiny, tmp_path, **overrides):
     return trainer
 
 
-def test_entropy_bonus_matches_the_replay(tiny, tmp_path):
-    trainer = run(tiny, tmp_path, entropy_coef=0.3)
-    without = run(tiny, tmp_path / "without")
+@pytest.fixture(scope="module")
+def bonus_runs(tiny, tmp_path_factory):
+    """One optimizer step on the same batch with ``entropy_coef=0.3`` and without the bonus."""
+    return (run(tiny, tmp_path_factory.mktemp("bonus"), entropy_coef=0.3),
+            run(tiny, tmp_path_factory.mktemp("without")))
+
+
+def test_entropy_bonus_matches_the_replay(bonus_runs):
+    trainer, without = bonus_runs
     assert float(trainer.losses[0]) == pytest.approx(float(trainer.replays[0][0]), rel=1e-5, abs=1e-6)
     assert gradient_error(trainer) <= 1e-4
     logs = [entry for entry in trainer.state.log_history if "tpo/loss" in entry]
@@ -37,6 +46,84 @@ def test_entropy_bonus_matches_the_replay(tiny, tmp_path):
     assert float(trainer.losses[0] - without.losses[0]) == pytest.approx(-0.3 * logs[0]["tpo/token_entropy"],
                                                                          rel=1e-4)
     assert logs[0]["entropy_coef"] == 0.3  # logged on optimizer-step boundaries, as TRL does
+
+
+def test_grpo_metric_names_are_logged_with_the_bonus(bonus_runs):
+    """GRPOTrainer's own metrics under their names (TRL's dashboards read them): ``policy_loss``, the
+    loss before the bonus (the float64 replay of TPO alone on the same batch), and ``entropy``, the
+    mean tempered token entropy of the step's counted tokens (the bonus's H, in float64: the replays'
+    difference over the coefficient); ``tpo/loss`` is the trained loss, bonus included."""
+    trainer, without = bonus_runs
+    entry = next(entry for entry in trainer.state.log_history if "tpo/loss" in entry)
+    tpo_alone = float(without.replays[0][0])
+    entropy = (tpo_alone - float(trainer.replays[0][0])) / 0.3
+    assert entry["policy_loss"] == pytest.approx(tpo_alone, rel=1e-5, abs=1e-6)
+    assert entry["entropy"] == pytest.approx(entropy, rel=1e-4)
+    assert entry["tpo/loss"] == pytest.approx(tpo_alone - 0.3 * entropy, rel=1e-5, abs=1e-6)
+
+
+def test_grpo_metric_names_without_the_bonus(bonus_runs):
+    """Without the bonus, as GRPOTrainer: ``entropy`` is logged, ``policy_loss`` is not."""
+    _, without = bonus_runs
+    entry = next(entry for entry in without.state.log_history if "tpo/loss" in entry)
+    assert "policy_loss" not in entry
+    assert entry["entropy"] == pytest.approx(entry["tpo/token_entropy"], rel=1e-6)
+
+
+def test_grpo_metrics_read_this_micro_steps_rows():
+    """A loss call with detached rows (a group spanning micro-steps), on one process: ``entropy`` and
+    ``kl`` are token means over this micro-step's own rows, as GRPOTrainer's over its micro-batch;
+    ``tpo/token_entropy`` and ``tpo/kl_k3`` over the call's rows; ``policy_loss`` adds back the
+    applied bonus ``c * H``, H over the call's rows (as the loss reduces it)."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)  # 2 own rows, 2 detached
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0], [4.0, 5.0, 6.0], [7.0, 9.0, 9.0]])
+    token_logprobs = -torch.rand(4, 3)
+    ref = token_logprobs + 0.5 * torch.randn(4, 3)
+    half = torch.full((4,), 0.5)
+    aux = dict(p=half, q=half, u=torch.tensor([1.0, -1.0, -1.0, 1.0]), token_entropy=entropy,
+               token_logprobs=token_logprobs)
+    out = dict(loss=torch.tensor(0.7), mask=mask, kept=mask.any(dim=1), aux=aux, ref_logprobs=ref)
+    request = dict(labels=torch.zeros(2, 3, dtype=torch.long), metric_group_ids=torch.tensor([0, 1, 0, 1]),
+                   token_entropy=True, beta=0.1, entropy_coef=0.25, process_group=None)
+    metrics = collections.defaultdict(list)
+    log_tpo_metrics(metrics, lambda tensor: tensor, out, request, entropy_bonus=True)
+    diff = (ref - token_logprobs).double()
+    k3 = (diff.exp() - diff - 1) * mask
+    assert metrics["entropy"] == [pytest.approx((1 + 2 + 3) / 3)]
+    assert metrics["tpo/token_entropy"] == [pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 7) / 7)]
+    assert metrics["kl"] == [pytest.approx(float(k3[:2].sum() / 3), rel=1e-6)]
+    assert metrics["tpo/kl_k3"] == [pytest.approx(float(k3.sum() / 7), rel=1e-6)]
+    assert metrics["policy_loss"] == [pytest.approx(0.7 + 0.25 * 28 / 7)]
+    assert metrics["tpo/loss"] == [pytest.approx(0.7)]
+
+
+def _loss_call(mask, entropy, loss, process_group):
+    """A loss call's output and request as :func:`log_tpo_metrics` reads them (no detached rows)."""
+    half = torch.full((mask.shape[0],), 0.5)
+    aux = dict(p=half, q=half, u=torch.ones(mask.shape[0]), token_entropy=entropy,
+               token_logprobs=torch.zeros(mask.shape))
+    out = dict(loss=torch.tensor(loss), mask=mask, kept=mask.any(dim=1), aux=aux, ref_logprobs=None)
+    request = dict(labels=torch.zeros(mask.shape, dtype=torch.long), metric_group_ids=torch.tensor([0, 1]),
+                   token_entropy=True, beta=0.0, entropy_coef=0.5, process_group=process_group)
+    return out, request
+
+
+def test_policy_loss_with_groups_split_over_processes():
+    """Groups gathered over 2 processes: every process returns the same loss, and the bonus's H is
+    the token mean over both processes' tokens (not each process's own mean), as the loss reduces
+    it; ``entropy`` is that mean too (GRPOTrainer's mean over every process's tokens)."""
+    mask_a = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)  # 4 tokens, entropy sum 4
+    mask_b = torch.tensor([[1, 0, 0], [0, 0, 0]], dtype=torch.bool)  # 1 token, entropy sum 6
+    entropy_a, entropy_b = torch.ones(2, 3), torch.full((2, 3), 6.0)
+    sent_by_b = []  # process b's tensors, as the gather receives them
+    log_tpo_metrics(collections.defaultdict(list), lambda tensor: sent_by_b.append(tensor) or tensor,
+                    *_loss_call(mask_b, entropy_b, 0.7, process_group="world"), entropy_bonus=True)
+    from_b = iter(sent_by_b)
+    metrics = collections.defaultdict(list)
+    log_tpo_metrics(metrics, lambda tensor: torch.cat([tensor, next(from_b)]),
+                    *_loss_call(mask_a, entropy_a, 0.7, process_group="world"), entropy_bonus=True)
+    assert metrics["entropy"] == [pytest.approx(10 / 5)]
+    assert metrics["policy_loss"] == [pytest.approx(0.7 + 0.5 * 10 / 5)]
 
 
 @pytest.mark.parametrize("target", [100.0, 0.0])

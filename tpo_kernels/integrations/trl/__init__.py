@@ -12,6 +12,9 @@ reference model, vLLM, PEFT and logging are TRL's; only the batching and the los
                               train_dataset=dataset)
     trainer.train()
 
+``tiny_model_and_tokenizer()`` builds a 2-layer model and a word-level tokenizer in memory, for a
+first run without a download or a GPU (the guide's offline recipe, README.md beside this file).
+
 What the trainer does, and why it is exact:
 
 * **Whole groups in every loss call.** TPO normalizes over the K completions of a prompt, so all
@@ -113,7 +116,10 @@ most one counted completion: no reward signal), ``tpo/frac_excluded_completions`
 ``tpo/token_entropy`` (mean over counted tokens of the policy's tempered token entropy, from the
 loss's own vocabulary pass; off with ``tpo_log_token_entropy=False``) and, when
 ``beta > 0``, ``tpo/kl_k3`` (mean over counted tokens of the k3 KL to the reference), and with
-vLLM's correction ``tpo/frac_masked_by_sampler`` (next to TRL's ``sampling/*`` metrics).
+vLLM's correction ``tpo/frac_masked_by_sampler`` (next to TRL's ``sampling/*`` metrics). Under
+GRPOTrainer's names, as it computes them (over this micro-step's counted tokens, every process's):
+``entropy`` (the token entropy, when computed), ``kl`` (``beta > 0``) and, with the entropy bonus
+on, ``policy_loss`` (the loss before the bonus; ``tpo/loss`` and TRL's ``loss`` include it).
 
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
 the SAPO / VESPO parameters, ``scale_rewards``) do not apply to TPO and are ignored; the options that would silently
@@ -174,6 +180,7 @@ from .config import TargetPOConfig, check_tpo_args  # noqa: E402
 from .head import add_tpo_head  # noqa: E402
 from .generation_batch import shuffle_groups  # noqa: E402
 from .trainer import TargetPOTrainer  # noqa: E402
+from .tiny import tiny_model_and_tokenizer  # noqa: E402
 
 __all__ = ["TESTED_TRL_VERSIONS", "TargetPOConfig", "TargetPOTrainer", "add_tpo_head", "check_tpo_args",
-           "shuffle_groups"]
+           "shuffle_groups", "tiny_model_and_tokenizer"]

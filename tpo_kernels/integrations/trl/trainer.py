@@ -392,7 +392,8 @@ class TargetPOTrainer(GRPOTrainer):
             # optimizer step's mean and the gradients to 1/W of its gradient; W times the gradient,
             # straight through (value unchanged), makes it whole.
             loss = window * loss - (window - 1) * loss.detach()
-        log_tpo_metrics(self._metrics[mode], self.accelerator.gather, out, request)
+        log_tpo_metrics(self._metrics[mode], self.accelerator.gather, out, request,
+                        entropy_bonus=self._entropy_bonus_on())
         if self._entropy_bonus_on():
             self._update_adaptive_entropy(out, inputs["completion_ids"].shape[0], mode)
         # Mean over the groups of the accumulation window; the MoE load-balancing loss is added
