@@ -50,8 +50,8 @@ from .tiles import TilePolicy
 # one, each chunk (logits path) or tile (fused-linear path) of raw logits is capped into a buffer in
 # the compute dtype, the row op runs on it, and the backward recomputes the chunk, runs the row
 # backward on it and applies the chain rule ``dz = dz' * scale * sech^2(scale * z / c)``. sech^2 is
-# ``4 t / (1 + t)^2`` with ``t = exp(-2 |x|)`` in (0, 1]: exact to the last bits where ``1 - tanh^2``
-# would cancel, never overflowing, and 0 at +-inf logits.
+# ``4 t / (1 + t)^2`` with ``t = exp(-2 |x|)`` in (0, 1]: a few ulp where ``1 - tanh^2`` would
+# cancel, never overflowing, and 0 at +-inf logits.
 #
 # Chunk boundaries move with the logits' layout (a strided ``[B, T, V]`` view is walked one leading
 # index at a time, its contiguous copy in chunks of the flat ``[M, V]`` rows), so the transform uses
