@@ -294,6 +294,46 @@ def test_capped_losses_are_deterministic(backend):
         assert torch.equal(first, second)
 
 
+# A strided ``logits[:, :-1]`` is walked one leading index at a time, its contiguous copy in chunks of
+# the flat rows: their chunk boundaries differ. 16 blocks of 19 x 37 logits end every block's chunk
+# at another remainder modulo the CPU vector width than the copy's, so any op that computes a
+# chunk's tail with other code than its body (as ``cosh`` did) shows in the gradient.
+# The GPU row kernels (cuda, triton) sum a row in an order that follows its address, which a copy
+# changes (tests/test_strided.py): bit for bit on torch and cpu.
+STRIDED_SHAPE = (16, 19, 37)
+ADDRESS_FREE_BACKENDS = [b for b in DEVICE_BACKENDS if b.id in ("torch", "cpu")]
+
+
+@pytest.mark.parametrize("backend", ADDRESS_FREE_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_capped_strided_view_gives_its_contiguous_copys_results_bit_for_bit(backend, dtype, inplace):
+    """Loss, log-probs, entropies and logits gradient of a soft-capped ``logits[:, :-1]`` equal
+    those of its contiguous copy bit for bit: the cap and its derivative give every logit the same
+    bits wherever the chunk boundaries fall."""
+    batch, tokens, vocab = STRIDED_SHAPE
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    full = (torch.randn(batch, tokens + 1, vocab, generator=gen, device=DEVICE) * LOGIT_STD).to(dtype)
+    labels = torch.randint(0, vocab, (batch, tokens), generator=gen, device=DEVICE)
+    scores = torch.randn(batch, generator=gen, device=DEVICE)
+    kwargs = dict(group_size=4, backend=backend, logit_scale=0.5, logit_softcap=30.0)
+    results = []
+    for strided in (False, True):
+        source = full.clone().requires_grad_(True)
+        source = source * 1 if inplace else source  # an activation's buffer may take the gradient
+        logits = source[:, :-1] if strided else source[:, :-1].contiguous()
+        assert logits.is_contiguous() != strided
+        loss = tpo_kernels.tpo_loss(logits, labels, scores, inplace_backward=inplace, **kwargs)
+        (grad,) = torch.autograd.grad(loss, logits)
+        logprobs, entropy = tpo_kernels.selective_logprobs(
+            full[:, :-1] if strided else full[:, :-1].contiguous(), labels, backend=backend, logit_scale=0.5,
+            logit_softcap=30.0, return_entropy=True)
+        results.append(dict(loss=loss, grad=grad, logprobs=logprobs, entropy=entropy))
+    contiguous, strided = results
+    for name in contiguous:
+        assert torch.equal(contiguous[name], strided[name]), name
+
+
 def test_modules_pass_the_transform():
     logits, labels, scores, kwargs = _logits_batch(torch.float32)
     settings = dict(temperature=0.7, logit_scale=0.5, logit_softcap=30.0)

@@ -122,10 +122,14 @@ def tpo_loss(
             batch; the token sum for ``"sum"``; each group's token mean for ``"none"``). The entropy
             and its gradient come from the loss's own vocabulary pass. 0: the loss as without it.
         inplace_backward: write the logits gradient into the logits buffer (saves a ``[M, V]``
-            tensor). The logits' autograd version counter is bumped, so any other graph node that
-            saved the same logits raises PyTorch's in-place error instead of reading overwritten
-            values. Leaf tensors (e.g. created with ``requires_grad=True``) are never overwritten,
-            nor are buffers under ``torch.compile``.
+            tensor) when that storage is an activation of the autograd graph: the root of the
+            logits' views (``logits._base``, any depth) has a ``grad_fn``, as for
+            ``model(...).logits[:, :-1]``. The logits' autograd version counter is bumped, so any
+            other graph node that saved the same logits raises PyTorch's in-place error instead of
+            reading overwritten values. A leaf's storage is never overwritten, whatever view of it
+            is passed (``leaf[:, :-1]``, ``leaf.view(...)``; a two-stage backward's
+            ``out.logits.detach().requires_grad_()`` is a leaf sharing the model output's storage):
+            the backward is then out of place, as it is under ``torch.compile``.
         eta, anchor, score_eps, temperature, logit_scale, logit_softcap, reduction, backend, validate:
             see the module docstring.
         return_aux: also return a dict of detached ``token_logprobs``, ``seq_logprobs``, ``p``,

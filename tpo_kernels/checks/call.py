@@ -242,17 +242,37 @@ def _check_sharded_transform(settings: LossSettings, sharded: bool) -> None:
                          "(vocab_parallel_group / DTensor shards); logit_scale is")
 
 
+def _storage_root(tensor: Tensor) -> Tensor:
+    """The tensor that owns ``tensor``'s storage: the root of its chain of views (``_base``, any
+    depth; ``tensor`` itself when it is no view)."""
+    root = tensor
+    while root._base is not None:
+        root = root._base
+    return root
+
+
+def _graph_owns_storage(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s storage is an intermediate activation of the autograd graph, which the
+    in-place backward may overwrite: the root of its views was created by the graph (has a
+    ``grad_fn``). Decided from the storage, not the view: a view of a leaf has a ``grad_fn`` of its
+    own, but its storage is the leaf's (``leaf[:, :-1]``, and ``out.logits.detach().requires_grad_()``
+    of a two-stage backward, which shares its storage with the model's output). A root without a
+    ``grad_fn`` (a leaf, or a tensor no graph made) belongs to the caller."""
+    return _storage_root(tensor).grad_fn is not None
+
+
 def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, torch.device, torch.dtype, int]:
     """The row op's inputs: ``(rows, device, compute dtype, vocabulary size of this rank)``."""
     if isinstance(source, Logits):
         logits = check_logits(source.logits)
         inplace_backward = check_flag("inplace_backward", source.inplace_backward)
         matrix, copied = logits_rows(logits, sharded)
-        # Overwrite the buffer only when it is ours or an intermediate activation, never a leaf
-        # (a DTensor's local shard neither, when the DTensor is a leaf). Under torch.compile the
-        # graph owns the buffers: the backward is out of place.
+        # Overwrite the buffer only when it is ours (a copy) or the graph's (_graph_owns_storage),
+        # never a leaf's storage, whatever view of it arrives. A DTensor's local shard is a view of
+        # its local tensor made by to_local: the DTensor as passed (``original``) says whose the
+        # storage is. Under torch.compile the graph owns the buffers: the backward is out of place.
         owner = logits if original is None else original
-        inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and owner.grad_fn is not None))
+        inplace = not torch.compiler.is_compiling() and (copied or (inplace_backward and _graph_owns_storage(owner)))
         rows = LogitsRows(matrix=matrix, inplace_backward=inplace)
         return rows, logits.device, compute_dtype(logits.dtype), logits.shape[-1]
     hidden, weight, bias = source.hidden, source.weight, source.bias

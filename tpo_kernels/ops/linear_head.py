@@ -329,8 +329,8 @@ class TiledLinearHead:
         logits = self._logits(h_rows, vocab, dlogits) if cached is None else cached
         row_logits = logits
         if self.transform is not None:
+            derivative = self.transform.derivative(logits, buffers[2], scratch=buffers[1])
             row_logits = self.transform.cap(logits, buffers[1])
-            derivative = self.transform.derivative(logits, buffers[2])
         labels = self.labels[rows] - (self.vocab_offset + vocab.start)  # ids local to the block, -1 outside it
         labels = torch.where((labels >= 0) & (labels < dlogits.shape[1]), labels, -1)
         self.backend.row_backward(

@@ -50,7 +50,16 @@ from .tiles import TilePolicy
 # one, each chunk (logits path) or tile (fused-linear path) of raw logits is capped into a buffer in
 # the compute dtype, the row op runs on it, and the backward recomputes the chunk, runs the row
 # backward on it and applies the chain rule ``dz = dz' * scale * sech^2(scale * z / c)``. sech^2 is
-# ``1 / cosh^2``, exact to the last bits where ``1 - tanh^2`` would cancel, and 0 at +-inf logits.
+# ``4 t / (1 + t)^2`` with ``t = exp(-2 |x|)`` in (0, 1]: a few ulp where ``1 - tanh^2`` would
+# cancel, never overflowing, and 0 at +-inf logits.
+#
+# Chunk boundaries move with the logits' layout (a strided ``[B, T, V]`` view is walked one leading
+# index at a time, its contiguous copy in chunks of the flat ``[M, V]`` rows), so the transform uses
+# only ops whose every element gets the same bits wherever it sits in a chunk: IEEE arithmetic and
+# the functions PyTorch's CPU kernels evaluate with one vector routine up to the last element
+# (``tanh``, ``exp``). ``cosh`` is not one of them: its CPU kernel computes a chunk's tail with the
+# scalar libm ``cosh``, one ulp off the vector one, which made the capped gradient of a view differ
+# from its copy's.
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,13 @@ class LogitTransform:
         out = _view_like(buffer, z).copy_(z)
         return out.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap)
 
-    def derivative(self, z: Tensor, buffer: Tensor) -> Tensor:
-        """``d softcap(scale * z) / dz = scale / cosh^2(scale * z / softcap)`` in a view of ``buffer``."""
-        out = _view_like(buffer, z).copy_(z)
-        return out.mul_(self.scale / self.softcap).cosh_().square_().reciprocal_().mul_(self.scale)
+    def derivative(self, z: Tensor, buffer: Tensor, scratch: Tensor) -> Tensor:
+        """``d softcap(scale * z) / dz = scale * sech^2(x)``, ``x = scale * z / softcap``, in a view of
+        ``buffer`` (``scratch``: a buffer of the same size, overwritten). ``sech^2(x) = 4 t / (1 + t)^2``
+        with ``t = exp(-2 |x|)``."""
+        t = _view_like(buffer, z).copy_(z).mul_(self.scale / self.softcap).abs_().mul_(-2.0).exp_()
+        denominator = _view_like(scratch, z).copy_(t).add_(1.0).square_()
+        return t.mul_(4.0).div_(denominator).mul_(self.scale)
 
     def differentiable(self, z: Tensor) -> Tensor:
         """The transform in plain autograd, for the few gathered logits of token-level TPO."""
@@ -203,7 +215,7 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
         return
     capped_buffer, derivative_buffer = _capped_buffer(logits), _capped_buffer(logits)
     for (z, rows), (out_piece, _) in zip(_pieces(logits), _pieces(out)):
-        derivative = transform.derivative(z, derivative_buffer)
+        derivative = transform.derivative(z, derivative_buffer, scratch=capped_buffer)
         capped = transform.cap(z, capped_buffer)  # the row backward runs in place on the capped chunk
         row_op(capped, labels[rows], summary.select(rows), grad_logprobs[rows],
                grad_entropy=None if grad_entropy is None else grad_entropy[rows], inv_temperature=inv_t, out=capped)
