@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..row_summary import compute_dtype
 from .. import triton_interpreter_enabled
 
 
@@ -73,12 +72,15 @@ def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def chunk_tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
-    """A chunk of ``BLOCK_V`` columns as a ``[BLOCK_V // VEC, VEC]`` tile of 16-byte vectors:
-    ``(vector index [n, 1], lane [1, VEC])``. Testing a column as (vector, lane) compares the
-    lane with a compile-time constant per register, so the column indices never occupy
-    registers (a 1-D ``arange`` compare keeps one register per element live in the loop)."""
-    return tl.arange(0, BLOCK_V // VEC)[:, None], tl.arange(0, VEC)[None, :]
+def thread_tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr, THREADS: tl.constexpr):
+    """A chunk of ``BLOCK_V`` columns as a ``[BLOCK_V // (THREADS * VEC), THREADS, VEC]`` tile of
+    column offsets: dim 1 is the program's threads (``chunk_threads``), dim 2 a 16-byte vector, so
+    each thread holds ``BLOCK_V // THREADS`` columns, consecutive threads read consecutive vectors
+    (coalesced), and a reduction over dims 0 and 2 stays within each thread: no shuffle, no
+    barrier."""
+    rep = tl.arange(0, BLOCK_V // (THREADS * VEC))[:, None, None]
+    thread = tl.arange(0, THREADS)[None, :, None]
+    return (rep * THREADS + thread) * VEC + tl.arange(0, VEC)[None, None, :]
 
 
 @triton.jit
@@ -92,12 +94,39 @@ def edge_tile(head, vec_end, vocab, VEC: tl.constexpr):
 
 
 @triton.jit
-def is_label_in(vector, lane, label_vector, label_lane, chunk_start, VEC: tl.constexpr):
-    """Where the label sits in the chunk of a ``chunk_tile`` starting ``chunk_start`` columns into
-    the body (a multiple of ``VEC``), with ``label_vector, label_lane`` the label column relative to
-    the body's start as ``(// VEC, % VEC)``; a negative column (the label in the head, or no
-    label) matches nothing."""
-    return (vector == label_vector - chunk_start // VEC) & (lane == label_lane)
+def label_chunk(label_col, body_len, BLOCK_V: tl.constexpr):
+    """The start of the body chunk holding column ``label_col`` (from the body's start), or
+    ``body_len`` when the label is not in the body: the kernels read that chunk apart, so that no
+    other chunk tests its columns against the label."""
+    return tl.where((label_col >= 0) & (label_col < body_len), label_col // BLOCK_V * BLOCK_V, body_len)
+
+
+@triton.jit
+def load_chunk(chunk_ptr, cols, ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, THREADS: tl.constexpr):
+    """The body chunk from ``chunk_ptr`` (16-byte aligned; ``cols`` its ``thread_tile``), unmasked,
+    in ``ACC``. bf16 is read as 32-bit words and widened by hand: a bf16 is the high half of the
+    fp32 of the same value, so the even column is ``word << 16`` and the odd one ``word &
+    0xffff0000``, one instruction each (the compiler's widening takes two for the odd column)."""
+    if chunk_ptr.dtype.element_ty == tl.bfloat16:
+        words = tl.load(chunk_ptr.to(tl.pointer_type(tl.uint32)) + thread_tile(BLOCK_V // 2, VEC // 2, THREADS))
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(even, odd), cols.shape).to(ACC)
+    else:
+        return tl.load(chunk_ptr + cols).to(ACC)
+
+
+@triton.jit
+def thread_max(x):
+    """``x`` (a ``thread_tile``'s shape) reduced over each thread's own columns: ``[1, THREADS,
+    1]``, without shuffles or barriers."""
+    return tl.max(tl.max(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def thread_sum(x):
+    """As :func:`thread_max`, the sum."""
+    return tl.sum(tl.sum(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
 
 
 def chunk_geometry(logits: Tensor, block_v: Optional[int]) -> Tuple[int, int]:
@@ -120,6 +149,12 @@ def pick_block_v(vocab: int, element_size: int) -> int:
     return min(triton.next_power_of_2(max(int(vocab), 1)), cap)
 
 
+def chunk_threads(block_v: int, vec: int) -> int:
+    """The threads of a ``thread_tile``: the program's (32 per warp), or fewer when a chunk has
+    fewer 16-byte vectors than the program has threads (a small vocabulary)."""
+    return min(32 * pick_num_warps(block_v), block_v // vec)
+
+
 def pick_num_warps(block_v: int) -> int:
     if block_v >= 4096:
         return 8
@@ -127,11 +162,3 @@ def pick_num_warps(block_v: int) -> int:
         return 4
     return 2 if block_v >= 256 else 1
 
-
-def forward_register_cap(dtype: torch.dtype, with_entropy: bool) -> Optional[int]:
-    """ptxas's register limit for the fp32 forward: 64 per thread (80 with the entropy) leaves room
-    for 4 (3) programs of 8 warps per SM, where ptxas alone takes up to 119 (sm_80, fp32,
-    entropy); none spill (the kernel report checks). fp64 rows are left to ptxas."""
-    if compute_dtype(dtype) == torch.float64:
-        return None
-    return 80 if with_entropy else 64
