@@ -67,10 +67,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import gradient_buffer
 from ..row_summary import RowSummary, compute_dtype
 from .kernel_support import device_guard, expm1, log1p, scalar_from_parts, split_scalar, use_libdevice
-from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_threads, edge_tile, label_chunk, load_chunk,
-                         pick_num_warps, row_batch, row_offset, row_sections, thread_max, thread_sum, thread_tile)
+from .row_layout import (acc_type, aligned_base, batch_layout, chunk_geometry, chunk_threads, edge_tile, label_chunk,
+                         load_chunk, pick_num_warps, row_batch, row_offset, row_sections, thread_max, thread_sum,
+                         thread_tile)
 
 
 # Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, which saves the multiply
@@ -137,8 +139,7 @@ def _row_forward_kernel(
         label = label_id.to(tl.int32)  # in [0, vocab), vocab < 2**31: int32 column compares
         row_start = base_offset + row_offset(row, rows_per_batch, batch_stride, row_stride)
         row_ptr = logits_ptr + row_start
-        # The label's logit first: its load overlaps the row's stream instead of being a dependent
-        # load at the row's tail (after the last chunk's reduction).
+        # The label's logit first: its load overlaps the row's stream (not a dependent load at the end).
         z_label = tl.load(row_ptr + label).to(ACC)
         head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
@@ -327,12 +328,8 @@ def _row_backward_kernel(
     else:
         # Zero-signal row: write zeros, never touch the logits.
         zero = tl.full([], 0.0, ACC)
-        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
-                        vocab, -1, zero, zero, zero, zero, zero, zero, False, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
-
-
-def _acc_type(dtype: torch.dtype):
-    return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
+        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len, vocab,
+                        -1, zero, zero, zero, zero, zero, zero, False, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
 
 
 def row_forward(
@@ -372,7 +369,7 @@ def row_forward(
             vocab,
             *split_scalar(inv_temperature),
             WITH_ENTROPY=bool(with_entropy),
-            ACC=_acc_type(logits.dtype),
+            ACC=acc_type(logits.dtype),
             BLOCK_V=block,
             VEC=vec,
             THREADS=chunk_threads(block, vec),
@@ -400,10 +397,10 @@ def row_backward(
         return
     if grad_entropy is not None and summary.entropy is None:
         raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
-    # The kernel writes rows with unit column stride that never overlap; anything else goes
-    # through a copy.
-    target = out if row_batch(out) is out else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    if out.shape != logits.shape:
+        raise ValueError(f"out must have the logits' shape {tuple(logits.shape)}, got {tuple(out.shape)}")
     logits = row_batch(logits)
+    target = gradient_buffer(logits, out)  # out itself, or a buffer copied into it (rows that overlap)
     labels = labels.reshape(-1).contiguous()
     row_max, log_sum = summary.row_max.contiguous(), summary.log_sum.contiguous()
     logprob = summary.label_logprob.contiguous()
@@ -439,7 +436,7 @@ def row_backward(
             vocab,
             *split_scalar(inv_temperature),
             HAS_ENTROPY_GRAD=has_ge,
-            ACC=_acc_type(logits.dtype),
+            ACC=acc_type(logits.dtype),
             BLOCK_V=block,
             VEC=vec,
             THREADS=chunk_threads(block, vec),

@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import triton_interpreter_enabled
+from .. import rows_in_place, triton_interpreter_enabled
+from ..row_summary import compute_dtype
 
 
 @triton.jit
@@ -32,16 +33,11 @@ def batch_layout(t: Tensor) -> Tuple[int, int, int]:
 
 def row_batch(t: Tensor) -> Tensor:
     """``t`` as the row kernels read it: a ``[M, V]`` matrix or a ``[B, T, V]`` view with unit
-    column stride whose rows never overlap (read in place, one launch); anything else copied."""
+    column stride whose rows never overlap (read in place, one launch; ``rows_in_place``), else a
+    copy."""
     if t.dim() not in (2, 3):
         raise ValueError(f"logits must be [rows, vocab] or [batch, rows, vocab], got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1:
-        return t.contiguous()
-    if t.dim() == 3 and t.shape[0] > 1:
-        per_batch, step, vocab = batch_layout(t)[0], batch_layout(t)[2], t.shape[-1]
-        if step < vocab or t.stride(0) < (per_batch - 1) * step + vocab:
-            return t.contiguous()
-    return t
+    return t if rows_in_place(t) else t.contiguous()
 
 
 def aligned_base(t: Tensor, vec: int) -> Tuple[Tensor, int]:
@@ -147,6 +143,11 @@ def pick_block_v(vocab: int, element_size: int) -> int:
         # 80 with entropy; backward 29-40), several programs resident per SM to keep loads in flight.
         cap = 2048 if element_size >= 8 else 4096
     return min(triton.next_power_of_2(max(int(vocab), 1)), cap)
+
+
+def acc_type(dtype: torch.dtype):
+    """The ``ACC`` constexpr of the row kernels: their compute dtype (``compute_dtype``)."""
+    return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
 
 
 def chunk_threads(block_v: int, vec: int) -> int:
