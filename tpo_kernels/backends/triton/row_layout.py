@@ -101,8 +101,9 @@ def label_chunk(label_col, body_len, BLOCK_V: tl.constexpr):
 def load_chunk(chunk_ptr, cols, ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, THREADS: tl.constexpr):
     """The body chunk from ``chunk_ptr`` (16-byte aligned; ``cols`` its ``thread_tile``), unmasked,
     in ``ACC``. bf16 is read as 32-bit words and widened by hand: a bf16 is the high half of the
-    fp32 of the same value, so the even column is ``word << 16`` and the odd one ``word &
-    0xffff0000``, one instruction each (the compiler's widening takes two for the odd column)."""
+    fp32 of the same value, so (little-endian) the even column is ``word << 16`` and the odd one
+    ``word & 0xffff0000``, one instruction each (the compiler's widening takes two for the odd
+    column); the join puts them back in column order, within each thread."""
     if chunk_ptr.dtype.element_ty == tl.bfloat16:
         words = tl.load(chunk_ptr.to(tl.pointer_type(tl.uint32)) + thread_tile(BLOCK_V // 2, VEC // 2, THREADS))
         even = (words << 16).to(tl.float32, bitcast=True)
@@ -139,8 +140,9 @@ def pick_block_v(vocab: int, element_size: int) -> int:
     if triton_interpreter_enabled():
         cap = 1024  # the interpreter runs each program in numpy; moderate blocks are fastest
     else:
-        # 4096 wide at 8 warps: 16 values per thread, no spills (sm_90: forward 53-56 registers,
-        # 80 with entropy; backward 29-40), several programs resident per SM to keep loads in flight.
+        # 4096 wide at 8 warps: 16 values per thread, no spills (forward 40-48 registers on sm_90,
+        # 48-64 on sm_80; backward 32-40, 40-64), several programs resident per SM to keep loads
+        # in flight.
         cap = 2048 if element_size >= 8 else 4096
     return min(triton.next_power_of_2(max(int(vocab), 1)), cap)
 
