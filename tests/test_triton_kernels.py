@@ -330,6 +330,35 @@ def test_row_ops_match_torch_at_every_row_alignment(dtype, offset, vocab):
     assert torch.equal(logits, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_ops_match_torch_with_several_vectors_per_thread(dtype):
+    """Chunks of 2048 columns (4 warps: each thread holds 2 (bf16) or 4 (fp32) 16-byte vectors of a
+    chunk, row_layout.thread_tile) over three body chunks: the label in the head, in the first,
+    middle and last body chunk (the chunk read apart, with body chunks before it, after it, or
+    both) and in the tail; the threads' running sums merge once per row."""
+    rows, vocab, block_v, inv_t = 5, 3 * 2048 + 45, 2048, 1.0 / 0.7
+    logits, starts = _strided_logits(rows, vocab, dtype, offset=1)
+    vec = 16 // logits.element_size()
+    labels = []
+    for r, start in enumerate(starts):
+        spans = _section_spans(start, vocab, vec, block_v)
+        body = spans["body"]
+        assert len(spans["head"]) > 0 and len(body) == 3 * block_v and len(spans["tail"]) > 0
+        labels.append([spans["head"][0], body[5], body[block_v + 77], body[-1], spans["tail"][3]][r])
+    labels = torch.tensor(labels, device=DEVICE)
+    summary = row_kernels.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True, block_v=block_v)
+    ref_summary = REF.row_forward(logits, labels, inv_temperature=inv_t, with_entropy=True)
+    for got, ref in zip(stats_logprob_entropy(summary), stats_logprob_entropy(ref_summary)):
+        _close(got, ref, FWD_TOL[dtype])
+    g, ge = _grads(rows, torch.float32)
+    expected = torch.empty(rows, vocab, dtype=dtype, device=DEVICE)
+    REF.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=inv_t, out=expected)
+    out = torch.empty_like(expected)
+    row_kernels.row_backward(logits, labels, summary, g, grad_entropy=ge, inv_temperature=inv_t, out=out,
+                             block_v=block_v)
+    _close(out.float(), expected.float(), GRAD_TOL[dtype])
+
+
 @pytest.mark.parametrize("section", SECTIONS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "plus_inf"])
 def test_row_forward_nan_or_inf_logit_in_any_section_makes_the_row_nan(section, bad):
@@ -500,9 +529,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                        "entropy_ptr": "*" + acc, "base_offset": "i32", "rows_per_batch": "i64", "batch_stride": "i64",
                        "row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32", "inv_t_mid": "fp32", "inv_t_lo": "fp32",
                        "WITH_ENTROPY": "constexpr", "ACC": "constexpr", "BLOCK_V": "constexpr",
-                       "VEC": "constexpr", "ACCURATE_MATH": "constexpr"}
+                       "VEC": "constexpr", "THREADS": "constexpr", "ACCURATE_MATH": "constexpr"}
                 ptx = build(rk._row_forward_kernel, sig, {"WITH_ENTROPY": flag, "ACC": ACC, "BLOCK_V": 4096,
-                            "VEC": vec, "ACCURATE_MATH": True}, arch)
+                            "VEC": vec, "THREADS": 256, "ACCURATE_MATH": True}, arch)
                 assert vector_ops(ptx, "ld") > 0, "row forward: no 16-byte loads"
                 assert label_logit_loaded_first(build.ttir, {"bf16": "bf16", "fp64": "f64"}[dt]), \
                     "row forward: label's logit loaded after the loop"
@@ -514,11 +543,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
                        "logits_row_stride": "i64", "out_batch_stride": "i64",
                        "out_row_stride": "i64", "vocab": "i32", "inv_t_hi": "fp32",
                        "inv_t_mid": "fp32", "inv_t_lo": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
-                       "ACC": "constexpr", "BLOCK_V": "constexpr", "VEC": "constexpr",
+                       "ACC": "constexpr", "BLOCK_V": "constexpr", "VEC": "constexpr", "THREADS": "constexpr",
                        "OUT_ALIGNED": "constexpr", "ACCURATE_MATH": "constexpr"}
                 for out_aligned in (True, False):
                     ptx = build(rk._row_backward_kernel, sig, {"HAS_ENTROPY_GRAD": flag, "ACC": ACC,
-                                "BLOCK_V": 4096, "VEC": vec, "OUT_ALIGNED": out_aligned,
+                                "BLOCK_V": 4096, "VEC": vec, "THREADS": 256, "OUT_ALIGNED": out_aligned,
                                 "ACCURATE_MATH": True}, arch)
                     assert vector_ops(ptx, "ld") > 0, "row backward: no 16-byte loads"
                     assert (vector_ops(ptx, "st") > 0) == out_aligned, "row backward: store width"

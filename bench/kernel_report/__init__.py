@@ -4,6 +4,7 @@ kernel of tpo_kernels, compiled for sm_80 and sm_90 on a machine without a GPU.
     python -m bench.kernel_report                             # sm_80 and sm_90, the table, exit status
     python -m bench.kernel_report --arch 90 --json report.json
     python -m bench.kernel_report --triton-only               # or --cuda-only
+    python -m bench.kernel_report --ops row --arch 90          # the row kernels alone (about a minute)
     python -m bench.kernel_report.loops                      # CUDA row kernels: instructions per pack
 
 **Triton.** Each operation of the Triton backend is called through the backend interface
@@ -32,7 +33,13 @@ then the number of local-memory instructions (LDL/STL) in the SASS; any local me
 spill. ``smem``: static shared bytes in the cubin (sm_90 cubins include the 1 KiB the driver
 reserves per block) + dynamic bytes the launch requests (Triton). ``loads``: the global loads in
 the SASS by width in bits (``128x2`` = two 128-bit LDG instructions; LDG.E.128 is a 16-byte vector
-load), then the stores. ``launched for``: the calls that produced this specialization.
+load), then the stores. ``insts/elem`` (row kernels): SASS instructions per element of the
+row in the kernel's main loop (the loop with the most 128-bit loads; ``parse.main_loops``), on
+its common path (without the regions that forward branches inside the loop skip); the CUDA
+backward holds two such loops, ``without/with`` the entropy term. It says whether a row kernel is
+bound by memory or by instruction issue: an SM issues 128 thread instructions per cycle, so a
+16-byte pack (8 bf16, 4 fp32 elements) stays bound by memory on an H100 / H200 below about 100
+instructions. ``launched for``: the calls that produced this specialization.
 
 **Progress.** While the kernels compile (minutes), a line ``kernel_report: [N s] ...`` on stderr says
 what is still running, every ``--progress-every`` seconds (default 15).
@@ -48,12 +55,17 @@ from .parse import (
     DEFAULT_ARCHS,
     DEFAULT_DTYPES,
     DEFAULT_VOCABS,
+    ELEMENTS_PER_PACK,
     FAIL_DTYPES,
     KNOWN_TRITON_LOCAL_MEMORY,
+    OPS,
     KernelRow,
     ReportError,
     cuda_label,
     demangle,
+    main_loops,
+    op_of_kernel,
+    pack_loop_facts,
     parse_ptxas_log,
     parse_resource_usage,
     parse_sass,
@@ -63,8 +75,9 @@ from .table import build_parser, format_table, main, verdict
 from .tools import find_cuobjdump, inspect_binary, load_toolkit, package_dir, triton_tool
 from .triton import Scenario, collect_triton, run_triton_workers, triton_scenarios
 
-__all__ = ["DEFAULT_ARCHS", "DEFAULT_DTYPES", "DEFAULT_VOCABS", "FAIL_DTYPES", "KNOWN_TRITON_LOCAL_MEMORY", "KernelRow", "PROGRESS_EVERY_S", "Progress", "ReportError", "Scenario",
+__all__ = ["DEFAULT_ARCHS", "DEFAULT_DTYPES", "DEFAULT_VOCABS", "ELEMENTS_PER_PACK", "FAIL_DTYPES",
+           "KNOWN_TRITON_LOCAL_MEMORY", "KernelRow", "OPS", "PROGRESS_EVERY_S", "Progress", "ReportError", "Scenario",
            "_cuda_rows", "build_parser", "built_cuda_extensions", "collect_cuda", "collect_triton", "cuda_label",
            "demangle", "elf_archs", "find_cuobjdump", "format_table", "inspect_binary", "load_toolkit", "main",
-           "package_dir", "parse_ptxas_log", "parse_resource_usage", "parse_sass", "run_triton_workers",
-           "triton_scenarios", "triton_tool", "verdict"]
+           "main_loops", "op_of_kernel", "pack_loop_facts", "package_dir", "parse_ptxas_log", "parse_resource_usage",
+           "parse_sass", "run_triton_workers", "triton_scenarios", "triton_tool", "verdict"]

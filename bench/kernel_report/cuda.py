@@ -39,6 +39,7 @@ def _cuda_rows(usage, sass, ptxas, archs: Sequence[str], origin: str) -> List[Ke
             local=res["local"], spill_stores=log["spill_stores"] if log else None,
             spill_loads=log["spill_loads"] if log else None, local_insts=facts["local_insts"],
             smem_static=res["shared"], loads=facts["loads"], stores=facts["stores"], used_by=[origin], symbol=symbol,
+            pack_loops=facts.get("pack_loops", []),
         ))
     rows.sort(key=lambda r: (r.arch, r.kernel, DEFAULT_DTYPES.index(r.dtype) if r.dtype in DEFAULT_DTYPES else 9, r.spec))
     return rows

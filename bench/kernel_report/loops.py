@@ -23,12 +23,11 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .cuda import built_cuda_extensions
-from .parse import ReportError, cuda_label, demangle
+from .parse import ELEMENTS_PER_PACK, ReportError, cuda_label, demangle, main_loops, pack_loop_facts
 from .tools import _run, find_cuobjdump, load_toolkit
 
 _FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s*([^;]*);")
-_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 
 
 @dataclasses.dataclass
@@ -48,6 +47,10 @@ class PackLoop:
     def common_per_pack(self) -> float:
         return (self.insts - sum(self.skipped)) / self.packs
 
+    @property
+    def common_per_element(self) -> float:
+        return self.common_per_pack / ELEMENTS_PER_PACK[self.dtype]
+
 
 def functions(sass: str) -> Dict[str, List[Tuple[int, str]]]:
     """``cuobjdump -sass`` of one architecture -> {symbol: [(address, instruction)]}."""
@@ -64,36 +67,8 @@ def functions(sass: str) -> Dict[str, List[Tuple[int, str]]]:
     return out
 
 
-def _loops(insts: List[Tuple[int, str]]) -> List[List[Tuple[int, str]]]:
-    """Bodies (head to backward branch) of the loops holding 128-bit global loads."""
-    index = {a: i for i, (a, _) in enumerate(insts)}
-    bodies = []
-    for i, (addr, text) in enumerate(insts):
-        m = _BRANCH.match(text)
-        if m and int(m.group(2), 16) <= addr and int(m.group(2), 16) in index:
-            body = insts[index[int(m.group(2), 16)]:i + 1]
-            if any("LDG.E.128" in t for _, t in body):
-                bodies.append(body)
-    return bodies
-
-
-def _skipped(body: List[Tuple[int, str]]) -> List[int]:
-    """Sizes of the regions forward conditional branches inside the loop jump over (nested
-    regions counted once, in the outermost)."""
-    sizes, end = [], -1
-    for addr, text in body:
-        m = _BRANCH.match(text)
-        if not (m and m.group(1)) or addr < end:
-            continue
-        target = int(m.group(2), 16)
-        if addr < target <= body[-1][0]:
-            sizes.append(sum(1 for a, _ in body if addr < a < target))
-            end = target
-    return sizes
-
-
-def _loop(kernel: str, dtype: str, variant: str, body) -> PackLoop:
-    return PackLoop(kernel, dtype, variant, len(body), sum("LDG.E.128" in t for _, t in body), _skipped(body))
+def _loop(kernel: str, dtype: str, variant: str, facts: dict) -> PackLoop:
+    return PackLoop(kernel, dtype, variant, facts["insts"], facts["packs"], facts["skipped"])
 
 
 def pack_loops(sass: str) -> List[PackLoop]:
@@ -107,16 +82,13 @@ def pack_loops(sass: str) -> List[PackLoop]:
         if kernel not in ("row_forward_kernel", "row_backward_kernel") or not spec.startswith("<512") \
                 or dtype == "fp64":
             continue
-        bodies = _loops(insts)
-        main = lambda group: min(group, key=lambda b: (-sum("LDG.E.128" in t for _, t in b), len(b)))
+        loops = pack_loop_facts(insts)
         if kernel == "row_forward_kernel":
-            entropy = "true" in spec
-            out.append(_loop(kernel, dtype, "entropy" if entropy else "plain", main(bodies)))
+            (main,) = main_loops(loops)
+            out.append(_loop(kernel, dtype, "entropy" if "true" in spec else "plain", main))
             continue
-        for entropy in (False, True):
-            group = [b for b in bodies if any(t.startswith("FMNMX") for _, t in b) == entropy]
-            if group:
-                out.append(_loop(kernel, dtype, "entropy" if entropy else "plain", main(group)))
+        for main in main_loops(loops):
+            out.append(_loop(kernel, dtype, "entropy" if main["has_max"] else "plain", main))
     out.sort(key=lambda l: (l.kernel, l.dtype, l.variant))
     return out
 
@@ -128,10 +100,10 @@ def binary_loops(path: str, arch: str = "90") -> List[PackLoop]:
 
 def format_table(loops: Sequence[PackLoop]) -> str:
     lines = [f"{'kernel':20s} {'dtype':5s} {'variant':8s} {'loop':>5s} {'packs':>5s} {'per pack':>8s} "
-             f"{'common':>7s}  skipped"]
+             f"{'common':>7s} {'per elem':>8s}  skipped"]
     for l in loops:
         lines.append(f"{l.kernel:20s} {l.dtype:5s} {l.variant:8s} {l.insts:5d} {l.packs:5d} {l.per_pack:8.1f} "
-                     f"{l.common_per_pack:7.1f}  {l.skipped}")
+                     f"{l.common_per_pack:7.1f} {l.common_per_element:8.2f}  {l.skipped}")
     return "\n".join(lines)
 
 

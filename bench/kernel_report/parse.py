@@ -14,6 +14,14 @@ DEFAULT_ARCHS = ("80", "90")
 DEFAULT_VOCABS = (32000, 50257, 151936)
 DEFAULT_DTYPES = ("fp32", "bf16", "fp16", "fp64")
 FAIL_DTYPES = ("fp32", "bf16", "fp16")  # a spill in one of these fails the report
+OPS = ("row", "candidate", "group")  # the kernels' families, by the op they serve (--ops)
+
+
+def op_of_kernel(kernel: str) -> str:
+    """The op a kernel serves, from its name: ``row_forward_kernel`` and Triton's
+    ``_row_forward_kernel`` -> row; the candidate ops' weight-gradient passes -> candidate."""
+    name = kernel.lstrip("_")
+    return next((op for op in OPS if name.startswith(op)), "candidate")
 
 # Local memory that one Triton release's code generation gives a kernel whose source compiles
 # without any under the Triton CI tests with (3.9): recorded here as measured, it is reported as
@@ -55,6 +63,17 @@ class KernelRow:
     used_by: List[str] = dataclasses.field(default_factory=list)
     symbol: str = ""  # the (mangled) symbol in the binary
     known: str = ""  # "Triton 3.6": local memory recorded in KNOWN_TRITON_LOCAL_MEMORY for that release
+    pack_loops: List[dict] = dataclasses.field(default_factory=list)  # the SASS loops holding 128-bit loads
+
+    @property
+    def loop_insts_per_element(self) -> List[float]:
+        """A row kernel's SASS instructions per element in its main loop (:func:`main_loops`), on
+        the loop's common path; one value per main loop (the CUDA backward has two: without and
+        with the entropy term). Empty for other kernels and for a dtype of unknown width."""
+        per_pack = ELEMENTS_PER_PACK.get(self.dtype)
+        if self.kernel.strip("_") not in ROW_KERNELS or not per_pack:
+            return []
+        return [(loop["insts"] - sum(loop["skipped"])) / (loop["packs"] * per_pack) for loop in main_loops(self.pack_loops)]
 
     @property
     def spill_bytes(self) -> int:
@@ -128,7 +147,65 @@ def parse_resource_usage(text: str, default_arch: str = "?") -> Dict[Tuple[str, 
     return out
 
 
-_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s*([^;]*);")  # "/*0f30*/  @P0 LDG.E.128 R4, desc[UR4][R2.64] ;"
+# --------------------------------------------------------------------------- loops in SASS
+# A row kernel is bound by memory or by instruction issue depending on the instructions its main
+# loop issues per element; they are counted from the SASS, without a GPU (loops.py has the
+# per-pack view of the CUDA row kernels).
+
+ROW_KERNELS = ("row_forward_kernel", "row_backward_kernel")  # CUDA names; Triton's start with "_"
+ELEMENTS_PER_PACK = {"fp32": 4, "bf16": 8, "fp16": 8, "fp64": 2}  # per 16-byte (128-bit) load
+_MAX = re.compile(r"^(@!?P\w+\s+)?(FMNMX|DSETP\.MAX)")
+_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+def loop_bodies(insts: Sequence[Tuple[int, str]]) -> List[List[Tuple[int, str]]]:
+    """Bodies (head to backward branch) of the loops of one function's ``(address, instruction)``
+    list that hold 128-bit global loads."""
+    index = {a: i for i, (a, _) in enumerate(insts)}
+    bodies = []
+    for i, (addr, text) in enumerate(insts):
+        m = _BRANCH.match(text)
+        if m and int(m.group(2), 16) <= addr and int(m.group(2), 16) in index:
+            body = list(insts[index[int(m.group(2), 16)]:i + 1])
+            if any("LDG.E.128" in t for _, t in body):
+                bodies.append(body)
+    return bodies
+
+
+def skipped_regions(body: Sequence[Tuple[int, str]]) -> List[int]:
+    """Sizes of the regions forward conditional branches inside the loop jump over (nested
+    regions counted once, in the outermost): in the row kernels they guard rare events only (a
+    group raising the running max, fp64's exp2 special cases), so the rest is the common path."""
+    sizes, end = [], -1
+    for addr, text in body:
+        m = _BRANCH.match(text)
+        if not (m and m.group(1)) or addr < end:
+            continue
+        target = int(m.group(2), 16)
+        if addr < target <= body[-1][0]:
+            sizes.append(sum(1 for a, _ in body if addr < a < target))
+            end = target
+    return sizes
+
+
+def pack_loop_facts(insts: Sequence[Tuple[int, str]]) -> List[dict]:
+    """``{insts, packs, skipped, has_max}`` of every loop holding 128-bit loads: its instructions,
+    its 128-bit loads (packs), the sizes of its branch-skipped regions, and whether it takes a max
+    (FMNMX, fp64's DSETP.MAX: the forward's running max, the backward's floor of log2 p, which
+    only the entropy term has)."""
+    return [dict(insts=len(body), packs=sum("LDG.E.128" in t for _, t in body), skipped=skipped_regions(body),
+                 has_max=any(_MAX.match(t) for _, t in body)) for body in loop_bodies(insts)]
+
+
+def main_loops(loops: Sequence[dict]) -> List[dict]:
+    """A kernel's main loops: of the loops without a max, then of those with one, the one with the
+    most 128-bit loads (the unrolled one), fewest instructions first. A Triton kernel, and the CUDA
+    forward, has one; the CUDA backward one per variant (without, with the entropy term)."""
+    groups = [[l for l in loops if not l["has_max"]], [l for l in loops if l["has_max"]]]
+    return [min(group, key=lambda l: (-l["packs"], l["insts"])) for group in groups if group]
+
+
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s*([^;]*);")  # "/*0f30*/  @P0 LDG.E.128 R4, desc[UR4][R2.64] ;"
 _MEM_OP = re.compile(r"\b(LDG|STG|LDL|STL)((?:\.[A-Z0-9_]+)*)")
 _WIDTHS = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128, "256": 256}
 
@@ -141,9 +218,11 @@ def _width(modifiers: str) -> int:
 
 
 def parse_sass(text: str, default_arch: str = "?") -> Dict[Tuple[str, str], dict]:
-    """``cuobjdump -sass`` output -> ``{(arch, symbol): {loads, stores, local_insts}}`` with
-    ``loads``/``stores`` = {width in bits: number of LDG/STG instructions}."""
+    """``cuobjdump -sass`` output -> ``{(arch, symbol): {loads, stores, local_insts, pack_loops}}``
+    with ``loads``/``stores`` = {width in bits: number of LDG/STG instructions} and ``pack_loops``
+    the loops holding 128-bit loads (:func:`pack_loop_facts`)."""
     out: Dict[Tuple[str, str], dict] = {}
+    listings: Dict[Tuple[str, str], List[Tuple[int, str]]] = {}
     arch, current = default_arch, None
     for line in text.splitlines():
         m = _ARCH_LINE.match(line)
@@ -153,18 +232,21 @@ def parse_sass(text: str, default_arch: str = "?") -> Dict[Tuple[str, str], dict
         m = re.match(r"^\s*Function : (\S+)\s*$", line)
         if m:
             current = out.setdefault((arch, m.group(1)), {"loads": Counter(), "stores": Counter(), "local_insts": 0})
+            listing = listings.setdefault((arch, m.group(1)), [])
             continue
         m = _SASS_INSTRUCTION.match(line) if current is not None else None
         if m is None:
             continue
-        for op, modifiers in _MEM_OP.findall(m.group(1)):
+        listing.append((int(m.group(1), 16), m.group(2).strip()))
+        for op, modifiers in _MEM_OP.findall(m.group(2)):
             if op == "LDG":
                 current["loads"][_width(modifiers)] += 1
             elif op == "STG":
                 current["stores"][_width(modifiers)] += 1
             else:
                 current["local_insts"] += 1
-    return {k: {"loads": dict(v["loads"]), "stores": dict(v["stores"]), "local_insts": v["local_insts"]} for k, v in out.items()}
+    return {k: {"loads": dict(v["loads"]), "stores": dict(v["stores"]), "local_insts": v["local_insts"],
+                "pack_loops": pack_loop_facts(listings[k])} for k, v in out.items()}
 
 
 def parse_ptxas_log(text: str) -> Dict[Tuple[str, str], dict]:

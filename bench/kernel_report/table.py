@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from typing import Dict, List, Sequence, Tuple
-from .parse import DEFAULT_ARCHS, DEFAULT_DTYPES, DEFAULT_VOCABS, KernelRow, ReportError
+from .parse import DEFAULT_ARCHS, DEFAULT_DTYPES, DEFAULT_VOCABS, OPS, KernelRow, ReportError, op_of_kernel
 from .tools import triton_tool
 from .triton import _triton_worker, run_triton_workers
 from .cuda import collect_cuda
@@ -33,14 +33,18 @@ def _spill_text(row: KernelRow) -> str:
     return text + (f" (known, {row.known})" if row.known else "" if row.fails else " (fp64)")
 
 
+def _per_element_text(row: KernelRow) -> str:
+    return "/".join(f"{x:.2f}" for x in row.loop_insts_per_element) or "-"
+
+
 def format_table(rows: Sequence[KernelRow]) -> str:
     header = ("kernel", "arch", "dtype", "specialization", "regs", "spill", "smem", "loads (bits x LDG)", "stores (STG)",
-              "launched for")
+              "insts/elem", "launched for")
     lines = []
     for r in rows:
         smem = f"{r.smem_static}+{r.smem_dynamic}" if r.smem_dynamic else str(r.smem_static)
         lines.append((r.kernel, r.arch, r.dtype, r.spec, str(r.regs), _spill_text(r), smem, _widths(r.loads),
-                      _widths(r.stores), "; ".join(r.used_by)))
+                      _widths(r.stores), _per_element_text(r), "; ".join(r.used_by)))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     widths[-1] = 0  # the last column is not padded
     fmt = "  ".join(f"{{:{w}}}" for w in widths)
@@ -85,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", default=",".join(map(str, DEFAULT_VOCABS)), help="vocabularies of the Triton calls")
     p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES), help="dtypes of the Triton calls")
     p.add_argument("--hidden", type=int, default=4096, help="hidden size of the candidate-linear calls")
+    p.add_argument("--ops", default=",".join(OPS), help="which kernels, by the op they serve: row, candidate, group "
+                   "(comma-separated; default all), e.g. --ops row for the row kernels alone")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--triton-only", action="store_true")
     which.add_argument("--cuda-only", action="store_true")
@@ -104,6 +110,11 @@ def main(argv=None) -> int:
     unknown = [d for d in args.dtype if d not in DEFAULT_DTYPES]
     if unknown:
         print(f"kernel_report: unknown dtype(s) {unknown}; use {','.join(DEFAULT_DTYPES)}", file=sys.stderr)
+        return 2
+    args.ops = _csv(args.ops)
+    unknown = [o for o in args.ops if o not in OPS]
+    if unknown or not args.ops:
+        print(f"kernel_report: unknown op(s) {unknown or args.ops}; use {','.join(OPS)}", file=sys.stderr)
         return 2
     if args.triton_worker:
         return _triton_worker(args)
@@ -126,7 +137,7 @@ def main(argv=None) -> int:
                 import triton
 
                 notes.append(f"Triton {triton.__version__}: kernels compiled as the launchers specialize them "
-                             f"(V in {args.vocab}, dtypes {','.join(args.dtype)}, H={args.hidden}); ptxas "
+                             f"(ops {','.join(args.ops)}, V in {args.vocab}, dtypes {','.join(args.dtype)}, H={args.hidden}); ptxas "
                              f"{triton_tool('ptxas') or '(Triton default)'}")
                 progress.update("Triton", "starting the workers")
                 triton_future = pool.submit(run_triton_workers, archs, args, lambda text: progress.update("Triton", text))
@@ -139,7 +150,7 @@ def main(argv=None) -> int:
             if triton_future is not None:
                 rows += triton_future.result()
                 progress.finish("Triton")
-        rows += cuda_rows
+        rows += [r for r in cuda_rows if op_of_kernel(r.kernel) in args.ops]
     except ReportError as exc:
         print(f"kernel_report: {exc}", file=sys.stderr)
         return 2

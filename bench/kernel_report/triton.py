@@ -25,6 +25,11 @@ class Scenario:
     dtype: str
     call: Callable[[object], None]  # receives the TritonBackend
 
+    @property
+    def op(self) -> str:
+        """The op whose kernels the call launches: row, candidate or group (``--ops``)."""
+        return self.label.split()[0]
+
 
 def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[str] = DEFAULT_DTYPES,
                      hidden: int = 4096, num_cand: int = 8) -> List[Scenario]:
@@ -224,7 +229,7 @@ def collect_triton(arch: int, scenarios: Iterable[Scenario], cuobjdump: Optional
                 dtype=scenario.dtype, spec=_spec_text(kernel.src, options), regs=res["regs"], stack=res["stack"],
                 local=res["local"], local_insts=facts["local_insts"], smem_static=res["shared"],
                 smem_dynamic=int(getattr(kernel.metadata, "shared", 0) or 0), loads=facts["loads"],
-                stores=facts["stores"], used_by=[scenario.label], symbol=symbol,
+                stores=facts["stores"], used_by=[scenario.label], symbol=symbol, pack_loops=facts.get("pack_loops", []),
             )
             rows[key].mark_known(triton.__version__)
     return list(rows.values())
@@ -233,7 +238,7 @@ def collect_triton(arch: int, scenarios: Iterable[Scenario], cuobjdump: Optional
 def _triton_worker(args) -> int:
     """``--triton-worker ARCH``: the Triton part for one architecture, as JSON."""
     os.environ["TRITON_INTERPRET"] = "0"
-    scenarios = triton_scenarios(args.vocab, args.dtype, args.hidden)
+    scenarios = [s for s in triton_scenarios(args.vocab, args.dtype, args.hidden) if s.op in args.ops]
     try:
         rows = collect_triton(int(args.triton_worker), scenarios)
     except ReportError as exc:
@@ -256,7 +261,7 @@ def run_triton_workers(archs: Sequence[str], args, progress: Optional[Callable[[
         for arch in archs:
             out = os.path.join(tmp, f"triton-{arch}.json")
             cmd = [sys.executable, "-m", "bench.kernel_report", "--triton-worker", str(arch), "--json", out,
-                   "--hidden", str(args.hidden), "--vocab", ",".join(map(str, args.vocab)), "--dtype", ",".join(args.dtype)]
+                   "--hidden", str(args.hidden), "--vocab", ",".join(map(str, args.vocab)), "--dtype", ",".join(args.dtype), "--ops", ",".join(args.ops)]
             procs.append((arch, out, subprocess.Popen(cmd, cwd=parent, env=env, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True)))
         rows: List[KernelRow] = []

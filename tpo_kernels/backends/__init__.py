@@ -50,10 +50,13 @@ has the logits' shape; tensors first, settings keyword-only):
   (logits - row_max) * inv_t - log_sum``, ``g = grad_logprob`` and ``ge = grad_entropy`` (None:
   zero); the label's entry takes ``log p`` from ``label_logprob`` and ``1 - p`` as
   ``-expm1(label_logprob)``. ``p log p`` is 0 where ``p == 0``. ``out`` has the logits' dtype and
-  shape and may be ``logits`` itself (in-place backward). Rows where ``g == 0`` and ``ge == 0``
-  are written as zeros without reading the logits; a label outside ``[0, V)`` adds no one-hot
-  term. The summary may come from a wider row than ``logits`` (the fused-linear path passes a
-  vocabulary block with the summary of the whole row and block-local labels).
+  shape and may be ``logits`` itself (in-place backward); the native and Triton backends read
+  logits whose rows overlap from a copy and fill an ``out`` whose rows overlap by
+  ``out.copy_(gradient)`` (:func:`rows_in_place`, :func:`gradient_buffer`: no two programs store
+  one address). Rows where ``g == 0`` and ``ge == 0`` are written as zeros without reading the
+  logits; a label outside ``[0, V)`` adds no one-hot term. The summary may come from a wider row
+  than ``logits`` (the fused-linear path passes a vocabulary block with the summary of the whole
+  row and block-local labels).
 
 Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each):
 
@@ -180,6 +183,32 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# ----------------------------------------------------------------------------- row layouts
+
+
+def rows_in_place(t: Tensor) -> bool:
+    """Whether a row kernel may read and write ``t`` where it lies: a ``[M, V]`` matrix or a ``[B,
+    T, V]`` view with unit column stride whose rows never overlap (a row stride of at least V,
+    batch entries apart). The native and Triton backends copy anything else before a kernel sees
+    it: overlapping rows (an ``expand``, a row stride below V) written in place would be stored by
+    several programs at once, and read after another program wrote them."""
+    if t.dim() not in (2, 3) or t.numel() == 0 or t.stride(-1) != 1:
+        return False
+    per_batch, vocab = t.shape[-2:]
+    step = t.stride(-2) if per_batch > 1 else vocab
+    return step >= vocab and (t.dim() == 2 or t.shape[0] == 1 or t.stride(0) >= (per_batch - 1) * step + vocab)
+
+
+def gradient_buffer(rows: Tensor, out: Tensor) -> Tensor:
+    """Where a row backward kernel reading ``rows`` (a layout :func:`rows_in_place` accepts) writes
+    the gradient for ``out``: ``out`` itself when it can be written in place (rows_in_place, the
+    dtype of ``rows`` and, if it starts where ``rows`` does, their layout, so that each row is read
+    before it is written), else a new buffer that the caller copies into ``out`` afterwards."""
+    direct = (out.dtype == rows.dtype and rows_in_place(out)
+              and (out.data_ptr() != rows.data_ptr() or out.stride() == rows.stride()))
+    return out if direct else torch.empty_like(rows)
+
+
 # The registry checks the one argument it resolves itself (so that backends/ imports nothing above it).
 
 
@@ -251,4 +280,4 @@ def backend_by_key(key: str) -> Backend:
 
 
 __all__ = ["BACKEND_NAMES", "Backend", "backend_by_key", "backend_key", "backend_status",
-           "get_backend", "resolve_backend_key", "triton_interpreter_enabled"]
+           "get_backend", "gradient_buffer", "resolve_backend_key", "rows_in_place", "triton_interpreter_enabled"]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .row_summary import RowSummary, compute_dtype
-from . import Backend
+from . import Backend, gradient_buffer, rows_in_place
 
 # Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -37,31 +37,23 @@ def dtype_code(dtype: torch.dtype, what: str = "logits") -> int:
 
 
 def as_rows(t: Tensor, what: str = "logits") -> Tensor:
-    """``t`` as a 2-D matrix the kernels can walk: unit column stride, non-overlapping rows.
-    Returns ``t`` itself when it already qualifies (so in-place writes reach it), else a copy."""
+    """``t`` as a 2-D matrix the kernels can walk: unit column stride, non-overlapping rows
+    (:func:`rows_in_place`). Returns ``t`` itself when it already qualifies (so in-place writes
+    reach it), else a copy."""
     if t.dim() != 2:
         raise ValueError(f"{what} must be 2-D [rows, vocab], got shape {tuple(t.shape)}")
-    rows, vocab = t.shape
-    if rows > 0 and vocab > 0 and t.stride(1) == 1 and (rows == 1 or t.stride(0) >= vocab):
-        return t
-    return t.contiguous()
+    return t if rows_in_place(t) else t.contiguous()
 
 
 def as_row_batch(t: Tensor, what: str = "logits") -> Tensor:
     """The row ops' input: :func:`as_rows` for a ``[M, V]`` matrix; a ``[B, T, V]`` view (the
     ``logits[:, :-1]`` slice, whose rows do not flatten into one row stride) stays as it is when
-    the kernels can walk it in one launch (unit column stride, rows that never overlap), else it
-    is copied."""
+    the kernels can walk it in one launch (:func:`rows_in_place`), else it is copied."""
     if t.dim() == 2:
         return as_rows(t, what)
     if t.dim() != 3:
         raise ValueError(f"{what} must be [rows, vocab] or [batch, rows, vocab], got shape {tuple(t.shape)}")
-    batch, per_batch, vocab = t.shape
-    if t.numel() > 0 and t.stride(2) == 1:
-        step = t.stride(1) if per_batch > 1 else vocab
-        if step >= vocab and (batch == 1 or t.stride(0) >= (per_batch - 1) * step + vocab):
-            return t
-    return t.contiguous()
+    return t if rows_in_place(t) else t.contiguous()
 
 
 def batch_args(t: Tensor) -> dict:
@@ -200,23 +192,16 @@ class NativeBackend(Backend):
             if summary.entropy is None:
                 raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
             ent = per_row(summary.entropy, rows, acc, x.device, "summary.entropy")
-        # Write straight into `out` when the kernel can (this is the in-place path when out is
-        # logits); otherwise into a temporary that is copied over. An `out` that starts at the
-        # logits' address with another layout would be overwritten while still being read, so it
-        # gets a temporary too.
-        direct = out.dtype == x.dtype and as_row_batch(out, "out") is out
-        target = out if direct else torch.empty_like(x)
-        if target.data_ptr() == x.data_ptr() and (row_stride(target), batch_args(target)) != (row_stride(x),
-                                                                                            batch_args(x)):
-            target = torch.empty_like(x)
-            direct = False
+        # Straight into `out` when the kernel can (the in-place path when out is logits), else
+        # into a temporary copied over afterwards (gradient_buffer).
+        target = gradient_buffer(x, out)
         self.extension.row_backward(
             **matrix_args(x), **batch_args(x), logits=ptr(x), labels=ptr(lab), row_max=ptr(row_max),
             log_sum=ptr(log_sum), logprob=ptr(lp), grad_logprob=ptr(g), grad_entropy=ptr(ge), entropy=ptr(ent),
             inv_temperature=float(inv_temperature), out=ptr(target), out_row_stride=row_stride(target),
             out_batch_stride=batch_args(target)["batch_stride"], **launch,
         )
-        if not direct:
+        if target is not out:
             out.copy_(target)
 
     def candidate_forward(self, logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:

@@ -12,19 +12,21 @@ Memory access. A row starts 16-byte aligned only when ``stride * element size`` 
 ``logits[:, :-1]``'s entries or ``logits[:, 1:]`` with such a V). The kernels receive an aligned
 base, the view's start rounded down to 16 bytes, and add the remainder to every row offset
 (``aligned_base``), so that Triton knows the base is aligned whatever the view's start; a
-program reads its row in sections (``row_sections``): the
-columns before the first aligned one and the last ``< VEC`` columns as one small masked tile,
-then whole chunks from the aligned column with no mask, then one chunk whose mask is constant
-over ``VEC`` columns. With ``tl.multiple_of`` on the aligned offset every chunk is read (and the
-backward written) with 16-byte vector accesses whatever V is. Chunks are ``[BLOCK_V / VEC, VEC]``
-tiles so that the label test costs no registers per element (see ``chunk_tile``).
+program reads its row in sections (``row_sections``): the columns before the first aligned one
+and the last ``< VEC`` columns as one small masked tile, then whole chunks from the aligned
+column with no mask, then one chunk whose mask is constant over ``VEC`` columns. With
+``tl.multiple_of`` on the aligned offset every chunk is read (and the backward written) with
+16-byte vector accesses whatever V is. A chunk is a ``thread_tile`` (each thread its own
+vectors): the forward keeps a running max and sums per thread, reduced within the thread (no
+shuffle, no barrier per chunk) and merged once per row. The body chunk holding the label is read
+apart (``label_chunk``): no other chunk tests its columns against the label.
 
-Forward, per row with raw logits ``z``, label ``y`` and ``d = (z - m) * inv_t`` relative to the
-running raw max ``m`` (online, one read of the row)::
+Forward, per row with raw logits ``z``, label ``y`` and ``d = (z - m) * inv_t`` relative to a
+running raw max ``m`` (online, one read of the row; each thread over its columns, then merged)::
 
-    s = sum_{v != y} exp(d_v);   t = sum_{v != y} exp(d_v) * d_v      (per lane)
+    s = sum_{v != y} exp(d_v);   t = sum_{v != y} exp(d_v) * d_v
     when a chunk raises the max, both are rescaled: with delta = (m - m') * inv_t,
-    s <- exp(delta) s,  t <- exp(delta) (t + delta s)
+    s <- exp(delta) s,  t <- exp(delta) (t + delta s)     (also how the threads merge)
     then the label: e_y = exp(d_y), log_sum = log(s + e_y),
     log p_y = -log1p(s / e_y) if s < e_y else d_y - log_sum,
     entropy = log_sum - (t + e_y d_y) / (s + e_y)
@@ -65,10 +67,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import gradient_buffer
 from ..row_summary import RowSummary, compute_dtype
 from .kernel_support import device_guard, expm1, log1p, scalar_from_parts, split_scalar, use_libdevice
-from .row_layout import (aligned_base, batch_layout, chunk_geometry, chunk_tile, edge_tile, forward_register_cap, is_label_in,
-                         pick_num_warps, row_batch, row_offset, row_sections)
+from .row_layout import (acc_type, aligned_base, batch_layout, chunk_geometry, chunk_threads, edge_tile, label_chunk,
+                         load_chunk, pick_num_warps, row_batch, row_offset, row_sections, thread_max, thread_sum,
+                         thread_tile)
 
 
 # Base-2 units: the kernels scale by inv_t * log2(e) once and call exp2, which saves the multiply
@@ -80,23 +84,26 @@ BIG = tl.constexpr(3.0e38)
 
 
 @triton.jit
-def _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY: tl.constexpr):
-    """One online step over a chunk ``z`` (-inf in masked lanes): the new running max and the
-    per-lane sums of ``e = 2^d`` and ``e d`` (label excluded), ``d = (z - max) * scale2``."""
-    new_max = tl.maximum(run_max, tl.max(z, axis=None))
+def _absorb_chunk(z, is_label, run_max, run_sum, run_t, scale2, WITH_ENTROPY: tl.constexpr):
+    """One online step of every thread over its columns of a chunk ``z`` (-inf in masked lanes):
+    the thread's running max and its sums of ``e = 2^d`` and ``e d``, ``d = (z - max) * scale2``,
+    leaving out the label where ``is_label`` (None: the chunk has no label; the max includes it)."""
+    new_max = tl.maximum(run_max, thread_max(z))
     # Shift by 0 while every logit seen is -inf, so nothing computes (-inf) - (-inf).
     shift = tl.where(new_max == float("-inf"), 0.0, new_max).to(z.dtype)
     delta = (run_max - shift) * scale2  # <= 0; -inf while nothing was seen
-    rescale = tl.exp2(delta)  # one scalar exp per chunk
+    rescale = tl.exp2(delta)  # one exp per thread and chunk
     d = (z - shift) * scale2
-    e = tl.where(is_label, 0.0, tl.exp2(d))  # the label's mass is added apart
+    e = tl.exp2(d)
+    if is_label is not None:
+        e = tl.where(is_label, 0.0, e)  # the label's mass is added apart
     if WITH_ENTROPY:
         # t relative to the new max: 2^delta (t + delta s). A lane with e == 0 (masked, -inf
         # logit, the label) adds 0, never 0 * -inf; a NaN logit makes e, so s and t, NaN.
-        lane_t = rescale * (lane_t + tl.where(rescale > 0, delta, 0.0) * lane_sum)
-        lane_t += e * tl.maximum(d, -BIG)
-    lane_sum = lane_sum * rescale + e
-    return new_max, lane_sum, lane_t
+        run_t = rescale * (run_t + tl.where(rescale > 0, delta, 0.0) * run_sum)
+        run_t += thread_sum(e * tl.maximum(d, -BIG))
+    run_sum = run_sum * rescale + thread_sum(e)
+    return new_max, run_sum, run_t
 
 
 # rows_per_batch only divides the row index (row_offset) and the base offsets (aligned_base) only shift it: no
@@ -121,6 +128,7 @@ def _row_forward_kernel(
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,
+    THREADS: tl.constexpr,
     ACCURATE_MATH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -131,46 +139,58 @@ def _row_forward_kernel(
         label = label_id.to(tl.int32)  # in [0, vocab), vocab < 2**31: int32 column compares
         row_start = base_offset + row_offset(row, rows_per_batch, batch_stride, row_stride)
         row_ptr = logits_ptr + row_start
-        # The label's logit first: its load overlaps the row's stream instead of being a dependent
-        # load at the row's tail (after the last chunk's reduction).
+        # The label's logit first: its load overlaps the row's stream (not a dependent load at the end).
         z_label = tl.load(row_ptr + label).to(ACC)
         head, body_len, vec_len = row_sections(row_start, vocab, VEC, BLOCK_V)
         scale = scalar_from_parts(inv_t_hi, inv_t_mid, inv_t_lo, ACC)
         scale2 = scale * tl.full([], LOG2E, ACC)
-        # The edges first: their sums seed one lane of the per-lane partial sums, which are
-        # reduced once after the loop (the only cross-warp reduction per chunk is the max).
+        # The edges seed thread 0's state ([1, THREADS, 1]: one max and two sums per thread).
         edge_cols, edge_mask = edge_tile(head, head + vec_len, vocab, VEC)
         edge_z = tl.load(row_ptr + edge_cols, mask=edge_mask, other=float("-inf")).to(ACC)
-        no_sums = tl.zeros([2, VEC], dtype=ACC)
-        run_max, edge_sum, edge_t = _absorb_chunk(edge_z, edge_cols == label, tl.full([], float("-inf"), ACC),
-                                                  no_sums, no_sums, scale2, WITH_ENTROPY)
-        vector, lane = chunk_tile(BLOCK_V, VEC)
-        first = (vector == 0) & (lane == 0)
-        lane_sum = tl.where(first, tl.sum(edge_sum, axis=None), 0.0)
-        lane_t = tl.where(first, tl.sum(edge_t, axis=None), 0.0)
-        label_vector, label_lane = (label - head) // VEC, (label - head) % VEC  # see is_label_in
+        nothing = tl.full([1, 1, 1], float("-inf"), ACC)
+        edge_max, edge_sum, edge_t = _absorb_chunk(edge_z[:, None, :], (edge_cols == label)[:, None, :], nothing,
+                                                   tl.zeros_like(nothing), tl.zeros_like(nothing), scale2,
+                                                   WITH_ENTROPY)
+        first = tl.arange(0, THREADS)[None, :, None] == 0
+        run_max = tl.where(first, edge_max, float("-inf"))
+        run_sum = tl.where(first, edge_sum, 0.0)
+        run_t = tl.where(first, edge_t, 0.0)
+        # The body, the label's chunk (if any) apart (label_chunk).
+        cols = thread_tile(BLOCK_V, VEC, THREADS)
+        label_col = label - head  # from the body's start; negative in the head
+        label_off = label_chunk(label_col, body_len, BLOCK_V)
         body_ptr = logits_ptr + tl.multiple_of(row_start + head, VEC)
-        for off in range(0, body_len, BLOCK_V):
-            z = tl.load(body_ptr + off + vector * VEC + lane).to(ACC)
-            is_label = is_label_in(vector, lane, label_vector, label_lane, off, VEC)
-            run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
-        tail = body_len + vector * VEC + lane
+        for off in range(0, label_off, BLOCK_V):
+            z = load_chunk(body_ptr + off, cols, ACC, BLOCK_V, VEC, THREADS)
+            run_max, run_sum, run_t = _absorb_chunk(z, None, run_max, run_sum, run_t, scale2, WITH_ENTROPY)
+        if label_off < body_len:
+            z = load_chunk(body_ptr + label_off, cols, ACC, BLOCK_V, VEC, THREADS)
+            run_max, run_sum, run_t = _absorb_chunk(z, cols == label_col - label_off, run_max, run_sum, run_t,
+                                                    scale2, WITH_ENTROPY)
+        for off in range(label_off + BLOCK_V, body_len, BLOCK_V):
+            z = load_chunk(body_ptr + off, cols, ACC, BLOCK_V, VEC, THREADS)
+            run_max, run_sum, run_t = _absorb_chunk(z, None, run_max, run_sum, run_t, scale2, WITH_ENTROPY)
+        tail = body_len + cols
         z = tl.load(body_ptr + tail, mask=tail < vec_len, other=float("-inf")).to(ACC)
-        is_label = is_label_in(vector, lane, label_vector, label_lane, body_len, VEC)
-        run_max, lane_sum, lane_t = _absorb_chunk(z, is_label, run_max, lane_sum, lane_t, scale2, WITH_ENTROPY)
-        rest = tl.sum(lane_sum, axis=None)
-        shift = tl.where(run_max == float("-inf"), 0.0, run_max).to(ACC)
+        run_max, run_sum, run_t = _absorb_chunk(z, tail == label_col, run_max, run_sum, run_t, scale2, WITH_ENTROPY)
+        # The threads' states merged once: each sum rescaled from its thread's max to the row's.
+        row_max = tl.max(run_max, axis=None)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max).to(ACC)
+        delta = (run_max - shift) * scale2
+        rescale = tl.exp2(delta)
+        rest = tl.sum(run_sum * rescale, axis=None)
         d_y = (z_label - shift) * scale  # natural units from here on
         e_y = tl.exp(d_y)
         total = rest + e_y
         log_sum = tl.log(total)
         # log(e_y / (e_y + rest)): -log1p(rest / e_y) keeps 1 - p_y accurate when the label dominates.
         confident = -log1p(rest / tl.where(e_y > 0, e_y, 1.0), ACCURATE_MATH)
-        tl.store(row_max_ptr + row, run_max)
+        tl.store(row_max_ptr + row, row_max)
         tl.store(log_sum_ptr + row, log_sum)
         tl.store(logprob_ptr + row, tl.where(rest < e_y, confident, d_y - log_sum))
         if WITH_ENTROPY:
-            t = tl.sum(lane_t, axis=None) * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
+            t2 = tl.sum(rescale * (run_t + tl.where(rescale > 0, delta, 0.0) * run_sum), axis=None)
+            t = t2 * tl.full([], LN2, ACC) + tl.where(e_y > 0, e_y * d_y, 0.0)
             tl.store(entropy_ptr + row, log_sum - t / total)
     else:
         # The row is never read. A negative label (ignored row) gives 0; a label >= vocab (out of
@@ -184,45 +204,54 @@ def _row_forward_kernel(
 
 
 @triton.jit
-def _chunk_grad(in_ptrs, out_ptrs, mask, is_label, row_max, log_sum2, scale2, coef, coef_log, label_grad,
-                ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr):
-    """Store one chunk of the row gradient; zeros when not ACTIVE, without reading the logits."""
+def _chunk_grad(in_ptr, out_ptr, cols, mask, is_label, row_max, log_sum2, scale2, coef, coef_log, label_grad,
+                ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+                VEC: tl.constexpr, THREADS: tl.constexpr):
+    """Store the row gradient at columns ``cols`` from ``out_ptr`` (a ``thread_tile`` when ``mask``
+    is None: a body chunk); the label's entry where ``is_label`` (None: not in these columns);
+    zeros when not ACTIVE, without reading the logits."""
     if ACTIVE:
         if mask is None:
-            x = tl.load(in_ptrs).to(ACC)
+            x = load_chunk(in_ptr, cols, ACC, BLOCK_V, VEC, THREADS)
         else:  # masked lanes read as the max: finite p, no overflow in lanes never stored
-            x = tl.load(in_ptrs, mask=mask, other=row_max).to(ACC)
+            x = tl.load(in_ptr + cols, mask=mask, other=row_max).to(ACC)
         log_p2 = (x - row_max) * scale2 - log_sum2  # log2 p
         p = tl.exp2(log_p2)
         if HAS_ENTROPY_GRAD:
             grad = p * (coef + coef_log * tl.maximum(log_p2, -BIG))
         else:
             grad = p * coef
-        grad = tl.where(is_label, label_grad, grad)
+        if is_label is not None:
+            grad = tl.where(is_label, label_grad, grad)
     else:
-        grad = tl.zeros(in_ptrs.shape, dtype=ACC)
-    tl.store(out_ptrs, grad.to(out_ptrs.dtype.element_ty), mask=mask)
+        grad = tl.zeros(cols.shape, dtype=ACC)
+    tl.store(out_ptr + cols, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _store_row_grad(in_row, out_row, in_body, out_body, head, body_len, vec_len, vocab, label, row_max, log_sum2,
                     scale2, coef, coef_log, label_grad, ACTIVE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-                    ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
-    """Walk one row's sections (``row_sections``): edges, unmasked body, masked tail."""
+                    ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, THREADS: tl.constexpr):
+    """Walk one row's sections (``row_sections``): edges, the unmasked body (the label's chunk
+    apart, as in the forward), the masked tail."""
     edge_cols, edge_mask = edge_tile(head, head + vec_len, vocab, VEC)
-    _chunk_grad(in_row + edge_cols, out_row + edge_cols, edge_mask, edge_cols == label, row_max, log_sum2, scale2,
-                coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
-    vector, lane = chunk_tile(BLOCK_V, VEC)
-    label_vector, label_lane = (label - head) // VEC, (label - head) % VEC  # see is_label_in
-    for off in range(0, body_len, BLOCK_V):
-        cols = off + vector * VEC + lane
-        is_label = is_label_in(vector, lane, label_vector, label_lane, off, VEC)
-        _chunk_grad(in_body + cols, out_body + cols, None, is_label, row_max, log_sum2, scale2, coef, coef_log,
-                    label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
-    cols = body_len + vector * VEC + lane
-    is_label = is_label_in(vector, lane, label_vector, label_lane, body_len, VEC)
-    _chunk_grad(in_body + cols, out_body + cols, cols < vec_len, is_label, row_max, log_sum2, scale2, coef,
-                coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC)
+    _chunk_grad(in_row, out_row, edge_cols, edge_mask, edge_cols == label, row_max, log_sum2, scale2, coef, coef_log,
+                label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
+    cols = thread_tile(BLOCK_V, VEC, THREADS)
+    label_col = label - head
+    label_off = label_chunk(label_col, body_len, BLOCK_V)
+    for off in range(0, label_off, BLOCK_V):
+        _chunk_grad(in_body + off, out_body + off, cols, None, None, row_max, log_sum2, scale2, coef, coef_log,
+                    label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
+    if label_off < body_len:
+        _chunk_grad(in_body + label_off, out_body + label_off, cols, None, cols == label_col - label_off, row_max,
+                    log_sum2, scale2, coef, coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
+    for off in range(label_off + BLOCK_V, body_len, BLOCK_V):
+        _chunk_grad(in_body + off, out_body + off, cols, None, None, row_max, log_sum2, scale2, coef, coef_log,
+                    label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
+    in_tail, tail_label = cols < vec_len - body_len, cols == label_col - body_len
+    _chunk_grad(in_body + body_len, out_body + body_len, cols, in_tail, tail_label, row_max, log_sum2, scale2, coef,
+                coef_log, label_grad, ACTIVE, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
 
 
 # rows_per_batch only divides the row index (row_offset) and the base offsets (aligned_base) only shift it: no
@@ -253,6 +282,7 @@ def _row_backward_kernel(
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,
+    THREADS: tl.constexpr,
     OUT_ALIGNED: tl.constexpr,
     ACCURATE_MATH: tl.constexpr,
 ):
@@ -294,16 +324,12 @@ def _row_backward_kernel(
         log2e = tl.full([], LOG2E, ACC)
         _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
                         vocab, label, row_max, log_sum * log2e, scale * log2e, coef, coef_log, label_grad * scale,
-                        True, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
+                        True, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
     else:
         # Zero-signal row: write zeros, never touch the logits.
         zero = tl.full([], 0.0, ACC)
-        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len,
-                        vocab, -1, zero, zero, zero, zero, zero, zero, False, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC)
-
-
-def _acc_type(dtype: torch.dtype):
-    return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
+        _store_row_grad(logits_ptr + in_start, out_ptr + out_start, in_body, out_body, head, body_len, vec_len, vocab,
+                        -1, zero, zero, zero, zero, zero, zero, False, HAS_ENTROPY_GRAD, ACC, BLOCK_V, VEC, THREADS)
 
 
 def row_forward(
@@ -343,12 +369,12 @@ def row_forward(
             vocab,
             *split_scalar(inv_temperature),
             WITH_ENTROPY=bool(with_entropy),
-            ACC=_acc_type(logits.dtype),
+            ACC=acc_type(logits.dtype),
             BLOCK_V=block,
             VEC=vec,
+            THREADS=chunk_threads(block, vec),
             ACCURATE_MATH=use_libdevice(),
             num_warps=pick_num_warps(block),
-            maxnreg=forward_register_cap(logits.dtype, with_entropy),
         )
     return summary
 
@@ -371,10 +397,10 @@ def row_backward(
         return
     if grad_entropy is not None and summary.entropy is None:
         raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
-    # The kernel writes rows with unit column stride that never overlap; anything else goes
-    # through a copy.
-    target = out if row_batch(out) is out else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    if out.shape != logits.shape:
+        raise ValueError(f"out must have the logits' shape {tuple(logits.shape)}, got {tuple(out.shape)}")
     logits = row_batch(logits)
+    target = gradient_buffer(logits, out)  # out itself, or a buffer copied into it (rows that overlap)
     labels = labels.reshape(-1).contiguous()
     row_max, log_sum = summary.row_max.contiguous(), summary.log_sum.contiguous()
     logprob = summary.label_logprob.contiguous()
@@ -410,9 +436,10 @@ def row_backward(
             vocab,
             *split_scalar(inv_temperature),
             HAS_ENTROPY_GRAD=has_ge,
-            ACC=_acc_type(logits.dtype),
+            ACC=acc_type(logits.dtype),
             BLOCK_V=block,
             VEC=vec,
+            THREADS=chunk_threads(block, vec),
             # out's rows start at the logits' rows' offsets modulo VEC
             OUT_ALIGNED=((out_base_offset - in_base_offset) % vec == 0 and (out_row_stride - in_row_stride) % vec == 0
                          and (out_batch_stride - in_batch_stride) % vec == 0),

@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import rows_in_place, triton_interpreter_enabled
 from ..row_summary import compute_dtype
-from .. import triton_interpreter_enabled
 
 
 @triton.jit
@@ -33,16 +33,11 @@ def batch_layout(t: Tensor) -> Tuple[int, int, int]:
 
 def row_batch(t: Tensor) -> Tensor:
     """``t`` as the row kernels read it: a ``[M, V]`` matrix or a ``[B, T, V]`` view with unit
-    column stride whose rows never overlap (read in place, one launch); anything else copied."""
+    column stride whose rows never overlap (read in place, one launch; ``rows_in_place``), else a
+    copy."""
     if t.dim() not in (2, 3):
         raise ValueError(f"logits must be [rows, vocab] or [batch, rows, vocab], got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1:
-        return t.contiguous()
-    if t.dim() == 3 and t.shape[0] > 1:
-        per_batch, step, vocab = batch_layout(t)[0], batch_layout(t)[2], t.shape[-1]
-        if step < vocab or t.stride(0) < (per_batch - 1) * step + vocab:
-            return t.contiguous()
-    return t
+    return t if rows_in_place(t) else t.contiguous()
 
 
 def aligned_base(t: Tensor, vec: int) -> Tuple[Tensor, int]:
@@ -73,12 +68,15 @@ def row_sections(row_start, vocab, VEC: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def chunk_tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
-    """A chunk of ``BLOCK_V`` columns as a ``[BLOCK_V // VEC, VEC]`` tile of 16-byte vectors:
-    ``(vector index [n, 1], lane [1, VEC])``. Testing a column as (vector, lane) compares the
-    lane with a compile-time constant per register, so the column indices never occupy
-    registers (a 1-D ``arange`` compare keeps one register per element live in the loop)."""
-    return tl.arange(0, BLOCK_V // VEC)[:, None], tl.arange(0, VEC)[None, :]
+def thread_tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr, THREADS: tl.constexpr):
+    """A chunk of ``BLOCK_V`` columns as a ``[BLOCK_V // (THREADS * VEC), THREADS, VEC]`` tile of
+    column offsets: dim 1 is the program's threads (``chunk_threads``), dim 2 a 16-byte vector, so
+    each thread holds ``BLOCK_V // THREADS`` columns, consecutive threads read consecutive vectors
+    (coalesced), and a reduction over dims 0 and 2 stays within each thread: no shuffle, no
+    barrier."""
+    rep = tl.arange(0, BLOCK_V // (THREADS * VEC))[:, None, None]
+    thread = tl.arange(0, THREADS)[None, :, None]
+    return (rep * THREADS + thread) * VEC + tl.arange(0, VEC)[None, None, :]
 
 
 @triton.jit
@@ -92,12 +90,40 @@ def edge_tile(head, vec_end, vocab, VEC: tl.constexpr):
 
 
 @triton.jit
-def is_label_in(vector, lane, label_vector, label_lane, chunk_start, VEC: tl.constexpr):
-    """Where the label sits in the chunk of a ``chunk_tile`` starting ``chunk_start`` columns into
-    the body (a multiple of ``VEC``), with ``label_vector, label_lane`` the label column relative to
-    the body's start as ``(// VEC, % VEC)``; a negative column (the label in the head, or no
-    label) matches nothing."""
-    return (vector == label_vector - chunk_start // VEC) & (lane == label_lane)
+def label_chunk(label_col, body_len, BLOCK_V: tl.constexpr):
+    """The start of the body chunk holding column ``label_col`` (from the body's start), or
+    ``body_len`` when the label is not in the body: the kernels read that chunk apart, so that no
+    other chunk tests its columns against the label."""
+    return tl.where((label_col >= 0) & (label_col < body_len), label_col // BLOCK_V * BLOCK_V, body_len)
+
+
+@triton.jit
+def load_chunk(chunk_ptr, cols, ACC: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, THREADS: tl.constexpr):
+    """The body chunk from ``chunk_ptr`` (16-byte aligned; ``cols`` its ``thread_tile``), unmasked,
+    in ``ACC``. bf16 is read as 32-bit words and widened by hand: a bf16 is the high half of the
+    fp32 of the same value, so (little-endian) the even column is ``word << 16`` and the odd one
+    ``word & 0xffff0000``, one instruction each (the compiler's widening takes two for the odd
+    column); the join puts them back in column order, within each thread."""
+    if chunk_ptr.dtype.element_ty == tl.bfloat16:
+        words = tl.load(chunk_ptr.to(tl.pointer_type(tl.uint32)) + thread_tile(BLOCK_V // 2, VEC // 2, THREADS))
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(even, odd), cols.shape).to(ACC)
+    else:
+        return tl.load(chunk_ptr + cols).to(ACC)
+
+
+@triton.jit
+def thread_max(x):
+    """``x`` (a ``thread_tile``'s shape) reduced over each thread's own columns: ``[1, THREADS,
+    1]``, without shuffles or barriers."""
+    return tl.max(tl.max(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def thread_sum(x):
+    """As :func:`thread_max`, the sum."""
+    return tl.sum(tl.sum(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
 
 
 def chunk_geometry(logits: Tensor, block_v: Optional[int]) -> Tuple[int, int]:
@@ -114,10 +140,22 @@ def pick_block_v(vocab: int, element_size: int) -> int:
     if triton_interpreter_enabled():
         cap = 1024  # the interpreter runs each program in numpy; moderate blocks are fastest
     else:
-        # 4096 wide at 8 warps: 16 values per thread, no spills (sm_90: forward 53-56 registers,
-        # 80 with entropy; backward 29-40), several programs resident per SM to keep loads in flight.
+        # 4096 wide at 8 warps: 16 values per thread, no spills (forward 40-48 registers on sm_90,
+        # 48-64 on sm_80; backward 32-40, 40-64), several programs resident per SM to keep loads
+        # in flight.
         cap = 2048 if element_size >= 8 else 4096
     return min(triton.next_power_of_2(max(int(vocab), 1)), cap)
+
+
+def acc_type(dtype: torch.dtype):
+    """The ``ACC`` constexpr of the row kernels: their compute dtype (``compute_dtype``)."""
+    return tl.float64 if compute_dtype(dtype) == torch.float64 else tl.float32
+
+
+def chunk_threads(block_v: int, vec: int) -> int:
+    """The threads of a ``thread_tile``: the program's (32 per warp), or fewer when a chunk has
+    fewer 16-byte vectors than the program has threads (a small vocabulary)."""
+    return min(32 * pick_num_warps(block_v), block_v // vec)
 
 
 def pick_num_warps(block_v: int) -> int:
@@ -127,11 +165,3 @@ def pick_num_warps(block_v: int) -> int:
         return 4
     return 2 if block_v >= 256 else 1
 
-
-def forward_register_cap(dtype: torch.dtype, with_entropy: bool) -> Optional[int]:
-    """ptxas's register limit for the fp32 forward: 64 per thread (80 with the entropy) leaves room
-    for 4 (3) programs of 8 warps per SM, where ptxas alone takes up to 119 (sm_80, fp32,
-    entropy); none spill (the kernel report checks). fp64 rows are left to ptxas."""
-    if compute_dtype(dtype) == torch.float64:
-        return None
-    return 80 if with_entropy else 64
