@@ -89,3 +89,22 @@ def test_row_backward_into_an_expanded_out_is_refused_by_the_copy(backend):
     out = torch.zeros(VOCAB, device=DEVICE).expand(ROWS, VOCAB)
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         ops.row_backward(logits, labels, summary, g, inv_temperature=1.0, out=out)
+
+
+def test_torch_backend_chunked_in_place_on_overlapping_rows_reads_the_values_before_the_call(monkeypatch):
+    """The torch backend walks rows in chunks: with one row per chunk, an in-place write of a row
+    would change the next row's logits before it is read, unless ``out`` goes through a buffer."""
+    from tpo_kernels.backends import pytorch
+
+    monkeypatch.setattr(pytorch, "_CHUNK_ELEMENTS", VOCAB)  # one row per chunk
+    storage, labels, (g, _) = _case("rows")
+    logits = _overlapping(storage, "rows")
+    ops = TorchBackend()
+    summary = ops.row_forward(logits, labels, inv_temperature=1.0, with_entropy=False)
+    gradient = torch.empty(logits.shape, device=DEVICE)
+    ops.row_backward(logits.contiguous(), labels, summary, g, inv_temperature=1.0, out=gradient)
+    expected_storage = storage.clone()
+    _overlapping(expected_storage, "rows").copy_(gradient)
+
+    ops.row_backward(logits, labels, summary, g, inv_temperature=1.0, out=logits)
+    torch.testing.assert_close(storage, expected_storage, rtol=0, atol=0)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .row_summary import RowSummary, compute_dtype
-from . import Backend
+from . import Backend, gradient_buffer
 
 _CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per buffer: few ops per call, far below one [M, V] copy
 
@@ -125,7 +125,10 @@ class TorchBackend(Backend):
         inv_temperature: float,
         out: Tensor,
     ) -> None:
-        z3, out3 = _as_batch(logits), _as_batch(out)
+        # Chunk by chunk in place, overlapping rows of ``out`` would overwrite logits a later chunk
+        # still reads: such an ``out`` gets the gradient through a buffer, as on every backend.
+        target = gradient_buffer(logits, out)
+        z3, out3 = _as_batch(logits), _as_batch(target)
         batch, per_batch, v = z3.shape
         acc = compute_dtype(logits.dtype)
         it = inv_temperature
@@ -170,3 +173,5 @@ class TorchBackend(Backend):
             # The label's entry replaces the column (rows without a label keep column 0 as is).
             grad.scatter_(-1, col, torch.where(has_label, label_grad * it, grad.gather(-1, col)))
             out3[bs, ts].copy_(grad.masked_fill_(~active, 0.0))
+        if target is not out:
+            out.copy_(target)
