@@ -1,4 +1,5 @@
-"""Worst errors of every public path at the numerical edges, against float64 (issue 11).
+"""Worst errors of every public path at the numerical edges (large logit offsets, confident
+tokens, extreme temperatures, long sequences), against float64.
 
 Run from the repository root: ``TRITON_INTERPRET=1 python bench/precision_edges.py [--json out]``.
 It uses the public API only, so the same script measures the code before and after a change.
