@@ -168,7 +168,7 @@ def case_entropy_offsets():
                     def run():
                         _, ent, _ = fn(logits, labels, b, temperature=temperature)
                         return err(ent, r_ent)
-                    guarded(f"i10.3 entropy logits {center:g}+-8 T={temperature}", f"{b}/{name}", run, err(t_ent, r_ent))
+                    guarded(f"1b entropy logits {center:g}+-8 T={temperature}", f"{b}/{name}", run, err(t_ent, r_ent))
 
 
 def confident_logits(one_minus_p, v=64):

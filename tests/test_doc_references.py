@@ -1,9 +1,10 @@
 """What the documentation quotes exists, and no file cites this project's own issue numbers.
 
-References. Every backquoted token in the docstrings of ``tpo_kernels/`` (module, class and
-function docstrings, read with ``ast``: ````x````, ```x``` and Sphinx roles such as
-``:class:`~tpo_kernels.ops.tiles.TilePolicy```) and in DESIGN.md (```x``` outside code blocks)
-that looks like a reference must name something that exists:
+References. Every backquoted token that looks like a reference must name something that exists:
+in the docstrings of ``tpo_kernels/`` (module, class and function docstrings, read with ``ast``:
+````x````, ```x``` and Sphinx roles such as ``:class:`~tpo_kernels.ops.tiles.TilePolicy```), in
+its comments, and in DESIGN.md, the README and the trainer guides (```x``` outside code blocks);
+paths written without quotes (``csrc/cpu/parallel.h``) count too. A reference is
 
 * a path: no whitespace, a ``/`` in it, and a source or document extension (``ops/tiles.py``,
   ``csrc/row_math.h``), a trailing ``/`` (``checks/``), or a first part that is a folder of the
@@ -17,10 +18,13 @@ that looks like a reference must name something that exists:
 
 Names are resolved statically from the sources (nothing is imported): modules, their top-level
 names (an import is followed to its source), and class members (methods, fields, attributes set
-on ``self``, those of base classes in the package). Every unresolved reference is reported at once.
+on ``self``, those of base classes in the package). A name whose first part is another library
+(one the sources import: ``torch``, ``trl``, ...) or an argument of the documented function is
+not checked. Every unresolved reference is reported at once, and every link of those documents to
+a section (``DESIGN.md#numerics``) must find its heading.
 
 Issue numbers. No file of the repository (code, documents, recorded results) cites this
-project's tracker by number ("issue 11", "issue4-cpu"): it says what the code does and why. A
+project's tracker by number ("issue N", "issueN-cpu"): it says what the code does and why. A
 reference to another project's issue or pull request ("TRL #5699", "vLLM issue 123") stays.
 """
 
@@ -31,6 +35,7 @@ import builtins
 import io
 import pathlib
 import re
+import functools
 import subprocess
 import tokenize
 from dataclasses import dataclass, field
@@ -157,6 +162,7 @@ class Index:
     externals: Set[str]  # top-level modules the sources import from elsewhere (torch, trl, ...)
 
     @classmethod
+    @functools.lru_cache(maxsize=1)
     def build(cls) -> "Index":
         trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in _sources()}
         modules = {info.name: info for info in (_module_info(path, tree) for path, tree in trees.items())}
@@ -323,7 +329,7 @@ def _tokens(text: str) -> Iterator[Tuple[Optional[str], str]]:
         yield None, match.group(0)
     for match in BACKQUOTED.finditer(text):
         role, token = match.group("role"), match.group("text").strip()
-        command = re.search(r"python3? -m ([\w.]+)", token)
+        command = re.search(r"python3? -m\s+([\w.]+)", token)
         if command:
             yield None, command.group(1)
             continue
@@ -348,8 +354,19 @@ def _path_exists(token: str, here: Optional[pathlib.Path], names: Set[str]) -> b
     return any((base / relative).exists() for base in bases)
 
 
+def _repository_files() -> List[pathlib.Path]:
+    """Every file of the repository (tracked or not, not ignored); the whole tree without git."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+        return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        return [path for path in ROOT.rglob("*") if path.is_file() and ".git" not in path.parts
+                and "__pycache__" not in path.parts]
+
+
 def _tree_file_names() -> Set[str]:
-    return {path.name for path in ROOT.rglob("*") if ".git" not in path.parts and "__pycache__" not in path.parts}
+    return {path.name for path in _repository_files()}
 
 
 def _top_folders() -> Set[str]:
@@ -362,7 +379,8 @@ def unresolved_references() -> List[str]:
     folders, names = _top_folders(), _tree_file_names()
     sources = list(_docstrings(index))
     sources += [Docstring(document.relative_to(ROOT).as_posix(), _markdown_spans(document.read_text(encoding="utf-8")),
-                          None, document.parent) for document in DOCUMENTS if document.is_file()]
+                          None, document.parent)
+                for document in DOCUMENTS if document.is_file()]
     missing = []
     for source in sources:
         for role, token in _tokens(source.text):
@@ -378,10 +396,38 @@ def unresolved_references() -> List[str]:
             if role is not None and source.module is not None:
                 is_reference = True  # a Sphinx role names something, dotted or not
             else:
-                is_reference = "." in token and not token.startswith(".") and (first in module_parts or first in defined)
+                is_reference = "." in token and not token.startswith(".") and (first in module_parts
+                                                                                 or first in defined)
             if is_reference and not index.resolves(token, source.module, source.owner):
                 missing.append(f"{source.where}: name `{token}`")
     return missing
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_anchors() -> List[str]:
+    """Links of the documents to a section (``[x](DESIGN.md#numerics)``, ``[x](#section)``) whose
+    target document has no heading with that anchor."""
+    broken = []
+    for document in DOCUMENTS:
+        if not document.is_file():
+            continue
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", document.read_text(encoding="utf-8")):
+            linked = (document.parent / target).resolve() if target else document
+            if not linked.is_file() or linked.suffix != ".md":
+                continue
+            headings = re.findall(r"^#+ (.+)$", _markdown_spans(linked.read_text(encoding="utf-8")), re.M)
+            if anchor not in {_slug(heading) for heading in headings}:
+                broken.append(f"{document.relative_to(ROOT).as_posix()}: {target or '(itself)'}#{anchor}")
+    return broken
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    broken = broken_anchors()
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
 
 
 def test_every_quoted_name_and_path_exists():
@@ -404,6 +450,16 @@ def test_a_dotted_name_resolves_only_when_defined(token, exists):
     assert Index.build().resolves(token, None) is exists
 
 
+@pytest.mark.parametrize("heading, anchor", [
+    ("Distributed training: the contract and how it is kept",
+     "distributed-training-the-contract-and-how-it-is-kept"),
+    ("The sampler-trainer mismatch in TPO's terms", "the-sampler-trainer-mismatch-in-tpos-terms"),
+    ("1. The math", "1-the-math"),
+])
+def test_a_heading_has_githubs_anchor(heading, anchor):
+    assert _slug(heading) == anchor
+
+
 @pytest.mark.parametrize("token, exists", [
     ("ops/tiles.py", True), ("checks/", True), ("csrc/row_math.h", True), ("tpo_abi.h", True),
     ("checks/tensors.py", False), ("csrc/cpu/row_kernels.cu", False),
@@ -419,10 +475,10 @@ def test_a_path_resolves_only_when_present(token, exists):
 OTHER_PROJECTS = (r"TRL|vLLM|verl|Megatron(?:-LM|-Core)?|prime-rl|SkyRL|NeMo(?:-RL)?|torchtitan|open-instruct|miles"
                   r"|slime|OpenRLHF|PyTorch|torch|Triton|Liger(?:-Kernel)?|transformers|DeepSpeed|CUTLASS|cuBLAS"
                   r"|flash-attention|[\w.-]+/[\w.-]+")
-# "issue 11", "issue #11", "issue11", "issue-21", "issues 10 and 11"; not the verb ("an SM issues
-# 128 instructions"): a plural counts only before "#" or a list of numbers.
+# "issue N", "issue #N", "issueN", "issue-N", "issues N and M" (N a number); not the verb ("an SM
+# issues 128 instructions"): a plural counts only before "#" or a list of numbers.
 OWN_ISSUE = re.compile(r"\bissue(?:[ _-]*#?\d+|s\s+#\d+|s\s+\d+(?:\s*(?:,|and|&)\s*#?\d+)+)", re.I)
-CITED_ELSEWHERE = re.compile(rf"(?:{OTHER_PROJECTS})\s*(?:(?:issues?|PR|pull request|pull)\s*)?#?\d+"
+CITED_ELSEWHERE = re.compile(rf"\b(?:{OTHER_PROJECTS})\s*(?:(?:issues?|PR|pull request|pull)\s*#?|#)\d+"
                              rf"|github\.com/\S+/(?:issues|pull)/\d+", re.I)
 
 
@@ -446,22 +502,12 @@ WORD = "issue"  # spelled apart so that this file does not cite what it looks fo
     (f"an SM {WORD}s 128 thread instructions per cycle", []),
     (f"as TRL #5699 reports ({WORD} 5699)", []),
     (f"vLLM {WORD} 49577", []),
-    (f"linkedin/Liger-Kernel PR #1298, see {WORD} 12", []),
+    (f"linkedin/Liger-Kernel PR #1298 (its {WORD} 1297)", []),
     (f"the {WORD}'s three spreads", []),
+    (f"torch 2.13, {WORD} 7", [f"{WORD} 7"]),  # a version number is not a citation elsewhere
 ])
 def test_own_issue_numbers_are_told_from_other_projects(line, cited):
     assert own_issue_references(line) == cited
-
-
-def _repository_files() -> List[pathlib.Path]:
-    """Every file of the repository (tracked or not, not ignored); the whole tree without git."""
-    try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                                cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-        return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
-    except (OSError, subprocess.CalledProcessError):
-        return [path for path in ROOT.rglob("*") if path.is_file() and ".git" not in path.parts
-                and "__pycache__" not in path.parts]
 
 
 def test_no_file_cites_this_projects_issue_numbers():
