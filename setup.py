@@ -69,7 +69,7 @@ toolkit = _load_toolkit()
 
 use_openmp = sys.platform.startswith("linux") and not _flag("TPO_NO_OPENMP")
 # -fopenmp-simd, not -fopenmp: libgomp's threads spin while they wait, and on a loaded machine
-# that made the row ops collapse (issue 31); the row ops' threads are std::threads (-pthread).
+# that made the row ops collapse (csrc/cpu/parallel.h); the row ops' threads are std::threads (-pthread).
 openmp_flags = ["-fopenmp-simd"] if use_openmp else []
 thread_flags = ["-pthread"] if sys.platform.startswith("linux") else []
 

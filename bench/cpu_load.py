@@ -21,8 +21,9 @@ loop, started by this script for each loaded phase and killed when it ends (in a
 an error or Ctrl-C never leaves them behind). Phases alternate idle, loaded, idle, loaded ...
 (``--rounds`` of each), and inside a phase ours and eager alternate call by call, so that a change
 of the machine's other load during the run reaches both alike. Slowdown = median loaded time /
-median idle time; the target (issue 31) is ours <= 1.5x eager's. "Idle" means without this
-script's load: the machine's own load average is printed before and after, for the reader to judge.
+median idle time; the target is ours <= 1.5x eager's (a CPU backend that degrades under load no
+worse than PyTorch). "Idle" means without this script's load: the machine's own load average is
+printed before and after, for the reader to judge.
 """
 
 from __future__ import annotations

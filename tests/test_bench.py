@@ -557,7 +557,7 @@ def test_bench_prints_a_progress_line_while_a_slow_measurement_runs(tmp_path, ca
     assert beats and all("[1/1] logprobs M=8 V=16 fp32 dense naive: still running" in line for line in beats), lines
 
 
-# --------------------------------------------------------------------------- the fused backward against its floor (issue 31)
+# --------------------------------------------------------------------------- the fused backward against its floor
 
 
 def test_fused_backward_preset_times_the_backward_alone_against_two_and_three_matmuls():

@@ -1,4 +1,4 @@
-"""How the cpu backend's row ops use threads (issue 31, csrc/cpu/parallel.h): the budget is
+"""How the cpu backend's row ops use threads (csrc/cpu/parallel.h): the budget is
 torch.get_num_threads(), small calls stay on the calling thread, results do not depend on the
 thread count, and the helper threads wait passively (they sleep, not spin, between calls). Also
 the load benchmark's smallest mode (bench/cpu_load.py)."""

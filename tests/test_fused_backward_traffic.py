@@ -1,4 +1,4 @@
-"""The fused head's backward at the GEMM floor (issue 31, item 3): each ``dW`` vocabulary block is
+"""The fused head's backward at the GEMM floor: each ``dW`` vocabulary block is
 one matmul over every active row written straight into ``dW`` in the weight's dtype, so a bf16
 head's backward allocates no fp32 ``[block, H]`` accumulator and fills no ``dW``-sized tensor;
 and the traffic account (:func:`tpo_kernels.ops.tiles.traffic_account`) on hand-computed plans."""

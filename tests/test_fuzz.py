@@ -1,4 +1,4 @@
-"""Fuzz test of every public function (issue 11): random valid calls with one thing broken: a
+"""Fuzz test of every public function: random valid calls with one thing broken: a
 wrong shape, dtype or device (meta), a label or candidate id out of range, NaN/inf in a float
 input, a bad hyper-parameter, or a NumPy scalar where a number goes.
 

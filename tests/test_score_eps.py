@@ -103,7 +103,7 @@ def _gradient_at_spread(backend: str, spread: float, score_eps: float) -> torch.
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reward_noise_carries_no_full_strength_update(backend):
-    """The issue's three spreads: with the default ``score_eps`` a 1e-7 spread (reward-model
+    """Three spreads: with the default ``score_eps`` a 1e-7 spread (reward-model
     rounding noise) moves the policy at most 1e-6 as much as a spread of 1; with
     ``score_eps=0`` every spread gives the same full-strength gradient."""
     full = {spread: _gradient_at_spread(backend, spread, 0.0) for spread in SPREADS}

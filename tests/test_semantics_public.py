@@ -137,8 +137,8 @@ SPREADS = [1.0, 1e-3, 1e-7]
 
 
 def _gradient_at_spread(spread: float, **options) -> torch.Tensor:
-    """The issue's measurement: d tpo_loss_from_logprobs / d logprobs for two groups of scores
-    with a fixed pattern times ``spread``."""
+    """d tpo_loss_from_logprobs / d logprobs for two groups of scores with a fixed pattern times
+    ``spread``."""
     gen = torch.Generator().manual_seed(13)
     logprobs = (-torch.rand(2 * K, T, generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_(True)
     pattern = torch.tensor([0.0, 1.0, 0.25, 0.5, 1.0, 0.0, 0.0, 0.75], dtype=torch.float64)

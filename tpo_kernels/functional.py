@@ -48,13 +48,10 @@ import torch
 from torch import Tensor
 
 from . import pipeline
-from .requests import Batch, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
-from .backends import Backend
+from .requests import (BackendArg, Batch, Head, Logits, Logprobs, LogprobsRequest, LossOutput, Options, Placement,
+                       SequenceRequest)
 from .ops import TilePolicy
 from .token_functional import fused_linear_token_tpo_loss, token_tpo_loss  # token-level TPO, part of this API
-
-BackendArg = Union[str, Backend]
-LossOutput = Union[Tensor, Tuple[Tensor, dict]]
 
 __all__ = ["fused_linear_logprobs", "fused_linear_token_tpo_loss", "fused_linear_tpo_loss", "selective_logprobs",
            "token_tpo_loss", "tpo_loss", "tpo_loss_from_logprobs"]

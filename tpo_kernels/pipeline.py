@@ -34,9 +34,7 @@ from .ops import candidate_logits, linear_candidate_logits, linear_logprobs, tok
 from .ops.group import GroupObjective
 from .ops.logprobs import row_transform, rows_matrix
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
-from .requests import CandidateRequest, Logits, LogprobsRequest, SequenceRequest
-
-LossOutput = Union[Tensor, Tuple[Tensor, dict]]
+from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
 
 
 # Every name a setting may take that is longer than a record field: the agreement words a

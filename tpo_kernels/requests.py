@@ -1,17 +1,23 @@
 """The frozen, typed request a public function hands to :mod:`tpo_kernels.pipeline`: the
 arguments as the user passed them (checked by the pipeline, not here), grouped by what they
 describe: the settings (:class:`Options`), where the data lives (:class:`Placement`), the source
-of the log-probs (:class:`Logits`, :class:`Head` or :class:`Logprobs`) and the batch."""
+of the log-probs (:class:`Logits`, :class:`Head` or :class:`Logprobs`) and the batch; and the
+types of the public signatures: :data:`BackendArg` (what ``backend=`` takes) and
+:data:`LossOutput` (what a loss returns)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .backends import Backend
 from .ops import TilePolicy
+
+BackendArg = Union[str, Backend]  # a registered backend's name ("auto", "triton", ...) or an instance
+LossOutput = Union[Tensor, Tuple[Tensor, dict]]  # the loss, or (loss, aux) with return_aux=True
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class Options:
     logit_scale: float = 1.0
     logit_softcap: Optional[float] = None
     reduction: str = "mean"
-    backend: object = "auto"
+    backend: BackendArg = "auto"
     return_aux: bool = False
     return_entropy: bool = False
     validate: bool = True

@@ -4,16 +4,12 @@ Shared keywords as documented in :mod:`tpo_kernels.functional`."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional
 
 from torch import Tensor
 
 from . import pipeline
-from .requests import CandidateRequest, Head, Logits, Options, Placement
-from .backends import Backend
-
-BackendArg = Union[str, Backend]
-LossOutput = Union[Tensor, Tuple[Tensor, dict]]
+from .requests import BackendArg, CandidateRequest, Head, Logits, LossOutput, Options, Placement
 
 
 def token_tpo_loss(

@@ -1,5 +1,5 @@
-// How the CPU row ops use threads (issue 31: "a CPU backend that degrades no worse than PyTorch
-// under load").
+// How the CPU row ops use threads, so that the CPU backend degrades under load no worse than
+// PyTorch.
 //
 // The row ops used to run each call as an OpenMP parallel region. On a loaded machine (other
 // processes on the cores) that collapses: a region is a fork and a join, the join waits for every

@@ -84,9 +84,10 @@ def fused_linear_traffic(shape: dict, dtype: str, device_type: str, one_gemm: bo
     """Bytes each pass of ``fused_linear_tpo_loss`` reads and writes beyond its matmuls at this
     shape and dtype under the device's default :class:`~tpo_kernels.ops.TilePolicy` (dense: every
     row with a gradient): :func:`tpo_kernels.ops.tiles.traffic_account` of the plan the forward and
-    the backward take. ``one_gemm=False``: the backward's plan before issue 31 (token chunks summed
-    into an fp32 ``dW`` block accumulator). ``out_dtype_matmul``: None follows the policy on this
-    machine, except for CUDA here without one: True (what recent torch offers there)."""
+    the backward take. ``one_gemm=False``: the backward's earlier plan (token chunks summed into
+    an fp32 ``dW`` block accumulator), kept to measure the one-matmul plan against.
+    ``out_dtype_matmul``: None follows the policy on this machine, except for CUDA here without
+    one: True (what recent torch offers there)."""
     import torch
 
     from ..ops import TilePolicy

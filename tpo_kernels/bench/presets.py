@@ -121,7 +121,8 @@ _preset(Preset(
                 f"with the cache: time at most that of {peer}") for b in ("cuda", "triton") for peer in ("cce", "liger")),
     ],
 ))
-# M = 4096 tokens: the issue-21 comparison (every group with signal), each provider in a fresh process.
+# M = 4096 tokens: the logits cache against eager, torch.compile and the peers (every group with
+# signal), each provider in a fresh process.
 _FL_PEERS_CPU = seq(4, 8, 128, 32768, 512)
 _preset(Preset(
     "fused-linear-peers-cpu", "cpu",
@@ -143,9 +144,9 @@ _preset(Preset(
               "default (no cache): peak beyond the inputs at most 1.25x the bytes of dH + dW (the floor)", unit="x"),
     ],
 ))
-# The fused head's backward alone against its matmul floor (issue 31): with the cache of every
-# token it is two matmuls (dH, dW: matmul3's backward), without it three (the recompute too:
-# matmul4's backward). Both measured in the same run, so the ratios hold on a shared machine.
+# The fused head's backward alone against its matmul floor: with the cache of every token it is
+# two matmuls (dH, dW: matmul3's backward), without it three (the recompute too: matmul4's
+# backward). Both measured in the same run, so the ratios hold on a shared machine.
 _FL_BWD_CPU = seq(4, 8, 128, 32768, 512)
 _preset(Preset(
     "fused-backward-cpu", "cpu",

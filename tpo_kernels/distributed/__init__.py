@@ -4,7 +4,10 @@ This package holds the leaves the one pipeline (:mod:`tpo_kernels.pipeline`) cal
 spans ranks: the collectives, the agreement record every call exchanges before its first
 collective that could wait on a peer (:mod:`.agreement`: a local failure or a disagreement
 becomes the same error on every rank), the vocabulary shard seam (:class:`VocabShard`) and the
-group gather (:class:`GroupGather`). It checks no input and runs no group math of its own.
+group gather (:class:`GroupGather`). It runs no group math of its own, and its only input checks
+are the shard placement ones it calls from :mod:`tpo_kernels.checks.placement` (group, shard size
+and start, DTensor layouts, replicated hidden states, bias shard, the shards tiling ``[0, V)``),
+inside the call's check pass or, for the tiling, on the agreed sizes.
 
 Two independent modes, combinable on a 2-D (data x tensor) mesh:
 
@@ -29,9 +32,11 @@ local one, so no backward collective is needed.
 **Vocabulary parallel** (``vocab_parallel_group=`` on the fused-linear and logits functions). Each
 rank holds a contiguous vocabulary shard of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``) or of
 the logits (``[M, V_r]``), and the same tokens (hidden ``[M, H]`` and labels, replicated in the
-group). Each rank computes per-token partials over its shard (logsumexp, the target logit when
-it owns the label, and ``S = sum_v p_v z_v`` for the entropy); one all-gather of the ``[C, M]``
-partials lets every rank merge them in rank order (deterministic, identical on every rank). The
+group). Each rank summarizes its shard per token as a
+:class:`~tpo_kernels.backends.row_summary.RowSummary` (row max, log-sum, the label's log-prob and
+whether the shard holds the label, the entropy on request); one all-gather of the ``[C, M]``
+partials (``C`` = 4 fields, 5 with the entropy) lets every rank merge them in rank order with
+:meth:`~tpo_kernels.backends.row_summary.RowSummary.merge` (deterministic, identical on every rank). The
 backward is local on the shard (``dW``, ``db`` or the logits gradient of the shard) plus, for the
 fused path, the one all-reduce of ``dH`` that any tensor-parallel linear layer needs.
 
@@ -58,7 +63,7 @@ with ``fullgraph=True`` a distributed call stops with an error saying so):
         logits ``[..., V_r]`` or of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``), with the same
         tokens on every rank of the group. Shards are in group-rank order unless
         ``vocab_start_index`` gives this shard's first id. A DTensor weight / logits sharded on the
-        vocabulary needs neither. Per-token partials are all-gathered (``[2 or 3, M]``); the
+        vocabulary needs neither. Per-token partials are all-gathered (``[4 or 5, M]``); the
         fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
 """
 from .agreement import agree

@@ -1,11 +1,11 @@
 """The row ops on one shard of the vocabulary (a vocabulary-parallel lm_head or logits).
 
 Each rank runs the ordinary row op on its shard and gets a :class:`RowSummary` over its part of
-the vocabulary; the ``seam`` (:class:`tpo_kernels.distributed.VocabShardSeam`, or anything with
-its members) merges the ranks' summaries into the whole vocabulary's, the same bits on every
-rank. The backward is local to the shard: the logits gradient, or ``dW`` / ``db`` of the shard,
-plus the seam's sum of ``dH`` over the ranks for the fused head. These are plain autograd
-Functions: the seam's collectives run eagerly, never under ``torch.compile``.
+the vocabulary; the ``seam`` (a :class:`ShardSeam`: :class:`tpo_kernels.distributed.VocabShard`,
+or anything with its members) merges the ranks' summaries into the whole vocabulary's, the same
+bits on every rank. The backward is local to the shard: the logits gradient, or ``dW`` / ``db``
+of the shard, plus the seam's sum of ``dH`` over the ranks for the fused head. These are plain
+autograd Functions: the seam's collectives run eagerly, never under ``torch.compile``.
 
 A counted row whose label lies on another shard is read with label 0 standing in (its log-prob
 unused) and gets no one-hot term in the backward.

@@ -83,7 +83,7 @@ What the trainer does, and why it is exact:
   TRL's ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` is left out of
   its group (its token mask is zeroed: no probability mass, no gradient, the rest renormalized).
   The truncation modes are refused (a weight on a completion's gradient breaks
-  ``sum_i (p_i - q_i) = 0``; see DESIGN.md). Without vLLM nothing changes.
+  ``sum_i (p_i - q_i) = 0``; the math: this folder's README.md). Without vLLM nothing changes.
 * **Entropy bonus.** ``entropy_coef`` trains ``loss - entropy_coef * H``, ``H`` the mean tempered
   token entropy of the loss call's counted tokens, from the loss's own vocabulary pass;
   ``use_adaptive_entropy`` runs TRL's controller on that entropy (same state, so TRL saves it in
