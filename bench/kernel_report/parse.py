@@ -28,7 +28,7 @@ def op_of_kernel(kernel: str) -> str:
 # known under that release only, and only up to the bytes and LDL/STL instructions recorded; any
 # other local memory, and any under another release, fails as before. Triton 3.6 (the GPU
 # machine's, bench/gpu_machine_versions.txt): its PTX of these kernels has no .local; ptxas
-# makes the frame from it, and ptxas 12.8, 12.9 and 13.0 agree (issue 23).
+# makes the frame from it, and ptxas 12.8, 12.9 and 13.0 agree.
 # (Triton major.minor, kernel, arch, dtype, specialization) -> (local bytes, LDL/STL instructions)
 KNOWN_TRITON_LOCAL_MEMORY = {
     ("3.6", "_candidate_dot_kernel", "sm_90", "fp16", "HAS_BIAS=0 BLOCK_K=8 BLOCK_H=512 warps=8 not%16:num_cand"): (8, 2),
