@@ -141,7 +141,7 @@ _LABELS = torch.randint(0, V, (N, T))
         ({"hidden": _HIDDEN[0, 0]}, ValueError, "hidden must be 2-D or 3-D"),
         ({"labels": _LABELS[:, :-1]}, ValueError, "labels must have shape"),
         ({"labels": torch.full_like(_LABELS, V)}, ValueError, r"labels must hold ids in \[0, 37\)"),
-        ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
+        ({"chunk_size": 0}, ValueError, r"chunk_size must be an int in \[1, 2\*\*63\)"),
         ({"chunk_size": 2.0}, TypeError, "chunk_size must be an int"),
         ({"grad_accum_dtype": torch.int32}, TypeError, "grad_accum_dtype"),
         ({"temperature": 0.0}, ValueError, "temperature"),
