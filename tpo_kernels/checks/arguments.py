@@ -53,7 +53,7 @@ def _kind(value) -> str:
     return name
 
 
-def shown(value) -> str:
+def _shown(value) -> str:
     """``value`` for a message. An int too long to print (Python refuses to format one of over
     4300 digits, with a ValueError of its own) by its magnitude."""
     if _is_int(value) and abs(int(value)) >= 10 ** 30:
@@ -72,7 +72,7 @@ def _real(name: str, value, requirement: str) -> float:
     try:
         return float(value)
     except (OverflowError, ValueError):
-        raise ValueError(f"{name} must be {requirement}, got {shown(value)} (beyond the range of a float)") from None
+        raise ValueError(f"{name} must be {requirement}, got {_shown(value)} (beyond the range of a float)") from None
 
 
 def check_int(name: str, value, minimum: int, maximum: Optional[int] = None, meaning: str = "") -> int:
@@ -82,7 +82,7 @@ def check_int(name: str, value, minimum: int, maximum: Optional[int] = None, mea
     value = int(value)
     if not (minimum <= value and (maximum is None or value <= maximum)):
         bounds = f">= {minimum}" if maximum is None else f"an int in [{_bound(minimum)}, {_bound(maximum + 1)})"
-        raise ValueError(f"{name} must be {bounds}{f' ({meaning})' if meaning else ''}, got {shown(value)}")
+        raise ValueError(f"{name} must be {bounds}{f' ({meaning})' if meaning else ''}, got {_shown(value)}")
     return value
 
 
@@ -136,13 +136,17 @@ def _check_finite_positive(name: str, value) -> float:
     return value
 
 
+# Formatted once: under torch.compile(dynamic=True) a float formatted in traced code may be symbolic,
+# which Dynamo cannot put in a string; messages format values only on failure.
+_SCORE_EPS_RANGE = f"0 or a number in [{_FP32.tiny:.4g}, {_FP32.max:.4g}]"
+
+
 def check_score_eps(score_eps) -> float:
     """The near-tie tolerance on a group's score std: 0, or a finite number in float32's normal
     range (the Triton group kernel takes it as float32 parts)."""
-    requirement = f"0 or a number in [{_FP32.tiny:.4g}, {_FP32.max:.4g}]"
-    score_eps = _real("score_eps", score_eps, requirement)
+    score_eps = _real("score_eps", score_eps, _SCORE_EPS_RANGE)
     if not (score_eps == 0 or _FP32.tiny <= score_eps <= _FP32.max):
-        raise ValueError(f"score_eps must be {requirement} (a tolerance on the population std of a group's "
+        raise ValueError(f"score_eps must be {_SCORE_EPS_RANGE} (a tolerance on the population std of a group's "
                          f"scores), got {score_eps!r}")
     return score_eps
 
@@ -175,16 +179,17 @@ def check_ignore_index(ignore_index) -> int:
 # most float32.max / (64 * 2**63) (about 5.8e17) keeps weight * (entropy term) finite for every
 # input and every reduction. The k3 term exp(d) - d - 1 (d = ref - policy log-prob) has no upper
 # bound, so no bound on beta keeps every loss finite; the same one keeps beta * k3 finite while
-# the tokens' k3 stays below 64 nats (d < 4.2), the size of any entropy term. Weights far beyond
-# any practical one (1e-3 .. 1) are refused instead of turning the loss into inf.
+# every token's k3 is below 64, as large as any entropy term (d < 4.2: the policy at most e^4.2
+# times less likely than the reference). Weights far beyond any practical one (1e-3 .. 1) are
+# refused instead of turning the loss into inf.
 MAX_TERM_WEIGHT = float(_FP32.max) / (64.0 * 2.0 ** 63)
+_TERM_WEIGHT_RANGE = f"a finite number >= 0 and at most {MAX_TERM_WEIGHT:.4g}"  # formatted once: see _SCORE_EPS_RANGE
 
 
 def _check_term_weight(name: str, value, term: str) -> float:
-    requirement = f"a finite number >= 0 and at most {MAX_TERM_WEIGHT:.4g}"
-    value = _real(name, value, requirement)
+    value = _real(name, value, _TERM_WEIGHT_RANGE)
     if not 0 <= value <= MAX_TERM_WEIGHT:  # comparisons: see _check_finite_positive
-        raise ValueError(f"{name} must be {requirement} (the weight of {term}; larger weights overflow the "
+        raise ValueError(f"{name} must be {_TERM_WEIGHT_RANGE} (the weight of {term}; larger weights overflow the "
                          f"float32 loss), got {value!r}")
     return value
 
