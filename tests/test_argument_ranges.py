@@ -212,6 +212,19 @@ def test_the_largest_int64_chunk_size_works(function):
     assert bool(torch.isfinite(out).all())
 
 
+@pytest.mark.parametrize("field, value, error", [
+    ("logits_bytes", -1, ValueError), ("min_tile_tokens", 2 ** 63, ValueError), ("accum_bytes", 1.5, TypeError),
+    ("matmul_out_dtype", 1, TypeError),
+])
+def test_tile_policy_sizes_are_checked_as_the_integer_keywords(field, value, error):
+    """The sizes a tile policy hands the ops are int64 like chunk_size; its switch is a bool."""
+    import dataclasses
+
+    policy = dataclasses.replace(tpo_kernels.TilePolicy.for_device(torch.device("cpu")), **{field: value})
+    with pytest.raises(error, match=rf"^tile_policy.{field} must be"):
+        tpo_kernels.fused_linear_logprobs(**BASE_CALLS["fused_linear_logprobs"], tile_policy=policy)
+
+
 @pytest.mark.parametrize("keyword", ["eta", "temperature", "beta", "entropy_coef", "score_eps", "logit_scale",
                                      "logit_softcap"])
 @pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400), fractions.Fraction(10 ** 400, 3)])
@@ -264,36 +277,6 @@ def test_a_soft_cap_whose_tempered_span_overflows_float32_is_refused():
         assert bool(torch.isfinite(loss)), function
 
 
-@pytest.mark.parametrize("make", [torch.exp, lambda lp: 5 + torch.rand_like(lp), torch.neg],
-                         ids=["probabilities", "five_to_six", "nll"])
-def test_positive_logprobs_of_tpo_loss_from_logprobs_are_refused(make):
-    base = BASE_CALLS["tpo_loss_from_logprobs"]
-    with pytest.raises(ValueError, match=r"^logprobs must be log-probabilities \(<= 0\); found .* at a counted token"):
-        tpo_kernels.tpo_loss_from_logprobs(**{**base, "logprobs": make(base["logprobs"])})
-    loss = tpo_kernels.tpo_loss_from_logprobs(**{**base, "logprobs": make(base["logprobs"]), "validate": False})
-    assert bool(torch.isfinite(loss))  # validate=False reads no values, as for old_logprobs
-
-
-@pytest.mark.parametrize("function", ["tpo_loss", "fused_linear_tpo_loss", "tpo_loss_from_logprobs"])
-def test_positive_ref_logprobs_are_refused_when_read(function):
-    base = BASE_CALLS[function]
-    positive = base["ref_logprobs"].neg() + 0.5
-    with pytest.raises(ValueError, match=r"^ref_logprobs must be log-probabilities \(<= 0\); found"):
-        getattr(tpo_kernels, function)(**{**base, "ref_logprobs": positive, "beta": 0.1})
-    # beta = 0 does not read them
-    assert bool(torch.isfinite(getattr(tpo_kernels, function)(**{**base, "ref_logprobs": positive})))
-
-
-def test_log_prob_rounding_above_zero_is_accepted():
-    """The tolerance of old_logprobs: an fp32 log-prob a few ulps above 0 is rounding."""
-    base = BASE_CALLS["tpo_loss_from_logprobs"]
-    near_zero = base["logprobs"].clone()
-    near_zero[0, 0] = 3e-7
-    loss = tpo_kernels.tpo_loss_from_logprobs(**{**base, "logprobs": near_zero, "ref_logprobs": near_zero,
-                                                 "beta": 0.1})
-    assert bool(torch.isfinite(loss))
-
-
 # ----------------------------------------------------------------------------- modules and the CLI
 
 MODULES = {"TPOLoss": "tpo_loss", "FusedLinearTPOLoss": "fused_linear_tpo_loss", "TokenTPOLoss": "token_tpo_loss",
@@ -303,13 +286,15 @@ BAD_SETTINGS = [("eta", 10 ** 400), ("temperature", np.float32("nan")), ("beta",
                 ("ignore_index", 2 ** 64 + 2), ("logits_cache_bytes", -1), ("anchor", np.array(True))]
 
 
-@pytest.mark.parametrize("module", list(MODULES))
-@pytest.mark.parametrize("keyword, value", BAD_SETTINGS, ids=[k for k, _ in BAD_SETTINGS])
+MODULE_CASES = [(module, keyword, value) for module, function in MODULES.items() for keyword, value in BAD_SETTINGS
+                if keyword in inspect.signature(getattr(tpo_kernels, function)).parameters]
+
+
+@pytest.mark.parametrize("module, keyword, value", MODULE_CASES, ids=[f"{m}-{k}" for m, k, _ in MODULE_CASES])
 def test_modules_raise_their_functions_error(module, keyword, value):
+    """A module's setting out of range raises, at its call, the error of its function's keyword."""
     function = MODULES[module]
     cls = getattr(tpo_kernels, module)
-    if keyword not in inspect.signature(cls.function).parameters:
-        pytest.skip(f"{function} has no {keyword}")
     want = _outcome(function, keyword, value)
     assert isinstance(want, (ValueError, TypeError)), want
     base = dict(BASE_CALLS[function])
