@@ -308,7 +308,8 @@ def test_modules_raise_their_functions_error(module, keyword, value):
 @pytest.mark.parametrize("argv, option, words", [
     (["--eta", "1e400"], "--eta", "finite number > 0"),
     (["--temperature", "1e-39"], "--temperature", "temperature must be at least"),
-    (["--logit-softcap", "2e38", "--logit-scale", "2e38"], "--logit-softcap", "logit_softcap / temperature must lie in"),
+    (["--logit-softcap", "2e38", "--logit-scale", "2e38"], "--logit-softcap",
+     "logit_softcap / temperature must lie in"),
     (["--logit-scale", "1e39"], "--logit-scale", "logit_scale / temperature must lie in"),
 ])
 def test_the_check_command_refuses_out_of_range_hyper_parameters(argv, option, words, capsys, monkeypatch):
