@@ -551,6 +551,17 @@ def failures_case(rank: int, world: int) -> dict:
     attempt("start_without_vocab_group", lambda: fused(vocab_start_index=0 if last else None))
     attempt("cache_budget_too_large", lambda: fused(logits_cache_bytes=2 ** 63 if last else 0))
     attempt("cache_budget_not_an_int", lambda: fused(logits_cache_bytes=1.5 if last else 0))
+    # Out of range on one rank: refused by its check pass, never inside the op or the agreement
+    # record (an int beyond int64 there used to fail that rank alone while its peers waited).
+    attempt("chunk_size_beyond_int64", lambda: fused(chunk_size=2 ** 63 if last else None))
+    attempt("group_size_beyond_int64", lambda: fused(group_size=2 ** 63 if last else 4))
+    attempt("ignore_index_beyond_int64", lambda: fused(ignore_index=2 ** 64 + 2 if last else -100))
+    attempt("eta_beyond_a_float", lambda: fused(eta=10 ** 400 if last else 1.0))
+    attempt("beta_overflowing_the_loss", lambda: fused(beta=1e39 if last else 0.0))
+    attempt("temperature_as_a_tensor", lambda: fused(temperature=torch.tensor(0.5) if last else 0.5))
+    token_logprobs = -logits[..., 0].abs()
+    attempt("positive_logprobs", lambda: tpo_kernels.tpo_loss_from_logprobs(
+        -token_logprobs if last else token_logprobs, scores, group_size=4, process_group=pg))
     # Vocabulary-parallel: every rank holds a shard of the head and the same tokens.
     sizes = vocab_split(VOCAB, world)
     start = sum(sizes[:rank])
@@ -575,6 +586,9 @@ def failures_case(rank: int, world: int) -> dict:
     attempt("vp_negative_start", lambda: tpo_kernels.tpo_loss(
         batch["logits"][:4][..., start:start + sizes[rank]], whole_labels, batch["scores"][:4], group_size=2,
         vocab_parallel_group=pg, vocab_start_index=-1 if last else start))
+    attempt("vp_start_beyond_int64", lambda: tpo_kernels.tpo_loss(
+        batch["logits"][:4][..., start:start + sizes[rank]], whole_labels, batch["scores"][:4], group_size=2,
+        vocab_parallel_group=pg, vocab_start_index=2 ** 63 if last else start))
     attempt("vp_empty_shard", lambda: tpo_kernels.fused_linear_logprobs(
         batch["hidden"][:4], w_shard[:0] if last else w_shard, whole_labels, **vp))
     attempt("vp_weight_none", lambda: tpo_kernels.fused_linear_tpo_loss(

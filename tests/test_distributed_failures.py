@@ -47,6 +47,14 @@ FAILURES = {
                                               "vocab_start_index needs vocab_parallel_group"),
     "cache_budget_too_large": (ValueError, "rank {last}: logits_cache_bytes must be an int in [0, 2**63)"),
     "cache_budget_not_an_int": (TypeError, "rank {last}: logits_cache_bytes must be an int"),
+    "chunk_size_beyond_int64": (ValueError, "process_group: rank {last} failed its input checks; rank {last}: "
+                                            "chunk_size must be an int in [1, 2**63)"),
+    "group_size_beyond_int64": (ValueError, "rank {last}: group_size must be an int in [1, 2**63)"),
+    "ignore_index_beyond_int64": (ValueError, "rank {last}: ignore_index must be an int in [-2**63, 2**63)"),
+    "eta_beyond_a_float": (ValueError, "rank {last}: eta must be a finite number > 0, got an int of about 10**400"),
+    "beta_overflowing_the_loss": (ValueError, "rank {last}: beta must be a finite number >= 0 and at most"),
+    "temperature_as_a_tensor": (TypeError, "rank {last}: temperature must be a number"),
+    "positive_logprobs": (ValueError, "rank {last}: logprobs must be log-probabilities (<= 0)"),
     "vp_label_out_of_range": (ValueError, "labels must hold ids in [0, 37)"),
     "vp_labels_differ": (ValueError, "vocab_parallel_group: labels differs on rank {last} from rank 0"),
     "vp_tokens_differ": (ValueError, "vocab_parallel_group: ranks disagree on tokens"),
@@ -54,7 +62,9 @@ FAILURES = {
     "vp_softcap": (ValueError, "logit_softcap is not supported with a vocabulary-parallel"),
     "overlapping_shards": (ValueError, "must tile"),
     "vp_negative_start": (ValueError, "vocab_parallel_group: rank {last} failed its input checks; rank {last}: "
-                                      "vocab_start_index must be an int >= 0"),
+                                      "vocab_start_index must be an int in [0, 2**63)"),
+    "vp_start_beyond_int64": (ValueError, "vocab_parallel_group: rank {last} failed its input checks; rank {last}: "
+                                          "vocab_start_index must be an int in [0, 2**63)"),
     "vp_empty_shard": (ValueError, "rank {last}: weight must hold at least one vocabulary entry"),
     "vp_weight_none": (TypeError, "rank {last}: weight must be a torch.Tensor"),
     "vp_backend_unusable": (RuntimeError, "vocab_parallel_group: rank {last} failed its input checks; "
@@ -70,7 +80,8 @@ TWO_D_FAILURES = {
     "backend_unusable": (RuntimeError, "vocab_parallel_group: rank 3 (rank 1 of vocab_parallel_group) failed its "
                                        "input checks; rank 3 (rank 1 of vocab_parallel_group): backend 'cuda' is "
                                        "not usable here"),
-    "negative_start": (ValueError, "rank 3 (rank 1 of vocab_parallel_group): vocab_start_index must be an int >= 0"),
+    "negative_start": (ValueError, "rank 3 (rank 1 of vocab_parallel_group): vocab_start_index must be an int in "
+                                   "[0, 2**63)"),
     "eta": (ValueError, "vocab_parallel_group: ranks disagree on eta (rank 2 (rank 0 of vocab_parallel_group): "
                         "1.0, rank 3 (rank 1 of vocab_parallel_group): 0.5)"),
     "label_out_of_range": (ValueError, "labels must hold ids in [0, 37)"),

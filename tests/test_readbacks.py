@@ -51,7 +51,7 @@ def _call(name: str):
         "tpo_loss group_ids": lambda **kw: tpo_kernels.tpo_loss(
             logits, labels, scores, group_ids=torch.tensor([3, 1, 3, 1], device=DEVICE), **kw),
         "tpo_loss_from_logprobs": lambda **kw: tpo_kernels.tpo_loss_from_logprobs(
-            _leaf(N, T), scores, group_size=K, **kw),
+            -_leaf(N, T).abs(), scores, group_size=K, **kw),  # log-probs: <= 0
         "selective_logprobs": lambda **kw: tpo_kernels.selective_logprobs(logits, labels, **kw).sum(),
         "token_tpo_loss": lambda **kw: tpo_kernels.token_tpo_loss(_leaf(R, V), candidates, cand_scores, **kw),
         "fused_linear_token_tpo_loss": lambda **kw: tpo_kernels.fused_linear_token_tpo_loss(

@@ -53,6 +53,14 @@ BAD_INPUTS = [
     ("cu_seqlens", ValueError, dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4]))),
     ("anchor", TypeError, dict(anchor=1)),
     ("backend", ValueError, dict(backend="jax")),
+    # beyond the types' usable ranges (tests/test_argument_ranges.py: every type, every keyword)
+    ("group_size", ValueError, dict(group_size=2 ** 63)),
+    ("ignore_index", ValueError, dict(ignore_index=2 ** 64 + 2)),
+    ("eta", ValueError, dict(eta=10 ** 400)),
+    ("beta", ValueError, dict(beta=1e39, ref_logprobs=-torch.rand(N, T))),
+    ("entropy_coef", ValueError, dict(entropy_coef=1e39)),
+    ("reduction", TypeError, dict(reduction=1)),
+    ("ref_logprobs", ValueError, dict(beta=0.1, ref_logprobs=torch.rand(N, T) + 1)),
 ]
 
 
@@ -141,7 +149,7 @@ _LABELS = torch.randint(0, V, (N, T))
         ({"hidden": _HIDDEN[0, 0]}, ValueError, "hidden must be 2-D or 3-D"),
         ({"labels": _LABELS[:, :-1]}, ValueError, "labels must have shape"),
         ({"labels": torch.full_like(_LABELS, V)}, ValueError, r"labels must hold ids in \[0, 37\)"),
-        ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
+        ({"chunk_size": 0}, ValueError, r"chunk_size must be an int in \[1, 2\*\*63\)"),
         ({"chunk_size": 2.0}, TypeError, "chunk_size must be an int"),
         ({"grad_accum_dtype": torch.int32}, TypeError, "grad_accum_dtype"),
         ({"temperature": 0.0}, ValueError, "temperature"),

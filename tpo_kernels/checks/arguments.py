@@ -15,10 +15,20 @@ from torch import Tensor
 from ..backends.row_summary import FLOAT_DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
-_INT64_LIMIT = 2 ** 63
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # the ops, the agreement records and the labels hold int64
+_FP32 = torch.finfo(torch.float32)
 
 
 # ----------------------------------------------------------------------------- scalars
+
+# What a scalar keyword takes. An integer keyword: a Python int or a NumPy integer (never a bool,
+# a float, even 2.0, or an array). A real keyword: any numbers.Real (int, float, NumPy integer and
+# float scalars of every width, fractions.Fraction) but a bool, converted once by float(); an int
+# too large for a float is a ValueError naming the keyword, not the bare OverflowError of float().
+# Refused with a TypeError naming the keyword: decimal.Decimal (not a numbers.Real: Python keeps
+# it apart from binary floats), complex numbers, and 0-d NumPy arrays and torch tensors (a tensor
+# may live on a device, carry autograd history or be traced: the caller says which number it means,
+# with .item()). A flag: a bool or a NumPy bool.
 
 
 def _is_bool(value) -> bool:
@@ -35,25 +45,61 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not _is_bool(value)
 
 
-def check_int(name: str, value, minimum: int) -> int:
+def _kind(value) -> str:
+    """The type of a refused value, with a hint for the arrays a number was probably meant from."""
+    name = type(value).__name__
+    if isinstance(value, (Tensor, np.ndarray)):
+        return f"{name} (pass a Python value: x.item())"
+    return name
+
+
+def _shown(value) -> str:
+    """``value`` for a message. An int too long to print (Python refuses to format one of over
+    4300 digits, with a ValueError of its own) by its magnitude."""
+    if _is_int(value) and abs(int(value)) >= 10 ** 30:
+        return f"{'-' if value < 0 else ''}an int of about 10**{int(math.log10(abs(int(value))))}"
+    try:
+        return repr(value)
+    except ValueError:  # a Fraction of such ints
+        return f"a {type(value).__name__} too large to print"
+
+
+def _real(name: str, value, requirement: str) -> float:
+    """``value`` as a float; a TypeError naming ``name`` when it is no real number, a ValueError
+    saying ``requirement`` when it does not fit a float."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number (int, float or a NumPy scalar), got {_kind(value)}")
+    try:
+        return float(value)
+    except (OverflowError, ValueError):
+        raise ValueError(f"{name} must be {requirement}, got {_shown(value)} (beyond the range of a float)") from None
+
+
+def check_int(name: str, value, minimum: int, maximum: Optional[int] = None, meaning: str = "") -> int:
+    """An integer in ``[minimum, maximum]`` (no upper bound for None); ``meaning`` says what it is."""
     if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {_kind(value)}")
     value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not (minimum <= value and (maximum is None or value <= maximum)):
+        bounds = f">= {minimum}" if maximum is None else f"an int in [{_bound(minimum)}, {_bound(maximum + 1)})"
+        raise ValueError(f"{name} must be {bounds}{f' ({meaning})' if meaning else ''}, got {_shown(value)}")
     return value
+
+
+def _bound(limit: int) -> str:
+    return {2 ** 63: "2**63", -(2 ** 63): "-2**63"}.get(limit, str(limit))
 
 
 # Kernels take 1 / temperature and 1 / eta as float32 scalars (Triton types float arguments as
 # fp32, and fp32 is the compute dtype of every input but fp64): both reciprocals must be finite
 # there, or every logit / target turns into inf and the results into NaN.
-_MIN_POSITIVE = 1.0 / float(torch.finfo(torch.float32).max)
+_MIN_POSITIVE = 1.0 / float(_FP32.max)
 
 
 def check_positive(name: str, value) -> float:
     """A finite number > 0 whose reciprocal is finite in float32 (temperature, eta)."""
     value = _check_finite_positive(name, value)
-    if 1.0 / value > float(torch.finfo(torch.float32).max):
+    if 1.0 / value > float(_FP32.max):
         raise ValueError(
             f"{name} must be at least {_MIN_POSITIVE:.4g} (its reciprocal must be finite in float32, "
             f"the precision the kernels take it in), got {value}"
@@ -64,25 +110,25 @@ def check_positive(name: str, value) -> float:
 def check_logit_transform(logit_scale, logit_softcap, inv_temperature: float) -> Tuple[float, Optional[float]]:
     """``(logit_scale, logit_softcap | None)``: a scale > 0 and a soft cap > 0 or None, such that
     the factors the kernels take in float32 (``scale / temperature`` without a cap, ``scale /
-    softcap`` and ``softcap`` with one) are finite and nonzero there."""
+    softcap`` and ``softcap`` with one) are finite and nonzero there. With a cap the tempered
+    logits lie in ``[-softcap / temperature, softcap / temperature]``: their span (the largest
+    difference the log-softmax forms) must be finite in float32 too, whatever the logits."""
     scale = _check_finite_positive("logit_scale", logit_scale)
     softcap = None if logit_softcap is None else _check_finite_positive("logit_softcap", logit_softcap)
     if softcap is None:
-        factors = {"logit_scale / temperature": scale * inv_temperature}
+        factors = {"logit_scale / temperature": (scale * inv_temperature, _FP32.max)}
     else:
-        factors = {"logit_scale / logit_softcap": scale / softcap, "logit_softcap": softcap}
-    fp32 = torch.finfo(torch.float32)
-    for name, factor in factors.items():
-        if not fp32.tiny <= factor <= fp32.max:
-            raise ValueError(f"{name} must lie in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a float32 factor of the "
-                             f"logits), got {factor:.4g}")
+        factors = {"logit_scale / logit_softcap": (scale / softcap, _FP32.max), "logit_softcap": (softcap, _FP32.max),
+                   "logit_softcap / temperature": (softcap * inv_temperature, _FP32.max / 2)}
+    for name, (factor, largest) in factors.items():
+        if not _FP32.tiny <= factor <= largest:
+            raise ValueError(f"{name} must lie in [{_FP32.tiny:.4g}, {largest:.4g}] (a float32 factor of the "
+                             f"logits{', twice it their span' if largest < _FP32.max else ''}), got {factor:.4g}")
     return scale, softcap
 
 
 def _check_finite_positive(name: str, value) -> float:
-    if not _is_real(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    value = _real(name, value, "a finite number > 0")
     # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float default
     # is a symbolic float, which math.isfinite cannot take (NaN fails both comparisons).
     if not 0 < value < math.inf:
@@ -90,57 +136,72 @@ def _check_finite_positive(name: str, value) -> float:
     return value
 
 
+# Formatted once: under torch.compile(dynamic=True) a float formatted in traced code may be symbolic,
+# which Dynamo cannot put in a string; messages format values only on failure.
+_SCORE_EPS_RANGE = f"0 or a number in [{_FP32.tiny:.4g}, {_FP32.max:.4g}]"
+
+
 def check_score_eps(score_eps) -> float:
     """The near-tie tolerance on a group's score std: 0, or a finite number in float32's normal
     range (the Triton group kernel takes it as float32 parts)."""
-    if not _is_real(score_eps):
-        raise TypeError(f"score_eps must be a number, got {type(score_eps).__name__}")
-    score_eps = float(score_eps)
-    fp32 = torch.finfo(torch.float32)
-    if not (score_eps == 0 or fp32.tiny <= score_eps <= fp32.max):
-        raise ValueError(f"score_eps must be 0 or a number in [{fp32.tiny:.4g}, {fp32.max:.4g}] (a tolerance on "
-                         f"the population std of a group's scores), got {score_eps!r}")
+    score_eps = _real("score_eps", score_eps, _SCORE_EPS_RANGE)
+    if not (score_eps == 0 or _FP32.tiny <= score_eps <= _FP32.max):
+        raise ValueError(f"score_eps must be {_SCORE_EPS_RANGE} (a tolerance on the population std of a group's "
+                         f"scores), got {score_eps!r}")
     return score_eps
 
 
 def check_flag(name: str, value) -> bool:
     if not _is_bool(value):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {_kind(value)}")
     return bool(value)
 
 
 def check_reduction(reduction) -> str:
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction must be a str, one of {REDUCTIONS}, got {_kind(reduction)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return reduction
 
 
 def check_ignore_index(ignore_index) -> int:
-    """An integral id (a float, even -100.0, is rejected by every function alike)."""
-    if not _is_int(ignore_index):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    return int(ignore_index)
+    """An integral id (a float, even -100.0, is rejected by every function alike) that an int64
+    label can equal: labels are compared as int64 (in their own dtype an int32 label would equal
+    ``ignore_index + 2**32``)."""
+    return check_int("ignore_index", ignore_index, INT64_MIN, INT64_MAX, "the label id of positions that do not count")
+
+
+# The weights of the token-mean terms beside the group term (beta: the k3 KL term; entropy_coef:
+# the entropy bonus). A weight multiplies a per-token term averaged (or, for reduction="sum",
+# summed) over at most 2**63 tokens; the loss is float32 for every input but float64. A token's
+# entropy is below ln(2**63) < 64 nats for any vocabulary an int64 id can index, so a weight of at
+# most float32.max / (64 * 2**63) (about 5.8e17) keeps weight * (entropy term) finite for every
+# input and every reduction. The k3 term exp(d) - d - 1 (d = ref - policy log-prob) has no upper
+# bound, so no bound on beta keeps every loss finite; the same one keeps beta * k3 finite while
+# every token's k3 is below 64, as large as any entropy term (d < 4.2: the policy at most e^4.2
+# times less likely than the reference). Weights far beyond any practical one (1e-3 .. 1) are
+# refused instead of turning the loss into inf.
+MAX_TERM_WEIGHT = float(_FP32.max) / (64.0 * 2.0 ** 63)
+_TERM_WEIGHT_RANGE = f"a finite number >= 0 and at most {MAX_TERM_WEIGHT:.4g}"  # formatted once: see _SCORE_EPS_RANGE
+
+
+def _check_term_weight(name: str, value, term: str) -> float:
+    value = _real(name, value, _TERM_WEIGHT_RANGE)
+    if not 0 <= value <= MAX_TERM_WEIGHT:  # comparisons: see _check_finite_positive
+        raise ValueError(f"{name} must be {_TERM_WEIGHT_RANGE} (the weight of {term}; larger weights overflow the "
+                         f"float32 loss), got {value!r}")
+    return value
 
 
 def check_beta(beta) -> float:
-    if not _is_real(beta):
-        raise TypeError(f"beta must be a number, got {type(beta).__name__}")
-    beta = float(beta)
-    if not 0 <= beta < math.inf:  # comparisons: see _check_finite_positive
-        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
-    return beta
+    return _check_term_weight("beta", beta, "the mean k3 KL-to-reference term added to the loss")
 
 
 def check_entropy_coef(entropy_coef) -> float:
     """The weight of the entropy bonus: a finite number >= 0 (a bonus; a negative weight, an
     entropy penalty, is refused rather than silently flipping the sign a trainer meant)."""
-    if not _is_real(entropy_coef):
-        raise TypeError(f"entropy_coef must be a number, got {type(entropy_coef).__name__}")
-    entropy_coef = float(entropy_coef)
-    if not 0 <= entropy_coef < math.inf:  # comparisons: see _check_finite_positive
-        raise ValueError(f"entropy_coef must be a finite number >= 0 (the weight of the mean token entropy "
-                         f"subtracted from the loss), got {entropy_coef!r}")
-    return entropy_coef
+    return _check_term_weight("entropy_coef", entropy_coef, "the mean token entropy subtracted from the loss")
 
 
 @dataclass(frozen=True)
@@ -187,8 +248,16 @@ def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate,
 
 
 def check_tile_policy(tile_policy, policy_type: type) -> None:
-    if tile_policy is not None and not isinstance(tile_policy, policy_type):
-        raise TypeError(f"tile_policy must be a TilePolicy or None, got {type(tile_policy).__name__}")
+    """None or a TilePolicy whose sizes the ops can take (int64; ``logits_cache_bytes`` is checked
+    with the keyword of that name)."""
+    if tile_policy is None:
+        return
+    if not isinstance(tile_policy, policy_type):
+        raise TypeError(f"tile_policy must be a TilePolicy or None, got {_kind(tile_policy)}")
+    for field in ("logits_bytes", "min_tile_tokens", "accum_bytes"):
+        check_int(f"tile_policy.{field}", getattr(tile_policy, field), 0, INT64_MAX)
+    if tile_policy.matmul_out_dtype is not None:
+        check_flag("tile_policy.matmul_out_dtype", tile_policy.matmul_out_dtype)
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -289,11 +358,10 @@ def check_chunk_size(chunk_size) -> Optional[int]:
     if chunk_size is None:
         return None
     if not _is_int(chunk_size):
-        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
-    chunk_size = int(chunk_size)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1 (a budget of chunk_size * V logits per tile), got {chunk_size}")
-    return chunk_size
+        raise TypeError(f"chunk_size must be an int or None, got {_kind(chunk_size)}")
+    # The ops take it as an int64: a larger one would fail inside the op, on one rank of a
+    # distributed call while its peers wait in a collective. Here it fails the check pass.
+    return check_int("chunk_size", chunk_size, 1, INT64_MAX, "a budget of chunk_size * V logits per tile")
 
 
 def check_grad_accum_dtype(grad_accum_dtype, weight_dtype: torch.dtype) -> torch.dtype:
@@ -310,14 +378,8 @@ def check_logits_cache(logits_cache_bytes, policy_bytes, vocab_parallel: bool) -
     as the keyword or on the tile policy (not both, unless equal); 0 with a vocabulary shard."""
     budgets = []
     for name, value in (("logits_cache_bytes", logits_cache_bytes), ("tile_policy.logits_cache_bytes", policy_bytes)):
-        if not _is_int(value):  # a Python or NumPy integer, as every integer keyword
-            raise TypeError(f"{name} must be an int (bytes of logits the forward may keep for the backward), "
-                            f"got {type(value).__name__}")
-        value = int(value)
-        if not 0 <= value < _INT64_LIMIT:  # the ops take it as an int64
-            raise ValueError(f"{name} must be an int in [0, 2**63) (bytes of logits the forward may keep for "
-                             f"the backward), got {value}")
-        budgets.append(value)
+        # a Python or NumPy integer, as every integer keyword; the ops take it as an int64
+        budgets.append(check_int(name, value, 0, INT64_MAX, "bytes of logits the forward may keep for the backward"))
     logits_cache_bytes, policy_bytes = budgets
     if logits_cache_bytes and policy_bytes not in (0, logits_cache_bytes):
         raise ValueError(f"logits_cache_bytes={logits_cache_bytes} disagrees with "

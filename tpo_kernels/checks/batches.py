@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
-from .arguments import (_is_int, check_beta, check_ignore_index, check_integer_dtype, check_integer_tensor,
-                        check_tensor, reject_meta)
+from .arguments import (INT64_MAX, check_beta, check_ignore_index, check_int, check_integer_dtype,
+                        check_integer_tensor, check_tensor, reject_meta)
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -79,7 +79,9 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
             f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
         )
     ignore_index = check_ignore_index(ignore_index)
-    flat = labels.reshape(-1)
+    # Compared as int64, the labels' value range: in a narrower dtype torch would wrap
+    # ignore_index (an int32 label 1 would equal 2**32 + 1).
+    flat = labels.reshape(-1).to(torch.int64)
     counted = flat != ignore_index
     if mask is not None:
         counted = counted & mask
@@ -89,15 +91,17 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
         pending.require(~bad.any(), lambda: _label_error(flat, bad, vocab_size))
         if checks is None:
             pending.read()
-    return torch.where(counted, flat.to(torch.int64), -1).contiguous()
+    return torch.where(counted, flat, -1).contiguous()
 
 
 # ----------------------------------------------------------------------------- sequence batches
 
-# Log-probabilities are at most 0. An old log-prob above 0 by more than this (per counted token;
+# Log-probabilities are at most 0. A log-prob above 0 by more than this (per counted token;
 # per completion, this times its counted tokens for sums, this for means) is not rounding: it is
 # a sign flip (negative log-likelihoods), probabilities, or logits passed as log-probs. Rounding
-# near 0 is far below it: fp32 log-softmax of logits up to 1e3 is off by ~1e-4 at most.
+# near 0 is far below it: fp32 log-softmax of logits up to 1e3 is off by ~1e-4 at most. The rule
+# holds for every log-prob input a call reads with validate=True: old_logprobs, ref_logprobs and
+# the logprobs of tpo_loss_from_logprobs.
 OLD_LOGPROB_SLACK = 1e-2
 
 
@@ -164,17 +168,14 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
     if (group_size is None) == (group_ids is None):
         raise ValueError("pass exactly one of group_size (K contiguous completions per prompt) or group_ids [N]")
     if group_size is not None:
-        if not _is_int(group_size):
-            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-        group_size = int(group_size)
+        # An int64 (the ranks' agreement records carry it): a larger one can divide no batch.
+        group_size = check_int("group_size", group_size, 1, INT64_MAX, "K contiguous completions per prompt")
         if group_size == 1 and not torch.compiler.is_compiling():
             warnings.warn("group_size=1: every group holds a single completion, whose target is itself (p = q = 1), "
                           "so the loss is 0 and trains nothing; pass the number of completions per prompt (>= 2)",
                           UserWarning, stacklevel=_caller_stacklevel())
-        if not whole and group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if whole and (group_size < 1 or num_seqs % group_size != 0):
-            raise ValueError(f"group_size must be >= 1 and divide the number of completions N={num_seqs}, got {group_size}")
+        if whole and num_seqs % group_size != 0:
+            raise ValueError(f"group_size must divide the number of completions N={num_seqs}, got {group_size}")
         return group_size
     check_integer_tensor("group_ids", group_ids, device, input_name)
     if tuple(group_ids.shape) != (num_seqs,):
@@ -212,12 +213,12 @@ def _check_mask(mask, token_shape, device: torch.device, input_name: str,
     return mask.reshape(-1) != 0
 
 
-def _require_log_probabilities(checks: ValueChecks, values: Tensor, slack, where: str) -> None:
-    """Add to ``checks``: ``values`` (old log-probs) are at most ``slack`` (a float or a tensor of
-    ``values``' shape) above 0. NaN passes here (the finiteness check words it)."""
+def _require_log_probabilities(checks: ValueChecks, name: str, values: Tensor, slack, where: str) -> None:
+    """Add to ``checks``: ``values`` (the log-probs ``name``) are at most ``slack`` (a float or a
+    tensor of ``values``' shape) above 0. NaN passes here (a finiteness check words it)."""
     positive = values > slack
     checks.require(~positive.any(), lambda: ValueError(
-        f"old_logprobs must be log-probabilities (<= 0); found {values[positive][0].item():.6g} {where} "
+        f"{name} must be log-probabilities (<= 0); found {values[positive][0].item():.6g} {where} "
         f"(more than rounding above 0: negative log-likelihoods, probabilities or logits?)"))
 
 
@@ -247,6 +248,7 @@ def prepare_batch(
     validate: bool = True,
     whole: bool = True,
     length_normalize: bool = False,
+    logprobs: Optional[Tensor] = None,
 ) -> PreparedBatch:
     """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout.
 
@@ -255,7 +257,9 @@ def prepare_batch(
     ranks: it may hold no completion or none with a counted token, its layout has one group per
     completion, and ``kept`` / ``any_kept`` say which completions the gathered groups keep.
     ``length_normalize``: per-token ``old_logprobs`` give each completion's mean over its counted
-    tokens instead of the sum (per-completion ones are used as given)."""
+    tokens instead of the sum (per-completion ones are used as given). ``logprobs``: the per-token
+    log-probs of :func:`tpo_kernels.tpo_loss_from_logprobs`, checked (with ``validate``) at
+    counted tokens by the rule of ``old_logprobs``."""
     token_shape = tuple(token_shape)
     if len(token_shape) == 2:
         if cu_seqlens is not None:
@@ -304,6 +308,9 @@ def prepare_batch(
         else:
             any_counted = checks.observe(counted_seqs.any())
         all_counted = checks.observe(counted_seqs.all())
+        if logprobs is not None:
+            given = torch.where(valid, logprobs.detach().reshape(-1), 0.0)
+            _require_log_probabilities(checks, "logprobs", given, OLD_LOGPROB_SLACK, "at a counted token")
 
     # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion,
     # in float64 like the group math (sums over long completions lose digits in fp32).
@@ -313,7 +320,7 @@ def prepare_batch(
         if tuple(old_logprobs.shape) == token_shape:
             old_tokens = torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0)
             if validate:
-                _require_log_probabilities(checks, old_tokens, OLD_LOGPROB_SLACK, "at a counted token")
+                _require_log_probabilities(checks, "old_logprobs", old_tokens, OLD_LOGPROB_SLACK, "at a counted token")
             if length_normalize:
                 old_tokens = old_tokens * length_weights(valid, layout, torch.float64)
             old_seq = segment_sum(old_tokens, layout)
@@ -321,7 +328,7 @@ def prepare_batch(
             old_seq = old_logprobs.to(torch.float64).contiguous()
             if validate:  # sums carry one rounding per counted token; means one
                 slack = OLD_LOGPROB_SLACK * (1 if length_normalize else counted_tokens.clamp(min=1))
-                _require_log_probabilities(checks, old_seq, slack, "for a completion")
+                _require_log_probabilities(checks, "old_logprobs", old_seq, slack, "for a completion")
         else:
             raise ValueError(
                 f"old_logprobs must be per token {token_shape} or per completion ({num_seqs},), got {tuple(old_logprobs.shape)}"
@@ -341,6 +348,7 @@ def prepare_batch(
             raise ValueError(f"ref_logprobs must have the shape of labels {token_shape}, got {tuple(ref_logprobs.shape)}")
         ref_flat = torch.where(valid, ref_logprobs.reshape(-1).to(acc), 0.0)
         if validate:
+            _require_log_probabilities(checks, "ref_logprobs", ref_flat, OLD_LOGPROB_SLACK, "at a counted token")
             checks.require(torch.isfinite(ref_flat).all(),
                            lambda: ValueError("ref_logprobs must be finite at counted tokens"))
 

@@ -374,7 +374,7 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
         group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
         ignore_index=batch.ignore_index, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
         beta=batch.beta, input_name=input_name, validate=settings.validate, whole=data_parallel is None,
-        length_normalize=settings.length_normalize,
+        length_normalize=settings.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
     )
     # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
     return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels,

@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .arguments import _is_int
+from .arguments import INT64_MAX, check_int
 
 
 def check_group(name: str, group) -> None:
+    if dist.is_available() and not isinstance(group, dist.ProcessGroup):  # what it is, before whether it can run
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name} needs torch.distributed initialized (init_process_group)")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
 
 
 def check_vocab_start_index(start, group) -> Optional[int]:
@@ -26,9 +26,8 @@ def check_vocab_start_index(start, group) -> Optional[int]:
         return None
     if group is None:
         raise ValueError("vocab_start_index needs vocab_parallel_group")
-    if not _is_int(start) or int(start) < 0:
-        raise ValueError(f"vocab_start_index must be an int >= 0 or None, got {start!r}")
-    return int(start)
+    # an int64: the ranks' agreement records carry it
+    return check_int("vocab_start_index", start, 0, INT64_MAX, "the first vocabulary id of this rank's shard")
 
 
 def check_shard_size(name: str, x, dim: int) -> None:
