@@ -30,8 +30,12 @@ Shared keywords of the losses:
         completion must have a counted token. Shapes, dtypes and devices are always checked.
         Traced by ``torch.compile(fullgraph=True)`` with ``validate=True`` a call stops with an
         error saying to pass ``validate=False`` (without ``fullgraph`` the checks run eagerly
-        between graphs). With ``validate=True``, old log-probs more than rounding above 0 are
-        refused; ``group_size=1`` (a loss of 0) warns.
+        between graphs). With ``validate=True``, log-probs more than rounding above 0 are
+        refused (``old_logprobs``, ``ref_logprobs`` with ``beta > 0``, and the ``logprobs`` of
+        :func:`tpo_loss_from_logprobs`: probabilities or negative log-likelihoods passed by
+        mistake); ``group_size=1`` (a loss of 0) warns. Every scalar keyword is range-checked
+        whatever ``validate`` says: ints within int64, reals finite in float32, ``beta`` and
+        ``entropy_coef`` at most about 5.8e17 (so that weight times a token's term stays finite).
 
 Distributed keywords (``process_group`` for groups split over data-parallel ranks;
 ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded lm_head or logits):

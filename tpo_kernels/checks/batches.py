@@ -287,7 +287,7 @@ def prepare_batch(
     shape = dict(padded_shape=token_shape) if len(token_shape) == 2 else dict(cu_seqlens=cu_seqlens,
                                                                             packed_extent=packed_extent)
     layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids, **shape)
-    # The value checks, read back once at the end (see ValueChecks in checks/tensors.py).
+    # The value checks, read back once at the end (see ValueChecks above).
     checks = ValueChecks() if validate else None
     counted = None if len(token_shape) == 2 else layout.token_seq >= 0  # padded: every row is inside
     if mask is not None:
