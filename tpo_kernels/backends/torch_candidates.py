@@ -164,7 +164,8 @@ class _RunTargets:
     def of(tokens: Tensor, vocab: int) -> "_RunTargets":
         tokens = tokens.to(torch.int64)  # index_copy_ takes int64 rows
         last_row = max(vocab - 1, 0)
-        edge_rows = torch.tensor([0, last_row], dtype=torch.int64, device=tokens.device)
+        # [0, V - 1] made on the device: a host tensor's copy would wait for the device's queue.
+        edge_rows = torch.arange(2, device=tokens.device) * last_row
         edge_runs = torch.searchsorted(tokens, edge_rows).clamp_(max=max(tokens.numel() - 1, 0))
         return _RunTargets(
             slots=tokens.clamp(0, last_row),
