@@ -248,6 +248,44 @@ def test_candidate_linear_backward_ignores_ids_outside_the_vocabulary(backend):
     _assert_weight_padding_untouched(weight_parent, bias_parent)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_candidate_linear_backward_leaves_the_first_and_last_rows_zero_without_their_tokens(backend):
+    """Bad ids below 0 and at or past V while neither token 0 nor V - 1 is a candidate: rows 0
+    and V - 1 of dW and db, the valid rows nearest the bad ids, stay exactly 0 (a bad id's run
+    written to its nearest row would show there); the other rows as the reference."""
+    ops = get_backend(backend, DEVICE)
+    weight_parent, weight, bias_parent, bias, hidden, cands = _linear_case(torch.Generator().manual_seed(9))
+    cands = torch.where(cands == 0, 1, torch.where(cands == V - 1, V - 2, cands))
+    grad = _linear_grad(cands)
+    _, dweight, dbias = ops.candidate_linear_backward(
+        grad, hidden, weight, cands, runs=pair_runs(cands), with_hidden=False, with_weight=True, with_bias=True
+    )
+    _, want_dweight, want_dbias = _expected_linear_grads(grad, hidden, weight, cands)
+    assert torch.equal(dweight[[0, V - 1]], torch.zeros_like(dweight[[0, V - 1]]))
+    assert torch.equal(dbias[[0, V - 1]], torch.zeros_like(dbias[[0, V - 1]]))
+    torch.testing.assert_close(dweight.double(), want_dweight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dbias.double(), want_dbias, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_candidate_linear_backward_with_a_one_row_vocabulary_writes_only_its_token(backend):
+    """V = 1: row 0 is both the first and the last row, next to the bad ids -2 and 1 on either
+    side; dW[0] and db[0] are token 0's sums alone."""
+    ops = get_backend(backend, DEVICE)
+    gen = torch.Generator().manual_seed(10)
+    hidden, weight = torch.randn(3, H, generator=gen).to(DEVICE), torch.randn(1, H, generator=gen).to(DEVICE)
+    cands = torch.tensor([[-2, 0], [1, 0], [0, 1]], device=DEVICE)
+    valid = cands == 0
+    grad = torch.where(valid, torch.tensor([[0.0, 0.5], [0.0, -1.5], [2.0, 0.0]], device=DEVICE), float("nan"))
+    _, dweight, dbias = ops.candidate_linear_backward(
+        grad, hidden, weight, cands, runs=pair_runs(cands), with_hidden=False, with_weight=True, with_bias=True
+    )
+    g = torch.where(valid, grad, 0.0).double().sum(1)
+    torch.testing.assert_close(dweight.double(), (g[:, None] * hidden.double()).sum(0, keepdim=True),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dbias.double(), g.sum().view(1), rtol=1e-5, atol=1e-6)
+
+
 @needs_triton
 def test_triton_weight_grad_does_not_write_ids_outside_the_vocabulary():
     """The Triton dW / db kernels write into buffers given to them: views of sentinel-filled

@@ -5,12 +5,15 @@ Nothing here forms an ``[R, V]`` tensor except the dense logits gradient the log
 return; every sum runs in a fixed order (no float atomics).
 
 Ids follow the contract of DESIGN.md ("Ids outside the vocabulary"), without a read-back: an id
-outside ``[0, V)`` is read as id 0 (or adds an exact 0 to row 0) and its result replaced, so a candidate outside the vocabulary has a NaN candidate logit, is not written by the
-backward and adds nothing to ``dH`` (no index error, no device-side assert).
+outside ``[0, V)`` is read as id 0 (or adds an exact 0 to column 0) and its result replaced, so a
+candidate outside the vocabulary has a NaN candidate logit, is not written by the backward and adds
+nothing to ``dH`` (no index error, no device-side assert). The masks act on the id-sized tensors
+(``[R, K]``, one entry per run); nothing of size H or V is masked per id.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -110,11 +113,9 @@ def candidate_linear_backward(
     acc = grad.dtype
     vocab, hidden_size = weight.shape
     dhidden = dweight = dbias = None
-    # An id outside [0, V) contributes nothing to dH (row 0 with weight exactly 0 in its place), and
-    # its run adds an exact 0 to row 0 of dW / db instead of being written (the runs' tokens are
-    # distinct, so every other row receives one value: the accumulating write is exact in any order).
-    valid = _in_vocab(candidates, vocab)
     if with_hidden:
+        # An id outside [0, V) reads row 0 with weight exactly 0: no contribution (its grad, NaN or not, unused).
+        valid = _in_vocab(candidates, vocab)
         candidates, grad_h = torch.where(valid, candidates, 0), torch.where(valid, grad, 0.0)
         if weight.dtype == acc:
             dhidden = F.embedding_bag(candidates, weight, per_sample_weights=grad_h, mode="sum")
@@ -127,17 +128,58 @@ def candidate_linear_backward(
     if with_weight or with_bias:
         order, tokens, offsets = runs
         pair_grad = grad.reshape(-1)[order]
-        valid_runs = _in_vocab(tokens, vocab)
-        slots = (torch.where(valid_runs, tokens, 0),)
+        targets = _RunTargets.of(tokens, vocab)
         if with_weight:
             states = torch.div(order, candidates.shape[1], rounding_mode="floor")
             rows = F.embedding_bag(
                 states, hidden.to(acc), offsets[:-1], mode="sum", per_sample_weights=pair_grad
             )
             dweight = torch.zeros_like(weight)
-            dweight.index_put_(slots, torch.where(valid_runs[:, None], rows, 0.0).to(weight.dtype), accumulate=True)
+            targets.write(dweight, rows)
         if with_bias:
             sums = F.embedding_bag(order, grad.reshape(-1, 1), offsets[:-1], mode="sum").squeeze(1)
             dbias = torch.zeros(vocab, dtype=weight.dtype, device=weight.device)
-            dbias.index_put_(slots, torch.where(valid_runs, sums, 0.0).to(weight.dtype), accumulate=True)
+            targets.write(dbias, sums)
     return dhidden, dweight, dbias
+
+
+@dataclass
+class _RunTargets:
+    """Where the runs' sums go: ``out[tokens[i]] = sums[i]`` for every run whose token is in
+    ``[0, V)``, nothing for the others, as plain (non-accumulating) writes of distinct rows.
+
+    The runs' tokens are distinct and sorted, so clamping them to ``[0, V - 1]`` sends the runs
+    below 0 to row 0 and those at or above V to row V - 1, and only those two rows can receive
+    more than one run (in no defined order). Each of the two is then written once more, with the
+    run of its own token (found by a binary search of the sorted tokens) or 0 when that token has
+    no run: two rows of work, no pass over ``[runs, H]`` and no read-back.
+    """
+
+    slots: Tensor  # [runs]: the row each run is written to, its token clamped to [0, V - 1]
+    edge_rows: Tensor  # [2]: rows 0 and V - 1
+    edge_runs: Tensor  # [2]: the run holding each edge row's token, if any
+    edge_present: Tensor  # [2]: whether that run's token is the edge row's
+
+    @staticmethod
+    def of(tokens: Tensor, vocab: int) -> "_RunTargets":
+        tokens = tokens.to(torch.int64)  # index_copy_ takes int64 rows
+        last_row = max(vocab - 1, 0)
+        # [0, V - 1] made on the device: a host tensor's copy would wait for the device's queue.
+        edge_rows = torch.arange(2, device=tokens.device) * last_row
+        edge_runs = torch.searchsorted(tokens, edge_rows).clamp_(max=max(tokens.numel() - 1, 0))
+        return _RunTargets(
+            slots=tokens.clamp(0, last_row),
+            edge_rows=edge_rows,
+            edge_runs=edge_runs,
+            edge_present=tokens[edge_runs] == edge_rows if tokens.numel() else edge_rows < 0,
+        )
+
+    def write(self, out: Tensor, sums: Tensor) -> None:
+        """Write the in-vocabulary runs' ``sums`` (``[runs]`` or ``[runs, H]``) into the
+        zero-filled ``out`` (``[V]`` or ``[V, H]``); every other row stays 0."""
+        if self.slots.numel() == 0 or out.shape[0] == 0:
+            return
+        out.index_copy_(0, self.slots, sums.to(out.dtype))
+        present = self.edge_present.view(-1, *([1] * (sums.dim() - 1)))
+        edges = torch.where(present, sums.index_select(0, self.edge_runs), 0.0)
+        out.index_copy_(0, self.edge_rows, edges.to(out.dtype))
