@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -28,6 +29,10 @@ RESULT_MARKER = "@@bench.compare.result@@ "
 # A sample shorter than this repeats the call to fill it: sub-millisecond cases (the group stage)
 # would otherwise measure the timer's and the scheduler's noise.
 MIN_SAMPLE_SECONDS = 0.02
+# Fast cases take more samples than asked, until their samples add up to this (at most
+# MAX_SAMPLES): their minimum then needs only one undisturbed 20 ms among several, at little cost.
+MIN_CASE_SECONDS = 0.3
+MAX_SAMPLES = 15
 
 
 # ------------------------------------------------------------------------------------- the inputs
@@ -206,8 +211,9 @@ def _sync(torch, device):
 
 
 def time_case(torch, tk, case, config):
-    """Seconds of one step: warm-up calls, then ``repeats`` samples (more, up to 50, for fast
-    calls, each sample at least MIN_SAMPLE_SECONDS); the minimum of the samples."""
+    """Seconds of one step: warm-up calls, then ``repeats`` samples (of several calls each for fast
+    calls, so that a sample lasts MIN_SAMPLE_SECONDS; more samples for fast cases, up to
+    MIN_CASE_SECONDS in all); the minimum of the samples."""
     name, builder, backend, device, shape_key, dtype = case
     torch.manual_seed(0)
     prepare, step = builder(torch, tk, backend, config["shapes"][shape_key], device, getattr(torch, dtype))
@@ -216,7 +222,8 @@ def time_case(torch, tk, case, config):
     _sync(torch, device)
     samples, cpu_samples = [], []
     calls_per_sample = 1
-    while len(samples) < config["repeats"]:
+    while len(samples) < config["repeats"] or (sum(samples) * calls_per_sample < MIN_CASE_SECONDS
+                                               and len(samples) < MAX_SAMPLES):
         inputs = [prepare() for _ in range(calls_per_sample)]
         _sync(torch, device)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -261,6 +268,8 @@ def main(argv):
         except Exception as exc:  # noqa: BLE001 - a case this tree cannot run is reported, not fatal
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             record["cases"][case[0]] = {"error": f"{type(exc).__name__}: {first_line}"}
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # the whole process: imports, inputs, all calls
+    record["process_cpu_seconds"] = usage.ru_utime + usage.ru_stime
     print(RESULT_MARKER + json.dumps(record), flush=True)
 
 

@@ -154,6 +154,14 @@ def _side_lines(side: str, ref: str, tree: Path, state: dict, processes: List[di
     return lines
 
 
+def _children_time(processes: List[dict]) -> str:
+    """The timing processes' wall and CPU seconds in all: their CPU time divided by the threads is
+    about what they would take on an idle machine."""
+    wall = sum(p["wall_seconds"] for p in processes)
+    cpu = sum(p.get("process_cpu_seconds", 0.0) for p in processes)
+    return f"{len(processes)} timing processes: {wall:.0f} s of wall time, {cpu:.0f} s of CPU time"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -203,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     lines += [f"shapes: {', '.join(f'{k} ' + ','.join(f'{d}={v}' for d, v in s.items()) for k, s in shapes.items())}"
               f"; {args.rounds} rounds, {args.warmup} warm-up + {args.repeats} timed calls per case and process "
               f"(min; {args.clock} clock)",
-              f"build of the base: {build_seconds:.1f} s; wall time {wall:.0f} s", ""]
+              f"build of the base: {build_seconds:.1f} s; wall time {wall:.0f} s; {_children_time(processes)}", ""]
     lines += table(cases)
     slower = [c["case"] for c in cases if c["slower"]]
     lines += ["", f"{len(slower)} case(s) slower by more than {(SLOWER_THRESHOLD - 1) * 100:.0f}%: "
