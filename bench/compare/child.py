@@ -26,13 +26,11 @@ import sys
 import time
 
 RESULT_MARKER = "@@bench.compare.result@@ "
-# A sample shorter than this repeats the call to fill it: sub-millisecond cases (the group stage)
-# would otherwise measure the timer's and the scheduler's noise.
-MIN_SAMPLE_SECONDS = 0.02
-# Fast cases take more samples than asked, until their samples add up to this (at most
-# MAX_SAMPLES): their minimum then needs only one undisturbed 20 ms among several, at little cost.
-MIN_CASE_SECONDS = 0.3
-MAX_SAMPLES = 15
+# Every sample is one call, and fast cases take more samples than asked, until they add up to
+# MIN_CASE_SECONDS (at most MAX_SAMPLES): on a loaded machine a millisecond call is often stretched
+# many times over by a thread that waits for a core, and its minimum needs one undisturbed call.
+MIN_CASE_SECONDS = 0.5
+MAX_SAMPLES = 30
 
 
 # ------------------------------------------------------------------------------------- the inputs
@@ -211,9 +209,9 @@ def _sync(torch, device):
 
 
 def time_case(torch, tk, case, config):
-    """Seconds of one step: warm-up calls, then ``repeats`` samples (of several calls each for fast
-    calls, so that a sample lasts MIN_SAMPLE_SECONDS; more samples for fast cases, up to
-    MIN_CASE_SECONDS in all); the minimum of the samples."""
+    """Seconds of one step: warm-up calls, then ``repeats`` timed calls (more for fast cases, see
+    MIN_CASE_SECONDS); the minimum, the median and the minimum CPU time of the process (all its
+    threads, which waiting for a core does not add to; spinning and cache contention still do)."""
     name, builder, backend, device, shape_key, dtype = case
     torch.manual_seed(0)
     prepare, step = builder(torch, tk, backend, config["shapes"][shape_key], device, getattr(torch, dtype))
@@ -221,26 +219,17 @@ def time_case(torch, tk, case, config):
         step(prepare())
     _sync(torch, device)
     samples, cpu_samples = [], []
-    calls_per_sample = 1
-    while len(samples) < config["repeats"] or (sum(samples) * calls_per_sample < MIN_CASE_SECONDS
-                                               and len(samples) < MAX_SAMPLES):
-        inputs = [prepare() for _ in range(calls_per_sample)]
+    while len(samples) < config["repeats"] or (sum(samples) < MIN_CASE_SECONDS and len(samples) < MAX_SAMPLES):
+        inputs = prepare()
         _sync(torch, device)
         start, cpu_start = time.perf_counter(), time.process_time()
-        for x in inputs:
-            step(x)
+        step(inputs)
         _sync(torch, device)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        samples.append(time.perf_counter() - start)
+        cpu_samples.append(time.process_time() - cpu_start)
         del inputs
-        if not samples and elapsed < MIN_SAMPLE_SECONDS and calls_per_sample == 1:
-            calls_per_sample = min(50, max(1, int(MIN_SAMPLE_SECONDS / max(elapsed, 1e-6))))
-            continue  # the first sample only sized the later ones
-        samples.append(elapsed / calls_per_sample)
-        cpu_samples.append(cpu / calls_per_sample)
-    # "cpu_seconds": the process's CPU time (all its threads), which waiting for a core on a loaded
-    # machine does not add to (spinning and cache contention still do)
     return {"seconds": min(samples), "median_seconds": statistics.median(samples), "cpu_seconds": min(cpu_samples),
-            "samples": len(samples), "calls_per_sample": calls_per_sample}
+            "samples": len(samples)}
 
 
 def _build_info(tk):
