@@ -76,7 +76,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per case and process (default 1)")
     parser.add_argument("--repeats", type=_positive(int), default=3,
                         help="timed calls per case and process, more for fast cases; the minimum is kept (default 3)")
-    parser.add_argument("--quick", action="store_true", help=f"tiny shapes ({QUICK}): a smoke run in about a minute")
+    parser.add_argument("--quick", action="store_true", help=f"tiny shapes ({QUICK}): a smoke run")
     parser.add_argument("--scale", type=_positive(float), default=1.0, help="multiply T and V (not the interpreter's)")
     parser.add_argument("--shape", type=_shape_item, action="append", help="override dimensions, e.g. N=32,T=256")
     parser.add_argument("--cases", help="comma-separated globs of case names (default: all)")
