@@ -89,6 +89,13 @@ def test_each_side_runs_in_a_fresh_process_of_its_own(comparison):
     assert len(set(pids)) == len(pids) and os.getpid() not in pids
 
 
+def test_the_processes_wait_passively_unless_the_caller_chose_a_policy(comparison):
+    """libgomp's spinning threads take the cores from the cpu backend's on a loaded machine."""
+    _, result = comparison
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert [p["omp_wait_policy"] for p in result["processes"]] == [expected, expected]
+
+
 def test_every_case_has_both_medians_the_ratio_and_its_spread(comparison):
     proc, result = comparison
     assert [c["case"] for c in result["cases"]] == CASES

@@ -246,7 +246,8 @@ def main(argv):
 
     torch.set_num_threads(config["threads"])
     record = {"pid": os.getpid(), "cwd": os.getcwd(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "python": sys.executable, "cases": {}}
+              "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "python": sys.executable, "cases": {}}
     import tpo_kernels as tk
 
     record["package_file"] = os.path.realpath(tk.__file__)

@@ -104,13 +104,24 @@ def _under(path: str, tree: Path) -> bool:
     return Path(path).resolve().is_relative_to(tree.resolve())
 
 
+def omp_wait_policy() -> str:
+    """OpenMP's wait policy in the timing processes: the caller's OMP_WAIT_POLICY, else PASSIVE. With
+    libgomp's default (spin, then sleep) torch's idle OpenMP threads spin between ops and take the
+    cores from the cpu backend's own threads: on a 2-core machine at a load of 3 that made the cpu
+    backend's calls 2 to 6 times slower, and different from process to process (a 1 ms call took 1 or
+    20 ms by process)."""
+    return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _child_env(tree: Path, other: Path, threads: int, gpu: bool) -> Dict[str, str]:
     """The environment of a side's process: its tree first on PYTHONPATH (neither tree elsewhere on it:
-    the command is often run with PYTHONPATH=$PWD), the thread count, Triton's interpreter without a GPU."""
+    the command is often run with PYTHONPATH=$PWD), the thread count, OpenMP's wait policy, Triton's
+    interpreter without a GPU."""
     trees = {tree.resolve(), other.resolve()}
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                  if p and Path(p).resolve() not in trees]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree)] + inherited), "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree)] + inherited), "OMP_NUM_THREADS": str(threads),
+           "OMP_WAIT_POLICY": omp_wait_policy()}
     if not gpu:
         env["TRITON_INTERPRET"] = "1"  # read at Triton's import: the interpreter cases
     return env
@@ -180,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bench.compare: {exc}", file=sys.stderr)
         return 2
     config = {"gpu": gpu, "threads": args.threads, "warmup": args.warmup, "repeats": args.repeats,
-              "shapes": shapes, "cases": args.case_patterns}
+              "shapes": shapes, "cases": args.case_patterns, "omp_wait_policy": omp_wait_policy()}
     processes: List[dict] = []
     try:
         with base_worktree(REPOSITORY, base_commit) as base_tree:
@@ -210,7 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         + _side_lines("head", "current checkout", REPOSITORY, head_state, processes)
     lines += [f"shapes: {', '.join(f'{k} ' + ','.join(f'{d}={v}' for d, v in s.items()) for k, s in shapes.items())}"
               f"; {args.rounds} rounds, {args.warmup} warm-up + {args.repeats} timed calls per case and process "
-              f"(min; {args.clock} clock)",
+              f"(min; {args.clock} clock); OMP_WAIT_POLICY={omp_wait_policy()}",
               f"build of the base: {build_seconds:.1f} s; wall time {wall:.0f} s; {_children_time(processes)}", ""]
     lines += table(cases)
     slower = [c["case"] for c in cases if c["slower"]]
