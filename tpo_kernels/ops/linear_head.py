@@ -25,25 +25,22 @@ per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per
 With a logit soft cap (:class:`tpo_kernels.ops.logprobs.LogitTransform`) each tile is capped into a compute-dtype
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
 
-Logits cache (``TilePolicy.logits_cache_bytes``). Memory can buy the recompute back: the forward
-writes the logits of the first candidate rows that fit the budget straight into a ``[rows, V]``
-cache (the op returns it, so autograd saves it) instead of a tile buffer, and the backward's row
-op reads those tiles from it: three matmuls per cached token instead of four. The candidates are
-the counted rows, or those of them a ``cache_candidates`` mask keeps: the caller's prediction of the
-rows that will have a gradient (the TPO pipeline leaves out the tokens of zero-signal groups), so
-that no slot goes to a row the backward never reads. The cache's size is the budget's whatever the
-mask (a static shape under ``torch.compile``); a mispredicted row only costs its recompute. The
-cache holds the logits in their own dtype (the wider of hidden and weight), exactly what the
-forward's row op read, so a cached token's gradient differs from a recomputed one only by the
-recompute's rounding (a matmul over other row blocks may sum in another order). Rows that do not
-count are not cached; rows with zero gradient are neither read nor recomputed. The cache is never
-written in the backward (a second backward with ``retain_graph`` sees it intact).
+Logits cache (``TilePolicy.logits_cache_bytes``; by default every counted row of a small
+vocabulary, ``TilePolicy.small_vocab``; DESIGN.md, "Logits cache"). The forward writes the logits
+of the first candidate rows that fit the budget straight into a ``[rows, V]`` cache, one matmul
+(the op returns it, so autograd saves it); the candidates are the counted rows, or those a
+``cache_candidates`` mask keeps (the TPO pipeline leaves out zero-signal groups' tokens). The
+backward reads cached rows instead of recomputing them: three matmuls per cached token instead of
+four. A backward that keeps no graph and finds every active row cached runs in the cache itself
+(:meth:`TiledLinearHead._backward_in_cache`): ``dz`` overwrites the logits, and ``dH`` and ``dW``
+are one matmul each, as wide as the cache, not a tile. Otherwise the cache is only read (a second
+backward with ``retain_graph`` sees it intact) and a mispredicted row is recomputed. A cached
+token's gradient differs from a recomputed one only by the matmuls' rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from typing import List, Optional, Tuple, Union
 
@@ -52,8 +49,8 @@ from torch import Tensor
 
 from ..backends.row_summary import RowSummary, compute_dtype
 from ..backends import Backend
-from .tiles import (BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, full_precision_reduction,
-                    tile_shape)
+from .tiles import (BackwardPlan, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
+                    full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
 from .logprobs import LogitTransform
 
 __all__ = ["TiledLinearHead"]
@@ -88,17 +85,6 @@ class TiledLinearHead:
         self.vocab_offset, self.transform = vocab_offset, transform
         self.cache_candidates = cache_candidates
 
-    @staticmethod
-    def _row_chunks(rows: Union[slice, Tensor], chunk_size: int) -> List[Union[slice, Tensor]]:
-        """Selected rows (a slice, or ascending indices) in balanced chunks of at most
-        ``chunk_size`` (:func:`balanced_chunks`): slices of a slice (no gather), index tensors of
-        indices. Two selections of one size split alike."""
-        sizes = balanced_chunks(_num_rows(rows), chunk_size)
-        if isinstance(rows, Tensor):
-            return list(rows.split(sizes)) if sizes else []
-        bounds = list(itertools.accumulate(sizes, initial=rows.start))
-        return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
-
     def _cache_slots(self, cache_rows: int) -> Tensor:
         """``[M]`` int64: each row's place in a cache of ``cache_rows`` rows, -1 for the rows it
         does not hold. The cache holds the first counted candidate rows, in row order; the forward
@@ -126,11 +112,11 @@ class TiledLinearHead:
             (cached.sum(), recomputed.sum(), in_cache.sum(), misplaced.sum())).tolist()
         slots_from_0 = num_cached == num_in_cache
         rows_from_0 = slots_from_0 and num_misplaced == 0
-        cached_rows = slice(0, num_cached) if rows_from_0 else _indices(cached, num_cached)
+        cached_rows = slice(0, num_cached) if rows_from_0 else mask_indices(cached, num_cached)
         slots = slice(0, num_cached) if slots_from_0 else slot[cached_rows]
         if rows_from_0 and num_cached + num_recomputed == num_rows:
             return cached_rows, slots, slice(num_cached, num_rows)
-        return cached_rows, slots, _indices(recomputed, num_recomputed)
+        return cached_rows, slots, mask_indices(recomputed, num_recomputed)
 
     def _block_weight(self, vocab: slice) -> Tensor:
         return self.weight[vocab].to(self.dtype)
@@ -184,24 +170,24 @@ class TiledLinearHead:
         self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
         # The forward's one read-back; its slots are the cache's first rows (every cached row counts).
         cached, _, uncached = self._split_rows(self.labels >= 0, cache_rows)
-        num_cached = _num_rows(cached)
+        num_cached = selection_size(cached)
         if num_cached:
             cache = self.logits_cache[:num_cached]
             self._fill_cache(cached, cache)
             capped = self._cap_buffers(min(self.chunk_size, num_cached), vocab_size, 1)
-            for rows, slots in zip(self._row_chunks(cached, self.chunk_size),
-                                   self._row_chunks(slice(0, num_cached), self.chunk_size)):
+            for rows, slots in zip(row_chunks(cached, self.chunk_size),
+                                   row_chunks(slice(0, num_cached), self.chunk_size)):
                 summary.assign(rows, self._row_forward(cache[slots], rows, 0, capped, with_entropy))
-        token_block, vocab_block = self._tile(_num_rows(uncached), self.weight.dtype)
-        chunks = self._row_chunks(uncached, token_block)
-        tile_rows = max((_num_rows(rows) for rows in chunks), default=0)
+        token_block, vocab_block = self._tile(selection_size(uncached), self.weight.dtype)
+        chunks = row_chunks(uncached, token_block)
+        tile_rows = max((selection_size(rows) for rows in chunks), default=0)
         buffer = self._buffer(tile_rows, vocab_block)
         capped = self._cap_buffers(tile_rows, vocab_block, 1)
         for rows in chunks:
             h_rows, row = self.hidden[rows], None
             for start in range(0, vocab_size, vocab_block):
                 vocab = slice(start, start + vocab_block)
-                logits = self._logits(h_rows, vocab, _tile(buffer, h_rows.shape[0], self._vocab_width(vocab)))
+                logits = self._logits(h_rows, vocab, flat_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)))
                 block = self._row_forward(logits, rows, start, capped, with_entropy)
                 row = block if row is None else row.merge(block, self.inv_temperature)
             summary.assign(rows, row)
@@ -218,7 +204,7 @@ class TiledLinearHead:
             token_block = num_rows
         if self.weight.dtype == self.dtype:
             vocab_block = vocab_size
-        for row_part, slots in zip(self._row_chunks(rows, token_block), self._row_chunks(slice(0, num_rows), token_block)):
+        for row_part, slots in zip(row_chunks(rows, token_block), row_chunks(slice(0, num_rows), token_block)):
             h_rows = self.hidden[row_part]
             for start in range(0, vocab_size, vocab_block):
                 vocab = slice(start, start + vocab_block)
@@ -273,7 +259,7 @@ class TiledLinearHead:
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
-        tile_rows = num_active if plan.one_gemm else max((_num_rows(rows) for rows, _ in chunks), default=0)
+        tile_rows = num_active if plan.one_gemm else max((selection_size(rows) for rows, _ in chunks), default=0)
         # The tile buffers first: the size of the forward's, they can take that freed memory.
         buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
         fuse_hidden = self.policy.fused_accumulate(hidden.device, self.dtype, hidden_accum)
@@ -286,7 +272,7 @@ class TiledLinearHead:
         if plan.one_gemm and chunks:
             # The active rows' hidden states in the tile's row order: a view when the parts are
             # consecutive, else gathered once (not once per vocabulary block).
-            h_active = _rows_of(hidden, [rows for rows, _ in parts])
+            h_active = selected_rows(hidden, [rows for rows, _ in parts])
         if chunks:  # else every row has zero signal: zero gradients, no matmul
             # Each chunk's rows of the summary, selected once for every vocabulary block.
             chunk_summaries = [summary.select(rows) for rows, _ in chunks]
@@ -299,10 +285,10 @@ class TiledLinearHead:
                 if need_weight and not plan.one_gemm:
                     dw = grad_weight[vocab] if block_accum is None else block_accum[:width].zero_()
                 block_weight = self._block_weight(vocab) if need_hidden else None
-                tile = _tile(buffers[0], tile_rows, width)
+                tile = flat_tile(buffers[0], tile_rows, width)
                 offset = 0
                 for index, (rows, slots) in enumerate(chunks):
-                    num = _num_rows(rows)
+                    num = selection_size(rows)
                     out = tile[offset:offset + num] if plan.one_gemm else tile[:num]
                     offset += num if plan.one_gemm else 0
                     h_rows = h_active[offset - num:offset] if plan.one_gemm else hidden[rows]
@@ -312,7 +298,7 @@ class TiledLinearHead:
                     if need_hidden:
                         add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
                     if need_weight and not plan.one_gemm:
-                        _add_chunk_product(dw, dlogits.t(), h_rows.to(self.dtype), fuse_weight,
+                        add_chunk_product(dw, dlogits.t(), h_rows.to(self.dtype), fuse_weight,
                                            first=index == 0 and block_accum is None)
                     if need_bias:
                         grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
@@ -343,7 +329,7 @@ class TiledLinearHead:
         sums wider than a matmul's."""
         hidden, weight = self.hidden, self.weight
         vocab_size, hidden_size = weight.shape
-        num_rows = _num_rows(rows)
+        num_rows = selection_size(rows)
         plan = backward_plan(num_rows, vocab_size, hidden_size, num_rows, self.policy, weight.dtype, self.dtype,
                              grad_accum_dtype)
         if not plan.one_gemm:
@@ -354,8 +340,8 @@ class TiledLinearHead:
         dz = logits_cache[:num_rows]
         # The row backward in row chunks of the tile budget (a cap's buffers, the torch backend's temporaries).
         buffers = self._cap_buffers(min(self.chunk_size, num_rows), vocab_size, 2)
-        for part, part_slots in zip(self._row_chunks(rows, self.chunk_size),
-                                    self._row_chunks(slice(0, num_rows), self.chunk_size)):
+        for part, part_slots in zip(row_chunks(rows, self.chunk_size),
+                                    row_chunks(slice(0, num_rows), self.chunk_size)):
             tile = dz[part_slots]
             self._block_grad(None, part, slice(0, vocab_size), tile, buffers, tile, summary.select(part),
                              grad_logprob, grad_entropy)
@@ -369,7 +355,7 @@ class TiledLinearHead:
                     grad_hidden.index_copy_(0, rows, torch.mm(dz, weight))
             grad_hidden = grad_hidden.to(hidden.dtype)
         if need_weight:
-            grad_weight, h_rows = torch.empty_like(weight), _rows_of(hidden, [rows]).to(self.dtype)
+            grad_weight, h_rows = torch.empty_like(weight), selected_rows(hidden, [rows]).to(self.dtype)
             for start in range(0, vocab_size, plan.vocab_block):
                 vocab = slice(start, start + plan.vocab_block)
                 with full_precision_reduction(hidden.device, self.dtype):
@@ -384,9 +370,9 @@ class TiledLinearHead:
         earlier chunk's, so no row is overwritten before it is read."""
         count, vocab_size = slots.numel(), cache.shape[1]
         buffer = self._buffer(min(self.chunk_size, count), vocab_size)
-        for rows, sources in zip(self._row_chunks(slice(0, count), self.chunk_size),
-                                 self._row_chunks(slots, self.chunk_size)):
-            tile = torch.index_select(cache, 0, sources, out=_tile(buffer, _num_rows(rows), vocab_size))
+        for rows, sources in zip(row_chunks(slice(0, count), self.chunk_size),
+                                 row_chunks(slots, self.chunk_size)):
+            tile = torch.index_select(cache, 0, sources, out=flat_tile(buffer, selection_size(rows), vocab_size))
             cache[rows].copy_(tile)
 
     def _active_parts(self, active: Tensor, logits_cache: Optional[Tensor]):
@@ -396,16 +382,16 @@ class TiledLinearHead:
         cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
         cached, slots, recomputed = self._split_rows(active, cache_rows)
         parts = [(cached, slots), (recomputed, None)]
-        parts = [(rows, part_slots) for rows, part_slots in parts if _num_rows(rows)]
-        return parts, sum(_num_rows(rows) for rows, _ in parts)
+        parts = [(rows, part_slots) for rows, part_slots in parts if selection_size(rows)]
+        return parts, sum(selection_size(rows) for rows, _ in parts)
 
     def _chunked(self, parts, token_block: int):
         """Each part cut into balanced chunks of at most ``token_block`` rows (slots alike)."""
         chunks = []
         for rows, slots in parts:
-            row_chunks = self._row_chunks(rows, token_block)
-            slot_chunks = [None] * len(row_chunks) if slots is None else self._row_chunks(slots, token_block)
-            chunks += list(zip(row_chunks, slot_chunks))
+            rows_parts = row_chunks(rows, token_block)
+            slot_parts = [None] * len(rows_parts) if slots is None else row_chunks(slots, token_block)
+            chunks += list(zip(rows_parts, slot_parts))
         return chunks
 
     def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, out: Tensor) -> Tensor:
@@ -438,38 +424,3 @@ class TiledLinearHead:
         if self.transform is not None:
             dlogits.copy_(row_logits.mul_(derivative))
         return dlogits
-
-
-def _num_rows(rows: Union[slice, Tensor]) -> int:
-    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
-
-
-def _indices(mask: Tensor, count: int) -> Tensor:
-    """The ascending indices of the ``count`` True entries of ``mask``, without a read-back."""
-    return torch.nonzero_static(mask, size=count).squeeze(1)
-
-
-def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
-    """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
-    return buffer[: rows * vocab].view(rows, vocab)
-
-
-def _rows_of(matrix: Tensor, selections: List[Union[slice, Tensor]]) -> Tensor:
-    """The rows of ``matrix`` the selections pick, in order: a view when they are consecutive
-    slices, else one gather."""
-    if all(isinstance(rows, slice) for rows in selections) and all(
-            a.stop == b.start for a, b in zip(selections, selections[1:])):
-        return matrix[selections[0].start:selections[-1].stop]
-    return matrix[torch.cat([torch.arange(rows.start, rows.stop, device=matrix.device) if isinstance(rows, slice)
-                             else rows for rows in selections])]
-
-
-def _add_chunk_product(out: Tensor, a: Tensor, b: Tensor, fused: bool, first: bool) -> None:
-    """``out += a @ b`` over a chunk of rows (``add_product``); ``out = a @ b`` for the first chunk
-    (a write, so ``out`` needs no zero fill before)."""
-    if not first:
-        add_product(out, slice(None), a, b, fused)
-    elif out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a, b, out_dtype=out.dtype) if fused else a @ b)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
@@ -161,6 +162,17 @@ def add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor, f
         out.index_add_(0, rows, product)
 
 
+def add_chunk_product(out: Tensor, a: Tensor, b: Tensor, fused: bool, first: bool) -> None:
+    """``out += a @ b`` over a chunk of rows (:func:`add_product`); ``out = a @ b`` for the first
+    chunk (a write, so ``out`` needs no zero fill before)."""
+    if not first:
+        add_product(out, slice(None), a, b, fused)
+    elif out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b, out_dtype=out.dtype) if fused else a @ b)
+
+
 def balanced_chunks(num_rows: int, max_rows: int) -> List[int]:
     """Sizes of the fewest chunks of at most ``max_rows`` rows covering ``num_rows``, equal up to
     the alignment: multiples of 16 rows (when ``max_rows`` is one) but the last, the smaller ones
@@ -175,6 +187,48 @@ def balanced_chunks(num_rows: int, max_rows: int) -> List[int]:
     sizes = [small * align] * (count - larger) + [(small + 1) * align] * larger
     sizes[-1] -= units * align - num_rows  # the last chunk ends at num_rows
     return sizes
+
+
+# ----------------------------------------------------------------------------- row selections
+# Rows of a batch are selected as a slice when consecutive (views, no gather), else as ascending
+# indices.
+
+
+def selection_size(rows: Union[slice, Tensor]) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def mask_indices(mask: Tensor, count: int) -> Tensor:
+    """The ascending indices of the ``count`` True entries of ``mask``, without a read-back."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+def row_chunks(rows: Union[slice, Tensor], chunk_size: int) -> List[Union[slice, Tensor]]:
+    """Selected rows in balanced chunks of at most ``chunk_size`` (:func:`balanced_chunks`):
+    slices of a slice, index tensors of indices. Two selections of one size split alike."""
+    sizes = balanced_chunks(selection_size(rows), chunk_size)
+    if isinstance(rows, Tensor):
+        return list(rows.split(sizes)) if sizes else []
+    bounds = list(itertools.accumulate(sizes, initial=rows.start))
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+
+def selected_rows(matrix: Tensor, selections: List[Union[slice, Tensor]]) -> Tensor:
+    """The rows of ``matrix`` the selections pick, in order: a view when they are consecutive
+    slices, else one gather."""
+    if all(isinstance(rows, slice) for rows in selections) and all(
+            a.stop == b.start for a, b in zip(selections, selections[1:])):
+        return matrix[selections[0].start:selections[-1].stop]
+    return matrix[torch.cat([torch.arange(rows.start, rows.stop, device=matrix.device) if isinstance(rows, slice)
+                             else rows for rows in selections])]
+
+
+def flat_tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
+    """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
+    return buffer[: rows * vocab].view(rows, vocab)
+
+
+# ----------------------------------------------------------------------------- the backward's plan
 
 
 @dataclass(frozen=True)
