@@ -2,11 +2,14 @@
 ``z = hidden @ weight.T (+ bias)`` as a ``torch.library`` custom op, the logits never materialized.
 
 The tiled head (:class:`~tpo_kernels.ops.linear_head.TiledLinearHead`) does the work, forward and
-backward; this module registers the forward op and the backward op (each with a fake
-implementation), the autograd rule that joins them (it saves the forward's
-:class:`~tpo_kernels.backends.row_summary.RowSummary`, through its ``to_op`` / ``from_op``, and the
-logits cache), and :func:`linear_logprobs`, which keeps the logits cache only when a gradient will
-be taken.
+backward; this module registers the forward op and two backward ops (each with a fake
+implementation): ``linear_logprobs_backward``, which leaves the logits cache as it is, and
+``linear_logprobs_backward_``, which may overwrite it with ``dz``; the autograd rule that joins
+them (it saves the forward's :class:`~tpo_kernels.backends.row_summary.RowSummary`, through its
+``to_op`` / ``from_op``, and the logits cache, and takes the second backward only when nothing
+reads the cache again: an eager backward that keeps no graph); and :func:`linear_logprobs`, which
+keeps the logits cache only when a gradient will be taken, as the policy's budget for the
+vocabulary says (:meth:`TilePolicy.logits_cache_budget`).
 """
 
 from __future__ import annotations
