@@ -35,12 +35,18 @@ def _sequence_batch(dtype=torch.bfloat16, vocab=VOCAB):
             dict(cu_seqlens=cu_seqlens.to(DEVICE), group_size=2))
 
 
+def _given_cache_only() -> TilePolicy:
+    """The device's policy with no logits cache unless a budget is given (V=1000 is a small
+    vocabulary, which keeps every token's logits by default)."""
+    return dataclasses.replace(TilePolicy.for_device(DEVICE), small_vocab=0)
+
+
 def _backward_events(backend, cache_bytes):
     h, w, labels, scores, kwargs = _sequence_batch()
     h.requires_grad_(True)
     w.requires_grad_(True)
     loss = fused_linear_tpo_loss(h, w, labels, scores, backend=backend, chunk_size=CHUNK,
-                                 logits_cache_bytes=cache_bytes, **kwargs)
+                                 logits_cache_bytes=cache_bytes, tile_policy=_given_cache_only(), **kwargs)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         loss.backward()
     assert w.grad is not None and torch.isfinite(w.grad.float()).all()
@@ -78,13 +84,14 @@ def test_bf16_backward_allocates_no_fp32_weight_block(backend, cache_bytes):
 @pytest.mark.parametrize("cache_bytes", [0, TOKENS * VOCAB * 2], ids=["recomputed", "cached"])
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_bf16_one_gemm_blocks_match_reference(backend, cache_bytes):
-    """Four vocabulary blocks, each dW block one matmul over the 48 rows (the recorder sees
-    [256, 48] x [48, H] products), within the bf16 tolerance of the reference."""
+    """Recomputed: four vocabulary blocks, each dW block one matmul over the 48 rows (the recorder
+    sees [256, 48] x [48, H] products). Cached: the backward runs in the cache, dW one matmul over
+    the whole vocabulary ([1000, 48] x [48, H]). Both within the bf16 tolerance of the reference."""
     h, w, labels, scores, kwargs = _sequence_batch()
     with MatmulRecorder() as recorder:
         _check_tpo(backend, h, w, None, labels, scores, kwargs, BF16_TOL, reference_dtype=torch.bfloat16,
-                   chunk_size=CHUNK, logits_cache_bytes=cache_bytes)
-    assert [(256, TOKENS), (TOKENS, HIDDEN)] in recorder.shapes
+                   chunk_size=CHUNK, logits_cache_bytes=cache_bytes, tile_policy=_given_cache_only())
+    assert [(VOCAB if cache_bytes else 256, TOKENS), (TOKENS, HIDDEN)] in recorder.shapes
 
 
 def _plan(one_gemm=True, rows=64, grad_accum_dtype=torch.float32, policy=None):

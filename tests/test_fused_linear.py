@@ -43,9 +43,10 @@ def _leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
 
 
-def _loss_and_grads(loss_fn, h, w, b, reference_dtype=None):
+def _loss_and_grads(loss_fn, h, w, b, reference_dtype=None, retain_graph=False):
     """Loss and gradients of (hidden, weight, bias); ``reference_dtype`` evaluates the logits in
-    that dtype (the reference path), None calls the fused loss_fn(h, w, b)."""
+    that dtype (the reference path), None calls the fused loss_fn(h, w, b); ``retain_graph``: the
+    backward keeps the graph."""
     h, w, b = _leaves(h, w, b)
     if reference_dtype is None:
         loss = loss_fn(h, w, b)
@@ -56,13 +57,19 @@ def _loss_and_grads(loss_fn, h, w, b, reference_dtype=None):
     # A non-uniform weighting so that reduction="none" checks every group's gradient.
     weighting = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device).view(loss.shape)
     inputs = [t for t in (h, w, b) if t is not None]
-    grads = torch.autograd.grad((loss * weighting).sum(), inputs)
+    grads = torch.autograd.grad((loss * weighting).sum(), inputs, retain_graph=retain_graph)
     return loss.detach(), grads
 
 
 def _policy(**budgets) -> TilePolicy:
     """The device's tile policy with some budgets replaced."""
     return dataclasses.replace(TilePolicy.for_device(DEVICE), **budgets)
+
+
+def _uncached(**budgets) -> TilePolicy:
+    """The device's policy without a logits cache at any vocabulary size (by default a head of at
+    most ``small_vocab`` entries, as every head here, keeps every counted token's logits)."""
+    return _policy(small_vocab=0, **budgets)
 
 
 def _check_tpo(backend, h, w, b, labels, scores, kwargs, tol, reference_dtype=torch.float64, **fused_kwargs):
@@ -148,7 +155,7 @@ def test_vocab_blocked_accumulation_matches_reference(backend, dtype, accum):
     # A wider accumulator than the weight dtype is kept per vocabulary block; a budget of 10
     # vocabulary rows splits V=37 into 4 blocks.
     # (A chunk larger than the batch, so that only this cap cuts the vocabulary.)
-    policy = _policy(accum_bytes=10 * HIDDEN * (torch.finfo(accum).bits // 8))
+    policy = _uncached(accum_bytes=10 * HIDDEN * (torch.finfo(accum).bits // 8))
     h, w, b, labels, scores, kwargs = _batch(layout="packed", grouping="ids", old="token", with_ref=True, dtype=dtype)
     tol, reference_dtype = (FP32_TOL, torch.float64) if dtype == torch.float32 else (BF16_TOL, torch.bfloat16)
     with MatmulRecorder() as recorder:
@@ -277,11 +284,14 @@ def test_all_tied_groups_run_no_backward_matmul_and_give_exact_zeros(backend, la
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
+@pytest.mark.parametrize("cached", [False, True], ids=["recomputed", "default cache"])
+def test_tied_groups_tokens_do_no_backward_matmul_work(backend, cached):
+    """Tied groups' tokens cost no backward product, recomputed or cached (the default cache of a
+    small vocabulary holds them too: the pipeline predicts no signal without a budget of its own)."""
     (h, w, b), labels, scores, kwargs = _tied_batch(2, layout="packed")  # group 2 of 3 carries signal
     chunk_size = 3
     loss, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=chunk_size,
-                                      return_aux=True, **kwargs)
+                                      return_aux=True, tile_policy=None if cached else _uncached(), **kwargs)
     with MatmulRecorder() as recorder:
         loss.backward()
     # Active tokens: the counted tokens of completions with a nonzero coefficient.
@@ -291,36 +301,43 @@ def test_tied_groups_tokens_do_no_backward_matmul_work(backend):
     assert 0 < num_active < labels.numel()
     # Per tile (tokens x vocabulary block): recompute the logits, dH = dz @ W, dW += dz.T @ h, each
     # tokens * block * H multiply-adds over at most chunk_size * V logits; in all, three products of
-    # the active tokens' [active, V] logits with H and nothing for the others.
+    # the active tokens' [active, V] logits with H and nothing for the others. Cached: dH and dW,
+    # each one product over the active tokens.
     work = recorder.multiply_adds()
-    assert sum(work) == 3 * num_active * VOCAB * HIDDEN
-    assert max(work) <= chunk_size * VOCAB * HIDDEN
+    assert sum(work) == (2 if cached else 3) * num_active * VOCAB * HIDDEN
+    assert max(work) <= (num_active if cached else chunk_size) * VOCAB * HIDDEN
     assert torch.equal(h.grad[~active], torch.zeros_like(h.grad[~active]))
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-def test_only_the_gradients_asked_for_are_computed(backend):
+@pytest.mark.parametrize("cached", [False, True], ids=["recomputed", "default cache"])
+def test_only_the_gradients_asked_for_are_computed(backend, cached):
     h, w, b, labels, scores, kwargs = _batch(layout="padded")
     w.requires_grad_(True)
-    loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4, **kwargs)
+    loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4,
+                                 tile_policy=None if cached else _uncached(), **kwargs)
     with MatmulRecorder() as recorder:
         (grad_w,) = torch.autograd.grad(loss, (w,))
-    # No dH product: only the recompute and dW, over every counted token's logits.
-    assert sum(recorder.multiply_adds()) == 2 * int((labels != -100).sum()) * VOCAB * HIDDEN
+    # No dH product: only dW (and the recompute without the cache), over every counted token's logits.
+    assert sum(recorder.multiply_adds()) == (1 if cached else 2) * int((labels != -100).sum()) * VOCAB * HIDDEN
     ref = torch.autograd.grad(reference.tpo_loss(h @ w.T + b, labels, scores, **kwargs), (w,))[0]
     torch.testing.assert_close(grad_w, ref, **FP32_TOL)
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 def test_never_materializes_tokens_times_vocab(backend):
+    """The default of a vocabulary above ``small_vocab`` (here: a policy whose threshold lies just below it)."""
     n, t, hidden, vocab, chunk_size = 8, 16, 8, 500, 4
     h, w, b = _leaves(*_head((n, t), hidden=hidden, vocab=vocab))
     labels = torch.randint(0, vocab, (n, t), device=DEVICE)
     scores = torch.randn(n, device=DEVICE)
+    policy = _policy(small_vocab=vocab - 1)
     with OutputSizes() as tracker:
-        loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, group_size=4, backend=backend, chunk_size=chunk_size)
+        loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, group_size=4, backend=backend, chunk_size=chunk_size,
+                                     tile_policy=policy)
         loss.backward()
-        lp = fused_linear_logprobs(h, w, labels, bias=b, return_entropy=True, backend=backend, chunk_size=chunk_size)[1]
+        lp = fused_linear_logprobs(h, w, labels, bias=b, return_entropy=True, backend=backend, chunk_size=chunk_size,
+                                   tile_policy=policy)[1]
         lp.sum().backward()
     # The largest tensors are one tile of logits and the weight gradient, far below M * V.
     assert tracker.largest <= max(chunk_size * vocab, vocab * hidden) < (n * t * vocab) // 10

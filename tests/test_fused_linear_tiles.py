@@ -1,14 +1,18 @@
-"""How the fused-linear path cuts its work (tpo_kernels/ops/tiles.py): balanced token chunks, and
+"""How the fused-linear path cuts its work (tpo_kernels/ops/tiles.py): balanced token chunks,
 products added into a wider accumulator by an out_dtype matmul where torch offers it (CUDA) or by
-product -> convert -> add (the fallback), chosen through ``TilePolicy.matmul_out_dtype``."""
+product -> convert -> add (the fallback), chosen through ``TilePolicy.matmul_out_dtype``, and the
+process-wide cuBLAS reduced-precision flag, cleared around a half-precision dW matmul, left as the
+caller set it when threads run backwards at once."""
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
 
 from tpo_kernels import TilePolicy, fused_linear_tpo_loss
-from tpo_kernels.ops.tiles import ROW_ALIGN, add_product, balanced_chunks
+from tpo_kernels.ops.tiles import ROW_ALIGN, add_product, balanced_chunks, full_precision_reduction
 
 from _backends import DEVICE, DEVICE_BACKENDS
 from _batches import make_batch
@@ -57,8 +61,9 @@ def _bf16_accumulation_case():
 
 
 def _blocked_policy(**changes) -> TilePolicy:
-    """Vocabulary blocks of 10 rows of fp32 dW, so that dW and dH are both summed in fp32 over tiles."""
-    return dataclasses.replace(TilePolicy.for_device(DEVICE), accum_bytes=10 * 16 * 4, **changes)
+    """Vocabulary blocks of 10 rows of fp32 dW, so that dW and dH are both summed in fp32 over tiles
+    (recomputed: no logits cache, which a vocabulary this small would keep by default)."""
+    return dataclasses.replace(TilePolicy.for_device(DEVICE), accum_bytes=10 * 16 * 4, small_vocab=0, **changes)
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
@@ -120,3 +125,74 @@ def test_bf16_blocked_backward_is_deterministic(backend):
     assert torch.equal(runs[0][0], runs[1][0])
     for first, second in zip(runs[0][1], runs[1][1]):
         assert torch.equal(first, second)
+
+
+REDUCTION_FLAG = "allow_bf16_reduced_precision_reduction"
+
+
+def test_reduced_precision_flag_stays_off_and_comes_back_when_threads_overlap():
+    """cuBLAS reads the flag process-wide. A thread that enters while another is inside still sees
+    it off once the first has left, and the caller's setting is back after both (a save and
+    restore per thread leaves it off: the second saves the first's False). The context toggles the
+    flag for a CUDA device whether or not one is present, so this runs on any machine."""
+    flags, cuda = torch.backends.cuda.matmul, torch.device("cuda")
+    caller_setting = getattr(flags, REDUCTION_FLAG)
+    first_inside, seen, errors = threading.Event(), {}, []
+
+    def first():
+        with full_precision_reduction(cuda, torch.bfloat16):
+            first_inside.set()
+            time.sleep(0.2)  # the second thread tries to enter meanwhile
+
+    def second():
+        first_inside.wait()
+        with full_precision_reduction(cuda, torch.bfloat16):
+            time.sleep(0.3)  # until after the first thread has left
+            seen["inside"] = getattr(flags, REDUCTION_FLAG)
+
+    setattr(flags, REDUCTION_FLAG, True)
+    try:
+        _run_in_threads([first, second], errors)
+        assert not errors and seen["inside"] is False
+        assert getattr(flags, REDUCTION_FLAG) is True
+    finally:
+        setattr(flags, REDUCTION_FLAG, caller_setting)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("cached", [False, True], ids=["recomputed", "default cache"])
+def test_backwards_in_two_threads_match_sequential_ones(backend, cached):
+    """Two threads running a bf16 head's forward and backward at once (its dW matmuls are the ones
+    summed in fp32) get, bit for bit, the results of the same calls run one after the other, and
+    the reduced-precision flag ends as the caller set it."""
+    h, w, b, labels, scores, kwargs = _bf16_accumulation_case()
+    policy = None if cached else dataclasses.replace(TilePolicy.for_device(DEVICE), small_vocab=0)
+
+    def run():
+        return _loss_and_grads(lambda h_, w_, b_: fused_linear_tpo_loss(
+            h_, w_, labels, scores, bias=b_, backend=backend, chunk_size=4, tile_policy=policy, **kwargs), h, w, b)
+
+    caller_setting = getattr(torch.backends.cuda.matmul, REDUCTION_FLAG)
+    sequential, concurrent, errors = [run(), run()], [None, None], []
+    _run_in_threads([lambda i=i: concurrent.__setitem__(i, run()) for i in range(2)], errors)
+    assert not errors
+    for got, want in zip(concurrent, sequential):
+        assert torch.equal(got[0], want[0])
+        for got_grad, want_grad in zip(got[1], want[1]):
+            assert torch.equal(got_grad, want_grad)
+    assert getattr(torch.backends.cuda.matmul, REDUCTION_FLAG) == caller_setting
+
+
+def _run_in_threads(bodies, errors):
+    """Runs each body on its own thread, all at once; their exceptions land in ``errors``."""
+    def guarded(body):
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

@@ -2,7 +2,12 @@
 for the backward, which then reads them instead of recomputing them. Cached and uncached results
 agree (fp32: to the recompute's rounding, CACHE_TOL; bf16: BF16_CACHE_TOL), cached tokens cost three
 matmuls instead of four, zero-signal tokens are never read and take no slot (the slots go to the
-tokens of groups with signal), and nothing is kept without a gradient."""
+tokens of groups with signal), and nothing is kept without a gradient. A backward that does not
+keep the graph runs in the cache (each product one matmul); one that keeps it leaves the cache
+intact. A small vocabulary (``TilePolicy.small_vocab``) keeps every token's logits by default.
+
+Every head here has a small vocabulary, so the calls without a budget pass a policy without the
+default cache (``_uncached``) unless the default is what they test."""
 
 import dataclasses
 
@@ -14,8 +19,8 @@ from tpo_kernels import TilePolicy, fused_linear_logprobs, fused_linear_tpo_loss
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
 from _dispatch import OpRecorder, ReadBacks
-from test_fused_linear import (FP32_TOL, HIDDEN, VOCAB, MatmulRecorder, _batch, _check_tpo, _leaves,
-                               _loss_and_grads)
+from test_fused_linear import (FP32_TOL, HIDDEN, VOCAB, MatmulRecorder, _batch, _check_tpo, _head, _leaves,
+                               _loss_and_grads, _uncached)
 
 # A cached row's gradient differs from a recomputed one only by the recompute's rounding (a matmul
 # over another block of rows may sum in another order): fp32 rounding of O(1) values.
@@ -29,9 +34,12 @@ def _row_bytes(dtype=torch.float32) -> int:
     return VOCAB * torch.empty(0, dtype=dtype).element_size()
 
 
-def _tpo(backend, h, w, b, labels, scores, kwargs, **fused):
+def _tpo(backend, h, w, b, labels, scores, kwargs, retain_graph=False, **fused):
+    """Loss and gradients of the fused loss; the cache only as ``fused`` gives it."""
+    fused.setdefault("tile_policy", _uncached())
     return _loss_and_grads(lambda h_, w_, b_: fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend=backend,
-                                                                    **kwargs, **fused), h, w, b)
+                                                                    **kwargs, **fused), h, w, b,
+                           retain_graph=retain_graph)
 
 
 def _assert_results_close(got, want, tol):
@@ -74,7 +82,7 @@ def test_bf16_cached_matches_uncached(backend):
 @pytest.mark.parametrize("vocab_blocks", [False, True])
 def test_entropy_gradient_through_the_cache_matches_uncached(backend, vocab_blocks):
     """fused_linear_logprobs with the entropy's gradient: both row-backward terms read the cache."""
-    policy = dataclasses.replace(TilePolicy.for_device(DEVICE), accum_bytes=8 * HIDDEN * 8) if vocab_blocks else None
+    policy = _uncached(accum_bytes=8 * HIDDEN * 8) if vocab_blocks else _uncached()
     h, w, b, labels, _, _ = _batch(layout="padded")
     weights = torch.randn(2, *labels.shape, device=DEVICE)
 
@@ -102,7 +110,9 @@ def test_gradcheck_float64_with_a_partial_cache(backend):
 
 
 def _matmul_work(backend, h, w, b, labels, scores, kwargs, **fused):
-    """Multiply-adds of every matmul in one forward and backward, and the loss's aux."""
+    """Multiply-adds of every matmul in one forward and backward, and the loss's aux; the cache
+    only as ``fused`` gives it."""
+    fused.setdefault("tile_policy", _uncached())
     h, w, b = _leaves(h, w, b)
     with MatmulRecorder() as recorder:
         loss, aux = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=4,
@@ -245,7 +255,7 @@ def test_choosing_the_cached_tokens_costs_no_read_back(validate, grouping):
         recorder = ReadBacks()
         with recorder:
             fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, chunk_size=3, validate=validate,
-                                  logits_cache_bytes=cache, **kwargs).backward()
+                                  logits_cache_bytes=cache, tile_policy=_uncached(), **kwargs).backward()
         return recorder.reads
 
     assert len(read_backs(5 * _row_bytes())) == len(read_backs(0))
@@ -283,15 +293,106 @@ def test_no_cache_without_a_gradient():
 
 
 @pytest.mark.parametrize("backend", DEVICE_BACKENDS)
-def test_cached_backward_is_deterministic_and_survives_retain_graph(backend):
+@pytest.mark.parametrize("cache_rows", [4, None])  # None: every counted row (the backward may run in the cache)
+def test_cached_backward_is_deterministic_and_survives_retain_graph(backend, cache_rows):
+    """Backwards that keep the graph leave the cache intact and agree bit for bit; the last one
+    (which may overwrite the cache) agrees with them to the cache's tolerance, and bit for bit
+    with the same backward of a fresh graph."""
     h, w, b, labels, scores, kwargs = _batch(layout="packed", tie_groups=1)
+    cache = FULL if cache_rows is None else cache_rows * _row_bytes()
+
+    def grads(leaves, loss, retain_graph=False):
+        return torch.autograd.grad(loss, leaves, retain_graph=retain_graph)
+
+    def loss_of(h_, w_, b_):
+        return fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend=backend, chunk_size=3,
+                                     logits_cache_bytes=cache, tile_policy=_uncached(), **kwargs)
+
+    leaves = _leaves(h, w, b)
+    loss = loss_of(*leaves)
+    first, second, last = grads(leaves, loss, True), grads(leaves, loss, True), grads(leaves, loss)
+    fresh_leaves = _leaves(h, w, b)
+    fresh = grads(fresh_leaves, loss_of(*fresh_leaves))
+    for kept, kept_again, final, final_fresh in zip(first, second, last, fresh):
+        assert torch.equal(kept, kept_again)
+        assert torch.equal(final, final_fresh)
+        torch.testing.assert_close(final, kept, **CACHE_TOL)
+
+
+def _saved_cache_and_loss(backend, h, w, b, labels, scores, kwargs):
+    """A loss with a cache of every counted row, and that cache as autograd saved it."""
+    saved = []
+
+    def pack(t):
+        if tuple(t.shape) == (labels.numel(), VOCAB):  # no other saved tensor has that shape here
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=3,
+                                     logits_cache_bytes=FULL, tile_policy=_uncached(), **kwargs)
+    (cache,) = saved
+    return cache, loss
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_the_backward_overwrites_the_cache_only_when_the_graph_is_not_kept(backend):
+    """The saved cache holds the counted rows' logits, in row order, after a backward that keeps
+    the graph; a backward that does not turns it into dz in place (no dz buffer)."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)
     h, w, b = _leaves(h, w, b)
-    loss = fused_linear_tpo_loss(h, w, labels, scores, bias=b, backend=backend, chunk_size=3,
-                                 logits_cache_bytes=4 * _row_bytes(), **kwargs)
-    first = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
-    second = torch.autograd.grad(loss, (h, w, b))
-    for x, y in zip(first, second):
-        assert torch.equal(x, y)
+    cache, loss = _saved_cache_and_loss(backend, h, w, b, labels, scores, kwargs)
+    counted = labels.reshape(-1) != -100
+    logits = (h.reshape(-1, HIDDEN) @ w.T + b).detach()[counted]
+    written = cache[:logits.shape[0]].detach()  # the slots past the counted rows are never written
+    torch.testing.assert_close(written, logits, **CACHE_TOL)
+    kept = written.clone()
+    torch.autograd.grad(loss, (h, w, b), retain_graph=True)
+    assert torch.equal(written, kept)
+    torch.autograd.grad(loss, (h, w, b))
+    assert not torch.equal(written, kept)
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("budget", ["every token", "default"])
+@pytest.mark.parametrize("tie_groups", [0, 1])
+def test_a_backward_in_the_cache_runs_each_product_as_one_matmul(backend, budget, tie_groups):
+    """Every active row cached: the forward's logits are one matmul into the cache, and dH and dW
+    one matmul each over the active rows and the whole vocabulary, however small the tile budget
+    (chunk_size=2); the results are the recomputed ones. The default cache of a small vocabulary
+    also holds the tied group's tokens (no budget of its own: no prediction), so its active rows
+    first move to the cache's front."""
+    h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=tie_groups)
+    active = _active_tokens(h, w, b, labels, scores, kwargs).reshape(-1)
+    counted, num_active = int((labels != -100).sum()), int(active.sum())
+    # The budget of every token caches the signal groups' tokens only (the pipeline's prediction).
+    cache = dict(logits_cache_bytes=FULL) if budget == "every token" else dict(tile_policy=None)
+    num_cached = num_active if budget == "every token" else counted
+    with MatmulRecorder() as recorder:
+        leaves = _leaves(h, w, b)
+        loss = fused_linear_tpo_loss(*leaves[:2], labels, scores, bias=leaves[2], backend=backend, chunk_size=2,
+                                     **kwargs, **{"tile_policy": _uncached(), **cache})
+        forward_products = len(recorder.shapes)
+        grads = torch.autograd.grad(loss, leaves)
+    assert recorder.shapes[0] == [(num_cached, HIDDEN), (HIDDEN, VOCAB)]
+    assert recorder.shapes[forward_products:] == [[(num_active, VOCAB), (VOCAB, HIDDEN)],
+                                                  [(VOCAB, num_active), (num_active, HIDDEN)]]
+    recomputed = _tpo(backend, h, w, b, labels, scores, kwargs, chunk_size=2)
+    _assert_results_close((loss.detach(), [g * 0.5 for g in grads]), recomputed, CACHE_TOL)  # _tpo weighs by 0.5
+
+
+@pytest.mark.parametrize("vocab, cached", [(16384, True), (16385, False)])
+def test_the_default_keeps_the_logits_of_a_small_vocabulary_only(vocab, cached):
+    """By default every counted token's logits are kept up to ``small_vocab`` = 16384 entries,
+    whatever the number of tokens: decided from V alone, so whether a token's logits are cached
+    never depends on the rest of its batch. Above it none are (the minimal-memory path)."""
+    for tokens in (1, 5):
+        h, w = _leaves(*_head((tokens,), hidden=4, vocab=vocab, bias=False)[:2])
+        labels = torch.arange(tokens, device=DEVICE)
+        with _Allocations() as allocations:
+            fused_linear_logprobs(h, w, labels, chunk_size=2)
+        caches = [shape for shape in allocations.shapes if len(shape) == 2 and shape[1] == vocab]
+        assert caches == [(tokens if cached else 0, vocab)]
 
 
 @pytest.mark.parametrize("value, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("1", TypeError)])
@@ -323,7 +424,7 @@ def test_a_vocabulary_parallel_head_refuses_the_cache():
 def test_policy_field_alone_turns_the_cache_on():
     h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)
     counted = int((labels != -100).sum())
-    policy = dataclasses.replace(TilePolicy.for_device(DEVICE), logits_cache_bytes=FULL)
+    policy = dataclasses.replace(_uncached(), logits_cache_bytes=FULL)
     work, _, _ = _matmul_work("torch", h, w, b, labels, scores, kwargs, tile_policy=policy)
     assert work == 3 * counted * VOCAB * HIDDEN
 
@@ -337,7 +438,9 @@ def test_fullgraph_compile_with_the_cache_matches_eager(cache):
         return fused_linear_tpo_loss(h_, w_, labels, scores, bias=b_, backend="torch", chunk_size=3, validate=False,
                                      logits_cache_bytes=cache, **kwargs)
 
-    eager = _loss_and_grads(step, h, w, b)
+    # The compiled backward leaves the cache as it is (traced, an in-place op would work on a
+    # copy), as an eager backward that keeps the graph does.
+    eager = _loss_and_grads(step, h, w, b, retain_graph=True)
     torch._dynamo.reset()
     compiled = _loss_and_grads(torch.compile(step, fullgraph=True, backend="aot_eager"), h, w, b)
     _assert_results_close(compiled, eager, dict(rtol=0, atol=0))
@@ -356,7 +459,8 @@ def test_custom_op_with_the_cache_passes_opcheck():
 def test_module_passes_the_cache_on():
     h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3)
     counted = int((labels != -100).sum())
-    loss_fn = tpo_kernels.FusedLinearTPOLoss(chunk_size=4, logits_cache_bytes=FULL, backend="torch")
+    loss_fn = tpo_kernels.FusedLinearTPOLoss(chunk_size=4, logits_cache_bytes=FULL, backend="torch",
+                                             tile_policy=_uncached())
     h, w = _leaves(h, w)
     with MatmulRecorder() as recorder:
         loss_fn(h, w, labels, scores, **kwargs).backward()

@@ -301,7 +301,9 @@ def fused_linear_tpo_loss(
             block of at most 256 MiB at a time.
         tile_policy: how tiles are sized (:class:`tpo_kernels.ops.TilePolicy`); default per device.
         logits_cache_bytes: memory the forward may keep for the backward as logits (whole rows, in
-            the logits' dtype): cached tokens cost three matmuls instead of four. 0: none.
+            the logits' dtype): cached tokens cost three matmuls instead of four. 0: every counted
+            token's logits for a vocabulary of at most ``TilePolicy.small_vocab`` (16384) entries,
+            else none.
         process_group, vocab_parallel_group, vocab_start_index: see the module docstring (weight
             ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors sharded on dim 0).
 

@@ -2,11 +2,14 @@
 ``z = hidden @ weight.T (+ bias)`` as a ``torch.library`` custom op, the logits never materialized.
 
 The tiled head (:class:`~tpo_kernels.ops.linear_head.TiledLinearHead`) does the work, forward and
-backward; this module registers the forward op and the backward op (each with a fake
-implementation), the autograd rule that joins them (it saves the forward's
-:class:`~tpo_kernels.backends.row_summary.RowSummary`, through its ``to_op`` / ``from_op``, and the
-logits cache), and :func:`linear_logprobs`, which keeps the logits cache only when a gradient will
-be taken.
+backward; this module registers the forward op and two backward ops (each with a fake
+implementation): ``linear_logprobs_backward``, which leaves the logits cache as it is, and
+``linear_logprobs_backward_``, which may overwrite it with ``dz``; the autograd rule that joins
+them (it saves the forward's :class:`~tpo_kernels.backends.row_summary.RowSummary`, through its
+``to_op`` / ``from_op``, and the logits cache, and takes the second backward only when nothing
+reads the cache again: an eager backward that keeps no graph); and :func:`linear_logprobs`, which
+keeps the logits cache only when a gradient will be taken, as the policy's budget for the
+vocabulary says (:meth:`TilePolicy.logits_cache_budget`).
 """
 
 from __future__ import annotations
@@ -70,7 +73,22 @@ def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, m
     return (*summary.to_op(), hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
-# Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
+def _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates,
+                    needs_hidden, needs_weight, needs_bias, inv_temperature, chunk_size, min_tile_tokens, accum_bytes,
+                    grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, overwrite_cache):
+    head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
+                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, cache_candidates=cache_candidates)
+    # The entropy is read only with its gradient.
+    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
+    grads = head.backward(summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),
+                          grad_accum_dtype, logits_cache, overwrite_cache)
+    # A custom op returns tensors only: an empty one stands for "not requested".
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+# Both backward ops read back the counts of their row classes (one tolist), validate or not: no
+# CUDA-graph capture. The first leaves the logits cache as it is (a kept graph, torch.compile); the
+# second may turn it into dz in place (TiledLinearHead._backward_in_cache).
 @torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=(), **host_sync_tags())
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
@@ -80,22 +98,45 @@ def _linear_logprobs_backward(
     accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
     logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
-                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, cache_candidates=cache_candidates)
-    # The entropy is read only with its gradient.
-    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
-    grads = head.backward(summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),
-                          grad_accum_dtype, logits_cache)
-    # A custom op returns tensors only: an empty one stands for "not requested".
-    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+    return _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache,
+                           cache_candidates, needs_hidden, needs_weight, needs_bias, inv_temperature, chunk_size,
+                           min_tile_tokens, accum_bytes, grad_accum_dtype, backend, logit_scale, logit_softcap,
+                           matmul_out_dtype, overwrite_cache=False)
 
 
-@_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates, needs_hidden,
-      needs_weight, needs_bias, *settings):
+@torch.library.custom_op("tpo_kernels::linear_logprobs_backward_", mutates_args=("logits_cache",),
+                         **host_sync_tags())
+def _linear_logprobs_backward_overwriting(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
+    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
+    cache_candidates: Optional[Tensor], needs_hidden: bool,
+    needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
+    accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
+    logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache,
+                           cache_candidates, needs_hidden, needs_weight, needs_bias, inv_temperature, chunk_size,
+                           min_tile_tokens, accum_bytes, grad_accum_dtype, backend, logit_scale, logit_softcap,
+                           matmul_out_dtype, overwrite_cache=True)
+
+
+def _backward_fake(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates,
+                   needs_hidden, needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
+
+
+_linear_logprobs_backward.register_fake(_backward_fake)
+_linear_logprobs_backward_overwriting.register_fake(_backward_fake)
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``, ``create_graph``): then a
+    later backward reads the saved logits cache again. Unknown (torch without the query) counts as
+    kept."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
 
 
 def _setup_context(ctx, inputs, output):
@@ -119,10 +160,15 @@ def _backward(ctx, *output_grads):
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                 summary_grads.entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-    grads = _linear_logprobs_backward(hidden, weight, bias, labels, saved, grad_logprobs, grad_entropy,
-                                      logits_cache, cache_candidates, *needs, ctx.inv_temperature,
-                                      ctx.chunk_size, ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype,
-                                      ctx.backend, ctx.logit_scale, ctx.logit_softcap, ctx.matmul_out_dtype)
+    # The cache is read by this backward only unless the graph is kept. Traced (torch.compile,
+    # AOT: functional or fake tensors), an in-place op would work on a copy: the cache stays as it is.
+    overwrite = (logits_cache.numel() > 0 and type(logits_cache) is Tensor and not torch.compiler.is_compiling()
+                 and not _graph_kept())
+    backward_op = _linear_logprobs_backward_overwriting if overwrite else _linear_logprobs_backward
+    grads = backward_op(hidden, weight, bias, labels, saved, grad_logprobs, grad_entropy, logits_cache,
+                        cache_candidates, *needs, ctx.inv_temperature, ctx.chunk_size, ctx.min_tile_tokens,
+                        ctx.accum_bytes, ctx.grad_accum_dtype, ctx.backend, ctx.logit_scale, ctx.logit_softcap,
+                        ctx.matmul_out_dtype)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
     return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)  # labels, the settings and the candidates
 
@@ -140,7 +186,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     when a gradient will be taken, for the counted rows among ``cache_candidates`` (``[M]`` bool;
     None: every counted row) that fit it."""
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    cache_bytes = policy.logits_cache_bytes if wants_grad else 0
+    cache_bytes = policy.logits_cache_budget(weight.shape[0]) if wants_grad else 0
     *summary, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
                                    policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend, logit_scale,
                                    logit_softcap, policy.matmul_out_dtype, cache_bytes,

@@ -25,26 +25,22 @@ per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per
 With a logit soft cap (:class:`tpo_kernels.ops.logprobs.LogitTransform`) each tile is capped into a compute-dtype
 buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
 
-Logits cache (``TilePolicy.logits_cache_bytes``). Memory can buy the recompute back: the forward
-writes the logits of the first candidate rows that fit the budget straight into a ``[rows, V]``
-cache (the op returns it, so autograd saves it) instead of a tile buffer, and the backward's row
-op reads those tiles from it: three matmuls per cached token instead of four. The candidates are
-the counted rows, or those of them a ``cache_candidates`` mask keeps: the caller's prediction of the
-rows that will have a gradient (the TPO pipeline leaves out the tokens of zero-signal groups), so
-that no slot goes to a row the backward never reads. The cache's size is the budget's whatever the
-mask (a static shape under ``torch.compile``); a mispredicted row only costs its recompute. The
-cache holds the logits in their own dtype (the wider of hidden and weight), exactly what the
-forward's row op read, so a cached token's gradient differs from a recomputed one only by the
-recompute's rounding (a matmul over other row blocks may sum in another order). Rows that do not
-count are not cached; rows with zero gradient are neither read nor recomputed. The cache is never
-written in the backward (a second backward with ``retain_graph`` sees it intact).
+Logits cache (``TilePolicy.logits_cache_bytes``; by default every counted row of a small
+vocabulary, ``TilePolicy.small_vocab``; DESIGN.md, "Logits cache"). The forward writes the logits
+of the first candidate rows that fit the budget straight into a ``[rows, V]`` cache, one matmul
+(the op returns it, so autograd saves it); the candidates are the counted rows, or those a
+``cache_candidates`` mask keeps (the TPO pipeline leaves out zero-signal groups' tokens). The
+backward reads cached rows instead of recomputing them: three matmuls per cached token instead of
+four. A backward that keeps no graph and finds every active row cached runs in the cache itself
+(:meth:`TiledLinearHead._backward_in_cache`): ``dz`` overwrites the logits, and ``dH`` and ``dW``
+are one matmul each, as wide as the cache, not a tile. Otherwise the cache is only read (a second
+backward with ``retain_graph`` sees it intact) and a mispredicted row is recomputed. A cached
+token's gradient differs from a recomputed one only by the matmuls' rounding.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 
 from typing import List, Optional, Tuple, Union
 
@@ -53,7 +49,8 @@ from torch import Tensor
 
 from ..backends.row_summary import RowSummary, compute_dtype
 from ..backends import Backend
-from .tiles import BackwardPlan, TilePolicy, add_product, backward_plan, balanced_chunks, tile_shape
+from .tiles import (BackwardPlan, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
+                    full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
 from .logprobs import LogitTransform
 
 __all__ = ["TiledLinearHead"]
@@ -88,17 +85,6 @@ class TiledLinearHead:
         self.vocab_offset, self.transform = vocab_offset, transform
         self.cache_candidates = cache_candidates
 
-    @staticmethod
-    def _row_chunks(rows: Union[slice, Tensor], chunk_size: int) -> List[Union[slice, Tensor]]:
-        """Selected rows (a slice, or ascending indices) in balanced chunks of at most
-        ``chunk_size`` (:func:`balanced_chunks`): slices of a slice (no gather), index tensors of
-        indices. Two selections of one size split alike."""
-        sizes = balanced_chunks(_num_rows(rows), chunk_size)
-        if isinstance(rows, Tensor):
-            return list(rows.split(sizes)) if sizes else []
-        bounds = list(itertools.accumulate(sizes, initial=rows.start))
-        return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
-
     def _cache_slots(self, cache_rows: int) -> Tensor:
         """``[M]`` int64: each row's place in a cache of ``cache_rows`` rows, -1 for the rows it
         does not hold. The cache holds the first counted candidate rows, in row order; the forward
@@ -126,11 +112,11 @@ class TiledLinearHead:
             (cached.sum(), recomputed.sum(), in_cache.sum(), misplaced.sum())).tolist()
         slots_from_0 = num_cached == num_in_cache
         rows_from_0 = slots_from_0 and num_misplaced == 0
-        cached_rows = slice(0, num_cached) if rows_from_0 else _indices(cached, num_cached)
+        cached_rows = slice(0, num_cached) if rows_from_0 else mask_indices(cached, num_cached)
         slots = slice(0, num_cached) if slots_from_0 else slot[cached_rows]
         if rows_from_0 and num_cached + num_recomputed == num_rows:
             return cached_rows, slots, slice(num_cached, num_rows)
-        return cached_rows, slots, _indices(recomputed, num_recomputed)
+        return cached_rows, slots, mask_indices(recomputed, num_recomputed)
 
     def _block_weight(self, vocab: slice) -> Tensor:
         return self.weight[vocab].to(self.dtype)
@@ -175,47 +161,77 @@ class TiledLinearHead:
         tensor holding the logits of the first ``cache_rows`` counted candidate rows, in row order
         (slots past them stay unwritten).
 
-        Tiles are token chunks (outer loop) times vocabulary blocks (inner); the blocks' summaries
-        merge with :meth:`RowSummary.merge`."""
+        The cached rows' logits are written by matmuls straight into the cache (:meth:`_fill_cache`),
+        then read by the row op in whole rows. The other rows' tiles are token chunks (outer loop)
+        times vocabulary blocks (inner); the blocks' summaries merge with :meth:`RowSummary.merge`."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         summary = RowSummary.zeros(num_rows, dtype=compute_dtype(self.dtype), device=self.hidden.device,
                                    with_entropy=with_entropy)
         self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
-        cached, slots, uncached = self._split_rows(self.labels >= 0, cache_rows)  # the forward's one read-back
-        token_block, vocab_block = self._tile(_num_rows(cached) + _num_rows(uncached), self.weight.dtype)
-        # (rows, slots): slots are the rows' places in the cache, None for a row not cached.
-        chunks = list(zip(self._row_chunks(cached, token_block), self._row_chunks(slots, token_block)))
-        chunks += [(rows, None) for rows in self._row_chunks(uncached, token_block)]
-        tile_rows = max((_num_rows(rows) for rows, slots in chunks if slots is None), default=0)
+        # The forward's one read-back; its slots are the cache's first rows (every cached row counts).
+        cached, _, uncached = self._split_rows(self.labels >= 0, cache_rows)
+        num_cached = selection_size(cached)
+        if num_cached:
+            cache = self.logits_cache[:num_cached]
+            self._fill_cache(cached, cache)
+            capped = self._cap_buffers(min(self.chunk_size, num_cached), vocab_size, 1)
+            for rows, slots in zip(row_chunks(cached, self.chunk_size),
+                                   row_chunks(slice(0, num_cached), self.chunk_size)):
+                summary.assign(rows, self._row_forward(cache[slots], rows, 0, capped, with_entropy))
+        token_block, vocab_block = self._tile(selection_size(uncached), self.weight.dtype)
+        chunks = row_chunks(uncached, token_block)
+        tile_rows = max((selection_size(rows) for rows in chunks), default=0)
         buffer = self._buffer(tile_rows, vocab_block)
-        capped = self._cap_buffers(max((_num_rows(rows) for rows, _ in chunks), default=0), vocab_block, 1)
-        for rows, slots in chunks:
-            h_rows, labels = self.hidden[rows], self.labels[rows]
-            row = None
+        capped = self._cap_buffers(tile_rows, vocab_block, 1)
+        for rows in chunks:
+            h_rows, row = self.hidden[rows], None
             for start in range(0, vocab_size, vocab_block):
                 vocab = slice(start, start + vocab_block)
-                out = (_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)) if slots is None
-                       else self.logits_cache[slots, vocab])
-                logits = self._logits(h_rows, vocab, out)
-                if capped:  # the row op reads the soft-capped tile
-                    logits = self.transform.cap(logits, capped[0])
-                local = labels - (self.vocab_offset + start)
-                inside = (local >= 0) & (local < logits.shape[1])
-                # Every row is read: a label outside the block stands in as 0, its log-prob unused.
-                block = self.backend.row_forward(logits, torch.where(inside, local, 0),
-                                                 inv_temperature=self.inv_temperature, with_entropy=with_entropy)
-                block = dataclasses.replace(block, has_label=inside)
+                logits = self._logits(h_rows, vocab, flat_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)))
+                block = self._row_forward(logits, rows, start, capped, with_entropy)
                 row = block if row is None else row.merge(block, self.inv_temperature)
             summary.assign(rows, row)
         return summary
 
+    def _fill_cache(self, rows: Union[slice, Tensor], cache: Tensor) -> None:
+        """``cache = hidden[rows] @ W.T (+ b)``. The matmul writes the cache itself, so no tile
+        budget bounds it: one matmul, or pieces only where an operand must be cast to the logits'
+        dtype (the casts stay tile-sized: token chunks of the hidden states, vocabulary blocks of the
+        weight)."""
+        num_rows, vocab_size = cache.shape
+        token_block, vocab_block = self._tile(num_rows, self.weight.dtype)
+        if self.hidden.dtype == self.dtype:
+            token_block = num_rows
+        if self.weight.dtype == self.dtype:
+            vocab_block = vocab_size
+        for row_part, slots in zip(row_chunks(rows, token_block), row_chunks(slice(0, num_rows), token_block)):
+            h_rows = self.hidden[row_part]
+            for start in range(0, vocab_size, vocab_block):
+                vocab = slice(start, start + vocab_block)
+                self._logits(h_rows, vocab, cache[slots, vocab])
+
+    def _row_forward(self, logits: Tensor, rows: Union[slice, Tensor], start: int, capped: List[Tensor],
+                     with_entropy: bool) -> RowSummary:
+        """The row op's summary of a tile of logits (the vocabulary from ``start``), read soft-capped
+        through ``capped`` when there is a cap; ``has_label``: the label lies in the tile."""
+        if capped:
+            logits = self.transform.cap(logits, capped[0])
+        local = self.labels[rows] - (self.vocab_offset + start)
+        inside = (local >= 0) & (local < logits.shape[1])
+        # Every row is read: a label outside the block stands in as 0, its log-prob unused.
+        block = self.backend.row_forward(logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
+                                         with_entropy=with_entropy)
+        return dataclasses.replace(block, has_label=inside)
+
     def backward(self, summary: RowSummary, grad_logprob: Tensor, grad_entropy: Optional[Tensor],
                  needs_grad: Tuple[bool, bool, bool], grad_accum_dtype: torch.dtype,
-                 logits_cache: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+                 logits_cache: Optional[Tensor] = None,
+                 overwrite_cache: bool = False) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """Gradients of hidden, weight and bias (None where ``needs_grad`` is False) given the
         forward's ``summary``, the per-row gradients of the log-probs and entropies (both 0 on rows
         that do not count), and the forward's ``logits_cache`` (None or empty: every row is
-        recomputed).
+        recomputed). ``overwrite_cache``: the cache is not read again (the graph is not kept), so
+        when it holds every active row the backward runs in it (:meth:`_backward_in_cache`).
 
         Rows where both are exactly 0 are skipped: no recompute, no matmul, no cache read. Tiles
         are vocabulary blocks (outer loop) times the active rows (:meth:`backward_plan`). When the
@@ -231,6 +247,11 @@ class TiledLinearHead:
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
         parts, num_active = self._active_parts(active, logits_cache)
+        if overwrite_cache and len(parts) == 1 and parts[0][1] is not None:
+            grads = self._backward_in_cache(*parts[0], summary, grad_logprob, grad_entropy, needs_grad,
+                                            grad_accum_dtype, logits_cache)
+            if grads is not None:
+                return grads
         plan = self.backward_plan(num_active, grad_accum_dtype)
         vocab_block = plan.vocab_block
         chunks = parts if plan.one_gemm else self._chunked(parts, plan.token_block)
@@ -238,7 +259,7 @@ class TiledLinearHead:
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
 
-        tile_rows = num_active if plan.one_gemm else max((_num_rows(rows) for rows, _ in chunks), default=0)
+        tile_rows = num_active if plan.one_gemm else max((selection_size(rows) for rows, _ in chunks), default=0)
         # The tile buffers first: the size of the forward's, they can take that freed memory.
         buffers = [self._buffer(tile_rows, vocab_block)] + self._cap_buffers(tile_rows, vocab_block, 2)
         fuse_hidden = self.policy.fused_accumulate(hidden.device, self.dtype, hidden_accum)
@@ -251,7 +272,7 @@ class TiledLinearHead:
         if plan.one_gemm and chunks:
             # The active rows' hidden states in the tile's row order: a view when the parts are
             # consecutive, else gathered once (not once per vocabulary block).
-            h_active = _rows_of(hidden, [rows for rows, _ in parts])
+            h_active = selected_rows(hidden, [rows for rows, _ in parts])
         if chunks:  # else every row has zero signal: zero gradients, no matmul
             # Each chunk's rows of the summary, selected once for every vocabulary block.
             chunk_summaries = [summary.select(rows) for rows, _ in chunks]
@@ -264,10 +285,10 @@ class TiledLinearHead:
                 if need_weight and not plan.one_gemm:
                     dw = grad_weight[vocab] if block_accum is None else block_accum[:width].zero_()
                 block_weight = self._block_weight(vocab) if need_hidden else None
-                tile = _tile(buffers[0], tile_rows, width)
+                tile = flat_tile(buffers[0], tile_rows, width)
                 offset = 0
                 for index, (rows, slots) in enumerate(chunks):
-                    num = _num_rows(rows)
+                    num = selection_size(rows)
                     out = tile[offset:offset + num] if plan.one_gemm else tile[:num]
                     offset += num if plan.one_gemm else 0
                     h_rows = h_active[offset - num:offset] if plan.one_gemm else hidden[rows]
@@ -277,12 +298,12 @@ class TiledLinearHead:
                     if need_hidden:
                         add_product(grad_hidden, rows, dlogits, block_weight, fuse_hidden)
                     if need_weight and not plan.one_gemm:
-                        _add_chunk_product(dw, dlogits.t(), h_rows.to(self.dtype), fuse_weight,
+                        add_chunk_product(dw, dlogits.t(), h_rows.to(self.dtype), fuse_weight,
                                            first=index == 0 and block_accum is None)
                     if need_bias:
                         grad_bias[vocab] += dlogits.sum(dim=0, dtype=grad_accum_dtype)
                 if need_weight and plan.one_gemm:  # dW[block] = dz.T @ h over every active row, in W's dtype
-                    with _full_precision_reduction(weight.device, self.dtype):
+                    with full_precision_reduction(weight.device, self.dtype):
                         torch.mm(tile.t(), h_active.to(self.dtype), out=grad_weight[vocab])
                 if block_accum is not None:
                     grad_weight[vocab] = dw
@@ -292,6 +313,68 @@ class TiledLinearHead:
             None if grad_bias is None else grad_bias.to(weight.dtype),
         )
 
+    def _backward_in_cache(self, rows: Union[slice, Tensor], slots: Union[slice, Tensor], summary: RowSummary,
+                           grad_logprob: Tensor, grad_entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool],
+                           grad_accum_dtype: torch.dtype, logits_cache: Tensor):
+        """The backward of active ``rows`` that the cache holds every one of (at ``slots``), run in
+        the cache: their logits move to its first rows (only when other rows sit between them),
+        turn into ``dz`` there in place, and each product is one matmul over every row::
+
+            dH[rows] = dz @ W      dW[block] = dz[:, block].T @ h[rows]      db = dz.sum(0)
+
+        ``dH`` over the whole vocabulary, ``dW`` written in the weight's dtype in blocks of the
+        whole vocabulary (or of ``accum_bytes`` in a wider ``grad_accum_dtype``). No tile buffer
+        holds ``dz``, so no logits budget cuts these matmuls small. None (the tiled backward then
+        reads the cache) when the weight's dtype is not the logits' or ``grad_accum_dtype`` asks for
+        sums wider than a matmul's."""
+        hidden, weight = self.hidden, self.weight
+        vocab_size, hidden_size = weight.shape
+        num_rows = selection_size(rows)
+        plan = backward_plan(num_rows, vocab_size, hidden_size, num_rows, self.policy, weight.dtype, self.dtype,
+                             grad_accum_dtype)
+        if not plan.one_gemm:
+            return None
+        need_hidden, need_weight, need_bias = needs_grad
+        if isinstance(slots, Tensor):
+            self._compact(logits_cache, slots)
+        dz = logits_cache[:num_rows]
+        # The row backward in row chunks of the tile budget (a cap's buffers, the torch backend's temporaries).
+        buffers = self._cap_buffers(min(self.chunk_size, num_rows), vocab_size, 2)
+        for part, part_slots in zip(row_chunks(rows, self.chunk_size),
+                                    row_chunks(slice(0, num_rows), self.chunk_size)):
+            tile = dz[part_slots]
+            self._block_grad(None, part, slice(0, vocab_size), tile, buffers, tile, summary.select(part),
+                             grad_logprob, grad_entropy)
+        grad_hidden = grad_weight = grad_bias = None
+        if need_hidden:  # the logits' dtype, at least the hidden states' (a wider weight is never cast here)
+            grad_hidden = hidden.new_zeros(hidden.shape, dtype=self.dtype)
+            with full_precision_reduction(hidden.device, self.dtype):
+                if isinstance(rows, slice):
+                    torch.mm(dz, weight, out=grad_hidden[rows])
+                else:
+                    grad_hidden.index_copy_(0, rows, torch.mm(dz, weight))
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        if need_weight:
+            grad_weight, h_rows = torch.empty_like(weight), selected_rows(hidden, [rows]).to(self.dtype)
+            for start in range(0, vocab_size, plan.vocab_block):
+                vocab = slice(start, start + plan.vocab_block)
+                with full_precision_reduction(hidden.device, self.dtype):
+                    torch.mm(dz[:, vocab].t(), h_rows, out=grad_weight[vocab])
+        if need_bias:
+            grad_bias = dz.sum(dim=0, dtype=grad_accum_dtype).to(weight.dtype)
+        return grad_hidden, grad_weight, grad_bias
+
+    def _compact(self, cache: Tensor, slots: Tensor) -> None:
+        """Moves the cache's rows ``slots`` (ascending) to its first rows, in order, a tile at a
+        time through a buffer: a chunk's sources lie at or after its own rows and after every
+        earlier chunk's, so no row is overwritten before it is read."""
+        count, vocab_size = slots.numel(), cache.shape[1]
+        buffer = self._buffer(min(self.chunk_size, count), vocab_size)
+        for rows, sources in zip(row_chunks(slice(0, count), self.chunk_size),
+                                 row_chunks(slots, self.chunk_size)):
+            tile = torch.index_select(cache, 0, sources, out=flat_tile(buffer, selection_size(rows), vocab_size))
+            cache[rows].copy_(tile)
+
     def _active_parts(self, active: Tensor, logits_cache: Optional[Tensor]):
         """The ``active`` rows as ``(rows, slots)`` parts, the cached ones first (slots: their places
         in the cache; None for rows to recompute), empty parts left out, and the number of active
@@ -299,16 +382,16 @@ class TiledLinearHead:
         cache_rows = 0 if logits_cache is None else logits_cache.shape[0]
         cached, slots, recomputed = self._split_rows(active, cache_rows)
         parts = [(cached, slots), (recomputed, None)]
-        parts = [(rows, part_slots) for rows, part_slots in parts if _num_rows(rows)]
-        return parts, sum(_num_rows(rows) for rows, _ in parts)
+        parts = [(rows, part_slots) for rows, part_slots in parts if selection_size(rows)]
+        return parts, sum(selection_size(rows) for rows, _ in parts)
 
     def _chunked(self, parts, token_block: int):
         """Each part cut into balanced chunks of at most ``token_block`` rows (slots alike)."""
         chunks = []
         for rows, slots in parts:
-            row_chunks = self._row_chunks(rows, token_block)
-            slot_chunks = [None] * len(row_chunks) if slots is None else self._row_chunks(slots, token_block)
-            chunks += list(zip(row_chunks, slot_chunks))
+            rows_parts = row_chunks(rows, token_block)
+            slot_parts = [None] * len(rows_parts) if slots is None else row_chunks(slots, token_block)
+            chunks += list(zip(rows_parts, slot_parts))
         return chunks
 
     def _cached_tile(self, logits_cache: Tensor, slots: Union[slice, Tensor], vocab: slice, out: Tensor) -> Tensor:
@@ -341,57 +424,3 @@ class TiledLinearHead:
         if self.transform is not None:
             dlogits.copy_(row_logits.mul_(derivative))
         return dlogits
-
-
-def _num_rows(rows: Union[slice, Tensor]) -> int:
-    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
-
-
-def _indices(mask: Tensor, count: int) -> Tensor:
-    """The ascending indices of the ``count`` True entries of ``mask``, without a read-back."""
-    return torch.nonzero_static(mask, size=count).squeeze(1)
-
-
-def _tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
-    """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
-    return buffer[: rows * vocab].view(rows, vocab)
-
-
-def _rows_of(matrix: Tensor, selections: List[Union[slice, Tensor]]) -> Tensor:
-    """The rows of ``matrix`` the selections pick, in order: a view when they are consecutive
-    slices, else one gather."""
-    if all(isinstance(rows, slice) for rows in selections) and all(
-            a.stop == b.start for a, b in zip(selections, selections[1:])):
-        return matrix[selections[0].start:selections[-1].stop]
-    return matrix[torch.cat([torch.arange(rows.start, rows.stop, device=matrix.device) if isinstance(rows, slice)
-                             else rows for rows in selections])]
-
-
-def _add_chunk_product(out: Tensor, a: Tensor, b: Tensor, fused: bool, first: bool) -> None:
-    """``out += a @ b`` over a chunk of rows (``add_product``); ``out = a @ b`` for the first chunk
-    (a write, so ``out`` needs no zero fill before)."""
-    if not first:
-        add_product(out, slice(None), a, b, fused)
-    elif out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a, b, out_dtype=out.dtype) if fused else a @ b)
-
-
-@contextlib.contextmanager
-def _full_precision_reduction(device: torch.device, dtype: torch.dtype):
-    """cuBLAS may sum a half-precision matmul's split-K partials in that precision
-    (``allow_bf16/fp16_reduced_precision_reduction``, on by default); a ``dW`` matmul over every
-    active row must sum in fp32, so those are off while it runs (no effect on the CPU)."""
-    flags = torch.backends.cuda.matmul
-    name = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
-            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(dtype)
-    if name is None or device.type != "cuda":
-        yield
-        return
-    saved = getattr(flags, name)
-    setattr(flags, name, False)
-    try:
-        yield
-    finally:
-        setattr(flags, name, saved)

@@ -1,12 +1,16 @@
 """How the fused-linear path cuts its work: tile budgets per device (:class:`TilePolicy`),
 balanced token chunks, the backward's tile plan (:func:`backward_plan`), matmul products
-accumulated into a wider dtype, and the bytes each pass moves beyond its matmuls
+accumulated into a wider dtype (and half-precision ones summed in fp32,
+:func:`full_precision_reduction`), and the bytes each pass moves beyond its matmuls
 (:func:`traffic_account`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import itertools
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
@@ -19,6 +23,8 @@ ROW_ALIGN = 16  # tile rows (the default chunk_size and balanced chunks are mult
 # Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading
 # dimension) stay aligned for vector loads and tensor-core matmuls.
 VOCAB_ALIGN = 128
+# A logits cache budget that holds every row of any batch (an int64, as the ops take it).
+EVERY_ROW = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,12 @@ class TilePolicy:
     ``logits_cache_bytes``: memory the forward may keep for the backward as whole rows of logits
     (in the logits' dtype, :meth:`logits_cache_rows`), so that the backward reads those tokens'
     logits instead of recomputing them: three matmuls per cached token instead of four. 0 (the
-    default) keeps none.
+    default): the head decides from its vocabulary size (``small_vocab``).
+    ``small_vocab``: with no ``logits_cache_bytes``, a head of at most this many vocabulary entries
+    keeps the logits of every counted token (:meth:`logits_cache_budget`): ``M * V`` logits in
+    their dtype, less than an eager step keeps (the logits and their fp32 log-softmax), for three
+    matmuls a token instead of four. A larger vocabulary keeps none (the minimal-memory path). The
+    choice depends on V alone, never on the batch. 0: never.
     """
 
     logits_bytes: int
@@ -47,6 +58,7 @@ class TilePolicy:
     accum_bytes: int = 256 << 20
     matmul_out_dtype: Optional[bool] = None
     logits_cache_bytes: int = 0
+    small_vocab: int = 16384
 
     @staticmethod
     def for_device(device: torch.device) -> "TilePolicy":
@@ -70,6 +82,13 @@ class TilePolicy:
         torch.compile)."""
         row_bytes = max(vocab_size, 1) * torch.empty(0, dtype=dtype).element_size()
         return min(num_rows, self.logits_cache_bytes // row_bytes)
+
+    def logits_cache_budget(self, vocab_size: int) -> int:
+        """The cache budget a head of ``vocab_size`` entries runs with: ``logits_cache_bytes`` when
+        set, else every row (:data:`EVERY_ROW`) for a small vocabulary (``small_vocab``), else 0."""
+        if self.logits_cache_bytes:
+            return self.logits_cache_bytes
+        return EVERY_ROW if 0 < vocab_size <= self.small_vocab else 0
 
     def with_logits_cache(self, logits_cache_bytes: int) -> "TilePolicy":
         """This policy with the ``logits_cache_bytes`` keyword of the public functions applied
@@ -97,6 +116,34 @@ def _out_dtype_matmul_available(device_type: str, dtype: torch.dtype, accum_dtyp
         return False
 
 
+# cuBLAS's reduced-precision flags are process-wide: each toggle is made under this lock.
+_REDUCTION_FLAGS = threading.RLock()
+
+
+@contextlib.contextmanager
+def full_precision_reduction(device: torch.device, dtype: torch.dtype):
+    """A matmul of ``dtype`` operands run inside sums its split-K partials in fp32. cuBLAS may sum
+    them in half precision (``allow_bf16/fp16_reduced_precision_reduction``, on by default), which a
+    ``dW`` block summed over every active row cannot afford. The flag is process-wide, so it is
+    saved, cleared and restored under a process lock held for the matmul's launch only (threads
+    running backwards at once take turns; the caller's setting is always restored). Meanwhile
+    another thread's half-precision matmul also sums in fp32: more exact, never less. No effect
+    on the CPU or for other dtypes."""
+    name = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(dtype)
+    if name is None or torch.device(device).type != "cuda":
+        yield
+        return
+    flags = torch.backends.cuda.matmul
+    with _REDUCTION_FLAGS:
+        saved = getattr(flags, name)
+        setattr(flags, name, False)
+        try:
+            yield
+        finally:
+            setattr(flags, name, saved)
+
+
 def add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor, fused: bool) -> None:
     """``out[rows] += a @ b``. Same dtypes, or ``fused`` (an out_dtype matmul into the wider
     ``out``) with a slice: in place, no temporary. Otherwise the product is formed (by an out_dtype
@@ -115,6 +162,17 @@ def add_product(out: Tensor, rows: Union[slice, Tensor], a: Tensor, b: Tensor, f
         out.index_add_(0, rows, product)
 
 
+def add_chunk_product(out: Tensor, a: Tensor, b: Tensor, fused: bool, first: bool) -> None:
+    """``out += a @ b`` over a chunk of rows (:func:`add_product`); ``out = a @ b`` for the first
+    chunk (a write, so ``out`` needs no zero fill before)."""
+    if not first:
+        add_product(out, slice(None), a, b, fused)
+    elif out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b, out_dtype=out.dtype) if fused else a @ b)
+
+
 def balanced_chunks(num_rows: int, max_rows: int) -> List[int]:
     """Sizes of the fewest chunks of at most ``max_rows`` rows covering ``num_rows``, equal up to
     the alignment: multiples of 16 rows (when ``max_rows`` is one) but the last, the smaller ones
@@ -129,6 +187,48 @@ def balanced_chunks(num_rows: int, max_rows: int) -> List[int]:
     sizes = [small * align] * (count - larger) + [(small + 1) * align] * larger
     sizes[-1] -= units * align - num_rows  # the last chunk ends at num_rows
     return sizes
+
+
+# ----------------------------------------------------------------------------- row selections
+# Rows of a batch are selected as a slice when consecutive (views, no gather), else as ascending
+# indices.
+
+
+def selection_size(rows: Union[slice, Tensor]) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def mask_indices(mask: Tensor, count: int) -> Tensor:
+    """The ascending indices of the ``count`` True entries of ``mask``, without a read-back."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+def row_chunks(rows: Union[slice, Tensor], chunk_size: int) -> List[Union[slice, Tensor]]:
+    """Selected rows in balanced chunks of at most ``chunk_size`` (:func:`balanced_chunks`):
+    slices of a slice, index tensors of indices. Two selections of one size split alike."""
+    sizes = balanced_chunks(selection_size(rows), chunk_size)
+    if isinstance(rows, Tensor):
+        return list(rows.split(sizes)) if sizes else []
+    bounds = list(itertools.accumulate(sizes, initial=rows.start))
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+
+def selected_rows(matrix: Tensor, selections: List[Union[slice, Tensor]]) -> Tensor:
+    """The rows of ``matrix`` the selections pick, in order: a view when they are consecutive
+    slices, else one gather."""
+    if all(isinstance(rows, slice) for rows in selections) and all(
+            a.stop == b.start for a, b in zip(selections, selections[1:])):
+        return matrix[selections[0].start:selections[-1].stop]
+    return matrix[torch.cat([torch.arange(rows.start, rows.stop, device=matrix.device) if isinstance(rows, slice)
+                             else rows for rows in selections])]
+
+
+def flat_tile(buffer: Tensor, rows: int, vocab: int) -> Tensor:
+    """A contiguous ``[rows, vocab]`` tile at the start of a flat buffer."""
+    return buffer[: rows * vocab].view(rows, vocab)
+
+
+# ----------------------------------------------------------------------------- the backward's plan
 
 
 @dataclass(frozen=True)
