@@ -239,8 +239,9 @@ class BackwardPlan:
     into ``dW`` in the weight's dtype (the matmul sums over the rows in its own fp32 accumulator);
     else ``dW`` is summed over the token chunks in ``grad_accum_dtype``, through a per-block
     accumulator when that is wider than the weight's dtype (``block_accumulator``).
-    ``zero_filled``: ``dW`` is zero-filled before the blocks are added into it (the plan before
-    issue 31, :func:`backward_plan` with ``one_gemm=False``; the backward now writes every block)."""
+    ``zero_filled``: ``dW`` is zero-filled before the blocks are added into it (the earlier plan,
+    :func:`backward_plan` with ``one_gemm=False``, kept to measure against; the backward now
+    writes every block)."""
 
     num_rows: int
     vocab_size: int
@@ -295,8 +296,9 @@ def backward_plan(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: 
     for fp64 logits). The blocks are then as wide as the budget allows (a multiple of 128 below
     V), and, when ``grad_accum_dtype`` is wider than the weight's, hold at most the policy's
     ``accum_bytes`` of ``dW`` in that dtype (the documented bound of ``grad_accum_dtype``: ``dW``
-    is summed one such vocabulary block at a time). Otherwise (or with ``one_gemm=False``: the plan before issue 31) tokens are chunked as
-    :func:`tile_shape` says and ``dW`` is summed over the chunks in ``grad_accum_dtype``."""
+    is summed one such vocabulary block at a time). Otherwise (or with ``one_gemm=False``: the
+    earlier plan, kept to measure against) tokens are chunked as :func:`tile_shape` says and ``dW``
+    is summed over the chunks in ``grad_accum_dtype``."""
     logits_budget = chunk_size * vocab_size
     fits = num_rows > 0 and logits_budget // num_rows >= min(vocab_size, VOCAB_ALIGN)
     sums_in_gemm = _itemsize(grad_accum_dtype) <= _itemsize(compute_dtype(logits_dtype))
@@ -329,7 +331,8 @@ def traffic_account(plan: BackwardPlan, hidden_size: int, dtype: torch.dtype, gr
     their own dtype (the floor's). ``out_dtype_matmul``: products go into a wider accumulator by an
     out_dtype matmul (:meth:`TilePolicy.fused_accumulate`), else product -> convert -> add.
     ``forward_blocks``: the forward's vocabulary blocks per token chunk (its per-row summaries are
-    written once per block: 3 values, 4 with the entropy, in fp32). ``cached`` changes no count
+    written once per block: 4 fields, 5 with the entropy; counted are the fp32 row max, log-sum and
+    label log-prob (and entropy), not the 1-byte ``has_label``). ``cached`` changes no count
     (the row backward reads the cache instead of the recomputed tile, and the floor it is held
     against drops the recompute too); it is kept so that a caller's account says what it covers.
     """
