@@ -108,8 +108,8 @@ def omp_wait_policy() -> str:
     """OpenMP's wait policy in the timing processes: the caller's OMP_WAIT_POLICY, else PASSIVE. With
     libgomp's default (spin, then sleep) torch's idle OpenMP threads spin between ops and take the
     cores from the cpu backend's own threads: on a 2-core machine at a load of 3 that made the cpu
-    backend's calls 2 to 6 times slower, and different from process to process (a 1 ms call took 1 or
-    20 ms by process)."""
+    backend's calls 1.7 to 6 times slower, and different from process to process (a 1 ms call took
+    1 or 17-19 ms by process)."""
     return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
