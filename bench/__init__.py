@@ -11,6 +11,8 @@ Run from the repository root, as ``python -m bench.<name>``:
   sm_80/sm_90 without a GPU
 * ``examples.distributed_training``: DDP / FSDP2 / vocabulary-parallel training under torchrun
 * ``experiment``: what the learning experiments share (settings, results files, the error plot)
+* ``compare``: this checkout against another commit (``python -m bench.compare BASE``), every public
+  function timed in alternating fresh processes, each side importing its own tree
 
 Scripts: ``gpu_check.sh`` (the offline GPU machine's check), ``precision_edges.py``. Recorded
 results: ``results/``; every measurement and its command: ``README.md``.
