@@ -141,6 +141,11 @@ class TiledLinearHead:
             return []
         return [self._buffer(rows, vocab, compute_dtype(self.dtype)) for _ in range(count)]
 
+    def _cache_chunk(self, num_rows: int) -> int:
+        """Rows of the cache a row op reads at once: all of them (the row ops bound their own
+        temporaries), or with a soft cap a tile budget's worth (its buffers hold capped rows)."""
+        return num_rows if self.transform is None else min(self.chunk_size, num_rows)
+
     def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
         """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows
         (:func:`~tpo_kernels.ops.tiles.tile_shape`)."""
@@ -172,11 +177,10 @@ class TiledLinearHead:
         cached, _, uncached = self._split_rows(self.labels >= 0, cache_rows)
         num_cached = selection_size(cached)
         if num_cached:
-            cache = self.logits_cache[:num_cached]
+            cache, chunk = self.logits_cache[:num_cached], self._cache_chunk(num_cached)
             self._fill_cache(cached, cache)
-            capped = self._cap_buffers(min(self.chunk_size, num_cached), vocab_size, 1)
-            for rows, slots in zip(row_chunks(cached, self.chunk_size),
-                                   row_chunks(slice(0, num_cached), self.chunk_size)):
+            capped = self._cap_buffers(chunk, vocab_size, 1)
+            for rows, slots in zip(row_chunks(cached, chunk), row_chunks(slice(0, num_cached), chunk)):
                 summary.assign(rows, self._row_forward(cache[slots], rows, 0, capped, with_entropy))
         token_block, vocab_block = self._tile(selection_size(uncached), self.weight.dtype)
         chunks = row_chunks(uncached, token_block)
@@ -337,11 +341,9 @@ class TiledLinearHead:
         need_hidden, need_weight, need_bias = needs_grad
         if isinstance(slots, Tensor):
             self._compact(logits_cache, slots)
-        dz = logits_cache[:num_rows]
-        # The row backward in row chunks of the tile budget (a cap's buffers, the torch backend's temporaries).
-        buffers = self._cap_buffers(min(self.chunk_size, num_rows), vocab_size, 2)
-        for part, part_slots in zip(row_chunks(rows, self.chunk_size),
-                                    row_chunks(slice(0, num_rows), self.chunk_size)):
+        dz, chunk = logits_cache[:num_rows], self._cache_chunk(num_rows)
+        buffers = self._cap_buffers(chunk, vocab_size, 2)
+        for part, part_slots in zip(row_chunks(rows, chunk), row_chunks(slice(0, num_rows), chunk)):
             tile = dz[part_slots]
             self._block_grad(None, part, slice(0, vocab_size), tile, buffers, tile, summary.select(part),
                              grad_logprob, grad_entropy)
