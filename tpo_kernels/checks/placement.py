@@ -15,10 +15,11 @@ from .arguments import INT64_MAX, check_int
 
 
 def check_group(name: str, group) -> None:
-    if dist.is_available() and not isinstance(group, dist.ProcessGroup):  # what it is, before whether it can run
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    # Without init_process_group no group exists to pass: say what is missing first.
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name} needs torch.distributed initialized (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
 
 
 def check_vocab_start_index(start, group) -> Optional[int]:
