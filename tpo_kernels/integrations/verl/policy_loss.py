@@ -225,9 +225,9 @@ def _weighted_inputs(weights: Tensor, log_prob: Tensor, old_log_prob: Tensor, ma
     much each sample counts. ``w = 0`` takes a response out of its group (no mass, no gradient, the
     rest renormalized), exactly as a rejection mask does; equal weights change nothing.
 
-    The anchor takes ``log w_i - MAX_LOG_WEIGHT`` rather than ``log w_i``: the same constant for
-    every member of every group (on every rank and micro-batch), so q is unchanged, and the
-    anchor stays a log-probability (<= 0) as tpo_loss checks (w up to e^20, old log-probs near 0)."""
+    Both shifts take ``log w_i - MAX_LOG_WEIGHT`` rather than ``log w_i``: the same constant for
+    every member of every group (on every rank and micro-batch), so p and q are unchanged, and the
+    log-probs and the anchor stay <= 0 as tpo_loss checks (w up to e^20, log-probs near 0)."""
     kept = weights > 0
     counted = mask.any(dim=1)
     log_w = torch.where(kept, torch.log(torch.where(kept, weights, 1.0)), 0.0)
@@ -242,7 +242,9 @@ def _weighted_inputs(weights: Tensor, log_prob: Tensor, old_log_prob: Tensor, ma
             1, first.to(device), values.unsqueeze(1).to(device))
 
     kept_mask = mask & kept.to(mask.device).unsqueeze(1)
-    inputs = dict(logprobs=log_prob + on_first_token(log_w).to(log_prob.dtype), mask=kept_mask,
+    # The shift rides in float64 (log-probs stay <= 0, as tpo_loss checks, and a shift of n times
+    # log w - MAX_LOG_WEIGHT keeps the token's digits); the gradient flows back in log_prob's dtype.
+    inputs = dict(logprobs=log_prob.to(torch.float64) + on_first_token(anchor_log_w), mask=kept_mask,
                   group_ids=torch.where(kept.to(group_ids.device), group_ids, -1), anchor=True)
     if anchor:
         inputs["old_logprobs"] = old_log_prob.detach().to(torch.float64) + on_first_token(anchor_log_w)
@@ -339,8 +341,8 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
     if recorded_weights is not None:  # log w on each member's first packed token (n log w: a token mean)
         log_w = torch.cat([recorded_weights[rows][own], recorded_weights[others]]).log()
         first_tokens = cu_seqlens[:-1]
-        token_shift = log_w * lengths if length_normalize else log_w
-        logprobs = logprobs.index_add(0, first_tokens, token_shift.to(device, dtype))
+        token_shift = (log_w - MAX_LOG_WEIGHT) * (lengths if length_normalize else 1)  # <= 0: log-probs stay <= 0
+        logprobs = logprobs.to(torch.float64).index_add(0, first_tokens, token_shift.to(device, torch.float64))
     old_ell = None
     if anchor:
         own_old = (old_log_prob.detach()[own.to(device)].to(torch.float64) * own_mask).sum(1).cpu()
