@@ -216,9 +216,10 @@ def test_keywords_without_an_initialized_group():
     labels, scores = torch.randint(0, 11, (4, 3)), torch.randn(4)
     import tpo_kernels
 
-    with pytest.raises(RuntimeError, match="process_group needs torch.distributed initialized"):
+    not_initialized = "torch.distributed is not initialized: init_process_group"
+    with pytest.raises(TypeError, match=f"process_group must be a torch.distributed ProcessGroup.*{not_initialized}"):
         tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores, group_size=2, process_group=object())
-    with pytest.raises(RuntimeError, match="vocab_parallel_group needs torch.distributed initialized"):
+    with pytest.raises(TypeError, match=f"vocab_parallel_group must be a .*ProcessGroup.*{not_initialized}"):
         tpo_kernels.fused_linear_logprobs(hidden, weight, labels, vocab_parallel_group=object())
     with pytest.raises(ValueError, match="vocab_start_index needs vocab_parallel_group"):
         tpo_kernels.selective_logprobs(torch.randn(4, 3, 11), labels, vocab_start_index=0)

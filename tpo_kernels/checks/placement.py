@@ -15,11 +15,14 @@ from .arguments import INT64_MAX, check_int
 
 
 def check_group(name: str, group) -> None:
-    # Without init_process_group no group exists to pass: say what is missing first.
-    if not dist.is_available() or not dist.is_initialized():
+    # What it is first (a wrong value is the caller's error whatever the state of torch.distributed),
+    # saying what is missing when no group can exist yet; then whether a real group can run.
+    ready = dist.is_available() and dist.is_initialized()
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        missing = "" if ready else " (and torch.distributed is not initialized: init_process_group creates the groups)"
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}{missing}")
+    if not ready:
         raise RuntimeError(f"{name} needs torch.distributed initialized (init_process_group)")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
 
 
 def check_vocab_start_index(start, group) -> Optional[int]:
