@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 from typing import List, Optional
 
-from ..cli import UsageError, parse_device
+from ..usage import UsageError
 from . import cases as C
 from .inputs import VARIANTS
 from .presets import PRESETS, Job
@@ -31,7 +31,12 @@ def matches_any(name, patterns):
 def resolve_device(arg: str):
     """``--device``: auto (cuda when present, else cpu), cpu or cuda[:index] (a UsageError when
     it is not there)."""
-    return parse_device(None if arg == "auto" else arg, prog="tpo-kernels bench")
+    from ..selfcheck import usable_device
+
+    try:
+        return usable_device(None if arg == "auto" else arg)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}", "tpo-kernels bench") from None
 
 
 def _preset_device(kind):

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..cli import OneLineParser, UsageError, output_folder_problem, parse_device
+from ..usage import OneLineParser, UsageError, output_folder_problem
 from .machine import describe_machine, loadavg
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,7 +110,7 @@ def _summary(r):
 def main(argv=None) -> int:
     """Run the benchmark with ``argv``; returns the exit status. A usage error (a bad option or
     value, a device or provider that is not there, an output folder that cannot be written) is
-    found before any measurement: one line on stderr and :class:`~tpo_kernels.cli.UsageError`
+    found before any measurement: one line on stderr and :class:`~tpo_kernels.usage.UsageError`
     (SystemExit with status 2)."""
     try:
         return _checked_main(argv)
