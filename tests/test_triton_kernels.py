@@ -513,7 +513,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     def label_logit_loaded_first(ttir, dt):
         # The label's logit is the forward's one scalar load of the logits: it must come before
         # the chunk loop (issued at the row's start), not after it (a dependent load at the tail).
-        scalar = re.search(r"tt\.load %[\w.]+ : !tt\.ptr<" + dt + ">", ttir)
+        scalar = re.search(r"tt\\.load %[\\w.]+ : !tt\\.ptr<" + dt + ">", ttir)
         return scalar is not None and scalar.start() < ttir.index("scf.for")
 
     def vector_ops(ptx, op):
