@@ -8,6 +8,7 @@ loss. The plain functions of TRL's batch it calls are in :mod:`.generation_batch
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -19,6 +20,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from ... import kit
 from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
                      sampler_mode_refusal)
 from .generation_batch import sampler_kept, shuffle_groups, take_rows, tpo_scores_from_rewards
@@ -227,11 +229,11 @@ class TargetPOTrainer(GRPOTrainer):
             "token_entropy": bool(self.args.tpo_log_token_entropy) or self._entropy_bonus_on(),
         }
 
-    def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[Dict[str, Any]] = None
+    def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[kit.LossRows] = None
                      ) -> Dict[str, Any]:
         group_size = self._group_size(mode)
         split = self._groups_split(mode)
-        num_rows = inputs["completion_ids"].shape[0] + (0 if detached is None else detached["scores"].shape[0])
+        num_rows = inputs["completion_ids"].shape[0] + (0 if detached is None else detached.num_rows)
         if not split and num_rows % group_size != 0:
             raise RuntimeError(
                 f"a loss call of {num_rows} completions is not a whole number of groups of {group_size}: "
@@ -251,7 +253,7 @@ class TargetPOTrainer(GRPOTrainer):
             "group_size": None if by_ids else group_size,
             "group_ids": group_ids if by_ids else None,
             "process_group": dist.group.WORLD if split else None,
-            "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached["group_ids"]]),
+            "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached.group_ids]),
             "old_logprobs": self._old_logprobs(inputs, mode),
             "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
             "detached": detached,
@@ -320,7 +322,7 @@ class TargetPOTrainer(GRPOTrainer):
         first = index - place
         return self._buffered_inputs[first : first + window], place, self._step - place
 
-    def _detached_rows(self, model) -> Dict[str, Any]:
+    def _detached_rows(self, model) -> kit.LossRows:
         """The rows of this step's groups that the window's other micro-steps hold, as the loss call
         takes them (see ``detached`` in :func:`head._tpo_head`). Their token log-probs are computed
         once per window under the current parameters (the window lies in one optimizer step), in the
@@ -338,17 +340,12 @@ class TargetPOTrainer(GRPOTrainer):
             if other not in kept:
                 kept[other] = self._token_logprobs_no_grad(model, batch)
             token_logprobs, entropy = kept[other]
-            parts.append({
-                "token_logprobs": token_logprobs,
-                "token_entropy": entropy,
-                "mask": self._token_mask(batch),
-                "scores": batch["tpo_scores"],
-                "group_ids": batch["tpo_group_ids"],
-                "old_logprobs": self._old_logprobs(batch, "train"),
-                "ref_logprobs": batch.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            })
-        return {name: None if parts[0][name] is None else torch.cat([part[name] for part in parts])
-                for name in parts[0]}
+            parts.append(kit.LossRows(
+                logprobs=token_logprobs, token_entropy=entropy, mask=self._token_mask(batch),
+                scores=batch["tpo_scores"], group_ids=batch["tpo_group_ids"],
+                old_logprobs=self._old_logprobs(batch, "train"),
+                ref_logprobs=batch.get("ref_per_token_logps") if self.beta != 0.0 else None))
+        return functools.reduce(kit.add_constant_members, parts)
 
     def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):
         """A micro-batch's token log-probs and entropy (None when the head computes none)."""

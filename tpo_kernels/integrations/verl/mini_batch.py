@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from ... import kit
 from .advantage import decode_advantages, decode_members, response_weights
 
 ROW_FIELD = "tpo_row"  # the mini-batch row's index in the record, carried through verl's micro-batching
@@ -84,19 +84,14 @@ def gather_record(group_ids: Tensor, scores: Tensor, log_prob: Tensor, old_log_p
         mask.sum(1).to(torch.float64), members.to(mask.device, torch.float64),
         (torch.full((len(mask),), float("nan"), dtype=torch.float64, device=mask.device) if weights is None
          else weights.to(mask.device, torch.float64)),
-    ], dim=1).cpu()  # one transfer
-    if process_group is None:
-        shares, rank = [local], 0
-    else:
-        shares = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(shares, local, group=process_group)
-        rank = dist.get_rank(process_group)
-    rows = torch.cat(shares)
+    ], dim=1)
+    gathered = kit.gather_rows(local, process_group, purpose="mini_batch_record")
+    rows = gathered.rows.cpu()  # one transfer
     record = MiniBatchRecord(group_ids=rows[:, 0].to(torch.int64), scores=rows[:, 1], seq_logprobs=rows[:, 2],
                              old_seq_logprobs=rows[:, 3], num_tokens=rows[:, 4].to(torch.int64),
-                             dp_size=len(shares), member_ids=rows[:, 5].to(torch.int64),
+                             dp_size=len(gathered.sizes), member_ids=rows[:, 5].to(torch.int64),
                              weights=None if weights is None else rows[:, 6])
-    return record, sum(len(share) for share in shares[:rank])
+    return record, gathered.offset
 
 
 _RECORDED: contextvars.ContextVar[Optional[Tuple[MiniBatchRecord, Tensor]]] = contextvars.ContextVar(
