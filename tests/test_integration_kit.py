@@ -2,7 +2,8 @@
 
 The trainers are adapters over the public API: no file of ``tpo_kernels/integrations/`` imports
 anything but the package's top-level names and the kit, and no file of the package outside
-``tpo_kernels/distributed/`` issues a collective (the byte-counting logs then see every one). The
+``tpo_kernels/distributed/`` issues a collective, torch.distributed's or accelerate's (the
+byte-counting logs then see every one). The
 kit's score standardization is the losses' own, at any score range, and both trainers give
 exactly it; its constant group members, row gather and token mean do what the trainers need, the
 last two over 2 and 3 gloo ranks through the counted collectives.
@@ -76,6 +77,8 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "broadcast_object_list", "gather_object", "scatter_object_list", "barrier", "monitored_barrier",
                "send", "recv", "isend", "irecv", "batch_isend_irecv"}
 DIST_ONLY = {"reduce", "gather", "scatter"}
+# accelerate's collectives (an Accelerator's methods), called or passed on.
+ACCELERATOR = {"gather", "gather_for_metrics", "reduce", "pad_across_processes", "wait_for_everyone"}
 
 
 def _collective_calls(source: str):
@@ -90,7 +93,9 @@ def _collective_calls(source: str):
         elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
             direct |= {alias.asname or alias.name for alias in node.names
                        if alias.name in COLLECTIVES | DIST_ONLY}
-    calls = []
+    calls = [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in ACCELERATOR
+             and ast.unparse(node.value).split(".")[-1] == "accelerator"]
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
@@ -115,8 +120,10 @@ def test_no_collective_outside_distributed(path):
 def test_the_collective_walk_finds_every_spelling():
     source = ("import torch.distributed as dist\nfrom torch import distributed as d2\n"
               "from torch.distributed import all_gather_object as ago\nimport torch\n"
-              "dist.all_reduce(x)\nd2.gather(x)\nago(a, b)\ntorch.distributed.broadcast(x, 0)\nx.gather(1, i)\n")
-    assert [call.split(":")[0] for call in _collective_calls(source)] == ["line 5", "line 6", "line 7", "line 8"]
+              "dist.all_reduce(x)\nd2.gather(x)\nago(a, b)\ntorch.distributed.broadcast(x, 0)\nx.gather(1, i)\n"
+              "log(self.accelerator.gather, x)\nself.accelerator.reduce(x, reduction='sum')\n")
+    found = sorted(int(call.split(":")[0].split()[1]) for call in _collective_calls(source))
+    assert found == [5, 6, 7, 8, 10, 11]
 
 
 # ----------------------------------------------------------------------------- one standardization rule

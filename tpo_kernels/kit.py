@@ -12,9 +12,10 @@ module and the package's top-level names):
 * :class:`LossRows` and :func:`add_constant_members`: a loss call's completions, and the
   members of their groups that take part in each group's ``p`` and ``q`` without gradient
   (rows of another micro-step, a recorded mini-batch);
-* :func:`gather_rows` (every rank's per-completion rows, :class:`RowGather`) and
+* :func:`gather_rows` (every rank's rows, :class:`RowGather`), :func:`sum_over_ranks` and
   :func:`token_mean` (a mean over every rank's counted tokens): the trainer's own collectives,
-  through the counted ones of :mod:`tpo_kernels.distributed` (:func:`count_collectives` sees them);
+  through the counted ones of :mod:`tpo_kernels.distributed` (:func:`count_collectives` sees
+  them), the only ones an integration issues;
 * the argument checks of the losses' settings, for a trainer that takes them ahead of a call.
 
 Example: a micro-step holds rows 0 and 1 of a group of three whose third row another micro-step
@@ -44,7 +45,7 @@ from torch import Tensor
 
 from .checks.arguments import check_flag, check_positive, check_score_eps
 from .distributed import count_collectives
-from .distributed.rows import RowGather, gather_rows, token_mean
+from .distributed.rows import RowGather, gather_rows, sum_over_ranks, token_mean
 from .group_math import standardize_dense
 
 
@@ -181,4 +182,5 @@ def _described(value) -> str:
 
 
 __all__ = ["LossRows", "RowGather", "add_constant_members", "check_flag", "check_positive",
-           "check_score_eps", "count_collectives", "gather_rows", "standardize_scores", "token_mean"]
+           "check_score_eps", "count_collectives", "gather_rows", "standardize_scores", "sum_over_ranks",
+           "token_mean"]

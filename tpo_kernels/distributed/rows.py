@@ -1,11 +1,11 @@
 """What a trainer adapter exchanges over its data-parallel ranks, through the counted collectives.
 
-A trainer that splits a step's groups over ranks needs, besides the loss's own gathers, two
+A trainer that splits a step's groups over ranks needs, besides the loss's own gathers, a few
 things of its own: every rank's per-completion rows (a record of a mini-batch, the groups of a
-micro-step to check), and a mean over every rank's counted tokens (an entropy bonus). Both go
-through :func:`~tpo_kernels.distributed.collectives.all_gather_stacked` and
+micro-step to check, a metrics table), sums over the ranks (counts, a controller's statistics) and
+a mean over every rank's counted tokens (an entropy bonus). All go through :func:`~tpo_kernels.distributed.collectives.all_gather_stacked` and
 :func:`~tpo_kernels.distributed.collectives.all_reduce_sum`, so :func:`count_collectives` logs
-them with the loss's own; neither pickles. The integration kit (:mod:`tpo_kernels.kit`) exports
+them with the loss's own; none pickles. The integration kit (:mod:`tpo_kernels.kit`) exports
 them.
 """
 
@@ -58,6 +58,15 @@ def gather_rows(local: Tensor, process_group=None, purpose: str = "rows") -> Row
     return RowGather(rows=rows, sizes=sizes, rank=dist.get_rank(process_group))
 
 
+def sum_over_ranks(values: Tensor, process_group=None, purpose: str = "sums") -> Tensor:
+    """``values`` summed elementwise over the ranks of ``process_group`` (every rank gets the
+    sums; ``values`` itself is left as it is), not differentiable; ``values`` when None. One
+    all-reduce of ``values``' size, on its device."""
+    if process_group is None:
+        return values
+    return all_reduce_sum(values.detach().clone(), process_group, purpose)
+
+
 def token_mean(values: Tensor, mask: Tensor, process_group=None) -> Tensor:
     """The mean of ``values`` over the counted tokens (``mask``) of every rank of ``process_group``
     (this process's alone when None; 0 when no token counts), as the losses reduce a token mean.
@@ -73,11 +82,11 @@ def token_mean(values: Tensor, mask: Tensor, process_group=None) -> Tensor:
     count = counted.sum()
     if process_group is None:
         return local_sum / count.clamp(min=1.0)
-    totals = all_reduce_sum(torch.stack([local_sum.detach(), count]).double(), process_group, "token_mean")
+    totals = sum_over_ranks(torch.stack([local_sum.detach(), count]).double(), process_group, "token_mean")
     world = dist.get_world_size(process_group)
     # Value: the sum over every rank's tokens; gradient: P times this rank's own tokens'.
     scaled = world * local_sum
     return (scaled + (totals[0].to(local_sum.dtype) - scaled).detach()) / totals[1].to(local_sum.dtype).clamp(min=1.0)
 
 
-__all__ = ["RowGather", "gather_rows", "token_mean"]
+__all__ = ["RowGather", "gather_rows", "sum_over_ranks", "token_mean"]

@@ -51,6 +51,19 @@ def take_rows(batch: Dict[str, Any], index: Tensor) -> Dict[str, Any]:
             for key, value in batch.items()}
 
 
+def padded_to_width(rows: Tensor, width: int, pad_value, left: bool = False) -> Tensor:
+    """``[N, T, ...]`` rows padded with ``pad_value`` to ``[N, width, ...]``, on the right (on the
+    left with ``left``, as TRL pads prompts)."""
+    if rows.shape[1] == width:
+        return rows
+    out = rows.new_full((rows.shape[0], width, *rows.shape[2:]), pad_value)
+    if left:
+        out[:, width - rows.shape[1]:] = rows
+    else:
+        out[:, : rows.shape[1]] = rows
+    return out
+
+
 def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_size: int, aggregation: str,
                             score_eps: float) -> Tensor:
     """Each completion's TPO score (float64) from TRL's ``[rows, reward functions]`` rewards
