@@ -263,6 +263,9 @@ def test_constant_members_must_carry_the_rows_fields():
                                  _rows(torch.zeros(1, 2), [0.0], [0]))
     with pytest.raises(ValueError, match="mask"):
         kit.add_constant_members(_rows(torch.zeros(1, 2), [1.0], [0]), _rows(torch.zeros(1, 3), [0.0], [0]))
+    with pytest.raises(ValueError, match="group_ids"):
+        kit.add_constant_members(kit.LossRows(logprobs=torch.zeros(1, 2), scores=torch.ones(1), group_ids=None),
+                                 _rows(torch.zeros(1, 2), [0.0], [0]))
 
 
 def test_token_mean_of_one_process_counts_constant_rows_in_value_only():

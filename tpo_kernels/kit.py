@@ -141,6 +141,8 @@ def add_constant_members(rows: LossRows, members: LossRows) -> LossRows:
     each field's device and dtype in ``rows``; both must have the same layout (padded: widths
     may differ, padded with uncounted tokens; packed: ``cu_seqlens`` continue) and the same
     optional fields. ``group_ids`` are then required on both (a group is found by its id)."""
+    if rows.group_ids is None or members.group_ids is None:
+        raise ValueError("members: rows and members need group_ids (a member finds its group by its id)")
     if (rows.cu_seqlens is None) != (members.cu_seqlens is None):
         raise ValueError("members: rows and members must both be packed (cu_seqlens) or both padded")
     if rows.mask is None and rows.cu_seqlens is None and rows.logprobs.shape[1:] != members.logprobs.shape[1:]:
