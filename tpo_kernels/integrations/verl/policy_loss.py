@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ... import kit, tpo_loss_from_logprobs
 from .advantage import MAX_LOG_WEIGHT, SCORE_BITS, decode_advantages, decode_members, response_weights
-from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
+from .record import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
 # exactly up to the 2**-24 resolution of the encoded scores; a near-tied group's centered scores
