@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers")
 from _trl_tiny import dataset, even_words  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from tpo_kernels import reference  # noqa: E402
+from tpo_kernels import kit, reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffle_groups  # noqa: E402
 from tpo_kernels.integrations.trl.generation_batch import tpo_scores_from_rewards  # noqa: E402
@@ -469,8 +469,8 @@ def test_tpo_head_with_detached_rows_is_the_whole_groups_loss():
     with torch.no_grad():
         theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, dict(labels=labels[own:], mask=mask[own:],
                                                                         **settings))
-    detached = dict(theirs, mask=mask[own:], scores=scores[own:], group_ids=group_ids[own:], old_logprobs=None,
-                    ref_logprobs=ref[own:])
+    detached = kit.LossRows(logprobs=theirs["token_logprobs"], token_entropy=theirs["token_entropy"], mask=mask[own:],
+                            scores=scores[own:], group_ids=group_ids[own:], ref_logprobs=ref[own:])
     hidden = hidden_all[:own].clone().requires_grad_()
     request = dict(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
                    group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=ref[:own],

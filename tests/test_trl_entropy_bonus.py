@@ -12,7 +12,7 @@ pytest.importorskip("tokenizers")
 
 from _trl_mismatch import gradient_error, make_trainer, no_gap  # noqa: E402
 
-from tpo_kernels import reference  # noqa: E402
+from tpo_kernels import kit, reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
 from tpo_kernels.integrations.trl.metrics import log_tpo_metrics  # noqa: E402
@@ -163,8 +163,8 @@ def test_tpo_head_entropy_bonus_with_detached_rows():
     with torch.no_grad():
         theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, dict(labels=labels[own:], mask=mask[own:],
                                                                         **settings))
-    detached = dict(theirs, mask=mask[own:], scores=scores[own:], group_ids=group_ids[own:], old_logprobs=None,
-                    ref_logprobs=None)
+    detached = kit.LossRows(logprobs=theirs["token_logprobs"], token_entropy=theirs["token_entropy"], mask=mask[own:],
+                            scores=scores[own:], group_ids=group_ids[own:], ref_logprobs=None)
     hidden = hidden_all[:own].clone().requires_grad_()
     request = dict(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
                    group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=None,

@@ -13,6 +13,7 @@ Public API::
     backend_status()                                             which backends run here
     check(...)                                                   numerical self-check on this machine
     reference                                                    plain-PyTorch ground truth
+    kit                                                          what trainer integrations share
 """
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ _PUBLIC = {
     "TPOLoss": (".modules", "TPOLoss"),
     "TilePolicy": (".ops", "TilePolicy"),
     "check": (".selfcheck", "check"),
+    "kit": (".kit", None),
 }
 
 

@@ -41,7 +41,9 @@ backward is local on the shard (``dW``, ``db`` or the logits gradient of the sha
 fused path, the one all-reduce of ``dH`` that any tensor-parallel linear layer needs.
 
 Every collective goes through :func:`all_gather_stacked` or :func:`all_reduce_sum`, which
-:func:`count_collectives` can log (the byte-counting tests use it).
+:func:`count_collectives` can log (the byte-counting tests use it), the trainer integrations' own
+too (:mod:`.rows`: :func:`gather_rows`, :func:`sum_over_ranks`, :func:`token_mean`, exported by
+:mod:`tpo_kernels.kit`).
 
 Whatever a rank's checks raise before the agreement (an argument check, the backend's resolution,
 a placement, shard or cache-budget check; any exception type) travels in it: every rank of the
@@ -69,7 +71,9 @@ with ``fullgraph=True`` a distributed call stops with an error saying so):
 from .agreement import agree
 from .collectives import count_collectives
 from .data_parallel import GroupGather
+from .rows import RowGather, gather_rows, sum_over_ranks, token_mean
 from .vocab_parallel import ShardRequest, VocabShard, vocab_parallel_head, vocab_shard
 
 __all__ = ["GroupGather", "ShardRequest", "VocabShard", "agree", "count_collectives", "vocab_parallel_head",
            "vocab_shard"]
+__all__ += ["RowGather", "gather_rows", "sum_over_ranks", "token_mean"]

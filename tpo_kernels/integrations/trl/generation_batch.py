@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
+from ... import kit
+
 
 def shuffle_groups(
     batch: Dict[str, Any], group_size: int, generator: Optional[torch.Generator] = None
@@ -49,6 +51,19 @@ def take_rows(batch: Dict[str, Any], index: Tensor) -> Dict[str, Any]:
             for key, value in batch.items()}
 
 
+def padded_to_width(rows: Tensor, width: int, pad_value, left: bool = False) -> Tensor:
+    """``[N, T, ...]`` rows padded with ``pad_value`` to ``[N, width, ...]``, on the right (on the
+    left with ``left``, as TRL pads prompts)."""
+    if rows.shape[1] == width:
+        return rows
+    out = rows.new_full((rows.shape[0], width, *rows.shape[2:]), pad_value)
+    if left:
+        out[:, width - rows.shape[1]:] = rows
+    else:
+        out[:, : rows.shape[1]] = rows
+    return out
+
+
 def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_size: int, aggregation: str,
                             score_eps: float) -> Tensor:
     """Each completion's TPO score (float64) from TRL's ``[rows, reward functions]`` rewards
@@ -56,27 +71,24 @@ def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_siz
 
     ``"sum_then_normalize"`` (TRL's default): the weighted sum ``sum_k w_k r_k`` of the raw rewards,
     which the loss standardizes within the group under the tie rule. ``"normalize_then_sum"``: each
-    reward is first standardized within the group by TPO's own rule (population std; centered,
-    undivided, when the std is at most ``score_eps``; 0 when the group ties exactly), then weighted and
-    summed. A completion no function scored gets its group's mean score (TRL's advantage 0: no
+    reward is first standardized within the group by the losses' own rule
+    (:func:`tpo_kernels.kit.standardize_scores`: population std; centered, undivided, when the std is
+    at most ``score_eps``; 0 when the group ties exactly), then weighted and summed. A completion no function scored gets its group's mean score (TRL's advantage 0: no
     signal of its own); a group with no scored completion ties at 0.
     """
     rewards = rewards_per_func.double()
     weights = weights.to(rewards).view(1, 1, -1)
-    grouped = rewards.view(-1, group_size, rewards.shape[1])
-    scored = ~torch.isnan(grouped)
     if aggregation == "normalize_then_sum":
-        count = scored.sum(dim=1, keepdim=True)
-        mean = grouped.nansum(dim=1, keepdim=True) / count
-        centered = grouped - mean
-        std = (centered.square().nansum(dim=1, keepdim=True) / count).sqrt()
-        low = grouped.masked_fill(~scored, float("inf")).amin(dim=1, keepdim=True)
-        high = grouped.masked_fill(~scored, -float("inf")).amax(dim=1, keepdim=True)
-        # Exact ties are tested on the values (the float mean of equal values may differ from them).
-        standardized = torch.where(low == high, 0.0, torch.where(std > score_eps, centered / std, centered))
-        grouped = standardized.masked_fill(~scored, float("nan"))
+        # Each reward function's column standardized within the groups by the losses' own rule.
+        group_ids = torch.arange(rewards.shape[0], device=rewards.device) // group_size
+        scored = ~torch.isnan(rewards)
+        rewards = torch.stack([
+            kit.standardize_scores(column, group_ids, valid=valid, score_eps=score_eps).masked_fill(~valid, float("nan"))
+            for column, valid in zip(rewards.unbind(1), scored.unbind(1))], dim=1)
     elif aggregation != "sum_then_normalize":
         raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
+    grouped = rewards.view(-1, group_size, rewards.shape[1])
+    scored = ~torch.isnan(grouped)
     scores = (grouped * weights).nansum(dim=2)
     unscored = ~scored.any(dim=2)
     scores = scores.masked_fill(unscored, float("nan"))

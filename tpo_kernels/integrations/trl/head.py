@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
-from ...functional import fused_linear_logprobs, fused_linear_tpo_loss, tpo_loss_from_logprobs
+from ... import fused_linear_logprobs, fused_linear_tpo_loss, kit, tpo_loss_from_logprobs
 
 
 def _logit_multiplier(text_config) -> float:
@@ -140,10 +140,11 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     ``score_eps``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``,
     ``token_entropy``, ``router_aux_loss`` (read by the patched forward: also return the model's MoE
     load-balancing loss, as ``router_aux_loss``) and ``detached``: None, or the other rows of this
-    micro-step's groups (a group spanning micro-steps), a dict of ``token_logprobs``,
-    ``token_entropy`` (or None), ``mask``, ``scores``, ``group_ids``, ``old_logprobs`` and
-    ``ref_logprobs`` ([D, C] / [D]), which enter the loss call after the N rows without gradient
-    (their token log-probs computed under the same parameters; ``group_ids`` then required).
+    micro-step's groups (a group spanning micro-steps), a :class:`tpo_kernels.kit.LossRows` of
+    ``[D, C]`` / ``[D]`` token log-probs, ``token_entropy`` (on request), ``mask``, ``scores``,
+    ``group_ids``, ``old_logprobs`` and ``ref_logprobs`` as the N rows carry them, which enter the
+    loss call after the N rows without gradient (:func:`tpo_kernels.kit.add_constant_members`; their
+    token log-probs computed under the same parameters; ``group_ids`` then required).
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
     completion has a counted token), ``kept`` ([N (+ D)] bool: completions with a counted token), and
     ``mask``, ``ref_logprobs`` of the call's rows on the hidden states' device.
@@ -158,12 +159,16 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     ref = None if ref is None else ref.to(device)
     group_ids = None if request["group_ids"] is None else request["group_ids"].to(device)
     detached = request["detached"]
+    rows = None
     if detached is not None:
-        def joined(mine, theirs):
-            return None if mine is None else torch.cat([mine, theirs.to(device=device, dtype=mine.dtype)])
-        mask, scores = joined(mask, detached["mask"]), joined(scores, detached["scores"])
-        group_ids = joined(group_ids, detached["group_ids"])
-        old, ref = joined(old, detached["old_logprobs"]), joined(ref, detached["ref_logprobs"])
+        # The same vocabulary pass on this micro-step's rows, then the group stage on whole groups:
+        # the detached rows take part in each group's p and q but carry no gradient.
+        token_logprobs, entropy = _vocab_pass(hidden, weight, bias, labels, mask, request, logit_scale, logit_softcap)
+        rows = kit.add_constant_members(
+            kit.LossRows(logprobs=token_logprobs, scores=scores, group_ids=group_ids, mask=mask, old_logprobs=old,
+                         ref_logprobs=ref, token_entropy=entropy),
+            detached)
+        mask, ref = rows.mask, rows.ref_logprobs
     kept = mask.any(dim=1)
     out: Dict[str, Any] = {"kept": kept, "mask": mask, "ref_logprobs": ref}
     if request["process_group"] is None and not bool(kept.any()):
@@ -174,56 +179,27 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
         out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
         return out
     entropy_coef = float(request.get("entropy_coef", 0.0))
-    settings = dict(group_size=request["group_size"], group_ids=group_ids, process_group=request["process_group"],
-                    old_logprobs=old, ref_logprobs=ref, beta=request["beta"], eta=request["eta"],
-                    anchor=request["anchor"], score_eps=request["score_eps"],
+    settings = dict(group_size=request["group_size"], process_group=request["process_group"], beta=request["beta"],
+                    eta=request["eta"], anchor=request["anchor"], score_eps=request["score_eps"],
                     length_normalize=request["length_normalize"], reduction="mean", backend=request["backend"],
                     return_aux=True)
-    if detached is None:
+    if rows is None:
         with torch.autocast(device.type, enabled=False):
             loss, aux = fused_linear_tpo_loss(
-                hidden, weight, labels, scores, bias=bias, mask=mask, temperature=request["temperature"],
-                logit_scale=logit_scale, logit_softcap=logit_softcap, return_entropy=request["token_entropy"],
-                entropy_coef=entropy_coef, **settings)
+                hidden, weight, labels, scores, bias=bias, mask=mask, group_ids=group_ids, old_logprobs=old,
+                ref_logprobs=ref, temperature=request["temperature"], logit_scale=logit_scale,
+                logit_softcap=logit_softcap, return_entropy=request["token_entropy"], entropy_coef=entropy_coef,
+                **settings)
     else:
-        # The same vocabulary pass on this micro-step's rows, then the group stage on whole groups:
-        # the detached rows take part in each group's p and q but carry no gradient.
-        own = labels.shape[0]
-        token_logprobs, entropy = _vocab_pass(hidden, weight, bias, labels, mask[:own], request, logit_scale,
-                                              logit_softcap)
-        token_logprobs = torch.cat([token_logprobs, detached["token_logprobs"].to(device)])
-        loss, aux = tpo_loss_from_logprobs(token_logprobs, scores, mask=mask, **settings)
+        loss, aux = tpo_loss_from_logprobs(**rows.loss_inputs(), **settings)
         if entropy_coef != 0.0:
-            loss = loss - entropy_coef * _call_entropy_mean(entropy, mask, detached["token_entropy"].to(device),
-                                                            request["process_group"])
-        if entropy is not None:
-            aux["token_entropy"] = torch.cat([entropy.detach(), detached["token_entropy"].to(device)])
+            # H over the call's counted tokens (own and detached rows; every process's with
+            # process_group), its gradient through this micro-step's rows only.
+            loss = loss - entropy_coef * kit.token_mean(rows.token_entropy, rows.mask, request["process_group"])
+        if rows.token_entropy is not None:
+            aux["token_entropy"] = rows.token_entropy.detach()
     out.update(loss=loss, aux=aux)
     return out
-
-
-def _call_entropy_mean(own_entropy: Tensor, mask: Tensor, detached_entropy: Tensor, process_group) -> Tensor:
-    """The entropy bonus's ``H`` of a loss call with detached rows, as the fused loss reduces it:
-    the mean over the call's counted tokens (this micro-step's rows, then the detached ones), over
-    every process's tokens with ``process_group``. Only this micro-step's rows carry gradient; with
-    ``process_group`` they carry ``P`` times theirs, as the loss's other terms do (every process
-    returns the whole loss; DDP / FSDP average the gradients)."""
-    own = own_entropy.shape[0]
-    counted = mask.to(own_entropy.dtype)
-    own_sum = (own_entropy * counted[:own]).sum()
-    rest_sum = (detached_entropy.to(own_entropy.dtype) * counted[own:]).sum()
-    count = counted.sum()
-    if process_group is None:
-        return (own_sum + rest_sum) / count.clamp(min=1.0)
-    import torch.distributed as dist
-
-    totals = torch.stack([own_sum.detach(), rest_sum, count]).double()
-    dist.all_reduce(totals, group=process_group)
-    processes = dist.get_world_size(process_group)
-    total_sum = (totals[0] + totals[1]).to(own_sum.dtype)
-    # Value: the mean over every process's tokens; gradient: P times this process's own tokens'.
-    scaled = processes * own_sum
-    return (scaled + (total_sum - scaled).detach()) / totals[2].to(own_sum.dtype).clamp(min=1.0)
 
 
 def trl_fused_head_missing() -> bool:

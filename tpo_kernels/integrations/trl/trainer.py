@@ -8,6 +8,7 @@ loss. The plain functions of TRL's batch it calls are in :mod:`.generation_batch
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -19,9 +20,10 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from ... import kit
 from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
                      sampler_mode_refusal)
-from .generation_batch import sampler_kept, shuffle_groups, take_rows, tpo_scores_from_rewards
+from .generation_batch import padded_to_width, sampler_kept, shuffle_groups, take_rows, tpo_scores_from_rewards
 from .head import add_tpo_head, serve_trl_fused_head, trl_fused_head_missing
 from .metrics import log_tpo_metrics
 
@@ -129,7 +131,7 @@ class TargetPOTrainer(GRPOTrainer):
             kept = sampler_kept(batch["importance_sampling_ratio"], self._token_mask(batch))
             batch["tpo_sampler_kept"] = kept
             counts = torch.stack([(~kept).sum(), torch.tensor(rows, device=kept.device)]).float()
-            masked, total = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
+            masked, total = kit.sum_over_ranks(counts, self._world_group(), "sampler_masked").tolist()
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["tpo/frac_masked_by_sampler"].append(masked / total if total > 0 else float("nan"))
         return batch
@@ -176,11 +178,17 @@ class TargetPOTrainer(GRPOTrainer):
             rows, first = self._gather_generation_batch(batch), 0
         return [take_rows(rows, order[step, rank] - first) for step in range(steps)]
 
+    def _world_group(self):
+        """The process group over all processes (None for one process): the kit's collectives run
+        over it, as accelerate's do."""
+        return dist.group.WORLD if self.accelerator.num_processes > 1 else None
+
     def _gather_generation_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         """The generation batch of every process, in process order: ``[rows, ...]`` tensors are
         padded to a common width (prompts on the left, completions on the right, as TRL pads them)
         and gathered; 0-dim tensors and None are kept."""
         pad_ids = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id}
+        group = self._world_group()
         out = {}
         for key, value in batch.items():
             if value is None or (isinstance(value, Tensor) and value.ndim == 0):
@@ -190,9 +198,10 @@ class TargetPOTrainer(GRPOTrainer):
                 raise NotImplementedError(f"cannot move the generation batch's {key!r} ({type(value).__name__}) "
                                           "between processes")
             if value.ndim > 1:
-                value = self.accelerator.pad_across_processes(value, dim=1, pad_index=pad_ids.get(key, 0),
-                                                              pad_first=key.startswith("prompt"))
-            out[key] = self.accelerator.gather(value)
+                widths = kit.gather_rows(torch.tensor([value.shape[1]], device=value.device), group, "batch_widths")
+                value = padded_to_width(value, int(widths.rows.max()), pad_ids.get(key, 0),
+                                        left=key.startswith("prompt"))
+            out[key] = kit.gather_rows(value, group, "generation_batch").rows
         return out
 
     # -- loss --------------------------------------------------------------------------------
@@ -227,11 +236,11 @@ class TargetPOTrainer(GRPOTrainer):
             "token_entropy": bool(self.args.tpo_log_token_entropy) or self._entropy_bonus_on(),
         }
 
-    def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[Dict[str, Any]] = None
+    def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[kit.LossRows] = None
                      ) -> Dict[str, Any]:
         group_size = self._group_size(mode)
         split = self._groups_split(mode)
-        num_rows = inputs["completion_ids"].shape[0] + (0 if detached is None else detached["scores"].shape[0])
+        num_rows = inputs["completion_ids"].shape[0] + (0 if detached is None else detached.num_rows)
         if not split and num_rows % group_size != 0:
             raise RuntimeError(
                 f"a loss call of {num_rows} completions is not a whole number of groups of {group_size}: "
@@ -251,7 +260,7 @@ class TargetPOTrainer(GRPOTrainer):
             "group_size": None if by_ids else group_size,
             "group_ids": group_ids if by_ids else None,
             "process_group": dist.group.WORLD if split else None,
-            "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached["group_ids"]]),
+            "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached.group_ids]),
             "old_logprobs": self._old_logprobs(inputs, mode),
             "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
             "detached": detached,
@@ -298,7 +307,7 @@ class TargetPOTrainer(GRPOTrainer):
             window = self._entropy_window_stats
             self._entropy_window_stats = stats if window is None else window + stats
             if self.accelerator.sync_gradients:
-                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                totals = kit.sum_over_ranks(self._entropy_window_stats, self._world_group(), "entropy_window")
                 world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
                 if world_entropy <= self.args.entropy_target:
                     self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta,
@@ -320,7 +329,7 @@ class TargetPOTrainer(GRPOTrainer):
         first = index - place
         return self._buffered_inputs[first : first + window], place, self._step - place
 
-    def _detached_rows(self, model) -> Dict[str, Any]:
+    def _detached_rows(self, model) -> kit.LossRows:
         """The rows of this step's groups that the window's other micro-steps hold, as the loss call
         takes them (see ``detached`` in :func:`head._tpo_head`). Their token log-probs are computed
         once per window under the current parameters (the window lies in one optimizer step), in the
@@ -338,17 +347,12 @@ class TargetPOTrainer(GRPOTrainer):
             if other not in kept:
                 kept[other] = self._token_logprobs_no_grad(model, batch)
             token_logprobs, entropy = kept[other]
-            parts.append({
-                "token_logprobs": token_logprobs,
-                "token_entropy": entropy,
-                "mask": self._token_mask(batch),
-                "scores": batch["tpo_scores"],
-                "group_ids": batch["tpo_group_ids"],
-                "old_logprobs": self._old_logprobs(batch, "train"),
-                "ref_logprobs": batch.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            })
-        return {name: None if parts[0][name] is None else torch.cat([part[name] for part in parts])
-                for name in parts[0]}
+            parts.append(kit.LossRows(
+                logprobs=token_logprobs, token_entropy=entropy, mask=self._token_mask(batch),
+                scores=batch["tpo_scores"], group_ids=batch["tpo_group_ids"],
+                old_logprobs=self._old_logprobs(batch, "train"),
+                ref_logprobs=batch.get("ref_per_token_logps") if self.beta != 0.0 else None))
+        return functools.reduce(kit.add_constant_members, parts)
 
     def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):
         """A micro-batch's token log-probs and entropy (None when the head computes none)."""
@@ -392,7 +396,8 @@ class TargetPOTrainer(GRPOTrainer):
             # optimizer step's mean and the gradients to 1/W of its gradient; W times the gradient,
             # straight through (value unchanged), makes it whole.
             loss = window * loss - (window - 1) * loss.detach()
-        log_tpo_metrics(self._metrics[mode], self.accelerator.gather, out, request,
+        group = self._world_group()
+        log_tpo_metrics(self._metrics[mode], lambda rows: kit.gather_rows(rows, group, "metrics").rows, out, request,
                         entropy_bonus=self._entropy_bonus_on())
         if self._entropy_bonus_on():
             self._update_adaptive_entropy(out, inputs["completion_ids"].shape[0], mode)
@@ -403,5 +408,6 @@ class TargetPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             aux_loss = out["router_aux_loss"]
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+            every = kit.gather_rows(aux_loss.detach().reshape(1), group, "router_aux_loss").rows
+            self._metrics[mode]["aux_loss"].append(every.mean().item())
         return loss

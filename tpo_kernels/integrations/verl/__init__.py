@@ -102,7 +102,7 @@ from __future__ import annotations
 
 import functools
 
-from ...checks.arguments import check_flag, check_positive
+from ...kit import check_flag, check_positive
 from .advantage import compute_tpo_outcome_advantage
 from .policy_loss import tpo_policy_loss
 

@@ -22,7 +22,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ...group_math import standardize_dense
+from ... import kit
 
 SCORE_BITS = 24  # u to 2**-24
 MAX_ABS_SCORE = 2.0**5  # |u| <= sqrt(K - 1): K <= 1025 completions per prompt
@@ -124,24 +124,6 @@ def response_weights(rollout_is_weights: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.any(dim=1), per_response, 1.0)
 
 
-def _standardize_by_group(scores: Tensor, group_ids: Tensor, counted: Tensor, score_eps: float) -> Tensor:
-    """u per response within its group (any row order), over the group's responses with a
-    counted token; 0 for the others and for every member of a group whose scores tie."""
-    order = torch.argsort(group_ids, stable=True)
-    sorted_ids = group_ids[order]
-    num_groups = int(sorted_ids[-1]) + 1
-    sizes = torch.bincount(sorted_ids, minlength=num_groups)
-    starts = torch.cumsum(sizes, 0) - sizes
-    slot = torch.arange(len(order)) - starts[sorted_ids]  # position within the group
-    dense = scores.new_zeros(num_groups, int(sizes.max()))
-    valid = torch.zeros(dense.shape, dtype=torch.bool)
-    dense[sorted_ids, slot] = scores[order]
-    valid[sorted_ids, slot] = counted[order]
-    u = torch.empty_like(scores)
-    u[order] = standardize_dense(dense, valid, score_eps)[sorted_ids, slot]
-    return u
-
-
 # verl 0.9's rejection options that mask single tokens (verl.trainer.ppo.rollout_corr_helper).
 _TOKEN_LEVEL_RS = ("token_k1", "token_k2", "token_k3")
 
@@ -224,7 +206,7 @@ def compute_tpo_outcome_advantage(
             f"token_level_rewards: the reward of response {row} (uid {index[row]!r}) is {float(scores[row])}; TPO "
             f"standardizes each group's rewards and needs them finite ({int((~finite).sum())} non-finite in the batch)"
         )
-    u = _standardize_by_group(scores, group_ids, counted, score_eps)
+    u = kit.standardize_scores(scores, group_ids, valid=counted, score_eps=score_eps)
     encoded = encode_scores(u, group_ids).to(response_mask.device)
     # A response without a counted token (empty, or taken out by a rejection mask) carries u = 0
     # and its group on its whole row: nothing reads its advantages but the loss, which counts it

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...functional import tpo_loss_from_logprobs
+from ... import kit, tpo_loss_from_logprobs
 from .advantage import MAX_LOG_WEIGHT, SCORE_BITS, decode_advantages, decode_members, response_weights
-from .mini_batch import ROW_FIELD, MiniBatchRecord, current_rows
+from .record import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
 # exactly up to the 2**-24 resolution of the encoded scores; a near-tied group's centered scores
@@ -100,14 +101,9 @@ def _step_groups(u: Tensor, group_ids: Tensor, member_ids: Tensor, group_size: i
     exactly ``rollout_n`` of them here, which finds a part of a tied group too; otherwise (a row
     without a marker) the counted members' scores must sum to 0 and square to their count (or be
     near-tied), blind to a part of a tied group."""
-    local = torch.stack([member_ids.to(torch.float64), group_ids.to(torch.float64), u.to(torch.float64)],
-                        dim=1).cpu()
-    if process_group is None:
-        rows = local
-    else:
-        shares = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(shares, local, group=process_group)
-        rows = torch.cat(shares)
+    local = torch.stack([member_ids.to(u.device, torch.float64), group_ids.to(u.device, torch.float64),
+                         u.to(torch.float64)], dim=1)
+    rows = kit.gather_rows(local, process_group, purpose="step_groups").rows.cpu()
     members, ids, scores = rows[:, 0].to(torch.int64), rows[:, 1].to(torch.int64), rows[:, 2]
     counted = ids >= 0
     ids, scores = ids[counted], scores[counted]
@@ -329,35 +325,40 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
         return log_prob.sum() * 0.0, _recorded_metrics(None, None, log_prob, old_log_prob, mask)
     device, dtype = log_prob.device, log_prob.dtype
     own_mask = mask[own.to(mask.device)]
-    # Packed rows: this micro-batch's counted responses token by token, then each other member as
-    # one token carrying its sequence log-prob (its mean over its tokens with length_normalize,
-    # which a one-token mean leaves unchanged).
-    lengths = torch.cat([own_mask.sum(1).cpu(), torch.ones(len(others), dtype=torch.int64)])
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
+    own_lengths = own_mask.sum(1).cpu()
     other_tokens = record.num_tokens[others].to(torch.float64) if length_normalize else 1.0
-    logprobs = torch.cat([log_prob[own.to(device)][own_mask],
-                          (record.seq_logprobs[others] / other_tokens).to(device, dtype)])
-    log_w = None
-    if recorded_weights is not None:  # log w on each member's first packed token (n log w: a token mean)
-        log_w = torch.cat([recorded_weights[rows][own], recorded_weights[others]]).log()
-        first_tokens = cu_seqlens[:-1]
-        token_shift = (log_w - MAX_LOG_WEIGHT) * (lengths if length_normalize else 1)  # <= 0: log-probs stay <= 0
-        logprobs = logprobs.to(torch.float64).index_add(0, first_tokens, token_shift.to(device, torch.float64))
-    old_ell = None
+    own_old = other_old = None
     if anchor:
         own_old = (old_log_prob.detach()[own.to(device)].to(torch.float64) * own_mask).sum(1).cpu()
         if length_normalize:
-            own_old = own_old / lengths[: len(own_old)]
-        old_ell = torch.cat([own_old, record.old_seq_logprobs[others] / other_tokens])
-        if log_w is not None:
-            old_ell = old_ell + (log_w - MAX_LOG_WEIGHT)  # <= 0: see _weighted_inputs
-        old_ell = old_ell.to(device)  # float64: the sums and the shift keep their digits
-    elif log_w is not None:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i
-        old_ell = (log_w - MAX_LOG_WEIGHT).to(device)
+            own_old = own_old / own_lengths
+        other_old = record.old_seq_logprobs[others] / other_tokens
     ids = torch.cat([ids_cpu[own], record.group_ids[others]])
     scores = torch.cat([u_cpu[own], record.scores[others]])
+    # Packed rows: this micro-batch's counted responses token by token, then each other member as
+    # one constant token carrying its sequence log-prob (its mean over its tokens with
+    # length_normalize, which a one-token mean leaves unchanged); old log-probs per response.
+    rows_here = kit.LossRows(logprobs=log_prob[own.to(device)][own_mask], scores=u_cpu[own].to(device, dtype),
+                             group_ids=ids_cpu[own].to(device), old_logprobs=own_old,
+                             cu_seqlens=torch.cat([own_lengths.new_zeros(1), own_lengths.cumsum(0)]).to(device))
+    other_members = kit.LossRows(logprobs=record.seq_logprobs[others] / other_tokens, scores=record.scores[others],
+                                 group_ids=record.group_ids[others], old_logprobs=other_old,
+                                 cu_seqlens=torch.arange(len(others) + 1))
+    joined = kit.add_constant_members(rows_here, other_members)
+    logprobs, old_ell = joined.logprobs, joined.old_logprobs
+    log_w = None
+    if recorded_weights is not None:  # log w on each member's first packed token (n log w: a token mean)
+        log_w = torch.cat([recorded_weights[rows][own], recorded_weights[others]]).log()
+        lengths = torch.cat([own_lengths, torch.ones(len(others), dtype=torch.int64)])
+        token_shift = (log_w - MAX_LOG_WEIGHT) * (lengths if length_normalize else 1)  # <= 0: log-probs stay <= 0
+        logprobs = logprobs.to(torch.float64).index_add(0, joined.cu_seqlens[:-1],
+                                                        token_shift.to(device, torch.float64))
+        # <= 0: see _weighted_inputs; without the anchor, q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i
+        old_ell = (log_w - MAX_LOG_WEIGHT) if old_ell is None else old_ell + (log_w - MAX_LOG_WEIGHT)
+    if old_ell is not None:
+        old_ell = old_ell.to(device)  # float64: the sums and the shift keep their digits
     per_group, aux = tpo_loss_from_logprobs(
-        logprobs, scores.to(device, dtype), cu_seqlens=cu_seqlens, group_ids=ids.to(device), old_logprobs=old_ell,
+        **dataclasses.replace(joined, logprobs=logprobs, old_logprobs=old_ell).loss_inputs(),
         eta=eta, anchor=anchor or log_w is not None, score_eps=_decoded_score_eps(score_eps),
         length_normalize=length_normalize, reduction="none", backend=backend, return_aux=True,
     )
