@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
@@ -202,49 +201,6 @@ def check_entropy_coef(entropy_coef) -> float:
     """The weight of the entropy bonus: a finite number >= 0 (a bonus; a negative weight, an
     entropy penalty, is refused rather than silently flipping the sign a trainer meant)."""
     return _check_term_weight("entropy_coef", entropy_coef, "the mean token entropy subtracted from the loss")
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The checked hyper-parameters every TPO loss takes."""
-
-    eta: float
-    anchor: bool
-    inv_temperature: float
-    reduction: str
-    return_aux: bool
-    validate: bool
-    return_entropy: bool = False
-    logit_scale: float = 1.0
-    logit_softcap: Optional[float] = None
-    score_eps: float = 1e-6
-    length_normalize: bool = False
-    entropy_coef: float = 0.0
-
-
-def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False,
-                   logit_scale=1.0, logit_softcap=None, score_eps=1e-6, length_normalize=False,
-                   entropy_coef=0.0) -> LossSettings:
-    eta = check_positive("eta", eta)
-    inv_temperature = 1.0 / check_positive("temperature", temperature)
-    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, inv_temperature)
-    settings = LossSettings(
-        eta=eta,
-        anchor=check_flag("anchor", anchor),
-        inv_temperature=inv_temperature,
-        reduction=check_reduction(reduction),
-        return_aux=check_flag("return_aux", return_aux),
-        validate=check_flag("validate", validate),
-        return_entropy=check_flag("return_entropy", return_entropy),
-        logit_scale=logit_scale,
-        logit_softcap=logit_softcap,
-        score_eps=check_score_eps(score_eps),
-        length_normalize=check_flag("length_normalize", length_normalize),
-        entropy_coef=check_entropy_coef(entropy_coef),
-    )
-    if settings.return_entropy and not settings.return_aux:
-        raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
-    return settings
 
 
 def check_tile_policy(tile_policy, policy_type: type) -> None:

@@ -229,21 +229,13 @@ def _check_float_values(name: str, x, device, input_name: str) -> None:
 
 
 def prepare_batch(
+    batch,
+    labels,
     token_shape: Tuple[int, ...],
+    *,
     vocab_size: Optional[int],
     device: torch.device,
     acc: torch.dtype,
-    labels,
-    scores,
-    *,
-    group_size=None,
-    group_ids=None,
-    cu_seqlens=None,
-    mask=None,
-    ignore_index=-100,
-    old_logprobs=None,
-    ref_logprobs=None,
-    beta=0.0,
     input_name: str = "logits",
     validate: bool = True,
     whole: bool = True,
@@ -260,6 +252,9 @@ def prepare_batch(
     tokens instead of the sum (per-completion ones are used as given). ``logprobs``: the per-token
     log-probs of :func:`tpo_kernels.tpo_loss_from_logprobs`, checked (with ``validate``) at
     counted tokens by the rule of ``old_logprobs``."""
+    scores, group_size, group_ids, cu_seqlens, mask = (batch.scores, batch.group_size, batch.group_ids,
+                                                       batch.cu_seqlens, batch.mask)
+    ignore_index, old_logprobs, ref_logprobs, beta = batch.ignore_index, batch.old_logprobs, batch.ref_logprobs, batch.beta
     token_shape = tuple(token_shape)
     if len(token_shape) == 2:
         if cu_seqlens is not None:

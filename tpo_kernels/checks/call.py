@@ -12,6 +12,7 @@ is entered only when a vocabulary group or a DTensor is present.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
@@ -21,13 +22,15 @@ from torch import Tensor
 
 from ..backends.row_summary import compute_dtype
 from ..backends import resolve_backend_key
-from ..ops import TilePolicy
+from ..group_math import GroupRule
+from ..ops import HeadTiles, RowRequest, TilePolicy
+from ..ops.group import LossWeights
 from ..ops.logprobs import logits_rows
 from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
 from ..requests import Source
-from .arguments import (LossSettings, check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype,
+from .arguments import (check_chunk_size, check_entropy_coef, check_flag, check_float_tensor, check_grad_accum_dtype,
                         check_head, check_logit_transform, check_logits, check_logits_cache, check_positive,
-                        check_settings, check_tile_policy)
+                        check_reduction, check_score_eps, check_tile_policy)
 from .batches import PreparedBatch, prepare_batch, prepare_candidates, prepare_labels
 from .placement import check_group, check_groups_apart
 
@@ -42,15 +45,6 @@ class LogitsRows:
 
     matrix: Tensor
     inplace_backward: bool  # the backward may overwrite the logits' buffer
-
-
-@dataclass(frozen=True)
-class HeadTiles:
-    """How the fused head cuts its work (see :mod:`tpo_kernels.ops.tiles`)."""
-
-    chunk_size: int  # rows of V per tile
-    policy: TilePolicy
-    grad_accum_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -84,10 +78,22 @@ RowSource = Union[LogitsRows, HeadRows, LogprobRows, CandidateRows]
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One rank's call after its check pass."""
+class CallFlags:
+    """What a call returns beside its result, and whether its values are checked."""
 
-    settings: LossSettings
+    validate: bool = True
+    return_aux: bool = False
+    return_entropy: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's call after its check pass: each stage's settings as its own record."""
+
+    row: RowRequest  # the row op's (for candidates: the logit transform of the candidate logits)
+    rule: Optional[GroupRule]  # the group op's (None: per-token log-probs, no group stage)
+    weights: Optional[LossWeights]  # what the group stage applies around the op
+    flags: CallFlags
     backend: str  # the backend's key, as the ops take it
     device: torch.device
     dtype: torch.dtype  # the compute dtype
@@ -227,17 +233,33 @@ def _resolve_source(source: Source, where: Placement):
 # ----------------------------------------------------------------------------- settings and rows
 
 
-def _settings(options: Options, temperature: Optional[float] = None) -> LossSettings:
-    return check_settings(
-        eta=options.eta, anchor=options.anchor, temperature=options.temperature if temperature is None else temperature,
-        reduction=options.reduction, return_aux=options.return_aux, validate=options.validate,
-        return_entropy=options.return_entropy, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
-        score_eps=options.score_eps, length_normalize=options.length_normalize, entropy_coef=options.entropy_coef,
-    )
+def _settings(options: Options, temperature: Optional[float] = None, fields: Tuple[str, ...] = ()):
+    """``(RowRequest, GroupRule, LossWeights, CallFlags)`` of a loss, each checked and built once
+    (``beta``, a batch argument, joins the weights once the batch is checked). ``fields``: the
+    per-token fields the call asks of the row op beyond those its own settings need."""
+    eta = check_positive("eta", options.eta)
+    inv_temperature = 1.0 / check_positive("temperature", options.temperature if temperature is None else temperature)
+    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
+    anchor = check_flag("anchor", options.anchor)
+    reduction = check_reduction(options.reduction)
+    flags = CallFlags(return_aux=check_flag("return_aux", options.return_aux),
+                      validate=check_flag("validate", options.validate),
+                      return_entropy=check_flag("return_entropy", options.return_entropy))
+    rule = GroupRule(eta=eta, anchor=anchor, score_eps=check_score_eps(options.score_eps),
+                     length_normalize=check_flag("length_normalize", options.length_normalize))
+    weights = LossWeights(reduction=reduction, entropy_coef=check_entropy_coef(options.entropy_coef))
+    if flags.return_entropy and not flags.return_aux:
+        raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
+    # The entropy bonus reads the token entropy (and sends its gradient) through the row op's own
+    # vocabulary pass: no second pass, no [tokens, vocab] tensor.
+    entropy = flags.return_entropy or weights.entropy_coef > 0
+    row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
+                     token_fields=tuple(sorted(set(fields) | ({"entropy"} if entropy else set()))))
+    return row, rule, weights, flags
 
 
-def _check_sharded_transform(settings: LossSettings, sharded: bool) -> None:
-    if sharded and settings.logit_softcap is not None:
+def _check_sharded_transform(row: RowRequest, sharded: bool) -> None:
+    if sharded and row.logit_softcap is not None:
         raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
                          "(vocab_parallel_group / DTensor shards); logit_scale is")
 
@@ -356,7 +378,7 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
     batch = request.batch
     if isinstance(source, Logprobs):
         logprobs = check_float_tensor("logprobs", source.logprobs, (1, 2))
-        settings = _settings(request.options, temperature=1.0)
+        row, rule, weights, flags = _settings(request.options, temperature=1.0)
         device, dtype, vocab_size = logprobs.device, compute_dtype(logprobs.dtype), 1
         # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
         labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=device)
@@ -364,21 +386,20 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
         input_name = "logprobs"
     else:
         rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
-        settings = _settings(request.options)
+        row, rule, weights, flags = _settings(request.options)
         labels = batch.labels
         input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
-    _check_sharded_transform(settings, sharded)
+    _check_sharded_transform(row, sharded)
     key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
-        _token_shape(source), None if sharded else vocab_size, device, dtype, labels, batch.scores,
-        group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
-        ignore_index=batch.ignore_index, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
-        beta=batch.beta, input_name=input_name, validate=settings.validate, whole=data_parallel is None,
-        length_normalize=settings.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
+        batch, labels, _token_shape(source), vocab_size=None if sharded else vocab_size, device=device, acc=dtype,
+        input_name=input_name, validate=flags.validate, whole=data_parallel is None,
+        length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
     )
     # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
-    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels,
-                batch=prepared, group_size=prepared.split_group_size, shard_request=shard_request)
+    return Plan(row=row, rule=rule, weights=dataclasses.replace(weights, beta=prepared.beta), flags=flags,
+                backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels, batch=prepared,
+                group_size=prepared.split_group_size, shard_request=shard_request)
 
 
 def plan_logprobs(request: LogprobsRequest) -> Plan:
@@ -389,19 +410,17 @@ def plan_logprobs(request: LogprobsRequest) -> Plan:
     options = request.options
     inv_temperature = 1.0 / check_positive("temperature", options.temperature)
     scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
-    settings = LossSettings(
-        eta=1.0, anchor=True, inv_temperature=inv_temperature, reduction="none", return_aux=False,
-        validate=check_flag("validate", options.validate),
-        return_entropy=check_flag("return_entropy", options.return_entropy), logit_scale=scale,
-        logit_softcap=cap,
-    )
-    _check_sharded_transform(settings, sharded)
+    flags = CallFlags(validate=check_flag("validate", options.validate),
+                      return_entropy=check_flag("return_entropy", options.return_entropy))
+    row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
+                     token_fields=("entropy",) if flags.return_entropy else ())
+    _check_sharded_transform(row, sharded)
     key = resolve_backend_key(options.backend, device)
     input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
     labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
-                            input_name, request.ignore_index, settings.validate)
-    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=labels,
-                shard_request=shard_request)
+                            input_name, request.ignore_index, flags.validate)
+    return Plan(row=row, rule=None, weights=None, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
+                labels=labels, shard_request=shard_request)
 
 
 def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
@@ -415,11 +434,12 @@ def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
         check_head(source.hidden, source.weight, source.bias, hidden_ndims=(2,), same_dtype=True)
         num_states, vocab_size, device = source.hidden.shape[0], source.weight.shape[0], source.hidden.device
         dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
-    settings = _settings(options)
+    row, rule, weights, flags = _settings(options)
     key = resolve_backend_key(options.backend, device)
     candidates, scores, old = prepare_candidates(
         num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
-        input_name, settings.validate, whole=data_parallel is None,
+        input_name, flags.validate, whole=data_parallel is None,
     )
     rows = CandidateRows(input_name=input_name, candidates=candidates, scores=scores, old_logprobs=old)
-    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=None)
+    return Plan(row=row, rule=rule, weights=weights, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
+                labels=None)

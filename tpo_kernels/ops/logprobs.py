@@ -24,6 +24,7 @@ The fused head (:mod:`tpo_kernels.ops.linear`) takes the same transform from her
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
@@ -101,6 +102,53 @@ def row_transform(inv_temperature: float, logit_scale: float,
     return inv_temperature, LogitTransform(logit_scale, logit_softcap)
 
 
+# The per-token fields a row op may be asked for beyond the log-prob: RowSummary's optional ones.
+OPTIONAL_FIELDS: Tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RowSummary)
+                                         if "Optional" in str(field.type))
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """What a row op computes: the logit transform and temperature, and the optional per-token
+    fields of its :class:`RowSummary` asked for (``token_fields``, a sorted tuple of names from
+    :data:`OPTIONAL_FIELDS`, e.g. ``("entropy",)``). Built once by the plan and carried whole to
+    the ``torch.library`` boundary, where :meth:`to_op` flattens it into the ops' ``float[]``
+    argument; a new field travels without another edit on the way."""
+
+    inv_temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None  # None: no cap
+    token_fields: Tuple[str, ...] = ()
+
+    def wants(self, name: str) -> bool:
+        return name in self.token_fields
+
+    @property
+    def with_entropy(self) -> bool:
+        return "entropy" in self.token_fields
+
+    def transform(self) -> Tuple[float, Optional["LogitTransform"]]:
+        """:func:`row_transform` of this request."""
+        return row_transform(self.inv_temperature, self.logit_scale, self.logit_softcap)
+
+    def folded(self) -> "RowRequest":
+        """The same request with the scale folded into ``inv_temperature`` (no cap): what a
+        vocabulary shard's row ops take."""
+        factor, _ = row_transform(self.inv_temperature, self.logit_scale, None)
+        return RowRequest(inv_temperature=factor, token_fields=self.token_fields)
+
+    def to_op(self) -> List[float]:
+        """``[inv_temperature, logit_scale, logit_softcap (0: none), one 0/1 per optional field]``."""
+        flags = [float(name in self.token_fields) for name in OPTIONAL_FIELDS]
+        return [float(self.inv_temperature), float(self.logit_scale), float(self.logit_softcap or 0.0), *flags]
+
+    @staticmethod
+    def from_op(values: List[float]) -> "RowRequest":
+        inv_temperature, scale, softcap, *flags = values
+        return RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=softcap or None,
+                          token_fields=tuple(name for name, flag in zip(OPTIONAL_FIELDS, flags) if flag))
+
+
 def row_chunk(num_rows: int, vocab_size: int, device: torch.device) -> int:
     """Rows per chunk of the capped logits path: the device's fused-linear tile budget."""
     return TilePolicy.for_device(device).chunk_size(num_rows, vocab_size)
@@ -142,14 +190,13 @@ def _flat_row_stride(x: Tensor) -> Optional[int]:
 
 
 @torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
-def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool,
-              inplace_backward: bool, backend: str, logit_scale: float = 1.0,
-              logit_softcap: Optional[float] = None) -> op_outputs():
-    row_op = backend_by_key(backend).row_forward
-    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
+def _logprobs(logits: Tensor, labels: Tensor, request: List[float], inplace_backward: bool,
+              backend: str) -> op_outputs():
+    row_op, row = backend_by_key(backend).row_forward, RowRequest.from_op(request)
+    inv_t, transform = row.transform()
     if transform is None:  # one launch over the whole matrix or batch
-        return row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy).to_op()
-    return _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy).to_op()
+        return row_op(logits, labels, inv_temperature=inv_t, with_entropy=row.with_entropy).to_op()
+    return _forward_pieces(row_op, transform, logits, labels, inv_t, row.with_entropy).to_op()
 
 
 def _pieces(logits: Tensor) -> Iterator[Tuple[Tensor, slice]]:
@@ -191,15 +238,14 @@ def _forward_pieces(row_op, transform: LogitTransform, logits: Tensor, labels: T
 
 
 @_logprobs.register_fake
-def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale=1.0, logit_softcap=None):
+def _(logits, labels, request, inplace_backward, backend):
     # math.prod, not Size.numel(): numel() of symbolic sizes pins them under dynamic shapes.
     return RowSummary.zeros(math.prod(logits.shape[:-1]), dtype=compute_dtype(logits.dtype), device=logits.device,
-                            with_entropy=with_entropy).to_op()
+                            with_entropy=RowRequest.from_op(request).with_entropy).to_op()
 
 
 def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
-                  grad_entropy: Optional[Tensor], inv_temperature: float, backend: str, logit_scale: float,
-                  logit_softcap: Optional[float], out: Tensor) -> None:
+                  grad_entropy: Optional[Tensor], request: List[float], backend: str, out: Tensor) -> None:
     """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``): one launch
     over the matrix or batch, or piece by piece (:func:`_pieces`) with a soft cap.
 
@@ -209,7 +255,7 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
     :class:`RowSummary` as its ``to_op`` tensors (the entropy is read only with ``grad_entropy``)."""
     summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
     row_op = backend_by_key(backend).row_backward
-    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
+    inv_t, transform = RowRequest.from_op(request).transform()
     if transform is None:
         row_op(logits, labels, summary, grad_logprobs, grad_entropy=grad_entropy, inv_temperature=inv_t, out=out)
         return
@@ -224,11 +270,9 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
 def _logprobs_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
-                       grad_entropy: Optional[Tensor], inv_temperature: float, backend: str, logit_scale: float = 1.0,
-                       logit_softcap: Optional[float] = None) -> Tensor:
+                       grad_entropy: Optional[Tensor], request: List[float], backend: str) -> Tensor:
     out = torch.empty_like(logits)
-    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, inv_temperature, backend, logit_scale,
-                  logit_softcap, out)
+    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, request, backend, out)
     return out
 
 
@@ -239,10 +283,8 @@ def _(logits, *args):
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward_", mutates_args=("logits",))
 def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
-                               grad_entropy: Optional[Tensor], inv_temperature: float, backend: str,
-                               logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> None:
-    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, inv_temperature, backend, logit_scale,
-                  logit_softcap, logits)
+                               grad_entropy: Optional[Tensor], request: List[float], backend: str) -> None:
+    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, request, backend, logits)
 
 
 @_logprobs_backward_inplace.register_fake
@@ -251,12 +293,11 @@ def _(logits, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale, logit_softcap = inputs
+    logits, labels, request, inplace_backward, backend = inputs
     ctx.save_for_backward(logits, labels, *output)  # the RowSummary's to_op tensors
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
+    ctx.request, ctx.with_entropy = request, RowRequest.from_op(request).with_entropy
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
-    ctx.logit_scale, ctx.logit_softcap = logit_scale, logit_softcap
 
 
 def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[Tensor],
@@ -279,8 +320,7 @@ def _backward(ctx, *output_grads):
     summary_grads = RowSummary.from_op(output_grads, with_entropy=ctx.with_entropy)  # None where none arrived
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                 summary_grads.entropy)
-    args = (labels, saved, grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend,
-            ctx.logit_scale, ctx.logit_softcap)
+    args = (labels, saved, grad_logprobs, grad_entropy, ctx.request, ctx.backend)
     settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)
@@ -291,12 +331,11 @@ def _backward(ctx, *output_grads):
 _logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
-def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool,
-                   inplace_backward: bool, backend: str, logit_scale: float = 1.0,
-                   logit_softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` or ``[B, T, V]`` logits (module
-    docstring) through the logit transform (:class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64
-    ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
-    summary = RowSummary.from_op(_logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
-                                           logit_scale, logit_softcap), with_entropy=with_entropy)
-    return summary.label_logprob, summary.entropy
+def token_logprobs(logits: Tensor, labels: Tensor, *, request: RowRequest, inplace_backward: bool,
+                   backend: str) -> RowSummary:
+    """The :class:`RowSummary` of ``[M, V]`` or ``[B, T, V]`` logits (module docstring) through the
+    request's logit transform (:class:`LogitTransform`) for int64 ``labels`` (negative: skipped),
+    in the compute dtype, with the per-token fields the request asks for; differentiable in
+    ``logits`` through its log-probs and entropies."""
+    return RowSummary.from_op(_logprobs(logits, labels, request.to_op(), inplace_backward, backend),
+                              with_entropy=request.with_entropy)
