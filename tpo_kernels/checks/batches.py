@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
-from .arguments import (INT64_MAX, check_beta, check_ignore_index, check_int, check_integer_dtype,
-                        check_integer_tensor, check_tensor, reject_meta)
+from .arguments import check_integer_dtype, check_integer_tensor, check_tensor, reject_meta
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -72,13 +71,13 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
     """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
     or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
     ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
-    shards are placed): added to ``checks`` when given, else read back here."""
+    shards are placed): added to ``checks`` when given, else read back here. ``ignore_index``:
+    checked with the call's settings (:func:`~tpo_kernels.checks.arguments.check_ignore_index`)."""
     check_integer_tensor("labels", labels, device, input_name)
     if tuple(labels.shape) != tuple(token_shape):
         raise ValueError(
             f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
         )
-    ignore_index = check_ignore_index(ignore_index)
     # Compared as int64, the labels' value range: in a narrower dtype torch would wrap
     # ignore_index (an int32 label 1 would equal 2**32 + 1).
     flat = labels.reshape(-1).to(torch.int64)
@@ -167,9 +166,7 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
     (its divisibility is checked once the ranks' sizes are known)."""
     if (group_size is None) == (group_ids is None):
         raise ValueError("pass exactly one of group_size (K contiguous completions per prompt) or group_ids [N]")
-    if group_size is not None:
-        # An int64 (the ranks' agreement records carry it): a larger one can divide no batch.
-        group_size = check_int("group_size", group_size, 1, INT64_MAX, "K contiguous completions per prompt")
+    if group_size is not None:  # an int >= 1, checked with the call's settings
         if group_size == 1 and not torch.compiler.is_compiling():
             warnings.warn("group_size=1: every group holds a single completion, whose target is itself (p = q = 1), "
                           "so the loss is 0 and trains nothing; pass the number of completions per prompt (>= 2)",
@@ -243,6 +240,9 @@ def prepare_batch(
     logprobs: Optional[Tensor] = None,
 ) -> PreparedBatch:
     """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout.
+
+    ``batch``: the call's :class:`tpo_kernels.requests.Batch`, its scalars already checked with the
+    settings (:func:`~tpo_kernels.checks.arguments.check_options`); ``labels`` in place of its own.
 
     ``vocab_size`` None: a vocabulary shard's, not known yet (the upper bound of the labels is
     checked once the shards are placed). ``whole=False``: this rank's part of a batch split over
@@ -333,7 +333,6 @@ def prepare_batch(
                            lambda: ValueError("old_logprobs must be finite at counted tokens"))
 
     # KL-to-reference (k3) term.
-    beta = check_beta(beta)
     ref_flat = None
     if beta > 0:
         if ref_logprobs is None:

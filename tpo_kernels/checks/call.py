@@ -12,7 +12,6 @@ is entered only when a vocabulary group or a DTensor is present.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
@@ -26,11 +25,11 @@ from ..group_math import GroupRule
 from ..ops import HeadTiles, RowRequest, TilePolicy
 from ..ops.group import LossWeights
 from ..ops.logprobs import logits_rows
-from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
+from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Placement, SequenceRequest
 from ..requests import Source
-from .arguments import (check_chunk_size, check_entropy_coef, check_flag, check_float_tensor, check_grad_accum_dtype,
-                        check_head, check_logit_transform, check_logits, check_logits_cache, check_positive,
-                        check_reduction, check_score_eps, check_tile_policy)
+from .arguments import (CallFlags, check_chunk_size, check_float_tensor, check_grad_accum_dtype,
+                        check_head, check_logits, check_logits_cache, check_logits_source, check_options, check_row_options,
+                        check_tile_policy)
 from .batches import PreparedBatch, prepare_batch, prepare_candidates, prepare_labels
 from .placement import check_group, check_groups_apart
 
@@ -75,15 +74,6 @@ class CandidateRows:
 
 
 RowSource = Union[LogitsRows, HeadRows, LogprobRows, CandidateRows]
-
-
-@dataclass(frozen=True)
-class CallFlags:
-    """What a call returns beside its result, and whether its values are checked."""
-
-    validate: bool = True
-    return_aux: bool = False
-    return_entropy: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,31 +223,6 @@ def _resolve_source(source: Source, where: Placement):
 # ----------------------------------------------------------------------------- settings and rows
 
 
-def _settings(options: Options, temperature: Optional[float] = None, fields: Tuple[str, ...] = ()):
-    """``(RowRequest, GroupRule, LossWeights, CallFlags)`` of a loss, each checked and built once
-    (``beta``, a batch argument, joins the weights once the batch is checked). ``fields``: the
-    per-token fields the call asks of the row op beyond those its own settings need."""
-    eta = check_positive("eta", options.eta)
-    inv_temperature = 1.0 / check_positive("temperature", options.temperature if temperature is None else temperature)
-    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
-    anchor = check_flag("anchor", options.anchor)
-    reduction = check_reduction(options.reduction)
-    flags = CallFlags(return_aux=check_flag("return_aux", options.return_aux),
-                      validate=check_flag("validate", options.validate),
-                      return_entropy=check_flag("return_entropy", options.return_entropy))
-    rule = GroupRule(eta=eta, anchor=anchor, score_eps=check_score_eps(options.score_eps),
-                     length_normalize=check_flag("length_normalize", options.length_normalize))
-    weights = LossWeights(reduction=reduction, entropy_coef=check_entropy_coef(options.entropy_coef))
-    if flags.return_entropy and not flags.return_aux:
-        raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
-    # The entropy bonus reads the token entropy (and sends its gradient) through the row op's own
-    # vocabulary pass: no second pass, no [tokens, vocab] tensor.
-    entropy = flags.return_entropy or weights.entropy_coef > 0
-    row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
-                     token_fields=tuple(sorted(set(fields) | ({"entropy"} if entropy else set()))))
-    return row, rule, weights, flags
-
-
 def _check_sharded_transform(row: RowRequest, sharded: bool) -> None:
     if sharded and row.logit_softcap is not None:
         raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
@@ -286,8 +251,7 @@ def _graph_owns_storage(tensor: Tensor) -> bool:
 def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, torch.device, torch.dtype, int]:
     """The row op's inputs: ``(rows, device, compute dtype, vocabulary size of this rank)``."""
     if isinstance(source, Logits):
-        logits = check_logits(source.logits)
-        inplace_backward = check_flag("inplace_backward", source.inplace_backward)
+        logits, inplace_backward = check_logits_source(source.logits, source.inplace_backward)
         matrix, copied = logits_rows(logits, sharded)
         # Overwrite the buffer only when it is ours (a copy) or the graph's (_graph_owns_storage),
         # never a leaf's storage, whatever view of it arrives. A DTensor's local shard is a view of
@@ -378,7 +342,7 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
     batch = request.batch
     if isinstance(source, Logprobs):
         logprobs = check_float_tensor("logprobs", source.logprobs, (1, 2))
-        row, rule, weights, flags = _settings(request.options, temperature=1.0)
+        row, rule, weights, flags, batch = check_options(request.options, batch, temperature=1.0)
         device, dtype, vocab_size = logprobs.device, compute_dtype(logprobs.dtype), 1
         # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
         labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=device)
@@ -386,8 +350,8 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
         input_name = "logprobs"
     else:
         rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
-        row, rule, weights, flags = _settings(request.options)
-        labels = batch.labels
+        row, rule, weights, flags, batch = check_options(request.options, batch)
+        labels = request.batch.labels
         input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(request.options.backend, device)
@@ -397,7 +361,7 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
         length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
     )
     # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
-    return Plan(row=row, rule=rule, weights=dataclasses.replace(weights, beta=prepared.beta), flags=flags,
+    return Plan(row=row, rule=rule, weights=weights, flags=flags,
                 backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels, batch=prepared,
                 group_size=prepared.split_group_size, shard_request=shard_request)
 
@@ -408,17 +372,12 @@ def plan_logprobs(request: LogprobsRequest) -> Plan:
     sharded = shard_request is not None
     rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
     options = request.options
-    inv_temperature = 1.0 / check_positive("temperature", options.temperature)
-    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
-    flags = CallFlags(validate=check_flag("validate", options.validate),
-                      return_entropy=check_flag("return_entropy", options.return_entropy))
-    row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
-                     token_fields=("entropy",) if flags.return_entropy else ())
+    row, flags, ignore_index = check_row_options(options, request.ignore_index)
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(options.backend, device)
     input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
     labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
-                            input_name, request.ignore_index, flags.validate)
+                            input_name, ignore_index, flags.validate)
     return Plan(row=row, rule=None, weights=None, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
                 labels=labels, shard_request=shard_request)
 
@@ -434,7 +393,7 @@ def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
         check_head(source.hidden, source.weight, source.bias, hidden_ndims=(2,), same_dtype=True)
         num_states, vocab_size, device = source.hidden.shape[0], source.weight.shape[0], source.hidden.device
         dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
-    row, rule, weights, flags = _settings(options)
+    row, rule, weights, flags, _ = check_options(options)
     key = resolve_backend_key(options.backend, device)
     candidates, scores, old = prepare_candidates(
         num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
