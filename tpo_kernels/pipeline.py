@@ -49,8 +49,9 @@ distributed.agreement.register_names(
 # ----------------------------------------------------------------------------- agreement
 
 # The records whose every field changes the result: the ranks agree on each field by its name, so
-# a new field is agreed on without an edit here.
-_AGREED_RECORDS = (("row", RowRequest), ("rule", GroupRule), ("weights", LossWeights), ("flags", CallFlags))
+# a new field is agreed on without an edit here. The row request comes last: its per-token fields
+# follow from settings before it (entropy_coef, return_entropy), which a disagreement names first.
+_AGREED_RECORDS = (("rule", GroupRule), ("weights", LossWeights), ("flags", CallFlags), ("row", RowRequest))
 
 
 def _agreed_settings(function: str, plan: Optional[Plan], extra: dict) -> dict:
@@ -62,7 +63,8 @@ def _agreed_settings(function: str, plan: Optional[Plan], extra: dict) -> dict:
     for attribute, record_type in _AGREED_RECORDS:
         record = None if plan is None else getattr(plan, attribute)
         for field in dataclasses.fields(record_type):
-            settings[field.name] = None if record is None else getattr(record, field.name)
+            value = None if record is None else getattr(record, field.name)
+            settings[field.name] = ",".join(value) if isinstance(value, tuple) else value  # names travel as text
     settings["old_logprobs"] = None if plan is None else batch is not None and batch.old_seq_logprobs is not None
     settings["ref_logprobs"] = None if plan is None else batch is not None and batch.ref_logprobs is not None
     settings.update(extra if plan is not None else dict.fromkeys(extra))
@@ -230,8 +232,8 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         return loss
     aux = objective.aux()
     aux["token_logprobs"] = aux["token_logprobs"].view(prepared.token_shape)
-    if plan.flags.return_entropy:
-        aux["token_entropy"] = summary.entropy.detach().view(prepared.token_shape)
+    for name in plan.flags.returned_fields:  # e.g. aux["token_entropy"]
+        aux[f"token_{name}"] = getattr(summary, name).detach().view(prepared.token_shape)
     return loss, aux
 
 
@@ -246,9 +248,10 @@ def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, 
         raise failure
     summary = _row_summary(plan, shard)
     shape = request.labels.shape
-    if plan.flags.return_entropy:
-        return summary.label_logprob.view(shape), summary.entropy.view(shape)
-    return summary.label_logprob.view(shape)
+    if not plan.flags.returned_fields:
+        return summary.label_logprob.view(shape)
+    return (summary.label_logprob.view(shape), *(getattr(summary, name).view(shape)
+                                                 for name in plan.flags.returned_fields))
 
 
 def candidate_loss(request: CandidateRequest) -> LossOutput:

@@ -219,6 +219,11 @@ class CallFlags:
     return_aux: bool = False
     return_entropy: bool = False
 
+    @property
+    def returned_fields(self) -> Tuple[str, ...]:
+        """The per-token fields of the row op a call returns (in aux, or beside the log-probs)."""
+        return ("entropy",) if self.return_entropy else ()
+
 
 def check_options(options, batch=None, temperature: Optional[float] = None):
     """``(RowRequest, GroupRule, LossWeights, CallFlags, batch)`` of a loss's settings (a
@@ -244,9 +249,9 @@ def check_options(options, batch=None, temperature: Optional[float] = None):
         raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
     # The entropy bonus reads the token entropy (and sends its gradient) through the row op's own
     # vocabulary pass: no second pass, no [tokens, vocab] tensor.
-    entropy = flags.return_entropy or weights.entropy_coef > 0
+    needed = ("entropy",) if weights.entropy_coef > 0 else ()
     row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
-                     token_fields=("entropy",) if entropy else ())
+                     token_fields=tuple(sorted(set(flags.returned_fields + needed))))
     return row, rule, weights, flags, batch
 
 
@@ -268,7 +273,7 @@ def check_row_options(options, ignore_index):
     flags = CallFlags(validate=check_flag("validate", options.validate),
                       return_entropy=check_flag("return_entropy", options.return_entropy))
     row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
-                     token_fields=("entropy",) if flags.return_entropy else ())
+                     token_fields=flags.returned_fields)
     return row, flags, check_ignore_index(ignore_index)
 
 

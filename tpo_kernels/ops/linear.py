@@ -53,7 +53,7 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     row = RowRequest.from_op(request)
     policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, logits_cache_bytes)
     head = _head((hidden, weight, bias, labels), row, chunk_size, policy, backend, cache_candidates)
-    summary = head.forward(row.with_entropy, _cache_rows(head.policy, hidden, weight))
+    summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight))
     # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
     # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
     # has_label is already False there.
@@ -73,7 +73,7 @@ def _(hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_
     acc = compute_dtype(dtype)
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes)
     summary = RowSummary.zeros(rows, dtype=acc, device=hidden.device,
-                               with_entropy=RowRequest.from_op(request).with_entropy)
+                               fields=RowRequest.from_op(request).token_fields)
     return (*summary.to_op(), hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
@@ -87,7 +87,7 @@ def _backward_grads(inputs: tuple, summary: List[Tensor], grads: tuple, logits_c
     head = _head(tuple(tensors), RowRequest.from_op(request), chunk_size, policy, backend, cache_candidates)
     grad_logprobs, grad_entropy = grads
     # The entropy is read only with its gradient.
-    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
+    summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
     grads = head.backward(summary, grad_logprobs, grad_entropy, needs, grad_accum_dtype, logits_cache, overwrite_cache)
     # A custom op returns tensors only: an empty one stands for "not requested".
     return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
@@ -152,14 +152,14 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     # The backward ops' settings, in their schema's order.
     ctx.settings = (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend, matmul_out_dtype)
-    ctx.with_entropy, ctx.has_bias = RowRequest.from_op(request).with_entropy, bias is not None
+    ctx.fields, ctx.has_bias = RowRequest.from_op(request).token_fields, bias is not None
 
 
 def _backward(ctx, *output_grads):
     hidden, weight, bias, labels, logits_cache, cache_candidates, *saved = ctx.saved_tensors
-    summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
+    summary = RowSummary.from_op(saved, fields=ctx.fields)
     # Of each output, None where none arrived; the last output is the logits cache.
-    summary_grads = RowSummary.from_op(output_grads[:-1], with_entropy=ctx.with_entropy)
+    summary_grads = RowSummary.from_op(output_grads[:-1], fields=ctx.fields)
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                 summary_grads.entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
@@ -192,4 +192,4 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     *summary, _ = _linear_logprobs(hidden, weight, bias, labels, request.to_op(), tiles.chunk_size,
                                    policy.min_tile_tokens, policy.accum_bytes, tiles.grad_accum_dtype, backend,
                                    policy.matmul_out_dtype, cache_bytes, cache_candidates if cache_bytes else None)
-    return RowSummary.from_op(summary, with_entropy=request.with_entropy)
+    return RowSummary.from_op(summary, fields=request.token_fields)

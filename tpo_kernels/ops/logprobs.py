@@ -24,7 +24,6 @@ The fused head (:mod:`tpo_kernels.ops.linear`) takes the same transform from her
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
@@ -32,7 +31,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary, compute_dtype, op_outputs
+from ..backends.row_summary import OPTIONAL_FIELDS, RowSummary, compute_dtype, op_outputs, row_flags
 from ..backends import backend_by_key
 from .tiles import TilePolicy
 
@@ -102,11 +101,6 @@ def row_transform(inv_temperature: float, logit_scale: float,
     return inv_temperature, LogitTransform(logit_scale, logit_softcap)
 
 
-# The per-token fields a row op may be asked for beyond the log-prob: RowSummary's optional ones.
-OPTIONAL_FIELDS: Tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RowSummary)
-                                         if "Optional" in str(field.type))
-
-
 @dataclass(frozen=True)
 class RowRequest:
     """What a row op computes: the logit transform and temperature, and the optional per-token
@@ -123,9 +117,9 @@ class RowRequest:
     def wants(self, name: str) -> bool:
         return name in self.token_fields
 
-    @property
-    def with_entropy(self) -> bool:
-        return "entropy" in self.token_fields
+    def row_flags(self) -> dict:
+        """The keywords of a backend's ``row_forward`` asking for the requested fields."""
+        return row_flags(self.token_fields)
 
     def transform(self) -> Tuple[float, Optional["LogitTransform"]]:
         """:func:`row_transform` of this request."""
@@ -195,8 +189,8 @@ def _logprobs(logits: Tensor, labels: Tensor, request: List[float], inplace_back
     row_op, row = backend_by_key(backend).row_forward, RowRequest.from_op(request)
     inv_t, transform = row.transform()
     if transform is None:  # one launch over the whole matrix or batch
-        return row_op(logits, labels, inv_temperature=inv_t, with_entropy=row.with_entropy).to_op()
-    return _forward_pieces(row_op, transform, logits, labels, inv_t, row.with_entropy).to_op()
+        return row_op(logits, labels, inv_temperature=inv_t, **row.row_flags()).to_op()
+    return _forward_pieces(row_op, transform, logits, labels, inv_t, row.token_fields).to_op()
 
 
 def _pieces(logits: Tensor) -> Iterator[Tuple[Tensor, slice]]:
@@ -225,15 +219,15 @@ def _capped_buffer(logits: Tensor) -> Tensor:
 
 
 def _forward_pieces(row_op, transform: LogitTransform, logits: Tensor, labels: Tensor, inv_t: float,
-                    with_entropy: bool) -> RowSummary:
+                    fields: Tuple[str, ...]) -> RowSummary:
     """The row op piece by piece (:func:`_pieces`), each soft-capped into one chunk-sized buffer
     first."""
     summary = RowSummary.zeros(logits.shape[:-1].numel(), dtype=compute_dtype(logits.dtype), device=logits.device,
-                               with_entropy=with_entropy)
+                               fields=fields)
     buffer = _capped_buffer(logits)
     for z, rows in _pieces(logits):
         capped = transform.cap(z, buffer)
-        summary.assign(rows, row_op(capped, labels[rows], inv_temperature=inv_t, with_entropy=with_entropy))
+        summary.assign(rows, row_op(capped, labels[rows], inv_temperature=inv_t, **row_flags(fields)))
     return summary
 
 
@@ -241,7 +235,7 @@ def _forward_pieces(row_op, transform: LogitTransform, logits: Tensor, labels: T
 def _(logits, labels, request, inplace_backward, backend):
     # math.prod, not Size.numel(): numel() of symbolic sizes pins them under dynamic shapes.
     return RowSummary.zeros(math.prod(logits.shape[:-1]), dtype=compute_dtype(logits.dtype), device=logits.device,
-                            with_entropy=RowRequest.from_op(request).with_entropy).to_op()
+                            fields=RowRequest.from_op(request).token_fields).to_op()
 
 
 def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
@@ -253,7 +247,7 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
     place, multiply by the cap's derivative and write the result into ``out``'s rows (the chunk
     of ``logits`` is read before its rows of ``out`` are written). ``summary``: the forward's
     :class:`RowSummary` as its ``to_op`` tensors (the entropy is read only with ``grad_entropy``)."""
-    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
+    summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
     row_op = backend_by_key(backend).row_backward
     inv_t, transform = RowRequest.from_op(request).transform()
     if transform is None:
@@ -296,7 +290,7 @@ def _setup_context(ctx, inputs, output):
     logits, labels, request, inplace_backward, backend = inputs
     ctx.save_for_backward(logits, labels, *output)  # the RowSummary's to_op tensors
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.request, ctx.with_entropy = request, RowRequest.from_op(request).with_entropy
+    ctx.request, ctx.fields = request, RowRequest.from_op(request).token_fields
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
 
 
@@ -316,8 +310,8 @@ def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[
 
 def _backward(ctx, *output_grads):
     logits, labels, *saved = ctx.saved_tensors  # saved: the summary's to_op tensors, as the backward op takes them
-    summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
-    summary_grads = RowSummary.from_op(output_grads, with_entropy=ctx.with_entropy)  # None where none arrived
+    summary = RowSummary.from_op(saved, fields=ctx.fields)
+    summary_grads = RowSummary.from_op(output_grads, fields=ctx.fields)  # None where none arrived
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                 summary_grads.entropy)
     args = (labels, saved, grad_logprobs, grad_entropy, ctx.request, ctx.backend)
@@ -338,4 +332,4 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, request: RowRequest, inpla
     in the compute dtype, with the per-token fields the request asks for; differentiable in
     ``logits`` through its log-probs and entropies."""
     return RowSummary.from_op(_logprobs(logits, labels, request.to_op(), inplace_backward, backend),
-                              with_entropy=request.with_entropy)
+                              fields=request.token_fields)

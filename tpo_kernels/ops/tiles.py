@@ -103,7 +103,6 @@ class TilePolicy:
                                                                                accum_dtype)
 
 
-@functools.lru_cache(maxsize=None)
 @dataclass(frozen=True)
 class HeadTiles:
     """How one fused-head call cuts its work: rows of V per tile, the policy, the dtype dW / db
@@ -114,6 +113,7 @@ class HeadTiles:
     grad_accum_dtype: torch.dtype
 
 
+@functools.lru_cache(maxsize=None)
 def _out_dtype_matmul_available(device_type: str, dtype: torch.dtype, accum_dtype: torch.dtype) -> bool:
     """``torch.addmm(..., out_dtype=accum_dtype)`` runs for ``dtype`` operands on this kind of
     device (CUDA bf16/fp16 -> fp32 in recent torch; not on the CPU): tried once on a tiny case."""

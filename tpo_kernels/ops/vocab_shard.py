@@ -61,7 +61,7 @@ class _ShardLogprobs(torch.autograd.Function):
         owned, local = _owned(labels, seam)
         read_labels = torch.where(counted, torch.where(owned, local, 0), -1)  # every counted row is read
         shard = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=request.inv_temperature,
-                                                with_entropy=request.with_entropy)
+                                                **request.row_flags())
         summary = _whole(shard, owned, counted, seam, request.inv_temperature)
         ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, *summary.to_op())
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
@@ -71,9 +71,9 @@ class _ShardLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *output_grads):
         logits, grad_labels, counted, *saved = ctx.saved_tensors
-        with_entropy = ctx.request.with_entropy
-        summary = RowSummary.from_op(saved, with_entropy=with_entropy)
-        summary_grads = RowSummary.from_op(output_grads, with_entropy=with_entropy)  # None where none arrived
+        fields = ctx.request.token_fields
+        summary = RowSummary.from_op(saved, fields=fields)
+        summary_grads = RowSummary.from_op(output_grads, fields=fields)  # None where none arrived
         grad_logprobs, grad_entropy = row_gradients(counted, summary, summary_grads.label_logprob,
                                                     summary_grads.entropy)
         args = (grad_labels, saved, grad_logprobs, grad_entropy, ctx.request.to_op(), ctx.backend)
@@ -91,7 +91,7 @@ def shard_logprobs(logits: Tensor, labels: Tensor, seam: ShardSeam, *, request: 
     ``[M, V_r]`` logits shard (``request``: without a soft cap, its scale folded, see
     :meth:`RowRequest.folded`); the logits gradient is local to the shard."""
     outputs = _ShardLogprobs.apply(logits, labels, seam, request, inplace_backward, backend)
-    return RowSummary.from_op(outputs, with_entropy=request.with_entropy)
+    return RowSummary.from_op(outputs, fields=request.token_fields)
 
 
 class _ShardLinearLogprobs(torch.autograd.Function):
@@ -102,7 +102,7 @@ class _ShardLinearLogprobs(torch.autograd.Function):
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), request.inv_temperature,
                                tiles.chunk_size, tiles.policy, vocab_offset=seam.start)
         owned, _ = _owned(labels, seam)
-        summary = _whole(head.forward(request.with_entropy), owned, labels >= 0, seam, request.inv_temperature)
+        summary = _whole(head.forward(request.token_fields), owned, labels >= 0, seam, request.inv_temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, *summary.to_op())
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         ctx.seam, ctx.request, ctx.tiles, ctx.backend = seam, request, tiles, key
@@ -112,8 +112,8 @@ class _ShardLinearLogprobs(torch.autograd.Function):
     def backward(ctx, *output_grads):
         hidden, weight, bias, labels, *saved = ctx.saved_tensors
         request, tiles, seam = ctx.request, ctx.tiles, ctx.seam
-        summary = RowSummary.from_op(saved, with_entropy=request.with_entropy)
-        summary_grads = RowSummary.from_op(output_grads, with_entropy=request.with_entropy)
+        summary = RowSummary.from_op(saved, fields=request.token_fields)
+        summary_grads = RowSummary.from_op(output_grads, fields=request.token_fields)
         grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                     summary_grads.entropy)
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(ctx.backend), request.inv_temperature,
@@ -131,4 +131,4 @@ def shard_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     """:func:`tpo_kernels.ops.linear_logprobs` over the whole vocabulary from this rank's shard
     of the head (weight ``[V_r, H]``, bias ``[V_r]``; ``request`` as in :func:`shard_logprobs`)."""
     outputs = _ShardLinearLogprobs.apply(hidden, weight, bias, labels, seam, request, tiles, backend)
-    return RowSummary.from_op(outputs, with_entropy=request.with_entropy)
+    return RowSummary.from_op(outputs, fields=request.token_fields)
