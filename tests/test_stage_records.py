@@ -11,7 +11,7 @@ import torch
 
 from tpo_kernels import pipeline
 from tpo_kernels.checks.arguments import CallFlags, check_options
-from tpo_kernels.checks.call import check_call
+from tpo_kernels.plan import check_call
 from tpo_kernels.group_math import GroupRule
 from tpo_kernels.ops import RowRequest
 from tpo_kernels.ops.group import LossWeights

@@ -3,8 +3,8 @@
 A public function states its call as a frozen request (:mod:`tpo_kernels.requests`:
 :class:`SequenceRequest`, :class:`LogprobsRequest`, :class:`CandidateRequest`); the pipeline
 
-1. runs the call's check pass (:mod:`tpo_kernels.checks.call`: every check, the placement ones
-   included, before any work), which gives a frozen :class:`~tpo_kernels.checks.call.Plan`:
+1. runs the call's check pass (:mod:`tpo_kernels.plan.call`: every check, the placement ones
+   included, before any work), which gives a frozen :class:`~tpo_kernels.plan.records.Plan`:
    whole or sharded vocabulary, what the row op reads, the prepared batch;
 2. when a group is involved, has the ranks agree on their plans before any collective that
    could wait on a peer (:func:`~tpo_kernels.distributed.agree`): a failed check or a
@@ -28,7 +28,8 @@ from torch import Tensor
 
 from .checks import placement
 from . import distributed
-from .checks.call import CallFlags, HeadRows, LogitsRows, LogprobRows, Plan, check_call
+from .checks.arguments import CallFlags
+from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
 from .ops.group import GroupObjective, LossWeights

@@ -1,19 +1,18 @@
 """The check pass of a call: every check a public call makes, run once before any work, giving a
-frozen :class:`Plan`.
+frozen :class:`~tpo_kernels.plan.records.Plan` (see :mod:`tpo_kernels.plan.records`).
 
-A plan says everything the work needs and nothing it must re-check: the checked settings, the
-backend, the compute dtype, what the row op reads (a typed record: :class:`LogitsRows`,
-:class:`HeadRows`, :class:`LogprobRows` or :class:`CandidateRows`), the flat labels, the
-prepared batch and, for a vocabulary split over ranks, this rank's shard request. The pipeline
-runs the pass inside the block whose exception the ranks exchange (so that a failing check on one
-rank becomes the same error on every rank), then agrees, then works. :mod:`tpo_kernels.distributed`
-is entered only when a vocabulary group or a DTensor is present.
+A plan says everything the work needs and nothing it must re-check. The primitive checks live in
+:mod:`tpo_kernels.checks` (one argument each; the settings in one pass,
+:func:`~tpo_kernels.checks.arguments.check_options`; the batch); this module runs them in call
+order and builds the records. The pipeline runs the pass inside the block whose exception the
+ranks exchange (so that a failing check on one rank becomes the same error on every rank), then
+agrees, then works. A vocabulary split over ranks is resolved by :mod:`tpo_kernels.plan.vocabulary`,
+entered only when a vocabulary group or a DTensor is present.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -21,77 +20,16 @@ from torch import Tensor
 
 from ..backends.row_summary import compute_dtype
 from ..backends import resolve_backend_key
-from ..group_math import GroupRule
 from ..ops import HeadTiles, RowRequest, TilePolicy
-from ..ops.group import LossWeights
 from ..ops.logprobs import logits_rows
 from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Placement, SequenceRequest
 from ..requests import Source
-from .arguments import (CallFlags, check_chunk_size, check_float_tensor, check_grad_accum_dtype,
-                        check_head, check_logits, check_logits_cache, check_logits_source, check_options, check_row_options,
-                        check_tile_policy)
-from .batches import PreparedBatch, prepare_batch, prepare_candidates, prepare_labels
-from .placement import check_group, check_groups_apart
-
-
-# ----------------------------------------------------------------------------- the plan
-
-
-@dataclass(frozen=True)
-class LogitsRows:
-    """The log-prob row op reads a ``[M, V]`` matrix, or a ``[B, T, V]`` view whose rows do not
-    flatten into one row stride (``logits[:, :-1]``), in place."""
-
-    matrix: Tensor
-    inplace_backward: bool  # the backward may overwrite the logits' buffer
-
-
-@dataclass(frozen=True)
-class HeadRows:
-    """The fused head's row op reads hidden states ``[M, H]`` and an lm_head, tile by tile."""
-
-    hidden: Tensor
-    weight: Tensor
-    bias: Optional[Tensor]
-    tiles: HeadTiles
-
-
-@dataclass(frozen=True)
-class LogprobRows:
-    """Per-token log-probs a trainer computed: no row op."""
-
-    logprobs: Tensor
-
-
-@dataclass(frozen=True)
-class CandidateRows:
-    """Token-level TPO: each state's candidate ids, their scores and old log-probs."""
-
-    input_name: str  # "logits" or "hidden"
-    candidates: Tensor  # [R, K] int64
-    scores: Tensor  # [R, K]
-    old_logprobs: Optional[Tensor]
-
-
-RowSource = Union[LogitsRows, HeadRows, LogprobRows, CandidateRows]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One rank's call after its check pass: each stage's settings as its own record."""
-
-    row: RowRequest  # the row op's (for candidates: the logit transform of the candidate logits)
-    rule: Optional[GroupRule]  # the group op's (None: per-token log-probs, no group stage)
-    weights: Optional[LossWeights]  # what the group stage applies around the op
-    flags: CallFlags
-    backend: str  # the backend's key, as the ops take it
-    device: torch.device
-    dtype: torch.dtype  # the compute dtype
-    rows: RowSource
-    labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
-    batch: Optional[PreparedBatch] = None
-    group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
-    shard_request: object = None  # this rank's vocabulary shard (distributed.ShardRequest), if split
+from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad_accum_dtype, check_head,
+                                check_logits, check_logits_cache, check_logits_source, check_options,
+                                check_row_options, check_tile_policy)
+from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
+from ..checks.placement import check_group, check_groups_apart
+from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RowSource
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -148,12 +86,6 @@ def check_traceable(function: str, validate: bool, distributed_keywords: tuple) 
 # ----------------------------------------------------------------------------- placement
 
 
-def is_dtensor(x) -> bool:
-    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(x, module.DTensor)
-
-
 def data_group(process_group):
     """``(data-parallel group | None, failure | None)``: the group (None for one rank: nothing to
     gather), or why ``process_group`` is none (then this rank has no group to report on, unless a
@@ -165,6 +97,12 @@ def data_group(process_group):
         return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
     except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
         return None, error
+
+
+def is_dtensor(x) -> bool:
+    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def _vocabulary_tensor(source: Source) -> Tuple[Optional[Tensor], int]:
@@ -189,7 +127,7 @@ def vocab_group_hint(source: Source, where: Placement):
     tensor, dim = _vocabulary_tensor(source)
     if not is_dtensor(tensor):
         return None
-    from ..distributed.vocab_parallel import dtensor_vocab_group  # noqa: PLC0415 - only with a DTensor
+    from .vocabulary import dtensor_vocab_group  # noqa: PLC0415 - only with a DTensor
 
     try:
         return dtensor_vocab_group(tensor, dim)
@@ -200,20 +138,18 @@ def vocab_group_hint(source: Source, where: Placement):
 def _resolve_source(source: Source, where: Placement):
     """``(source with local tensors, shard request | None, the logits as passed | None)``: the
     vocabulary's placement, before any check that needs its size. A call with neither a
-    vocabulary group nor a DTensor has its whole vocabulary here: distributed/ is not entered."""
+    vocabulary group nor a DTensor has its whole vocabulary here: plan/vocabulary.py is not entered."""
     if (where.vocab_parallel_group is None and where.vocab_start_index is None
             and not is_dtensor(_vocabulary_tensor(source)[0])):
         return source, None, None
-    from .. import distributed  # noqa: PLC0415 - only for a sharded vocabulary
+    from .vocabulary import vocab_parallel_head, vocab_shard  # noqa: PLC0415 - only for a sharded vocabulary
 
     if isinstance(source, Logits):
-        logits, shard = distributed.vocab_shard("logits", source.logits, where.vocab_parallel_group,
-                                                where.vocab_start_index)
+        logits, shard = vocab_shard("logits", source.logits, where.vocab_parallel_group, where.vocab_start_index)
         return Logits(logits=logits, inplace_backward=source.inplace_backward), shard, source.logits
     if isinstance(source, Head):
-        hidden, weight, bias, shard = distributed.vocab_parallel_head(source.hidden, source.weight, source.bias,
-                                                                      where.vocab_parallel_group,
-                                                                      where.vocab_start_index)
+        hidden, weight, bias, shard = vocab_parallel_head(source.hidden, source.weight, source.bias,
+                                                          where.vocab_parallel_group, where.vocab_start_index)
         return Head(hidden=hidden, weight=weight, bias=bias, chunk_size=source.chunk_size,
                     grad_accum_dtype=source.grad_accum_dtype, tile_policy=source.tile_policy,
                     logits_cache_bytes=source.logits_cache_bytes), shard, None
@@ -283,18 +219,8 @@ def _token_shape(source: Source) -> Tuple[int, ...]:
         return tuple(source.logprobs.shape)
     return tuple((source.logits if isinstance(source, Logits) else source.hidden).shape[:-1])
 
-
 # ----------------------------------------------------------------------------- the check pass
 
-
-@dataclass(frozen=True)
-class CheckedCall:
-    """A call after its check pass on this rank: its plan, or the failure its peers raise too."""
-
-    plan: Optional[Plan]  # None when a check failed
-    failure: Optional[BaseException]
-    data_group: object = None  # the process group the groups are gathered over (None: local groups)
-    vocab_group: object = None  # the group of the vocabulary exchange (None: the whole vocabulary here)
 
 
 def check_call(request: Union[SequenceRequest, LogprobsRequest, CandidateRequest]) -> CheckedCall:
