@@ -361,14 +361,14 @@ def test_a_backward_in_the_cache_runs_each_product_as_one_matmul(backend, budget
     """Every active row cached: the forward's logits are one matmul into the cache, and dH and dW
     one matmul each over the active rows and the whole vocabulary, however small the tile budget
     (chunk_size=2); the results are the recomputed ones. The default cache of a small vocabulary
-    (every row: the policy's budget for it) caches the signal groups' tokens only, as an explicit
-    budget does: the pipeline predicts them from the budget the head runs with."""
+    also holds the tied group's tokens (no budget of its own: no prediction), so its active rows
+    first move to the cache's front."""
     h, w, b, labels, scores, kwargs = _batch(layout="packed", num_groups=3, tie_groups=tie_groups)
     active = _active_tokens(h, w, b, labels, scores, kwargs).reshape(-1)
-    num_active = int(active.sum())
-    # Either budget caches the signal groups' tokens only (the pipeline's prediction).
+    counted, num_active = int((labels != -100).sum()), int(active.sum())
+    # The budget of every token caches the signal groups' tokens only (the pipeline's prediction).
     cache = dict(logits_cache_bytes=FULL) if budget == "every token" else dict(tile_policy=None)
-    num_cached = num_active
+    num_cached = num_active if budget == "every token" else counted
     with MatmulRecorder() as recorder:
         leaves = _leaves(h, w, b)
         loss = fused_linear_tpo_loss(*leaves[:2], labels, scores, bias=leaves[2], backend=backend, chunk_size=2,

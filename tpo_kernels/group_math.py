@@ -67,20 +67,22 @@ class GroupRule:
 
     def to_op(self) -> List[float]:
         """Every field as a float, in declaration order: the op schema's ``float[]`` argument."""
-        return [float(getattr(self, field.name)) for field in dataclasses.fields(self)]
+        return [float(getattr(self, name)) for name, _ in _RULE_FIELDS]
 
     @classmethod
     def from_op(cls, values: List[float]) -> "GroupRule":
         """The rule :meth:`to_op` flattened (a bool field is 0.0 or 1.0 there)."""
-        fields = dataclasses.fields(cls)
-        return cls(**{field.name: (value != 0.0 if field.type in (bool, "bool") else value)
-                      for field, value in zip(fields, values)})
+        return cls(**{name: (value != 0.0 if flag else value) for (name, flag), value in zip(_RULE_FIELDS, values)})
 
     def kernel_args(self) -> Dict[str, object]:
         """The keywords of a backend's group op (:func:`portable_group_targets`): every field
         the op itself applies."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                if not field.metadata.get("before_op")}
+        return {name: getattr(self, name) for name in _KERNEL_FIELDS}
+
+
+# (name, is a flag) of every field, and the names of those the group op applies, read once.
+_RULE_FIELDS = tuple((field.name, field.type in (bool, "bool")) for field in dataclasses.fields(GroupRule))
+_KERNEL_FIELDS = tuple(field.name for field in dataclasses.fields(GroupRule) if not field.metadata.get("before_op"))
 
 
 # ----------------------------------------------------------------------------- the batch layout

@@ -34,6 +34,7 @@ from .group_math import GroupRule, candidate_layout, group_sum, portable_group_t
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
 from .ops.group import GroupObjective, LossWeights
 from .ops.logprobs import rows_matrix
+from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
 from .backends.row_summary import RowSummary
@@ -175,7 +176,7 @@ def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -
 
 def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
     """``[M]`` bool: the tokens of the groups that can carry a gradient, the candidates of a fused
-    head's logits cache. On-policy with the anchor and no KL term, a group whose standardized
+    head's logits cache of a bounded budget. On-policy with the anchor and no KL term, a group whose standardized
     scores are all 0 (its scores tie) has ``q == p`` bit for bit, so its tokens' gradient is
     exactly 0 and the backward never reads their logits: the cache's slots go to the others.
     Decided from the scores alone by the group op of the same ``rule`` the loss runs (no
@@ -185,7 +186,8 @@ def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
     weights, batch = plan.weights, plan.batch
     if not isinstance(plan.rows, HeadRows) or gather is not None:
         return None
-    if not plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0]):
+    budget = plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0])
+    if not budget or budget >= EVERY_ROW:  # no cache, or one of every row: no slot to give away
         return None
     if not torch.is_grad_enabled():  # nothing is cached without a backward
         return None

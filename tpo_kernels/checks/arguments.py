@@ -261,8 +261,12 @@ def _check_batch_scalars(batch):
     if group_size is not None and batch.group_ids is None:
         # An int64 (the ranks' agreement records carry it): a larger one can divide no batch.
         group_size = check_int("group_size", group_size, 1, INT64_MAX, "K contiguous completions per prompt")
-    return dataclasses.replace(batch, group_size=group_size, ignore_index=check_ignore_index(batch.ignore_index),
-                               beta=check_beta(batch.beta))
+    checked = {"group_size": group_size, "ignore_index": check_ignore_index(batch.ignore_index),
+               "beta": check_beta(batch.beta)}
+    if all(type(value) is type(getattr(batch, name)) and value == getattr(batch, name)  # noqa: E721
+           for name, value in checked.items()):
+        return batch  # already as checked (the defaults): no copy
+    return dataclasses.replace(batch, **checked)
 
 
 def check_row_options(options, ignore_index):
