@@ -30,10 +30,10 @@ from .checks import placement
 from . import distributed
 from .checks.arguments import CallFlags
 from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
+from .plan.call import rows_matrix
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
 from .ops.group import GroupObjective, LossWeights
-from .ops.logprobs import rows_matrix
 from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest

@@ -350,6 +350,13 @@ def check_integer_tensor(name: str, x, device: torch.device, reference: str) -> 
     return x
 
 
+def check_batch_tensors(labels, scores, device: torch.device, input_name: str) -> None:
+    """A sequence batch's labels (an integer tensor) and scores (a tensor) on ``device``: their
+    metadata in one pass; their shapes and values are the batch's (:mod:`tpo_kernels.checks.batches`)."""
+    check_integer_tensor("labels", labels, device, input_name)
+    check_tensor("scores", scores, device, input_name)
+
+
 def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:
     check_float_tensor("logits", logits, ndims)
     reject_meta("logits", logits)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
-from .arguments import check_integer_dtype, check_integer_tensor, check_tensor, reject_meta
+from .arguments import check_batch_tensors, check_integer_dtype, check_integer_tensor, check_tensor, reject_meta
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -67,13 +67,15 @@ def _label_error(labels: Tensor, bad: Tensor, vocab_size: int) -> ValueError:
 
 def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch.device, input_name: str,
                    ignore_index, validate: bool, mask: Optional[Tensor] = None,
-                   checks: Optional[ValueChecks] = None) -> Tensor:
+                   checks: Optional[ValueChecks] = None, metadata_checked: bool = False) -> Tensor:
     """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
     or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
     ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
     shards are placed): added to ``checks`` when given, else read back here. ``ignore_index``:
-    checked with the call's settings (:func:`~tpo_kernels.checks.arguments.check_ignore_index`)."""
-    check_integer_tensor("labels", labels, device, input_name)
+    checked with the call's settings (:func:`~tpo_kernels.checks.arguments.check_ignore_index`);
+    ``metadata_checked``: the labels' type, dtype and device too (a batch's, with its scores)."""
+    if not metadata_checked:
+        check_integer_tensor("labels", labels, device, input_name)
     if tuple(labels.shape) != tuple(token_shape):
         raise ValueError(
             f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
@@ -181,12 +183,15 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
 
 
 def check_scores(scores, shape: Tuple[int, ...], device: torch.device, input_name: str,
-                 acc: torch.dtype, checks: Optional[ValueChecks], shape_name: str) -> Tensor:
+                 acc: torch.dtype, checks: Optional[ValueChecks], shape_name: str,
+                 metadata_checked: bool = False) -> Tensor:
     """Scores as float64 whatever ``acc``: the group math standardizes them in float64 (fp32 would
     lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution).
     Finiteness is added to ``checks`` (None: not checked). The message formats ``shape`` only on
-    failure: formatting a symbolic size would pin it under torch.compile(dynamic=True)."""
-    check_tensor("scores", scores, device, input_name)
+    failure: formatting a symbolic size would pin it under torch.compile(dynamic=True).
+    ``metadata_checked``: the scores' type and device already checked (with a batch's labels)."""
+    if not metadata_checked:
+        check_tensor("scores", scores, device, input_name)
     if scores.dtype == torch.bool or scores.dtype.is_complex:
         raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
     if tuple(scores.shape) != shape:
@@ -288,9 +293,10 @@ def prepare_batch(
     if mask is not None:
         flat_mask = _check_mask(mask, token_shape, device, input_name, checks)
         counted = flat_mask if counted is None else counted & flat_mask
+    check_batch_tensors(labels, scores, device, input_name)  # one pass over their metadata
     flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
-                                 mask=counted, checks=checks)
-    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]")
+                                 mask=counted, checks=checks, metadata_checked=True)
+    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]", metadata_checked=True)
     valid = flat_labels >= 0
     all_counted = any_counted = None
     if validate:

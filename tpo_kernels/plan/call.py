@@ -21,7 +21,6 @@ from torch import Tensor
 from ..backends.row_summary import compute_dtype
 from ..backends import resolve_backend_key
 from ..ops import HeadTiles, RowRequest, TilePolicy
-from ..ops.logprobs import logits_rows
 from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Placement, SequenceRequest
 from ..requests import Source
 from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad_accum_dtype, check_head,
@@ -154,6 +153,43 @@ def _resolve_source(source: Source, where: Placement):
                     grad_accum_dtype=source.grad_accum_dtype, tile_policy=source.tile_policy,
                     logits_cache_bytes=source.logits_cache_bytes), shard, None
     return source, None, None
+
+
+# ----------------------------------------------------------------------------- row layouts
+
+# How the log-prob row op reads logits: a matrix in place, a strided batch in place, or a copy.
+
+
+def rows_matrix(x: Tensor) -> Tuple[Tensor, bool]:
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
+    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
+    width = x.shape[-1]
+    row_stride = _flat_row_stride(x)
+    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
+        return x.reshape(-1, width), False  # a view
+    return x.reshape(-1, width).contiguous(), True
+
+
+def logits_rows(x: Tensor, sharded: bool = False) -> Tuple[Tensor, bool]:
+    """:func:`rows_matrix` for the log-prob row op, which also reads ``[B, T, V]`` logits whose
+    rows do not flatten into one row stride (``logits[:, :-1]``) in one launch: such logits pass
+    as they are, instead of a copy (which would triple the peak memory of the logits path). A
+    vocabulary shard's row op takes a matrix."""
+    if (not sharded and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
+            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
+        return x, False
+    return rows_matrix(x)
+
+
+def _flat_row_stride(x: Tensor) -> Optional[int]:
+    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
+    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
+    apart than those within one). Size-1 dims do not count."""
+    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
+        if outer_stride != inner_size * inner_stride:
+            return None
+    return dims[-1][1] if dims else x.shape[-1]
 
 
 # ----------------------------------------------------------------------------- settings and rows
