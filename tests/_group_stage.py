@@ -13,7 +13,7 @@ from torch import Tensor
 
 from tpo_kernels import reference
 from tpo_kernels.backends import backend_key, get_backend
-from tpo_kernels.group_math import GroupResult, build_layout, length_weights, segment_sum
+from tpo_kernels.group_math import GroupResult, GroupRule, build_layout, length_weights, segment_sum
 from tpo_kernels.ops.group import group_targets
 
 
@@ -38,6 +38,6 @@ def group_stage_loss(logits: Tensor, labels: Tensor, scores: Tensor, *, backend:
     elif old_logprobs is not None:  # per completion: as given
         old_seq = old_logprobs.to(torch.float64)
     key = backend_key(get_backend(backend, token_lp.device))
-    result = group_targets(token_lp, layout, scores.to(torch.float64), old_seq_logprobs=old_seq, eta=eta,
-                           anchor=anchor, score_eps=score_eps, backend=key)
+    rule = GroupRule(eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize)
+    result = group_targets(token_lp, layout, scores.to(torch.float64), old_seq_logprobs=old_seq, rule=rule, backend=key)
     return result.group_loss.mean(), result

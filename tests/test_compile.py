@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import tpo_kernels
+from tpo_kernels.group_math import GroupRule
+from tpo_kernels.ops import RowRequest
 
 from _backends import backend_available, backend_params, needs_triton
 
@@ -88,16 +90,17 @@ def test_custom_ops_pass_opcheck(op):
     flat_labels = torch.where(flat_labels >= 0, flat_labels, -1)
     logits = (hidden @ weight.T).detach().requires_grad_()
     if op == "logprobs":
-        args = (logits, flat_labels, 1.0, True, False, "torch")
+        args = (logits, flat_labels, RowRequest(token_fields=("entropy",)).to_op(), False, "torch")
     elif op == "linear_logprobs":
-        args = (hidden, weight, None, flat_labels, 1.0, True, 8, 4, 1 << 20, torch.float32, "torch")
+        args = (hidden, weight, None, flat_labels, RowRequest(token_fields=("entropy",)).to_op(), 8, 4, 1 << 20,
+                torch.float32, "torch")
     elif op == "group_targets":
         from tpo_kernels.group_math import build_layout
         from tpo_kernels.ops.group import layout_op_args
 
         layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
         token_lp = (-torch.rand(N * T)).requires_grad_()
-        args = (token_lp, *layout_op_args(layout), scores, None, 1.0, True, 1e-6, "torch")  # eta, anchor, score_eps
+        args = (token_lp, *layout_op_args(layout), scores, None, GroupRule(score_eps=1e-6).to_op(), "torch")
     elif op == "candidate_logits":
         args = (logits, candidates, 1.0, "torch")
     else:

@@ -528,7 +528,7 @@ def test_binding_rejects_bad_arguments():
         forward(cpu_backend(), x, lab.float(), with_entropy=False)
     with pytest.raises(ValueError, match="one per row"):
         forward(cpu_backend(), x, lab[:3], with_entropy=False)
-    summary = RowSummary.zeros(4, dtype=torch.float32, device=torch.device("cpu"), with_entropy=False)
+    summary = RowSummary.zeros(4, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="grad_entropy needs the forward's entropy"):
         backward(cpu_backend(), x, lab, summary, out, torch.empty_like(x), ge=out)
     with pytest.raises(ValueError, match="out must have the logits' shape"):

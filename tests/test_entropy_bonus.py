@@ -22,6 +22,7 @@ import torch
 
 import tpo_kernels
 from tpo_kernels import TilePolicy, fused_linear_tpo_loss, reference, tpo_loss
+from tpo_kernels.ops import RowRequest
 
 from _backends import ALL_BACKENDS, DEVICE, backend_params
 from _batches import make_batch
@@ -191,7 +192,7 @@ def test_zero_coefficient_is_bitwise_the_loss_without_it(backend, path):
 
 
 class _RowOpCalls(OpRecorder):
-    """The tpo_kernels row ops called, with their with_entropy argument."""
+    """The tpo_kernels row ops called, with whether their request asks for the entropy."""
 
     def __init__(self):
         super().__init__()
@@ -200,7 +201,8 @@ class _RowOpCalls(OpRecorder):
     def record(self, func, args, kwargs, out):
         name = func._schema.name
         if name in ("tpo_kernels::logprobs", "tpo_kernels::linear_logprobs"):
-            self.calls.append((name, args[5] if name.endswith("linear_logprobs") else args[3]))
+            request = RowRequest.from_op(args[4] if name.endswith("linear_logprobs") else args[2])
+            self.calls.append((name, request.wants("entropy")))
 
 
 def test_one_vocabulary_pass_reads_the_entropy():

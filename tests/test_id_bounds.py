@@ -97,7 +97,7 @@ def test_row_backward_adds_no_one_hot_term_for_labels_outside_the_vocabulary(bac
     # label has a defined gradient: -g p / tau, no one-hot term).
     z = logits.double() * INV_T
     log_p = torch.log_softmax(z, dim=1)
-    summary = RowSummary.zeros(rows, dtype=torch.float32, device=DEVICE, with_entropy=False)
+    summary = RowSummary.zeros(rows, dtype=torch.float32, device=DEVICE)
     summary = dataclasses.replace(
         summary, row_max=logits.amax(dim=1).float(),
         log_sum=(torch.logsumexp(z, dim=1) - logits.amax(dim=1).double() * INV_T).float(),

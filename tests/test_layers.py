@@ -59,3 +59,14 @@ def test_distributed_holds_no_autograd_function():
         tree = ast.parse(path.read_text())
         bases = [ast.unparse(b) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for b in node.bases]
         assert not any("autograd.Function" in b for b in bases), path.name
+
+
+@pytest.mark.parametrize("path", _modules("checks") + _modules("plan"), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_check_pass_and_its_checks_import_no_distributed(path):
+    """The plan resolves the vocabulary itself (plan/vocabulary.py); distributed/ may read the plan,
+    never the reverse: no import circle between the packages. checks/ holds primitive checks and
+    imports nothing of plan/."""
+    above = ("tpo_kernels.distributed", "tpo_kernels.pipeline") + (
+        ("tpo_kernels.plan",) if path.parent.name == "checks" else ())
+    forbidden = [name for name in _imports(path) if name.startswith(above)]
+    assert not forbidden, f"{path.name} imports {forbidden}"

@@ -16,6 +16,7 @@ import torch
 
 import tpo_kernels
 from tpo_kernels import TilePolicy, fused_linear_logprobs, fused_linear_tpo_loss
+from tpo_kernels.ops import RowRequest
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS
 from _dispatch import OpRecorder, ReadBacks
@@ -450,7 +451,8 @@ def test_custom_op_with_the_cache_passes_opcheck():
     h = torch.randn(6, HIDDEN, device=DEVICE, requires_grad=True)
     w = torch.randn(VOCAB, HIDDEN, device=DEVICE, requires_grad=True)
     labels = torch.tensor([0, 3, -1, 5, 36, 2], device=DEVICE)
-    args = (h, w, None, labels, 1.0, True, 4, 4, 1 << 20, torch.float32, "torch", 1.0, None, None, 4 * _row_bytes())
+    request = RowRequest(token_fields=("entropy",)).to_op()
+    args = (h, w, None, labels, request, 4, 4, 1 << 20, torch.float32, "torch", None, 4 * _row_bytes())
     torch.library.opcheck(tpo_kernels.ops.linear._linear_logprobs, args)
     candidates = torch.tensor([True, True, False, False, True, True], device=DEVICE)  # fills the cache
     torch.library.opcheck(tpo_kernels.ops.linear._linear_logprobs, args + (candidates,))

@@ -93,7 +93,7 @@ def test_to_op_and_from_op_round_trip(with_entropy, rows):
     if not with_entropy:  # an absent entropy travels as an empty tensor of the compute dtype
         entropy = flat[FIELD_NAMES.index("entropy")]
         assert entropy.shape == (0,) and entropy.dtype == summary.log_sum.dtype
-    back = RowSummary.from_op(flat, with_entropy=with_entropy)
+    back = RowSummary.from_op(flat, fields=("entropy",) if with_entropy else ())
     for name, value in summary.items():
         assert getattr(back, name) is value, name  # the same tensors, not copies
 
@@ -110,7 +110,7 @@ def test_the_custom_ops_return_one_tensor_per_field():
 def test_select_assign_and_zeros_walk_every_field():
     logits, labels = _rows()
     summary = get_backend("torch", DEVICE).row_forward(logits, labels, inv_temperature=INV_T, with_entropy=True)
-    whole = RowSummary.zeros(len(LABELS), dtype=torch.float32, device=DEVICE, with_entropy=True)
+    whole = RowSummary.zeros(len(LABELS), dtype=torch.float32, device=DEVICE, fields=("entropy",))
     assert not whole.has_label.any() and whole.has_label.dtype == torch.bool
     for rows in (slice(0, 2), torch.tensor([2, 3, 4, 5], device=DEVICE)):
         whole.assign(rows, summary.select(rows))

@@ -39,11 +39,50 @@ through dense padded tensors (each slot written once) and fixed-order reductions
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+
+# ----------------------------------------------------------------------------- the group rule
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """The settings of the group stage, checked once by the plan and carried whole to the
+    ``tpo_kernels::group_targets`` op (:meth:`to_op`) and from there to the backends' group op,
+    whose launchers copy them into the C++ ``GroupArgs`` / Triton kernel arguments
+    (:meth:`kernel_args`). A new field is agreed on across ranks and reaches every backend's
+    group op without another edit on the way; a field marked ``before_op`` is applied by the
+    group stage around the op instead (:class:`tpo_kernels.ops.group.GroupObjective`)."""
+
+    eta: float = 1.0  # the target's temperature: q = softmax(ell_old + u / eta)
+    anchor: bool = True  # q anchored at the old (on-policy: current) sequence log-probs
+    score_eps: float = 0.0  # near-tie tolerance on a group's score std (see standardize_dense)
+    # Sequence log-probs as means over counted tokens: per-token weights 1/n_i before the op.
+    length_normalize: bool = dataclasses.field(default=False, metadata={"before_op": True})
+
+    def to_op(self) -> List[float]:
+        """Every field as a float, in declaration order: the op schema's ``float[]`` argument."""
+        return [float(getattr(self, name)) for name, _ in _RULE_FIELDS]
+
+    @classmethod
+    def from_op(cls, values: List[float]) -> "GroupRule":
+        """The rule :meth:`to_op` flattened (a bool field is 0.0 or 1.0 there)."""
+        return cls(**{name: (value != 0.0 if flag else value) for (name, flag), value in zip(_RULE_FIELDS, values)})
+
+    def kernel_args(self) -> Dict[str, object]:
+        """The keywords of a backend's group op (:func:`portable_group_targets`): every field
+        the op itself applies."""
+        return {name: getattr(self, name) for name in _KERNEL_FIELDS}
+
+
+# (name, is a flag) of every field, and the names of those the group op applies, read once.
+_RULE_FIELDS = tuple((field.name, field.type in (bool, "bool")) for field in dataclasses.fields(GroupRule))
+_KERNEL_FIELDS = tuple(field.name for field in dataclasses.fields(GroupRule) if not field.metadata.get("before_op"))
 
 
 # ----------------------------------------------------------------------------- the batch layout

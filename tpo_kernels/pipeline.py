@@ -3,8 +3,8 @@
 A public function states its call as a frozen request (:mod:`tpo_kernels.requests`:
 :class:`SequenceRequest`, :class:`LogprobsRequest`, :class:`CandidateRequest`); the pipeline
 
-1. runs the call's check pass (:mod:`tpo_kernels.checks.call`: every check, the placement ones
-   included, before any work), which gives a frozen :class:`~tpo_kernels.checks.call.Plan`:
+1. runs the call's check pass (:mod:`tpo_kernels.plan.call`: every check, the placement ones
+   included, before any work), which gives a frozen :class:`~tpo_kernels.plan.records.Plan`:
    whole or sharded vocabulary, what the row op reads, the prepared batch;
 2. when a group is involved, has the ranks agree on their plans before any collective that
    could wait on a peer (:func:`~tpo_kernels.distributed.agree`): a failed check or a
@@ -20,21 +20,24 @@ checks user input, and ``ops`` does not know ranks exist.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .checks import placement
-from .checks.arguments import LossSettings
 from . import distributed
-from .checks.call import HeadRows, LogitsRows, LogprobRows, Plan, check_call
-from .group_math import candidate_layout, group_sum, portable_group_targets
-from .ops import candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
-from .ops.group import GroupObjective
-from .ops.logprobs import row_transform, rows_matrix
+from .checks.arguments import CallFlags
+from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
+from .plan.call import rows_matrix
+from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
+from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
+from .ops.group import GroupObjective, LossWeights
+from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
+from .backends.row_summary import RowSummary
 
 
 # Every name a setting may take that is longer than a record field: the agreement words a
@@ -47,21 +50,27 @@ distributed.agreement.register_names(
 
 # ----------------------------------------------------------------------------- agreement
 
+# The records whose every field changes the result: the ranks agree on each field by its name, so
+# a new field is agreed on without an edit here. The row request comes last: its per-token fields
+# follow from settings before it (entropy_coef, return_entropy), which a disagreement names first.
+_AGREED_RECORDS = (("rule", GroupRule), ("weights", LossWeights), ("flags", CallFlags), ("row", RowRequest))
+
 
 def _agreed_settings(function: str, plan: Optional[Plan], extra: dict) -> dict:
-    """Everything that changes the result and must be the same on every rank."""
-    names = ("function", "compute dtype", "eta", "anchor", "temperature", "logit_scale", "logit_softcap",
-             "reduction", "return_aux", "return_entropy", "validate", "score_eps", "length_normalize", "beta",
-             "entropy_coef", "old_logprobs", "ref_logprobs", *extra)
-    if plan is None:  # this rank failed its checks: the verdict reports that first
-        return dict.fromkeys(names)
-    s, batch = plan.settings, plan.batch
-    values = (function, str(plan.dtype).replace("torch.", ""), s.eta, s.anchor, 1.0 / s.inv_temperature,
-              s.logit_scale, s.logit_softcap, s.reduction, s.return_aux, s.return_entropy, s.validate,
-              s.score_eps, s.length_normalize, 0.0 if batch is None else batch.beta, s.entropy_coef,
-              batch is not None and batch.old_seq_logprobs is not None,
-              batch is not None and batch.ref_logprobs is not None, *extra.values())
-    return dict(zip(names, values))
+    """Everything that changes the result and must be the same on every rank, by name (None for
+    a record the call has not, and for everything when this rank failed its checks: the verdict
+    reports that first)."""
+    batch = None if plan is None else plan.batch
+    settings = {"function": function, "compute dtype": None if plan is None else str(plan.dtype).replace("torch.", "")}
+    for attribute, record_type in _AGREED_RECORDS:
+        record = None if plan is None else getattr(plan, attribute)
+        for field in dataclasses.fields(record_type):
+            value = None if record is None else getattr(record, field.name)
+            settings[field.name] = ",".join(value) if isinstance(value, tuple) else value  # names travel as text
+    settings["old_logprobs"] = None if plan is None else batch is not None and batch.old_seq_logprobs is not None
+    settings["ref_logprobs"] = None if plan is None else batch is not None and batch.ref_logprobs is not None
+    settings.update(extra if plan is not None else dict.fromkeys(extra))
+    return settings
 
 
 def _record_device(group, plan: Optional[Plan]) -> torch.device:
@@ -94,87 +103,101 @@ def _agree_on_vocabulary(request, group, plan: Optional[Plan], failure: Optional
         shard = distributed.VocabShard.place(shard_request, [c["size"] for c in agreement.counts],
                                              [c["start"] for c in agreement.counts])
         # The labels are the same on every rank (their fingerprints agree): so is this verdict.
-        placement.check_labels_below(plan.labels, shard.vocab_size, plan.settings.validate)
+        placement.check_labels_below(plan.labels, shard.vocab_size, plan.flags.validate)
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
     return shard, None
 
 
-def _agree_on_groups(group, function: str, plan: Optional[Plan], failure: Optional[BaseException], *,
-                     group_size: Optional[int], group_ids: Optional[Tensor], count: int, any_kept: bool,
-                     all_kept: bool, per_item: int = 1, extra: Optional[dict] = None, what: str = "completion"):
+@dataclasses.dataclass(frozen=True)
+class LocalGroups:
+    """What this rank holds of groups split over ``process_group``: ``count`` completions (or
+    states of ``per_item`` candidates each), whether any / all of them are kept, and how they
+    group (``group_size`` over every rank's, or ``group_ids``)."""
+
+    count: int
+    any_kept: bool
+    all_kept: bool
+    group_size: Optional[int] = None
+    group_ids: Optional[Tensor] = None
+    per_item: int = 1
+    what: str = "completion"
+
+
+def _agree_on_groups(group, function: str, plan: Optional[Plan], failure: Optional[BaseException],
+                     local: LocalGroups, extra: Optional[dict] = None):
     """Every rank of ``process_group`` states how many completions (states) it holds and its
     settings; returns ``(GroupGather | None, failure | None)``, the same verdict on every rank."""
-    grouping = "ids" if group_ids is not None else group_size
+    grouping = "ids" if local.group_ids is not None else local.group_size
     settings = _agreed_settings(function, plan, dict(extra or {}, grouping=grouping))
     agreement = distributed.agree(
         group, "process_group", _record_device(group, plan), failure=failure,
-        counts={"count": count, "any kept": int(any_kept), "all kept": int(all_kept)}, settings=settings,
+        counts={"count": local.count, "any kept": int(local.any_kept), "all kept": int(local.all_kept)},
+        settings=settings,
     )
     if agreement.error is not None:
         return None, agreement.error
     sizes = tuple(c["count"] for c in agreement.counts)
     try:
-        placement.check_split_batch(sizes, group_size, [c["any kept"] for c in agreement.counts],
-                                    plan.settings.validate, what)
+        placement.check_split_batch(sizes, local.group_size, [c["any kept"] for c in agreement.counts],
+                                    plan.flags.validate, local.what)
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
-    return distributed.GroupGather(group=group, sizes=tuple(n * per_item for n in sizes),
-                                   group_size=group_size or per_item, group_ids=group_ids,
+    return distributed.GroupGather(group=group, sizes=tuple(n * local.per_item for n in sizes),
+                                   group_size=local.group_size or local.per_item, group_ids=local.group_ids,
                                    all_kept=all(c["all kept"] for c in agreement.counts)), None
 
 
 # ----------------------------------------------------------------------------- row ops
 
 
-def _row_logprobs(plan: Plan, shard, with_entropy: bool,
-                  cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """The row op on the whole vocabulary, or on this rank's shard of it; ``cache_candidates``:
-    the tokens a fused head's logits cache may hold (None: every counted token)."""
-    s, rows = plan.settings, plan.rows
+def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -> RowSummary:
+    """The row op's :class:`RowSummary` on the whole vocabulary, or on this rank's shard of it;
+    ``cache_candidates``: the tokens a fused head's logits cache may hold (None: every counted
+    token). Per-token log-probs a trainer computed come back as a summary of their own."""
+    request, rows = plan.row, plan.rows
     if isinstance(rows, LogprobRows):
-        return torch.where(plan.labels >= 0, rows.logprobs.reshape(-1).to(plan.dtype), 0.0), None
+        counted = plan.labels >= 0
+        logprobs = torch.where(counted, rows.logprobs.reshape(-1).to(plan.dtype), 0.0)
+        unknown = logprobs.new_zeros(()).expand_as(logprobs)  # no row statistics: no vocabulary was read
+        return RowSummary(row_max=unknown, log_sum=unknown, label_logprob=logprobs, entropy=None, has_label=counted)
     if shard is not None:  # a shard's row ops take the scale folded into 1/temperature (no cap)
-        inv_temperature, _ = row_transform(s.inv_temperature, s.logit_scale, None)
         if isinstance(rows, LogitsRows):
-            return shard_logprobs(rows.matrix, plan.labels, shard, inv_temperature=inv_temperature,
-                                  with_entropy=with_entropy, inplace_backward=rows.inplace_backward,
-                                  backend=plan.backend)
+            return shard_logprobs(rows.matrix, plan.labels, shard, request=request.folded(),
+                                  inplace_backward=rows.inplace_backward, backend=plan.backend)
         return shard_linear_logprobs(rows.hidden, rows.weight, rows.bias, plan.labels, shard,
-                                     inv_temperature=inv_temperature, with_entropy=with_entropy,
-                                     chunk_size=rows.tiles.chunk_size, policy=rows.tiles.policy,
-                                     grad_accum_dtype=rows.tiles.grad_accum_dtype, backend=plan.backend)
+                                     request=request.folded(), tiles=rows.tiles, backend=plan.backend)
     if isinstance(rows, LogitsRows):
-        return token_logprobs(rows.matrix, plan.labels, inv_temperature=s.inv_temperature, with_entropy=with_entropy,
-                              inplace_backward=rows.inplace_backward, backend=plan.backend,
-                              logit_scale=s.logit_scale, logit_softcap=s.logit_softcap)
-    return linear_logprobs(rows.hidden, rows.weight, rows.bias, plan.labels, inv_temperature=s.inv_temperature,
-                           logit_scale=s.logit_scale, logit_softcap=s.logit_softcap, with_entropy=with_entropy,
-                           chunk_size=rows.tiles.chunk_size, policy=rows.tiles.policy,
-                           grad_accum_dtype=rows.tiles.grad_accum_dtype, backend=plan.backend,
-                           cache_candidates=cache_candidates)
+        return token_logprobs(rows.matrix, plan.labels, request=request, inplace_backward=rows.inplace_backward,
+                              backend=plan.backend)
+    return linear_logprobs(rows.hidden, rows.weight, rows.bias, plan.labels, request=request, tiles=rows.tiles,
+                           backend=plan.backend, cache_candidates=cache_candidates)
 
 
-def _signal_tokens(plan: Plan, gather) -> Optional[Tensor]:
+def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
     """``[M]`` bool: the tokens of the groups that can carry a gradient, the candidates of a fused
-    head's logits cache. On-policy with the anchor and no KL term, a group whose standardized
+    head's logits cache of a bounded budget. On-policy with the anchor and no KL term, a group whose standardized
     scores are all 0 (its scores tie) has ``q == p`` bit for bit, so its tokens' gradient is
     exactly 0 and the backward never reads their logits: the cache's slots go to the others.
-    Decided from the scores alone, on the device (no read-back). None (every counted token) when
-    there is no cache, or when the gradient's support is not known before the forward: off-policy,
-    without the anchor, with a KL term, or with the groups gathered over ranks."""
-    s, batch = plan.settings, plan.batch
-    if not isinstance(plan.rows, HeadRows) or not plan.rows.tiles.policy.logits_cache_bytes or gather is not None:
+    Decided from the scores alone by the group op of the same ``rule`` the loss runs (no
+    read-back). None (every counted token) when there is no cache, or when the gradient's support
+    is not known before the forward: off-policy, without the anchor, with a KL term, or with the
+    groups gathered over ranks."""
+    weights, batch = plan.weights, plan.batch
+    if not isinstance(plan.rows, HeadRows) or gather is not None:
+        return None
+    budget = plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0])
+    if not budget or budget >= EVERY_ROW:  # no cache, or one of every row: no slot to give away
         return None
     if not torch.is_grad_enabled():  # nothing is cached without a backward
         return None
-    if (not s.anchor or batch.old_seq_logprobs is not None or batch.beta > 0 or s.entropy_coef > 0
+    if (not rule.anchor or batch.old_seq_logprobs is not None or weights.beta > 0 or weights.entropy_coef > 0
             or batch.layout.num_groups == 0):  # an entropy bonus gives every counted token a gradient
         return None
     layout = batch.layout
     # u from the group op itself (u does not depend on the log-probs): one tie rule, not two.
     u = portable_group_targets(torch.zeros(layout.num_tokens, dtype=torch.float64, device=plan.device), layout,
-                               batch.scores, eta=1.0, anchor=True, score_eps=s.score_eps).u
+                               batch.scores, **rule.kernel_args()).u
     signal = group_sum((u != 0).to(torch.float64), layout) > 0
     return (layout.token_seq >= 0) & signal[layout.seq_group[layout.token_seq.clamp(min=0)]]
 
@@ -191,34 +214,29 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         shard, failure = _agree_on_vocabulary(request, checked.vocab_group, plan, failure)
     if data_parallel is not None:
         prepared = None if plan is None else plan.batch
-        gather, failure = _agree_on_groups(
-            data_parallel, request.function, plan, failure, group_size=None if plan is None else plan.group_size,
-            group_ids=None if prepared is None else request.batch.group_ids,
-            count=0 if prepared is None else prepared.layout.num_seqs,
-            any_kept=prepared is not None and prepared.any_kept, all_kept=prepared is None or prepared.kept is None,
-        )
+        local = LocalGroups(count=0 if prepared is None else prepared.layout.num_seqs,
+                            any_kept=prepared is not None and prepared.any_kept,
+                            all_kept=prepared is None or prepared.kept is None,
+                            group_size=None if plan is None else plan.group_size,
+                            group_ids=None if prepared is None else request.batch.group_ids)
+        gather, failure = _agree_on_groups(data_parallel, request.function, plan, failure, local)
     if failure is not None:
         raise failure
 
-    settings, prepared = plan.settings, plan.batch
-    # The entropy bonus reads the token entropy (and sends its gradient) through the row op's own
-    # vocabulary pass: no second pass, no [tokens, vocab] tensor.
-    with_entropy = settings.return_entropy or settings.entropy_coef > 0
-    token_lp, entropy = _row_logprobs(plan, shard, with_entropy, _signal_tokens(plan, gather))
+    prepared = plan.batch
+    summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, gather))
     objective = GroupObjective(
-        prepared.layout, prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs, eta=settings.eta,
-        anchor=settings.anchor, reduction=settings.reduction, backend=plan.backend, beta=prepared.beta,
-        ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0, gather=gather, kept=prepared.kept,
-        score_eps=settings.score_eps, length_normalize=settings.length_normalize,
-        entropy_coef=settings.entropy_coef,
+        prepared.layout, prepared.scores, rule=plan.rule, weights=plan.weights, backend=plan.backend,
+        old_seq_logprobs=prepared.old_seq_logprobs, ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0,
+        gather=gather, kept=prepared.kept,
     )
-    loss = objective.forward(token_lp, entropy)
-    if not settings.return_aux:
+    loss = objective.forward(summary.label_logprob, summary.entropy)
+    if not plan.flags.return_aux:
         return loss
     aux = objective.aux()
     aux["token_logprobs"] = aux["token_logprobs"].view(prepared.token_shape)
-    if settings.return_entropy:
-        aux["token_entropy"] = entropy.detach().view(prepared.token_shape)
+    for name in plan.flags.returned_fields:  # e.g. aux["token_entropy"]
+        aux[f"token_{name}"] = getattr(summary, name).detach().view(prepared.token_shape)
     return loss, aux
 
 
@@ -231,11 +249,12 @@ def selective_logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, 
         shard, failure = _agree_on_vocabulary(request, checked.vocab_group, plan, failure)
     if failure is not None:
         raise failure
-    token_lp, entropy = _row_logprobs(plan, shard, plan.settings.return_entropy)
+    summary = _row_summary(plan, shard)
     shape = request.labels.shape
-    if plan.settings.return_entropy:
-        return token_lp.view(shape), entropy.view(shape)
-    return token_lp.view(shape)
+    if not plan.flags.returned_fields:
+        return summary.label_logprob.view(shape)
+    return (summary.label_logprob.view(shape), *(getattr(summary, name).view(shape)
+                                                 for name in plan.flags.returned_fields))
 
 
 def candidate_loss(request: CandidateRequest) -> LossOutput:
@@ -245,14 +264,13 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
     gather = None
     if data_parallel is not None:
         num_states, num_cand = (0, 0) if plan is None else tuple(plan.rows.candidates.shape)
-        gather, failure = _agree_on_groups(
-            data_parallel, request.function, plan, failure, group_size=None, group_ids=None, count=num_states,
-            any_kept=True, all_kept=True, per_item=num_cand, extra={"candidates per state": num_cand}, what="state",
-        )
+        local = LocalGroups(count=num_states, any_kept=True, all_kept=True, per_item=num_cand, what="state")
+        gather, failure = _agree_on_groups(data_parallel, request.function, plan, failure, local,
+                                           extra={"candidates per state": num_cand})
     if failure is not None:
         raise failure
 
-    settings, key, rows = plan.settings, plan.backend, plan.rows
+    key, rows = plan.backend, plan.rows
     source = request.source
     if isinstance(source, Logits):
         matrix, _ = rows_matrix(source.logits)
@@ -261,15 +279,15 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
     else:
         gather_logits = lambda inv_t: linear_candidate_logits(source.hidden, source.weight, source.bias,  # noqa: E731
                                                               rows.candidates, inv_temperature=inv_t, backend=key)
-    cand = transformed_candidates(gather_logits, settings)
+    cand = transformed_candidates(gather_logits, plan.row)
     num_states, num_cand = cand.shape
     objective = GroupObjective(
         candidate_layout(num_states, num_cand, cand.device), rows.scores.reshape(-1),
-        old_seq_logprobs=None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1), eta=settings.eta,
-        anchor=settings.anchor, reduction=settings.reduction, backend=key, gather=gather, score_eps=settings.score_eps,
+        rule=plan.rule, weights=plan.weights, backend=key, gather=gather,
+        old_seq_logprobs=None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1),
     )
     loss = objective.forward(cand.reshape(-1))
-    if not settings.return_aux:
+    if not plan.flags.return_aux:
         return loss
     aux = objective.aux()
     state_loss = aux.pop("group_loss")
@@ -284,11 +302,11 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
 # ----------------------------------------------------------------------------- candidates
 
 
-def transformed_candidates(gather: Callable[[float], Tensor], settings: LossSettings) -> Tensor:
+def transformed_candidates(gather: Callable[[float], Tensor], request: RowRequest) -> Tensor:
     """Tempered candidate logits through the logit transform. ``gather(inv_temperature)`` gives
     ``[R, K]`` candidate logits times that factor: the scale folds in without a cap; with one,
     the raw logits are gathered and capped in plain autograd (``[R, K]`` entries only)."""
-    factor, transform = row_transform(settings.inv_temperature, settings.logit_scale, settings.logit_softcap)
+    factor, transform = request.transform()
     if transform is None:
         return gather(factor)
     return transform.differentiable(gather(1.0)) * factor

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -76,15 +76,15 @@ class RowSummary:
                 value[rows] = getattr(part, name)
 
     @staticmethod
-    def zeros(rows: int, *, dtype: torch.dtype, device: torch.device, with_entropy: bool) -> "RowSummary":
+    def zeros(rows: int, *, dtype: torch.dtype, device: torch.device, fields: Iterable[str] = ()) -> "RowSummary":
         """A summary of ``rows`` rows that do not count (every value 0, no label), in ``dtype``
-        (the compute dtype); the entropy only ``with_entropy``."""
+        (the compute dtype); of the optional fields (:data:`OPTIONAL_FIELDS`) only ``fields``."""
 
         def zero(field_dtype: torch.dtype = dtype) -> Tensor:
             return torch.zeros(rows, dtype=field_dtype, device=device)
 
-        return RowSummary(row_max=zero(), log_sum=zero(), label_logprob=zero(),
-                          entropy=zero() if with_entropy else None, has_label=zero(torch.bool))
+        return RowSummary(**{name: (None if name in OPTIONAL_FIELDS and name not in fields
+                                    else zero(torch.bool if name == "has_label" else dtype)) for name in FIELD_NAMES})
 
     # ------------------------------------------------------------------ through a custom op
 
@@ -92,18 +92,19 @@ class RowSummary:
         """The fields as the tensors a ``torch.library`` custom op returns or takes (a ``Tensor[]``
         argument), in declaration order; an absent field is an empty tensor of the compute dtype.
         :meth:`from_op` reads them back; :func:`op_outputs` is the return annotation."""
-        empty = self.log_sum.new_empty(0)
-        return tuple(empty if value is None else value for _, value in self.items())
+        # One empty tensor per absent field: a custom op's outputs may not alias each other.
+        return tuple(self.log_sum.new_empty(0) if value is None else value for _, value in self.items())
 
     @staticmethod
-    def from_op(tensors: Sequence[Optional[Tensor]], *, with_entropy: bool) -> "RowSummary":
+    def from_op(tensors: Sequence[Optional[Tensor]], *, fields: Iterable[str] = ()) -> "RowSummary":
         """The summary :meth:`to_op` flattened (or, field by field, the gradients of those tensors,
-        None where none arrived); ``with_entropy`` says whether the entropy is present (an empty
+        None where none arrived); ``fields`` says which optional fields are present (an empty
         tensor cannot: a batch of no rows has one)."""
-        fields = dict(zip(FIELD_NAMES, tensors))
-        if not with_entropy:
-            fields["entropy"] = None
-        return RowSummary(**fields)
+        values = dict(zip(FIELD_NAMES, tensors))
+        for name in OPTIONAL_FIELDS:
+            if name not in fields:
+                values[name] = None
+        return RowSummary(**values)
 
     # ------------------------------------------------------------------ the merge
 
@@ -139,6 +140,15 @@ class RowSummary:
 
 
 FIELD_NAMES: Tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RowSummary))
+# The per-token fields a row op computes only on request (``RowRequest.token_fields``): the optional ones.
+OPTIONAL_FIELDS: Tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RowSummary)
+                                         if "Optional" in str(field.type))
+
+
+def row_flags(fields: Iterable[str]) -> Dict[str, bool]:
+    """The keywords of a backend's ``row_forward`` that ask for the optional ``fields``:
+    ``with_<name>`` for each optional field."""
+    return {f"with_{name}": name in fields for name in OPTIONAL_FIELDS}
 
 
 def op_outputs(extra: int = 0):
@@ -147,4 +157,4 @@ def op_outputs(extra: int = 0):
     return Tuple[(Tensor,) * (len(FIELD_NAMES) + extra)]
 
 
-__all__ = ["FIELD_NAMES", "FLOAT_DTYPES", "RowSummary", "compute_dtype", "op_outputs"]
+__all__ = ["FIELD_NAMES", "FLOAT_DTYPES", "OPTIONAL_FIELDS", "RowSummary", "compute_dtype", "op_outputs", "row_flags"]

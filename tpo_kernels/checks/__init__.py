@@ -1,7 +1,8 @@
-"""Every input check of the public API, one copy each, in the order a call meets them:
-:mod:`.call` (the check pass of a call, which gives its frozen plan), :mod:`.arguments` (one
-argument each), :mod:`.batches` (a batch as flat rows and a layout) and :mod:`.placement` (where
-the data lives across ranks; entered only by a distributed call).
+"""Every input check of the public API, one copy each: :mod:`.arguments` (one argument each, and a
+call's settings in one pass), :mod:`.batches` (a batch as flat rows and a layout) and
+:mod:`.placement` (where the data lives across ranks; entered only by a distributed call). The
+check pass of a call, which runs them in call order and gives its frozen plan, is
+:mod:`tpo_kernels.plan.call`.
 
 Checks run in Python before any kernel launch and raise ``ValueError`` / ``TypeError`` naming
 the argument. Checks of metadata (types, shapes, dtypes, devices, hyper-parameters) are free;

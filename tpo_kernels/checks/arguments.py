@@ -1,10 +1,11 @@
-"""Checks of one argument each: scalars and the loss settings, tensors (types, shapes, dtypes,
-devices)."""
+"""Checks of one argument each: scalars, tensors (types, shapes, dtypes, devices); and the settings
+of a call checked in one pass into its stages' records (:func:`check_options`)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -13,6 +14,9 @@ import torch
 from torch import Tensor
 
 from ..backends.row_summary import FLOAT_DTYPES
+from ..group_math import GroupRule
+from ..ops.group import LossWeights
+from ..ops.logprobs import RowRequest
 
 REDUCTIONS = ("mean", "sum", "none")
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # the ops, the agreement records and the labels hold int64
@@ -204,47 +208,77 @@ def check_entropy_coef(entropy_coef) -> float:
     return _check_term_weight("entropy_coef", entropy_coef, "the mean token entropy subtracted from the loss")
 
 
+# ----------------------------------------------------------------------------- the settings records
+
+
 @dataclass(frozen=True)
-class LossSettings:
-    """The checked hyper-parameters every TPO loss takes."""
+class CallFlags:
+    """What a call returns beside its result, and whether its values are checked."""
 
-    eta: float
-    anchor: bool
-    inv_temperature: float
-    reduction: str
-    return_aux: bool
-    validate: bool
+    validate: bool = True
+    return_aux: bool = False
     return_entropy: bool = False
-    logit_scale: float = 1.0
-    logit_softcap: Optional[float] = None
-    score_eps: float = 1e-6
-    length_normalize: bool = False
-    entropy_coef: float = 0.0
+
+    @property
+    def returned_fields(self) -> Tuple[str, ...]:
+        """The per-token fields of the row op a call returns (in aux, or beside the log-probs)."""
+        return ("entropy",) if self.return_entropy else ()
 
 
-def check_settings(*, eta, anchor, temperature, reduction, return_aux, validate, return_entropy=False,
-                   logit_scale=1.0, logit_softcap=None, score_eps=1e-6, length_normalize=False,
-                   entropy_coef=0.0) -> LossSettings:
-    eta = check_positive("eta", eta)
-    inv_temperature = 1.0 / check_positive("temperature", temperature)
-    logit_scale, logit_softcap = check_logit_transform(logit_scale, logit_softcap, inv_temperature)
-    settings = LossSettings(
-        eta=eta,
-        anchor=check_flag("anchor", anchor),
-        inv_temperature=inv_temperature,
-        reduction=check_reduction(reduction),
-        return_aux=check_flag("return_aux", return_aux),
-        validate=check_flag("validate", validate),
-        return_entropy=check_flag("return_entropy", return_entropy),
-        logit_scale=logit_scale,
-        logit_softcap=logit_softcap,
-        score_eps=check_score_eps(score_eps),
-        length_normalize=check_flag("length_normalize", length_normalize),
-        entropy_coef=check_entropy_coef(entropy_coef),
-    )
-    if settings.return_entropy and not settings.return_aux:
+def check_options(options, batch=None, temperature: Optional[float] = None):
+    """``(RowRequest, GroupRule, LossWeights, CallFlags, batch)`` of a loss's settings (a
+    :class:`tpo_kernels.requests.Options`), each checked and built once, in one pass; ``batch``
+    (a :class:`tpo_kernels.requests.Batch`, or None for token-level TPO) comes back with its
+    scalars checked (``beta`` joins the weights). ``temperature``: in place of the options' (1 for
+    log-probs a trainer computed)."""
+    eta = check_positive("eta", options.eta)
+    inv_temperature = 1.0 / check_positive("temperature", options.temperature if temperature is None else temperature)
+    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
+    anchor = check_flag("anchor", options.anchor)
+    reduction = check_reduction(options.reduction)
+    flags = CallFlags(return_aux=check_flag("return_aux", options.return_aux),
+                      validate=check_flag("validate", options.validate),
+                      return_entropy=check_flag("return_entropy", options.return_entropy))
+    rule = GroupRule(eta=eta, anchor=anchor, score_eps=check_score_eps(options.score_eps),
+                     length_normalize=check_flag("length_normalize", options.length_normalize))
+    weights = LossWeights(reduction=reduction, entropy_coef=check_entropy_coef(options.entropy_coef))
+    if batch is not None:
+        batch = _check_batch_scalars(batch)
+        weights = LossWeights(reduction=reduction, beta=batch.beta, entropy_coef=weights.entropy_coef)
+    if flags.return_entropy and not flags.return_aux:
         raise ValueError("return_entropy=True puts the token entropy in aux['token_entropy']: pass return_aux=True too")
-    return settings
+    # The entropy bonus reads the token entropy (and sends its gradient) through the row op's own
+    # vocabulary pass: no second pass, no [tokens, vocab] tensor.
+    needed = ("entropy",) if weights.entropy_coef > 0 else ()
+    row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
+                     token_fields=tuple(sorted(set(flags.returned_fields + needed))))
+    return row, rule, weights, flags, batch
+
+
+def _check_batch_scalars(batch):
+    """``batch`` with its scalar arguments checked (the tensors are checked with the batch)."""
+    group_size = batch.group_size
+    if group_size is not None and batch.group_ids is None:
+        # An int64 (the ranks' agreement records carry it): a larger one can divide no batch.
+        group_size = check_int("group_size", group_size, 1, INT64_MAX, "K contiguous completions per prompt")
+    checked = {"group_size": group_size, "ignore_index": check_ignore_index(batch.ignore_index),
+               "beta": check_beta(batch.beta)}
+    if all(type(value) is type(getattr(batch, name)) and value == getattr(batch, name)  # noqa: E721
+           for name, value in checked.items()):
+        return batch  # already as checked (the defaults): no copy
+    return dataclasses.replace(batch, **checked)
+
+
+def check_row_options(options, ignore_index):
+    """``(RowRequest, CallFlags, ignore_index)`` of the per-token log-probs' settings, checked: no
+    group stage."""
+    inv_temperature = 1.0 / check_positive("temperature", options.temperature)
+    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
+    flags = CallFlags(validate=check_flag("validate", options.validate),
+                      return_entropy=check_flag("return_entropy", options.return_entropy))
+    row = RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=cap,
+                     token_fields=flags.returned_fields)
+    return row, flags, check_ignore_index(ignore_index)
 
 
 def check_tile_policy(tile_policy, policy_type: type) -> None:
@@ -316,12 +350,24 @@ def check_integer_tensor(name: str, x, device: torch.device, reference: str) -> 
     return x
 
 
+def check_batch_tensors(labels, scores, device: torch.device, input_name: str) -> None:
+    """A sequence batch's labels (an integer tensor) and scores (a tensor) on ``device``: their
+    metadata in one pass; their shapes and values are the batch's (:mod:`tpo_kernels.checks.batches`)."""
+    check_integer_tensor("labels", labels, device, input_name)
+    check_tensor("scores", scores, device, input_name)
+
+
 def check_logits(logits, ndims: Tuple[int, ...] = (2, 3)) -> Tensor:
     check_float_tensor("logits", logits, ndims)
     reject_meta("logits", logits)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension")
     return logits
+
+
+def check_logits_source(logits, inplace_backward) -> Tuple[Tensor, bool]:
+    """``(logits, inplace_backward)`` of a :class:`tpo_kernels.requests.Logits` source, checked."""
+    return check_logits(logits), check_flag("inplace_backward", inplace_backward)
 
 
 def check_head(hidden, weight, bias, hidden_ndims: Tuple[int, ...] = (2, 3), same_dtype: bool = False) -> None:

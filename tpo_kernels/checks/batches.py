@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout, length_weights, segment_sum
-from .arguments import (INT64_MAX, check_beta, check_ignore_index, check_int, check_integer_dtype,
-                        check_integer_tensor, check_tensor, reject_meta)
+from .arguments import check_batch_tensors, check_integer_dtype, check_integer_tensor, check_tensor, reject_meta
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -68,17 +67,19 @@ def _label_error(labels: Tensor, bad: Tensor, vocab_size: int) -> ValueError:
 
 def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch.device, input_name: str,
                    ignore_index, validate: bool, mask: Optional[Tensor] = None,
-                   checks: Optional[ValueChecks] = None) -> Tensor:
+                   checks: Optional[ValueChecks] = None, metadata_checked: bool = False) -> Tensor:
     """Flat int64 ``[M]`` labels with -1 at the positions that do not count (``ignore_index``,
     or False in the flat bool ``mask``); with ``validate``, counted ids are checked to lie in
     ``[0, vocab_size)`` (``[0, inf)`` for ``vocab_size`` None, a shard's vocabulary before the
-    shards are placed): added to ``checks`` when given, else read back here."""
-    check_integer_tensor("labels", labels, device, input_name)
+    shards are placed): added to ``checks`` when given, else read back here. ``ignore_index``:
+    checked with the call's settings (:func:`~tpo_kernels.checks.arguments.check_ignore_index`);
+    ``metadata_checked``: the labels' type, dtype and device too (a batch's, with its scores)."""
+    if not metadata_checked:
+        check_integer_tensor("labels", labels, device, input_name)
     if tuple(labels.shape) != tuple(token_shape):
         raise ValueError(
             f"labels must have shape {tuple(token_shape)} (the leading dims of {input_name}), got {tuple(labels.shape)}"
         )
-    ignore_index = check_ignore_index(ignore_index)
     # Compared as int64, the labels' value range: in a narrower dtype torch would wrap
     # ignore_index (an int32 label 1 would equal 2**32 + 1).
     flat = labels.reshape(-1).to(torch.int64)
@@ -167,9 +168,7 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
     (its divisibility is checked once the ranks' sizes are known)."""
     if (group_size is None) == (group_ids is None):
         raise ValueError("pass exactly one of group_size (K contiguous completions per prompt) or group_ids [N]")
-    if group_size is not None:
-        # An int64 (the ranks' agreement records carry it): a larger one can divide no batch.
-        group_size = check_int("group_size", group_size, 1, INT64_MAX, "K contiguous completions per prompt")
+    if group_size is not None:  # an int >= 1, checked with the call's settings
         if group_size == 1 and not torch.compiler.is_compiling():
             warnings.warn("group_size=1: every group holds a single completion, whose target is itself (p = q = 1), "
                           "so the loss is 0 and trains nothing; pass the number of completions per prompt (>= 2)",
@@ -184,12 +183,15 @@ def check_grouping(group_size, group_ids, num_seqs: int, device: torch.device, i
 
 
 def check_scores(scores, shape: Tuple[int, ...], device: torch.device, input_name: str,
-                 acc: torch.dtype, checks: Optional[ValueChecks], shape_name: str) -> Tensor:
+                 acc: torch.dtype, checks: Optional[ValueChecks], shape_name: str,
+                 metadata_checked: bool = False) -> Tensor:
     """Scores as float64 whatever ``acc``: the group math standardizes them in float64 (fp32 would
     lose spreads below ~1e-22 or above ~1e19, and float64 scores closer than fp32 resolution).
     Finiteness is added to ``checks`` (None: not checked). The message formats ``shape`` only on
-    failure: formatting a symbolic size would pin it under torch.compile(dynamic=True)."""
-    check_tensor("scores", scores, device, input_name)
+    failure: formatting a symbolic size would pin it under torch.compile(dynamic=True).
+    ``metadata_checked``: the scores' type and device already checked (with a batch's labels)."""
+    if not metadata_checked:
+        check_tensor("scores", scores, device, input_name)
     if scores.dtype == torch.bool or scores.dtype.is_complex:
         raise TypeError(f"scores must be a real tensor, got {scores.dtype}")
     if tuple(scores.shape) != shape:
@@ -229,21 +231,13 @@ def _check_float_values(name: str, x, device, input_name: str) -> None:
 
 
 def prepare_batch(
+    batch,
+    labels,
     token_shape: Tuple[int, ...],
+    *,
     vocab_size: Optional[int],
     device: torch.device,
     acc: torch.dtype,
-    labels,
-    scores,
-    *,
-    group_size=None,
-    group_ids=None,
-    cu_seqlens=None,
-    mask=None,
-    ignore_index=-100,
-    old_logprobs=None,
-    ref_logprobs=None,
-    beta=0.0,
     input_name: str = "logits",
     validate: bool = True,
     whole: bool = True,
@@ -251,6 +245,9 @@ def prepare_batch(
     logprobs: Optional[Tensor] = None,
 ) -> PreparedBatch:
     """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout.
+
+    ``batch``: the call's :class:`tpo_kernels.requests.Batch`, its scalars already checked with the
+    settings (:func:`~tpo_kernels.checks.arguments.check_options`); ``labels`` in place of its own.
 
     ``vocab_size`` None: a vocabulary shard's, not known yet (the upper bound of the labels is
     checked once the shards are placed). ``whole=False``: this rank's part of a batch split over
@@ -260,6 +257,9 @@ def prepare_batch(
     tokens instead of the sum (per-completion ones are used as given). ``logprobs``: the per-token
     log-probs of :func:`tpo_kernels.tpo_loss_from_logprobs`, checked (with ``validate``) at
     counted tokens by the rule of ``old_logprobs``."""
+    scores, group_size, group_ids, cu_seqlens, mask = (batch.scores, batch.group_size, batch.group_ids,
+                                                       batch.cu_seqlens, batch.mask)
+    ignore_index, old_logprobs, ref_logprobs, beta = batch.ignore_index, batch.old_logprobs, batch.ref_logprobs, batch.beta
     token_shape = tuple(token_shape)
     if len(token_shape) == 2:
         if cu_seqlens is not None:
@@ -293,9 +293,10 @@ def prepare_batch(
     if mask is not None:
         flat_mask = _check_mask(mask, token_shape, device, input_name, checks)
         counted = flat_mask if counted is None else counted & flat_mask
+    check_batch_tensors(labels, scores, device, input_name)  # one pass over their metadata
     flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
-                                 mask=counted, checks=checks)
-    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]")
+                                 mask=counted, checks=checks, metadata_checked=True)
+    scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]", metadata_checked=True)
     valid = flat_labels >= 0
     all_counted = any_counted = None
     if validate:
@@ -338,7 +339,6 @@ def prepare_batch(
                            lambda: ValueError("old_logprobs must be finite at counted tokens"))
 
     # KL-to-reference (k3) term.
-    beta = check_beta(beta)
     ref_flat = None
     if beta > 0:
         if ref_logprobs is None:

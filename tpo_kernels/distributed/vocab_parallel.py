@@ -1,11 +1,12 @@
-"""Vocabulary-parallel heads and logits: where this rank's shard lies, and the seam that joins the
-shards (per-token partials merged in rank order, ``dH`` summed)."""
+"""Vocabulary-parallel heads and logits: the seam that joins the shards (per-token partials merged
+in rank order, ``dH`` summed). Where this rank's shard lies is resolved with the call's plan
+(:mod:`tpo_kernels.plan.vocabulary`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from ..backends.row_summary import RowSummary
 from ..checks import placement
-from ..checks.call import is_dtensor
+from ..plan.vocabulary import ShardRequest, vocab_parallel_head, vocab_shard  # noqa: F401 - the package's names
 from .collectives import all_gather_stacked, all_reduce_sum
 
 
@@ -54,86 +55,3 @@ class VocabShard:
     def sum_hidden_grad(self, grad_hidden: Tensor) -> Tensor:
         """``dH`` summed over the shards (the all-reduce of any tensor-parallel linear layer)."""
         return all_reduce_sum(grad_hidden, self.group, "hidden_grad")
-
-
-def dtensor_vocab_group(x, dim: int):
-    """The process group of the mesh dimension a DTensor is sharded over along ``dim`` (the
-    first such one), or None; no check (the group a rank reports a failed check on)."""
-    from torch.distributed.tensor import Shard  # noqa: PLC0415
-
-    dim = dim % x.dim()
-    for mesh_dim, p in enumerate(x.placements):
-        if type(p) is Shard and p.dim == dim:
-            return x.device_mesh.get_group(mesh_dim)
-    return None
-
-
-def _dtensor_shard(name: str, x, dim: int, group, start: Optional[int]) -> Tuple[Tensor, "ShardRequest"]:
-    """The local shard of a DTensor sharded along ``dim`` (the vocabulary) on one mesh
-    dimension and replicated on the others."""
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
-
-    dim = dim % x.dim()
-    mesh, placements = x.device_mesh, x.placements
-    sharded = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == dim]
-    others = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in sharded)
-    placement.check_dtensor_vocab(name, dim, placements, sharded, others)
-    mesh_dim = sharded[0]
-    mesh_group = mesh.get_group(mesh_dim)
-    world, coord, vocab = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim), x.shape[dim]
-    chunk = -(-vocab // world)  # DTensor's Shard splits like torch.chunk
-    shard_start = min(coord * chunk, vocab)
-    local = x.to_local()
-    placement.check_dtensor_shard(name, group, mesh_group, start, shard_start, local.shape[dim],
-                                  min(chunk, vocab - shard_start), vocab, world)
-    return local, ShardRequest(mesh_group, local.shape[dim], shard_start)
-
-
-def vocab_shard(name: str, x, group, start, dim: int = -1) -> Tuple[Tensor, Optional["ShardRequest"]]:
-    """Resolve a possibly vocabulary-sharded input without any collective: ``(local tensor,
-    shard request or None)``. A DTensor sharded along ``dim`` gives its local shard, its mesh
-    dimension's group and its offset; a plain tensor with ``group`` is this rank's contiguous
-    shard, at ``start`` or (None) after the lower ranks' shards. The pipeline exchanges every
-    rank's request with its checks and then places the shards (:meth:`VocabShard.place`)."""
-    start = placement.check_vocab_start_index(start, group) if not is_dtensor(x) else start
-    if is_dtensor(x):
-        return _dtensor_shard(name, x, dim, group, start)
-    if group is None:
-        return x, None
-    placement.check_group("vocab_parallel_group", group)
-    placement.check_shard_size(name, x, dim)
-    return x, ShardRequest(group, x.shape[dim], start)
-
-
-@dataclass(frozen=True)
-class ShardRequest:
-    """This rank's shard before the ranks have agreed: its group, size and start (None: after
-    the lower ranks' shards)."""
-
-    group: object
-    size: int
-    start: Optional[int]
-
-
-def vocab_parallel_head(hidden, weight, bias, group, start):
-    """``(hidden, weight, bias, shard request | None)``: the local tensors of an lm_head that may
-    be split on the vocabulary (a plain shard with ``group``, or DTensors sharded on dim 0)."""
-    weight, shard = vocab_shard("weight", weight, group, start, dim=0)
-    if shard is None:
-        return hidden, weight, bias, None
-    hidden = replicated_local("hidden", hidden)
-    if is_dtensor(bias):
-        bias, bias_shard = _dtensor_shard("bias", bias, 0, None, None)
-        placement.check_bias_shard((bias_shard.start, bias_shard.size), (shard.start, shard.size))
-    return hidden, weight, bias, shard
-
-
-def replicated_local(name: str, x):
-    """A DTensor replicated on every mesh dimension (e.g. hidden states next to a
-    vocabulary-sharded head) as its local tensor; anything else unchanged."""
-    if not is_dtensor(x):
-        return x
-    from torch.distributed.tensor import Replicate  # noqa: PLC0415
-
-    placement.check_replicated(name, x.placements, all(isinstance(p, Replicate) for p in x.placements))
-    return x.to_local()

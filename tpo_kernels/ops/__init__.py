@@ -11,13 +11,20 @@ op                                 computes                                     
 ``tpo_kernels::linear_candidate_logits``  the same as K dot products per state      candidates
 =================================  ===============================================  ==========
 
+Each op takes its stage's settings as one record, flattened at the op boundary by one method:
+:class:`~tpo_kernels.ops.logprobs.RowRequest` for the row ops,
+:class:`~tpo_kernels.group_math.GroupRule` for the group op
+(:class:`~tpo_kernels.ops.group.LossWeights`: what the group stage applies around it).
+
 Every loss is a composition: a row op (one of the log-prob or candidate ops) feeds the group op,
 whose backward gives each token ``(p - q) * dLoss/d group_loss``; autograd chains the two
 backwards. The backend travels as a string key (:func:`tpo_kernels.backends.backend_key`).
 """
 
 from .candidates import candidate_logits, linear_candidate_logits
-from .linear import TilePolicy, linear_logprobs
-from .logprobs import token_logprobs
+from .linear import linear_logprobs
+from .logprobs import RowRequest, token_logprobs
+from .tiles import HeadTiles, TilePolicy
 
-__all__ = ["TilePolicy", "candidate_logits", "linear_candidate_logits", "linear_logprobs", "token_logprobs"]
+__all__ = ["HeadTiles", "RowRequest", "TilePolicy", "candidate_logits", "linear_candidate_logits", "linear_logprobs",
+           "token_logprobs"]

@@ -11,13 +11,14 @@ has ``p == q`` bit for bit, so its tokens get exactly zero.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_math import BatchLayout, GroupResult, group_sum, length_weights, segment_sum
+from ..group_math import BatchLayout, GroupResult, GroupRule, group_sum, length_weights, segment_sum
 
 
 def layout_op_args(layout: BatchLayout) -> tuple:
@@ -43,9 +44,7 @@ def _group_targets_op(
     padded_len: int,
     scores: Tensor,
     old_seq_logprobs: Optional[Tensor],
-    eta: float,
-    anchor: bool,
-    score_eps: float,
+    rule: List[float],
     backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     layout = BatchLayout(
@@ -54,17 +53,14 @@ def _group_targets_op(
         group_offsets=group_offsets, group_members=group_members, max_group_size=max_group_size,
         group_size=group_size or None, padded_len=padded_len or None,
     )
-    result = backend_by_key(backend).group_targets(
-        token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs, eta=eta, anchor=anchor,
-        score_eps=score_eps,
-    )
+    result = backend_by_key(backend).group_targets(token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs,
+                                                   **GroupRule.from_op(rule).kernel_args())
     return result.to_op()
 
 
 @_group_targets_op.register_fake
 def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
-      num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs,
-      eta, anchor, score_eps, backend):
+      num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs, rule, backend):
     n = seq_start.shape[0]
     per_seq = [token_logprobs.new_empty(n) for _ in range(4)]
     return (*per_seq, token_logprobs.new_empty(num_groups), token_logprobs.new_empty(n))
@@ -90,14 +86,24 @@ _group_targets_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *,
-                  old_seq_logprobs: Optional[Tensor], eta: float, anchor: bool, backend: str,
-                  score_eps: float = 0.0) -> GroupResult:
+                  old_seq_logprobs: Optional[Tensor], rule: GroupRule, backend: str) -> GroupResult:
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
-    ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``. ``score_eps``: the
-    near-tie tolerance of :func:`tpo_kernels.group_math.standardize_dense`."""
-    outputs = _group_targets_op(token_logprobs, *layout_op_args(layout), scores, old_seq_logprobs, eta, anchor,
-                                score_eps, backend)
+    ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``; ``rule`` travels
+    whole (:meth:`GroupRule.to_op`)."""
+    outputs = _group_targets_op(token_logprobs, *layout_op_args(layout), scores, old_seq_logprobs, rule.to_op(),
+                                backend)
     return GroupResult.from_op(outputs)
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """How the group stage weighs and reduces its terms around the group op: the reduction over
+    groups, and the weights of the token-mean terms beside the group term (``beta``: the k3
+    KL-to-reference term; ``entropy_coef``: the entropy bonus, subtracted)."""
+
+    reduction: str = "mean"
+    beta: float = 0.0
+    entropy_coef: float = 0.0
 
 
 def reduce_groups(group_loss: Tensor, reduction: str) -> Tensor:
@@ -150,23 +156,21 @@ class GroupObjective:
     KL term, the reduction, the ``1/G`` weight and the aux are the same code either way.
     Everything is differentiable through autograd; :meth:`aux` gives detached results.
 
-    ``score_eps``: the near-tie tolerance of the group op. ``length_normalize`` (sequence-level,
-    needs ``valid``): each sequence log-prob is the mean over its counted tokens, through per-token
-    weights ``1/n_i`` applied before the group op (exact gradients; ``old_seq_logprobs`` are
-    expected in the same convention). The KL term and ``aux["token_logprobs"]`` keep the token
-    log-probs themselves."""
+    ``rule`` (:class:`~tpo_kernels.group_math.GroupRule`): the group op's settings, carried to it
+    whole; with ``rule.length_normalize`` (sequence-level, needs ``valid``) each sequence log-prob
+    is the mean over its counted tokens, through per-token weights ``1/n_i`` applied before the
+    group op (exact gradients; ``old_seq_logprobs`` are expected in the same convention). The KL
+    term and ``aux["token_logprobs"]`` keep the token log-probs themselves. ``weights``
+    (:class:`LossWeights`): the reduction and the weights of the token-mean terms."""
 
-    def __init__(self, layout: BatchLayout, scores: Tensor, *, old_seq_logprobs: Optional[Tensor], eta: float,
-                 anchor: bool, reduction: str, backend: str, beta: float = 0.0,
-                 ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None,
-                 gather: Optional[RowGather] = None, kept: Optional[Tensor] = None, score_eps: float = 0.0,
-                 length_normalize: bool = False, entropy_coef: float = 0.0) -> None:
+    def __init__(self, layout: BatchLayout, scores: Tensor, *, rule: GroupRule, weights: LossWeights, backend: str,
+                 old_seq_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
+                 valid: Optional[Tensor] = None, gather: Optional[RowGather] = None,
+                 kept: Optional[Tensor] = None) -> None:
         self.layout, self.scores, self.old_seq_logprobs = layout, scores, old_seq_logprobs
-        self.eta, self.anchor, self.reduction, self.backend = eta, anchor, reduction, backend
-        self.beta, self.ref_logprobs, self.valid = beta, ref_logprobs, valid
+        self.rule, self.weights, self.reduction, self.backend = rule, weights, weights.reduction, backend
+        self.ref_logprobs, self.valid = ref_logprobs, valid
         self.gather, self.kept = gather, kept
-        self.score_eps, self.length_normalize = score_eps, length_normalize
-        self.entropy_coef = entropy_coef
         self.token_logprobs: Optional[Tensor] = None
         self.result: Optional[GroupResult] = None
         self.group_layout: BatchLayout = layout  # the layout of the groups: the gathered one with a gather
@@ -179,23 +183,22 @@ class GroupObjective:
         # The token-mean terms beside the group term (the k3 KL term, the entropy bonus): their
         # weights, and their per-completion sums with the counted tokens', in one segment sum.
         weights, token_terms = [], []
-        if self.beta > 0:
-            weights.append(self.beta)
+        if self.weights.beta > 0:
+            weights.append(self.weights.beta)
             token_terms.append(self._k3_terms(token_logprobs))
-        if self.entropy_coef > 0:
-            weights.append(-self.entropy_coef)
+        if self.weights.entropy_coef > 0:
+            weights.append(-self.weights.entropy_coef)
             token_terms.append(torch.where(self.valid, token_entropy.to(token_logprobs.dtype), 0.0))
         sums, seq_counted = [], None
         if token_terms:
             token_terms.append(self.valid.to(token_logprobs.dtype))
             seq_columns = segment_sum(torch.stack(token_terms, dim=1), self.layout)
             sums, seq_counted = list(seq_columns[:, :-1].unbind(1)), seq_columns[:, -1]
-        if self.length_normalize:  # the sequence sums become means over counted tokens
+        if self.rule.length_normalize:  # the sequence sums become means over counted tokens
             token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
         if self.gather is None:
             self.result = group_targets(token_logprobs, self.layout, self.scores,
-                                        old_seq_logprobs=self.old_seq_logprobs, eta=self.eta, anchor=self.anchor,
-                                        backend=self.backend, score_eps=self.score_eps)
+                                        old_seq_logprobs=self.old_seq_logprobs, rule=self.rule, backend=self.backend)
         else:
             sums, seq_counted = self._gathered(token_logprobs, sums, seq_counted)
         loss = reduce_groups(self.result.group_loss, self.reduction)
@@ -221,8 +224,7 @@ class GroupObjective:
         self.mine = self.gather.mine
         old = rows[:, 3].detach().contiguous() if self.old_seq_logprobs is not None else None
         self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
-                                    old_seq_logprobs=old, eta=self.eta, anchor=self.anchor, backend=self.backend,
-                                    score_eps=self.score_eps)
+                                    old_seq_logprobs=old, rule=self.rule, backend=self.backend)
         gathered_sums = [rows[:, first_sum + i] for i in range(len(sums))]
         return gathered_sums, (None if seq_counted is None else rows[:, -1].detach())
 

@@ -23,33 +23,37 @@ from ..backends.row_summary import RowSummary, compute_dtype, op_outputs
 from ..backends import backend_by_key
 from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
-from .logprobs import row_gradients
-from .tiles import TilePolicy
-from .logprobs import row_transform
+from .logprobs import RowRequest, row_gradients
+from .tiles import HeadTiles, TilePolicy
 
-__all__ = ["TilePolicy", "linear_logprobs"]
+__all__ = ["HeadTiles", "TilePolicy", "linear_logprobs"]
 
 
-def _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size, min_tile_tokens,
-          accum_bytes, matmul_out_dtype, backend, logits_cache_bytes=0, cache_candidates=None):
-    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
-                        matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes)
-    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
-    return TiledLinearHead(hidden, weight, bias, labels, backend_by_key(backend), inv_t, chunk_size, policy,
-                           transform=transform, cache_candidates=cache_candidates)
+def _policy(min_tile_tokens: int, accum_bytes: int, matmul_out_dtype: Optional[bool],
+            logits_cache_bytes: int = 0) -> TilePolicy:
+    """The tile policy from the op's ints (its tile budget is the chunk size the op takes)."""
+    return TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
+                      matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes)
+
+
+def _head(inputs: Tuple[Tensor, Tensor, Optional[Tensor], Tensor], request: RowRequest, chunk_size: int,
+          policy: TilePolicy, backend: str, cache_candidates: Optional[Tensor] = None) -> TiledLinearHead:
+    """The tiled head over ``inputs = (hidden, weight, bias, labels)``."""
+    inv_t, transform = request.transform()
+    return TiledLinearHead(*inputs, backend_by_key(backend), inv_t, chunk_size, policy, transform=transform,
+                           cache_candidates=cache_candidates)
 
 
 # Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
 @torch.library.custom_op("tpo_kernels::linear_logprobs", mutates_args=(), **host_sync_tags())
-def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
-                     with_entropy: bool, chunk_size: int, min_tile_tokens: int, accum_bytes: int,
-                     grad_accum_dtype: torch.dtype, backend: str, logit_scale: float = 1.0,
-                     logit_softcap: Optional[float] = None, matmul_out_dtype: Optional[bool] = None,
-                     logits_cache_bytes: int = 0,
+def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, request: List[float],
+                     chunk_size: int, min_tile_tokens: int, accum_bytes: int, grad_accum_dtype: torch.dtype,
+                     backend: str, matmul_out_dtype: Optional[bool] = None, logits_cache_bytes: int = 0,
                      cache_candidates: Optional[Tensor] = None) -> op_outputs(extra=1):
-    head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
-                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, logits_cache_bytes, cache_candidates)
-    summary = head.forward(with_entropy, _cache_rows(head.policy, hidden, weight))
+    row = RowRequest.from_op(request)
+    policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, logits_cache_bytes)
+    head = _head((hidden, weight, bias, labels), row, chunk_size, policy, backend, cache_candidates)
+    summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight))
     # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
     # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
     # has_label is already False there.
@@ -63,27 +67,30 @@ def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor) -> int:
 
 
 @_linear_logprobs.register_fake
-def _(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
-      grad_accum_dtype, backend, logit_scale=1.0, logit_softcap=None, matmul_out_dtype=None, logits_cache_bytes=0,
-      cache_candidates=None):
+def _(hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
+      matmul_out_dtype=None, logits_cache_bytes=0, cache_candidates=None):
     rows, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, weight.dtype)
     acc = compute_dtype(dtype)
     policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes)
-    summary = RowSummary.zeros(rows, dtype=acc, device=hidden.device, with_entropy=with_entropy)
+    summary = RowSummary.zeros(rows, dtype=acc, device=hidden.device,
+                               fields=RowRequest.from_op(request).token_fields)
     return (*summary.to_op(), hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
-def _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates,
-                    needs_hidden, needs_weight, needs_bias, inv_temperature, chunk_size, min_tile_tokens, accum_bytes,
-                    grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, overwrite_cache):
-    head = _head(hidden, weight, bias, labels, inv_temperature, logit_scale, logit_softcap, chunk_size,
-                 min_tile_tokens, accum_bytes, matmul_out_dtype, backend, cache_candidates=cache_candidates)
+def _backward_grads(inputs: tuple, summary: List[Tensor], grads: tuple, logits_cache: Tensor, needs: tuple,
+                    settings: tuple, overwrite_cache: bool):
+    """The gradients of ``inputs = (hidden, weight, bias, labels, cache_candidates)`` from those of
+    the log-probs and entropies (``grads``); ``settings``: the backward op's, from ``request`` on."""
+    request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend, matmul_out_dtype = settings
+    *tensors, cache_candidates = inputs
+    policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype)
+    head = _head(tuple(tensors), RowRequest.from_op(request), chunk_size, policy, backend, cache_candidates)
+    grad_logprobs, grad_entropy = grads
     # The entropy is read only with its gradient.
-    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
-    grads = head.backward(summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),
-                          grad_accum_dtype, logits_cache, overwrite_cache)
+    summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
+    grads = head.backward(summary, grad_logprobs, grad_entropy, needs, grad_accum_dtype, logits_cache, overwrite_cache)
     # A custom op returns tensors only: an empty one stands for "not requested".
-    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+    return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
 
 
 # Both backward ops read back the counts of their row classes (one tolist), validate or not: no
@@ -93,15 +100,14 @@ def _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_e
 def _linear_logprobs_backward(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
-    cache_candidates: Optional[Tensor], needs_hidden: bool,
-    needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
-    accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
-    logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
+    cache_candidates: Optional[Tensor], needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+    request: List[float], chunk_size: int, min_tile_tokens: int, accum_bytes: int, grad_accum_dtype: torch.dtype,
+    backend: str, matmul_out_dtype: Optional[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache,
-                           cache_candidates, needs_hidden, needs_weight, needs_bias, inv_temperature, chunk_size,
-                           min_tile_tokens, accum_bytes, grad_accum_dtype, backend, logit_scale, logit_softcap,
-                           matmul_out_dtype, overwrite_cache=False)
+    return _backward_grads((hidden, weight, bias, labels, cache_candidates), summary, (grad_logprobs, grad_entropy),
+                           logits_cache, (needs_hidden, needs_weight, needs_bias),
+                           (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
+                            matmul_out_dtype), overwrite_cache=False)
 
 
 @torch.library.custom_op("tpo_kernels::linear_logprobs_backward_", mutates_args=("logits_cache",),
@@ -109,15 +115,14 @@ def _linear_logprobs_backward(
 def _linear_logprobs_backward_overwriting(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
     grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
-    cache_candidates: Optional[Tensor], needs_hidden: bool,
-    needs_weight: bool, needs_bias: bool, inv_temperature: float, chunk_size: int, min_tile_tokens: int,
-    accum_bytes: int, grad_accum_dtype: torch.dtype, backend: str, logit_scale: float,
-    logit_softcap: Optional[float], matmul_out_dtype: Optional[bool],
+    cache_candidates: Optional[Tensor], needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+    request: List[float], chunk_size: int, min_tile_tokens: int, accum_bytes: int, grad_accum_dtype: torch.dtype,
+    backend: str, matmul_out_dtype: Optional[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_grads(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache,
-                           cache_candidates, needs_hidden, needs_weight, needs_bias, inv_temperature, chunk_size,
-                           min_tile_tokens, accum_bytes, grad_accum_dtype, backend, logit_scale, logit_softcap,
-                           matmul_out_dtype, overwrite_cache=True)
+    return _backward_grads((hidden, weight, bias, labels, cache_candidates), summary, (grad_logprobs, grad_entropy),
+                           logits_cache, (needs_hidden, needs_weight, needs_bias),
+                           (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
+                            matmul_out_dtype), overwrite_cache=True)
 
 
 def _backward_fake(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates,
@@ -140,23 +145,21 @@ def _graph_kept() -> bool:
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size, min_tile_tokens, accum_bytes,
-     grad_accum_dtype, backend, logit_scale, logit_softcap, matmul_out_dtype, logits_cache_bytes,
-     cache_candidates) = inputs
+    (hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
+     matmul_out_dtype, logits_cache_bytes, cache_candidates) = inputs
     *summary, logits_cache = output  # the RowSummary's to_op tensors, then the cache
     ctx.save_for_backward(hidden, weight, bias, labels, logits_cache, cache_candidates, *summary)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.inv_temperature, ctx.chunk_size, ctx.backend = inv_temperature, chunk_size, backend
-    ctx.min_tile_tokens, ctx.accum_bytes, ctx.grad_accum_dtype = min_tile_tokens, accum_bytes, grad_accum_dtype
-    ctx.logit_scale, ctx.logit_softcap, ctx.matmul_out_dtype = logit_scale, logit_softcap, matmul_out_dtype
-    ctx.with_entropy, ctx.has_bias = with_entropy, bias is not None
+    # The backward ops' settings, in their schema's order.
+    ctx.settings = (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend, matmul_out_dtype)
+    ctx.fields, ctx.has_bias = RowRequest.from_op(request).token_fields, bias is not None
 
 
 def _backward(ctx, *output_grads):
     hidden, weight, bias, labels, logits_cache, cache_candidates, *saved = ctx.saved_tensors
-    summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
+    summary = RowSummary.from_op(saved, fields=ctx.fields)
     # Of each output, None where none arrived; the last output is the logits cache.
-    summary_grads = RowSummary.from_op(output_grads[:-1], with_entropy=ctx.with_entropy)
+    summary_grads = RowSummary.from_op(output_grads[:-1], fields=ctx.fields)
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                 summary_grads.entropy)
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
@@ -166,9 +169,7 @@ def _backward(ctx, *output_grads):
                  and not _graph_kept())
     backward_op = _linear_logprobs_backward_overwriting if overwrite else _linear_logprobs_backward
     grads = backward_op(hidden, weight, bias, labels, saved, grad_logprobs, grad_entropy, logits_cache,
-                        cache_candidates, *needs, ctx.inv_temperature, ctx.chunk_size, ctx.min_tile_tokens,
-                        ctx.accum_bytes, ctx.grad_accum_dtype, ctx.backend, ctx.logit_scale, ctx.logit_softcap,
-                        ctx.matmul_out_dtype)
+                        cache_candidates, *needs, *ctx.settings)
     grads = [grad if need else None for grad, need in zip(grads, needs)]
     return (*grads,) + (None,) * (len(ctx.needs_input_grad) - 3)  # labels, the settings and the candidates
 
@@ -177,19 +178,18 @@ _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
-                    inv_temperature: float, logit_scale: float, logit_softcap: Optional[float], with_entropy: bool,
-                    chunk_size: int, policy: TilePolicy, grad_accum_dtype: torch.dtype, backend: str,
-                    cache_candidates: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logprobs [M], entropy [M] | None)`` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))``
-    tempered (:class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64 ``labels`` (negative: skipped), in the
-    compute dtype; differentiable in hidden, weight, bias. The policy's logits cache is kept only
-    when a gradient will be taken, for the counted rows among ``cache_candidates`` (``[M]`` bool;
-    None: every counted row) that fit it."""
+                    request: RowRequest, tiles: "HeadTiles", backend: str,
+                    cache_candidates: Optional[Tensor] = None) -> RowSummary:
+    """The :class:`RowSummary` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))`` tempered
+    (the request's :class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64 ``labels``
+    (negative: skipped), in the compute dtype, with the per-token fields the request asks for;
+    differentiable in hidden, weight, bias. ``tiles``: how the head cuts its work. The policy's
+    logits cache is kept only when a gradient will be taken, for the counted rows among
+    ``cache_candidates`` (``[M]`` bool; None: every counted row) that fit it."""
+    policy = tiles.policy
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     cache_bytes = policy.logits_cache_budget(weight.shape[0]) if wants_grad else 0
-    *summary, _ = _linear_logprobs(hidden, weight, bias, labels, inv_temperature, with_entropy, chunk_size,
-                                   policy.min_tile_tokens, policy.accum_bytes, grad_accum_dtype, backend, logit_scale,
-                                   logit_softcap, policy.matmul_out_dtype, cache_bytes,
-                                   cache_candidates if cache_bytes else None)
-    summary = RowSummary.from_op(summary, with_entropy=with_entropy)
-    return summary.label_logprob, summary.entropy
+    *summary, _ = _linear_logprobs(hidden, weight, bias, labels, request.to_op(), tiles.chunk_size,
+                                   policy.min_tile_tokens, policy.accum_bytes, tiles.grad_accum_dtype, backend,
+                                   policy.matmul_out_dtype, cache_bytes, cache_candidates if cache_bytes else None)
+    return RowSummary.from_op(summary, fields=request.token_fields)

@@ -47,7 +47,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary, compute_dtype
+from ..backends.row_summary import RowSummary, compute_dtype, row_flags
 from ..backends import Backend
 from .tiles import (BackwardPlan, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
                     full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
@@ -159,8 +159,9 @@ class TiledLinearHead:
         return backward_plan(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
                              self.dtype, grad_accum_dtype)
 
-    def forward(self, with_entropy: bool, cache_rows: int = 0) -> RowSummary:
-        """The per-row :class:`RowSummary` of the tempered logits, as the row ops define it (its
+    def forward(self, fields: Tuple[str, ...] = (), cache_rows: int = 0) -> RowSummary:
+        """The per-row :class:`RowSummary` of the tempered logits, with the optional ``fields`` (e.g.
+        ``("entropy",)``), as the row ops define it (its
         ``has_label``: the label lies in this head's rows of the vocabulary); 0 on rows that do not
         count (their logits are never computed). ``self.logits_cache`` becomes a ``[cache_rows, V]``
         tensor holding the logits of the first ``cache_rows`` counted candidate rows, in row order
@@ -171,7 +172,7 @@ class TiledLinearHead:
         times vocabulary blocks (inner); the blocks' summaries merge with :meth:`RowSummary.merge`."""
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         summary = RowSummary.zeros(num_rows, dtype=compute_dtype(self.dtype), device=self.hidden.device,
-                                   with_entropy=with_entropy)
+                                   fields=fields)
         self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
         # The forward's one read-back; its slots are the cache's first rows (every cached row counts).
         cached, _, uncached = self._split_rows(self.labels >= 0, cache_rows)
@@ -181,7 +182,7 @@ class TiledLinearHead:
             self._fill_cache(cached, cache)
             capped = self._cap_buffers(chunk, vocab_size, 1)
             for rows, slots in zip(row_chunks(cached, chunk), row_chunks(slice(0, num_cached), chunk)):
-                summary.assign(rows, self._row_forward(cache[slots], rows, 0, capped, with_entropy))
+                summary.assign(rows, self._row_forward(cache[slots], rows, 0, capped, fields))
         token_block, vocab_block = self._tile(selection_size(uncached), self.weight.dtype)
         chunks = row_chunks(uncached, token_block)
         tile_rows = max((selection_size(rows) for rows in chunks), default=0)
@@ -192,7 +193,7 @@ class TiledLinearHead:
             for start in range(0, vocab_size, vocab_block):
                 vocab = slice(start, start + vocab_block)
                 logits = self._logits(h_rows, vocab, flat_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)))
-                block = self._row_forward(logits, rows, start, capped, with_entropy)
+                block = self._row_forward(logits, rows, start, capped, fields)
                 row = block if row is None else row.merge(block, self.inv_temperature)
             summary.assign(rows, row)
         return summary
@@ -215,7 +216,7 @@ class TiledLinearHead:
                 self._logits(h_rows, vocab, cache[slots, vocab])
 
     def _row_forward(self, logits: Tensor, rows: Union[slice, Tensor], start: int, capped: List[Tensor],
-                     with_entropy: bool) -> RowSummary:
+                     fields: Tuple[str, ...]) -> RowSummary:
         """The row op's summary of a tile of logits (the vocabulary from ``start``), read soft-capped
         through ``capped`` when there is a cap; ``has_label``: the label lies in the tile."""
         if capped:
@@ -224,7 +225,7 @@ class TiledLinearHead:
         inside = (local >= 0) & (local < logits.shape[1])
         # Every row is read: a label outside the block stands in as 0, its log-prob unused.
         block = self.backend.row_forward(logits, torch.where(inside, local, 0), inv_temperature=self.inv_temperature,
-                                         with_entropy=with_entropy)
+                                         **row_flags(fields))
         return dataclasses.replace(block, has_label=inside)
 
     def backward(self, summary: RowSummary, grad_logprob: Tensor, grad_entropy: Optional[Tensor],

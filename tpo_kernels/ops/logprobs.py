@@ -31,7 +31,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary, compute_dtype, op_outputs
+from ..backends.row_summary import OPTIONAL_FIELDS, RowSummary, compute_dtype, op_outputs, row_flags
 from ..backends import backend_by_key
 from .tiles import TilePolicy
 
@@ -101,55 +101,61 @@ def row_transform(inv_temperature: float, logit_scale: float,
     return inv_temperature, LogitTransform(logit_scale, logit_softcap)
 
 
+@dataclass(frozen=True)
+class RowRequest:
+    """What a row op computes: the logit transform and temperature, and the optional per-token
+    fields of its :class:`RowSummary` asked for (``token_fields``, a sorted tuple of names from
+    :data:`OPTIONAL_FIELDS`, e.g. ``("entropy",)``). Built once by the plan and carried whole to
+    the ``torch.library`` boundary, where :meth:`to_op` flattens it into the ops' ``float[]``
+    argument; a new field travels without another edit on the way."""
+
+    inv_temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None  # None: no cap
+    token_fields: Tuple[str, ...] = ()
+
+    def wants(self, name: str) -> bool:
+        return name in self.token_fields
+
+    def row_flags(self) -> dict:
+        """The keywords of a backend's ``row_forward`` asking for the requested fields."""
+        return row_flags(self.token_fields)
+
+    def transform(self) -> Tuple[float, Optional["LogitTransform"]]:
+        """:func:`row_transform` of this request."""
+        return row_transform(self.inv_temperature, self.logit_scale, self.logit_softcap)
+
+    def folded(self) -> "RowRequest":
+        """The same request with the scale folded into ``inv_temperature`` (no cap): what a
+        vocabulary shard's row ops take."""
+        factor, _ = row_transform(self.inv_temperature, self.logit_scale, None)
+        return RowRequest(inv_temperature=factor, token_fields=self.token_fields)
+
+    def to_op(self) -> List[float]:
+        """``[inv_temperature, logit_scale, logit_softcap (0: none), one 0/1 per optional field]``."""
+        flags = [float(name in self.token_fields) for name in OPTIONAL_FIELDS]
+        return [float(self.inv_temperature), float(self.logit_scale), float(self.logit_softcap or 0.0), *flags]
+
+    @staticmethod
+    def from_op(values: List[float]) -> "RowRequest":
+        inv_temperature, scale, softcap, *flags = values
+        return RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=softcap or None,
+                          token_fields=tuple(name for name, flag in zip(OPTIONAL_FIELDS, flags) if flag))
+
+
 def row_chunk(num_rows: int, vocab_size: int, device: torch.device) -> int:
     """Rows per chunk of the capped logits path: the device's fused-linear tile budget."""
     return TilePolicy.for_device(device).chunk_size(num_rows, vocab_size)
 
 
-# ----------------------------------------------------------------------------- row layouts
-
-
-def rows_matrix(x: Tensor) -> Tuple[Tensor, bool]:
-    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
-    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
-    width = x.shape[-1]
-    row_stride = _flat_row_stride(x)
-    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
-        return x.reshape(-1, width), False  # a view
-    return x.reshape(-1, width).contiguous(), True
-
-
-def logits_rows(x: Tensor, sharded: bool = False) -> Tuple[Tensor, bool]:
-    """:func:`rows_matrix` for the log-prob row op, which also reads ``[B, T, V]`` logits whose
-    rows do not flatten into one row stride (``logits[:, :-1]``) in one launch: such logits pass
-    as they are, instead of a copy (which would triple the peak memory of the logits path). A
-    vocabulary shard's row op takes a matrix."""
-    if (not sharded and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
-            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
-        return x, False
-    return rows_matrix(x)
-
-
-def _flat_row_stride(x: Tensor) -> Optional[int]:
-    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
-    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
-    apart than those within one). Size-1 dims do not count."""
-    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
-    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
-        if outer_stride != inner_size * inner_stride:
-            return None
-    return dims[-1][1] if dims else x.shape[-1]
-
-
 @torch.library.custom_op("tpo_kernels::logprobs", mutates_args=())
-def _logprobs(logits: Tensor, labels: Tensor, inv_temperature: float, with_entropy: bool,
-              inplace_backward: bool, backend: str, logit_scale: float = 1.0,
-              logit_softcap: Optional[float] = None) -> op_outputs():
-    row_op = backend_by_key(backend).row_forward
-    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
+def _logprobs(logits: Tensor, labels: Tensor, request: List[float], inplace_backward: bool,
+              backend: str) -> op_outputs():
+    row_op, row = backend_by_key(backend).row_forward, RowRequest.from_op(request)
+    inv_t, transform = row.transform()
     if transform is None:  # one launch over the whole matrix or batch
-        return row_op(logits, labels, inv_temperature=inv_t, with_entropy=with_entropy).to_op()
-    return _forward_pieces(row_op, transform, logits, labels, inv_t, with_entropy).to_op()
+        return row_op(logits, labels, inv_temperature=inv_t, **row.row_flags()).to_op()
+    return _forward_pieces(row_op, transform, logits, labels, inv_t, row.token_fields).to_op()
 
 
 def _pieces(logits: Tensor) -> Iterator[Tuple[Tensor, slice]]:
@@ -178,28 +184,27 @@ def _capped_buffer(logits: Tensor) -> Tensor:
 
 
 def _forward_pieces(row_op, transform: LogitTransform, logits: Tensor, labels: Tensor, inv_t: float,
-                    with_entropy: bool) -> RowSummary:
+                    fields: Tuple[str, ...]) -> RowSummary:
     """The row op piece by piece (:func:`_pieces`), each soft-capped into one chunk-sized buffer
     first."""
     summary = RowSummary.zeros(logits.shape[:-1].numel(), dtype=compute_dtype(logits.dtype), device=logits.device,
-                               with_entropy=with_entropy)
+                               fields=fields)
     buffer = _capped_buffer(logits)
     for z, rows in _pieces(logits):
         capped = transform.cap(z, buffer)
-        summary.assign(rows, row_op(capped, labels[rows], inv_temperature=inv_t, with_entropy=with_entropy))
+        summary.assign(rows, row_op(capped, labels[rows], inv_temperature=inv_t, **row_flags(fields)))
     return summary
 
 
 @_logprobs.register_fake
-def _(logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale=1.0, logit_softcap=None):
+def _(logits, labels, request, inplace_backward, backend):
     # math.prod, not Size.numel(): numel() of symbolic sizes pins them under dynamic shapes.
     return RowSummary.zeros(math.prod(logits.shape[:-1]), dtype=compute_dtype(logits.dtype), device=logits.device,
-                            with_entropy=with_entropy).to_op()
+                            fields=RowRequest.from_op(request).token_fields).to_op()
 
 
 def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
-                  grad_entropy: Optional[Tensor], inv_temperature: float, backend: str, logit_scale: float,
-                  logit_softcap: Optional[float], out: Tensor) -> None:
+                  grad_entropy: Optional[Tensor], request: List[float], backend: str, out: Tensor) -> None:
     """The backend's row backward into ``out`` (``logits``' shape; may be ``logits``): one launch
     over the matrix or batch, or piece by piece (:func:`_pieces`) with a soft cap.
 
@@ -207,9 +212,9 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
     place, multiply by the cap's derivative and write the result into ``out``'s rows (the chunk
     of ``logits`` is read before its rows of ``out`` are written). ``summary``: the forward's
     :class:`RowSummary` as its ``to_op`` tensors (the entropy is read only with ``grad_entropy``)."""
-    summary = RowSummary.from_op(summary, with_entropy=grad_entropy is not None)
+    summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
     row_op = backend_by_key(backend).row_backward
-    inv_t, transform = row_transform(inv_temperature, logit_scale, logit_softcap)
+    inv_t, transform = RowRequest.from_op(request).transform()
     if transform is None:
         row_op(logits, labels, summary, grad_logprobs, grad_entropy=grad_entropy, inv_temperature=inv_t, out=out)
         return
@@ -224,11 +229,9 @@ def _row_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_lo
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward", mutates_args=())
 def _logprobs_backward(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
-                       grad_entropy: Optional[Tensor], inv_temperature: float, backend: str, logit_scale: float = 1.0,
-                       logit_softcap: Optional[float] = None) -> Tensor:
+                       grad_entropy: Optional[Tensor], request: List[float], backend: str) -> Tensor:
     out = torch.empty_like(logits)
-    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, inv_temperature, backend, logit_scale,
-                  logit_softcap, out)
+    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, request, backend, out)
     return out
 
 
@@ -239,10 +242,8 @@ def _(logits, *args):
 
 @torch.library.custom_op("tpo_kernels::logprobs_backward_", mutates_args=("logits",))
 def _logprobs_backward_inplace(logits: Tensor, labels: Tensor, summary: List[Tensor], grad_logprobs: Tensor,
-                               grad_entropy: Optional[Tensor], inv_temperature: float, backend: str,
-                               logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> None:
-    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, inv_temperature, backend, logit_scale,
-                  logit_softcap, logits)
+                               grad_entropy: Optional[Tensor], request: List[float], backend: str) -> None:
+    _row_backward(logits, labels, summary, grad_logprobs, grad_entropy, request, backend, logits)
 
 
 @_logprobs_backward_inplace.register_fake
@@ -251,12 +252,11 @@ def _(logits, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, inv_temperature, with_entropy, inplace_backward, backend, logit_scale, logit_softcap = inputs
+    logits, labels, request, inplace_backward, backend = inputs
     ctx.save_for_backward(logits, labels, *output)  # the RowSummary's to_op tensors
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-    ctx.inv_temperature, ctx.with_entropy = inv_temperature, with_entropy
+    ctx.request, ctx.fields = request, RowRequest.from_op(request).token_fields
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
-    ctx.logit_scale, ctx.logit_softcap = logit_scale, logit_softcap
 
 
 def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[Tensor],
@@ -275,12 +275,11 @@ def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[
 
 def _backward(ctx, *output_grads):
     logits, labels, *saved = ctx.saved_tensors  # saved: the summary's to_op tensors, as the backward op takes them
-    summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
-    summary_grads = RowSummary.from_op(output_grads, with_entropy=ctx.with_entropy)  # None where none arrived
+    summary = RowSummary.from_op(saved, fields=ctx.fields)
+    summary_grads = RowSummary.from_op(output_grads, fields=ctx.fields)  # None where none arrived
     grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                 summary_grads.entropy)
-    args = (labels, saved, grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend,
-            ctx.logit_scale, ctx.logit_softcap)
+    args = (labels, saved, grad_logprobs, grad_entropy, ctx.request, ctx.backend)
     settings = (None,) * (len(ctx.needs_input_grad) - 1)  # labels and the settings: no gradient
     if ctx.inplace_backward:
         _logprobs_backward_inplace(logits, *args)
@@ -291,12 +290,11 @@ def _backward(ctx, *output_grads):
 _logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
-def token_logprobs(logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool,
-                   inplace_backward: bool, backend: str, logit_scale: float = 1.0,
-                   logit_softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logprobs [M], entropy [M] | None)`` of ``[M, V]`` or ``[B, T, V]`` logits (module
-    docstring) through the logit transform (:class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64
-    ``labels`` (negative: skipped), in the compute dtype; differentiable in ``logits``."""
-    summary = RowSummary.from_op(_logprobs(logits, labels, inv_temperature, with_entropy, inplace_backward, backend,
-                                           logit_scale, logit_softcap), with_entropy=with_entropy)
-    return summary.label_logprob, summary.entropy
+def token_logprobs(logits: Tensor, labels: Tensor, *, request: RowRequest, inplace_backward: bool,
+                   backend: str) -> RowSummary:
+    """The :class:`RowSummary` of ``[M, V]`` or ``[B, T, V]`` logits (module docstring) through the
+    request's logit transform (:class:`LogitTransform`) for int64 ``labels`` (negative: skipped),
+    in the compute dtype, with the per-token fields the request asks for; differentiable in
+    ``logits`` through its log-probs and entropies."""
+    return RowSummary.from_op(_logprobs(logits, labels, request.to_op(), inplace_backward, backend),
+                              fields=request.token_fields)

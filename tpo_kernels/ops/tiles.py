@@ -103,6 +103,16 @@ class TilePolicy:
                                                                                accum_dtype)
 
 
+@dataclass(frozen=True)
+class HeadTiles:
+    """How one fused-head call cuts its work: rows of V per tile, the policy, the dtype dW / db
+    accumulate in."""
+
+    chunk_size: int
+    policy: TilePolicy
+    grad_accum_dtype: torch.dtype
+
+
 @functools.lru_cache(maxsize=None)
 def _out_dtype_matmul_available(device_type: str, dtype: torch.dtype, accum_dtype: torch.dtype) -> bool:
     """``torch.addmm(..., out_dtype=accum_dtype)`` runs for ``dtype`` operands on this kind of

@@ -21,9 +21,9 @@ from torch import Tensor
 
 from ..backends import backend_by_key
 from ..backends.row_summary import RowSummary
-from .linear import TilePolicy
 from .linear_head import TiledLinearHead
-from .logprobs import row_gradients
+from .logprobs import RowRequest, row_gradients
+from .tiles import HeadTiles
 
 
 class ShardSeam(Protocol):
@@ -53,27 +53,30 @@ def _whole(shard: RowSummary, owned: Tensor, counted: Tensor, seam: ShardSeam, i
 
 
 class _ShardLogprobs(torch.autograd.Function):
-    """Token log-probs (and entropies) of this rank's ``[M, V_r]`` logits shard."""
+    """The :class:`RowSummary` (its ``to_op`` tensors) of this rank's ``[M, V_r]`` logits shard."""
 
     @staticmethod
-    def forward(ctx, logits, labels, seam, inv_temperature, with_entropy, inplace_backward, key):
+    def forward(ctx, logits, labels, seam, request, inplace_backward, key):
         counted = labels >= 0
         owned, local = _owned(labels, seam)
         read_labels = torch.where(counted, torch.where(owned, local, 0), -1)  # every counted row is read
-        shard = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=inv_temperature,
-                                                with_entropy=with_entropy)
-        summary = _whole(shard, owned, counted, seam, inv_temperature)
+        shard = backend_by_key(key).row_forward(logits, read_labels, inv_temperature=request.inv_temperature,
+                                                **request.row_flags())
+        summary = _whole(shard, owned, counted, seam, request.inv_temperature)
         ctx.save_for_backward(logits, torch.where(owned, local, -1), counted, *summary.to_op())
-        ctx.inv_temperature, ctx.with_entropy, ctx.inplace_backward, ctx.backend = (inv_temperature, with_entropy,
-                                                                                 inplace_backward, key)
-        return summary.label_logprob, summary.entropy if with_entropy else summary.label_logprob.new_empty(0)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        ctx.request, ctx.inplace_backward, ctx.backend = request, inplace_backward, key
+        return summary.to_op()
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, *output_grads):
         logits, grad_labels, counted, *saved = ctx.saved_tensors
-        summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
-        grad_logprobs, grad_entropy = row_gradients(counted, summary, grad_logprobs, grad_entropy)
-        args = (grad_labels, saved, grad_logprobs, grad_entropy, ctx.inv_temperature, ctx.backend)
+        fields = ctx.request.token_fields
+        summary = RowSummary.from_op(saved, fields=fields)
+        summary_grads = RowSummary.from_op(output_grads, fields=fields)  # None where none arrived
+        grad_logprobs, grad_entropy = row_gradients(counted, summary, summary_grads.label_logprob,
+                                                    summary_grads.entropy)
+        args = (grad_labels, saved, grad_logprobs, grad_entropy, ctx.request.to_op(), ctx.backend)
         if ctx.inplace_backward:
             torch.ops.tpo_kernels.logprobs_backward_(logits, *args)
             grad = logits
@@ -82,51 +85,50 @@ class _ShardLogprobs(torch.autograd.Function):
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
-def shard_logprobs(logits: Tensor, labels: Tensor, seam: ShardSeam, *, inv_temperature: float, with_entropy: bool,
-                   inplace_backward: bool, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+def shard_logprobs(logits: Tensor, labels: Tensor, seam: ShardSeam, *, request: RowRequest, inplace_backward: bool,
+                   backend: str) -> RowSummary:
     """:func:`tpo_kernels.ops.token_logprobs` over the whole vocabulary from this rank's
-    ``[M, V_r]`` logits shard; the logits gradient is local to the shard."""
-    logprobs, entropy = _ShardLogprobs.apply(logits, labels, seam, inv_temperature, with_entropy, inplace_backward,
-                                             backend)
-    return logprobs, (entropy if with_entropy else None)
+    ``[M, V_r]`` logits shard (``request``: without a soft cap, its scale folded, see
+    :meth:`RowRequest.folded`); the logits gradient is local to the shard."""
+    outputs = _ShardLogprobs.apply(logits, labels, seam, request, inplace_backward, backend)
+    return RowSummary.from_op(outputs, fields=request.token_fields)
 
 
 class _ShardLinearLogprobs(torch.autograd.Function):
-    """Token log-probs (and entropies) of ``hidden @ weight_shard.T (+ bias_shard)``."""
+    """The :class:`RowSummary` (its ``to_op`` tensors) of ``hidden @ weight_shard.T (+ bias_shard)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, seam, inv_temperature, with_entropy, chunk_size, policy,
-                grad_accum_dtype, key):
-        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), inv_temperature, chunk_size,
-                               policy, vocab_offset=seam.start)
+    def forward(ctx, hidden, weight, bias, labels, seam, request, tiles, key):
+        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), request.inv_temperature,
+                               tiles.chunk_size, tiles.policy, vocab_offset=seam.start)
         owned, _ = _owned(labels, seam)
-        summary = _whole(head.forward(with_entropy), owned, labels >= 0, seam, inv_temperature)
+        summary = _whole(head.forward(request.token_fields), owned, labels >= 0, seam, request.inv_temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, *summary.to_op())
-        ctx.seam, ctx.inv_temperature, ctx.with_entropy, ctx.backend = seam, inv_temperature, with_entropy, key
-        ctx.chunk_size, ctx.policy, ctx.grad_accum_dtype = chunk_size, policy, grad_accum_dtype
-        return summary.label_logprob, summary.entropy if with_entropy else summary.label_logprob.new_empty(0)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        ctx.seam, ctx.request, ctx.tiles, ctx.backend = seam, request, tiles, key
+        return summary.to_op()
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, *output_grads):
         hidden, weight, bias, labels, *saved = ctx.saved_tensors
-        summary = RowSummary.from_op(saved, with_entropy=ctx.with_entropy)
-        seam = ctx.seam
-        grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, grad_logprobs, grad_entropy)
-        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(ctx.backend), ctx.inv_temperature,
-                               ctx.chunk_size, ctx.policy, vocab_offset=seam.start)
+        request, tiles, seam = ctx.request, ctx.tiles, ctx.seam
+        summary = RowSummary.from_op(saved, fields=request.token_fields)
+        summary_grads = RowSummary.from_op(output_grads, fields=request.token_fields)
+        grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
+                                                    summary_grads.entropy)
+        head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(ctx.backend), request.inv_temperature,
+                               tiles.chunk_size, tiles.policy, vocab_offset=seam.start)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         grad_hidden, grad_weight, grad_bias = head.backward(summary, grad_logprobs, grad_entropy, needs,
-                                                            ctx.grad_accum_dtype)
+                                                            tiles.grad_accum_dtype)
         if grad_hidden is not None:  # every shard's contribution to dH
             grad_hidden = seam.sum_hidden_grad(grad_hidden)
         return (grad_hidden, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def shard_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, seam: ShardSeam, *,
-                          inv_temperature: float, with_entropy: bool, chunk_size: int, policy: TilePolicy,
-                          grad_accum_dtype: torch.dtype, backend: str) -> Tuple[Tensor, Optional[Tensor]]:
+                          request: RowRequest, tiles: HeadTiles, backend: str) -> RowSummary:
     """:func:`tpo_kernels.ops.linear_logprobs` over the whole vocabulary from this rank's shard
-    of the head (weight ``[V_r, H]``, bias ``[V_r]``)."""
-    logprobs, entropy = _ShardLinearLogprobs.apply(hidden, weight, bias, labels, seam, inv_temperature, with_entropy,
-                                                   chunk_size, policy, grad_accum_dtype, backend)
-    return logprobs, (entropy if with_entropy else None)
+    of the head (weight ``[V_r, H]``, bias ``[V_r]``; ``request`` as in :func:`shard_logprobs`)."""
+    outputs = _ShardLinearLogprobs.apply(hidden, weight, bias, labels, seam, request, tiles, backend)
+    return RowSummary.from_op(outputs, fields=request.token_fields)

@@ -312,8 +312,8 @@ def _run_check(args: CheckArguments, gradcheck: bool, edge_cases: bool, beat: He
     say(f"estimated peak memory: {estimate_peak_bytes(dtype, N, T, V, H) / 2**30:.2f} GiB above the process's own "
         f"(inputs: logits {N * T * V * torch.empty((), dtype=dtype).element_size() / 2**30:.2f} GiB)")
     beat.stage("making the inputs")
-    inputs = _make_inputs(device, dtype, N, K, T, V, H, args.temperature, args.eta, args.seed, args.logit_scale,
-                          args.logit_softcap)
+    inputs = _make_inputs(device, dtype, (N, K, T, V, H), temperature=args.temperature, eta=args.eta, seed=args.seed,
+                          logit_scale=args.logit_scale, logit_softcap=args.logit_softcap)
     step, steps = 0, len(chosen) * (len(paths) + int(edge_cases))
     for backend in chosen:
         for path in paths:

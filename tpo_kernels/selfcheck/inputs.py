@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -52,10 +52,11 @@ class _Inputs:
         return self.heads[fused]
 
 
-def _make_inputs(device, dtype, n, k, t, v, h, temperature, eta, seed, logit_scale=1.0,
+def _make_inputs(device, dtype, shape: Tuple[int, int, int, int, int], *, temperature, eta, seed, logit_scale=1.0,
                  logit_softcap=None) -> _Inputs:
-    """Random inputs, generated in the input dtype one chunk of rows at a time (never a float64
-    copy of the logits)."""
+    """Random inputs of ``shape = (N, K, T, V, H)``, generated in the input dtype one chunk of rows
+    at a time (never a float64 copy of the logits)."""
+    n, k, t, v, h = shape
     gen = torch.Generator().manual_seed(seed)
 
     def put(x, as_dtype=dtype):

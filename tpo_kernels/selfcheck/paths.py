@@ -251,7 +251,7 @@ GRADCHECK_TRANSFORM = dict(logit_scale=0.5, logit_softcap=2.0)
 def _gradcheck(rows: _Rows, backend, path: str, device):
     """float64 gradcheck (fast mode) on small shapes: plain, and with a logit scale and soft cap
     (every path but tpo_loss_from_logprobs, which takes log-probs)."""
-    inp = _make_inputs(device, torch.float64, 4, 2, 3, 7, 5, 0.8, 0.7, seed=2)
+    inp = _make_inputs(device, torch.float64, (4, 2, 3, 7, 5), temperature=0.8, eta=0.7, seed=2)
     r = inp.candidates.shape[0]
     # TPO holds q constant; with on-policy p_old = p it would move with the inputs, so the losses
     # get fixed old log-probs (then q is a constant and the loss a smooth function to check).

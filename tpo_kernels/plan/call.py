@@ -1,19 +1,18 @@
 """The check pass of a call: every check a public call makes, run once before any work, giving a
-frozen :class:`Plan`.
+frozen :class:`~tpo_kernels.plan.records.Plan` (see :mod:`tpo_kernels.plan.records`).
 
-A plan says everything the work needs and nothing it must re-check: the checked settings, the
-backend, the compute dtype, what the row op reads (a typed record: :class:`LogitsRows`,
-:class:`HeadRows`, :class:`LogprobRows` or :class:`CandidateRows`), the flat labels, the
-prepared batch and, for a vocabulary split over ranks, this rank's shard request. The pipeline
-runs the pass inside the block whose exception the ranks exchange (so that a failing check on one
-rank becomes the same error on every rank), then agrees, then works. :mod:`tpo_kernels.distributed`
-is entered only when a vocabulary group or a DTensor is present.
+A plan says everything the work needs and nothing it must re-check. The primitive checks live in
+:mod:`tpo_kernels.checks` (one argument each; the settings in one pass,
+:func:`~tpo_kernels.checks.arguments.check_options`; the batch); this module runs them in call
+order and builds the records. The pipeline runs the pass inside the block whose exception the
+ranks exchange (so that a failing check on one rank becomes the same error on every rank), then
+agrees, then works. A vocabulary split over ranks is resolved by :mod:`tpo_kernels.plan.vocabulary`,
+entered only when a vocabulary group or a DTensor is present.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -21,81 +20,15 @@ from torch import Tensor
 
 from ..backends.row_summary import compute_dtype
 from ..backends import resolve_backend_key
-from ..ops import TilePolicy
-from ..ops.logprobs import logits_rows
-from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Options, Placement, SequenceRequest
+from ..ops import HeadTiles, RowRequest, TilePolicy
+from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Placement, SequenceRequest
 from ..requests import Source
-from .arguments import (LossSettings, check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype,
-                        check_head, check_logit_transform, check_logits, check_logits_cache, check_positive,
-                        check_settings, check_tile_policy)
-from .batches import PreparedBatch, prepare_batch, prepare_candidates, prepare_labels
-from .placement import check_group, check_groups_apart
-
-
-# ----------------------------------------------------------------------------- the plan
-
-
-@dataclass(frozen=True)
-class LogitsRows:
-    """The log-prob row op reads a ``[M, V]`` matrix, or a ``[B, T, V]`` view whose rows do not
-    flatten into one row stride (``logits[:, :-1]``), in place."""
-
-    matrix: Tensor
-    inplace_backward: bool  # the backward may overwrite the logits' buffer
-
-
-@dataclass(frozen=True)
-class HeadTiles:
-    """How the fused head cuts its work (see :mod:`tpo_kernels.ops.tiles`)."""
-
-    chunk_size: int  # rows of V per tile
-    policy: TilePolicy
-    grad_accum_dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class HeadRows:
-    """The fused head's row op reads hidden states ``[M, H]`` and an lm_head, tile by tile."""
-
-    hidden: Tensor
-    weight: Tensor
-    bias: Optional[Tensor]
-    tiles: HeadTiles
-
-
-@dataclass(frozen=True)
-class LogprobRows:
-    """Per-token log-probs a trainer computed: no row op."""
-
-    logprobs: Tensor
-
-
-@dataclass(frozen=True)
-class CandidateRows:
-    """Token-level TPO: each state's candidate ids, their scores and old log-probs."""
-
-    input_name: str  # "logits" or "hidden"
-    candidates: Tensor  # [R, K] int64
-    scores: Tensor  # [R, K]
-    old_logprobs: Optional[Tensor]
-
-
-RowSource = Union[LogitsRows, HeadRows, LogprobRows, CandidateRows]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One rank's call after its check pass."""
-
-    settings: LossSettings
-    backend: str  # the backend's key, as the ops take it
-    device: torch.device
-    dtype: torch.dtype  # the compute dtype
-    rows: RowSource
-    labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
-    batch: Optional[PreparedBatch] = None
-    group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
-    shard_request: object = None  # this rank's vocabulary shard (distributed.ShardRequest), if split
+from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad_accum_dtype, check_head,
+                                check_logits, check_logits_cache, check_logits_source, check_options,
+                                check_row_options, check_tile_policy)
+from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
+from ..checks.placement import check_group, check_groups_apart
+from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RowSource
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -152,12 +85,6 @@ def check_traceable(function: str, validate: bool, distributed_keywords: tuple) 
 # ----------------------------------------------------------------------------- placement
 
 
-def is_dtensor(x) -> bool:
-    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(x, module.DTensor)
-
-
 def data_group(process_group):
     """``(data-parallel group | None, failure | None)``: the group (None for one rank: nothing to
     gather), or why ``process_group`` is none (then this rank has no group to report on, unless a
@@ -169,6 +96,12 @@ def data_group(process_group):
         return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
     except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
         return None, error
+
+
+def is_dtensor(x) -> bool:
+    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def _vocabulary_tensor(source: Source) -> Tuple[Optional[Tensor], int]:
@@ -193,7 +126,7 @@ def vocab_group_hint(source: Source, where: Placement):
     tensor, dim = _vocabulary_tensor(source)
     if not is_dtensor(tensor):
         return None
-    from ..distributed.vocab_parallel import dtensor_vocab_group  # noqa: PLC0415 - only with a DTensor
+    from .vocabulary import dtensor_vocab_group  # noqa: PLC0415 - only with a DTensor
 
     try:
         return dtensor_vocab_group(tensor, dim)
@@ -204,40 +137,66 @@ def vocab_group_hint(source: Source, where: Placement):
 def _resolve_source(source: Source, where: Placement):
     """``(source with local tensors, shard request | None, the logits as passed | None)``: the
     vocabulary's placement, before any check that needs its size. A call with neither a
-    vocabulary group nor a DTensor has its whole vocabulary here: distributed/ is not entered."""
+    vocabulary group nor a DTensor has its whole vocabulary here: plan/vocabulary.py is not entered."""
     if (where.vocab_parallel_group is None and where.vocab_start_index is None
             and not is_dtensor(_vocabulary_tensor(source)[0])):
         return source, None, None
-    from .. import distributed  # noqa: PLC0415 - only for a sharded vocabulary
+    from .vocabulary import vocab_parallel_head, vocab_shard  # noqa: PLC0415 - only for a sharded vocabulary
 
     if isinstance(source, Logits):
-        logits, shard = distributed.vocab_shard("logits", source.logits, where.vocab_parallel_group,
-                                                where.vocab_start_index)
+        logits, shard = vocab_shard("logits", source.logits, where.vocab_parallel_group, where.vocab_start_index)
         return Logits(logits=logits, inplace_backward=source.inplace_backward), shard, source.logits
     if isinstance(source, Head):
-        hidden, weight, bias, shard = distributed.vocab_parallel_head(source.hidden, source.weight, source.bias,
-                                                                      where.vocab_parallel_group,
-                                                                      where.vocab_start_index)
+        hidden, weight, bias, shard = vocab_parallel_head(source.hidden, source.weight, source.bias,
+                                                          where.vocab_parallel_group, where.vocab_start_index)
         return Head(hidden=hidden, weight=weight, bias=bias, chunk_size=source.chunk_size,
                     grad_accum_dtype=source.grad_accum_dtype, tile_policy=source.tile_policy,
                     logits_cache_bytes=source.logits_cache_bytes), shard, None
     return source, None, None
 
 
+# ----------------------------------------------------------------------------- row layouts
+
+# How the log-prob row op reads logits: a matrix in place, a strided batch in place, or a copy.
+
+
+def rows_matrix(x: Tensor) -> Tuple[Tensor, bool]:
+    """``[..., D]`` as a ``[M, D]`` matrix the row ops read in place (unit column stride, rows
+    that flatten into one row stride >= D), else a contiguous copy; True when that needed a copy."""
+    width = x.shape[-1]
+    row_stride = _flat_row_stride(x)
+    if x.numel() > 0 and x.stride(-1) == 1 and row_stride is not None and row_stride >= width:
+        return x.reshape(-1, width), False  # a view
+    return x.reshape(-1, width).contiguous(), True
+
+
+def logits_rows(x: Tensor, sharded: bool = False) -> Tuple[Tensor, bool]:
+    """:func:`rows_matrix` for the log-prob row op, which also reads ``[B, T, V]`` logits whose
+    rows do not flatten into one row stride (``logits[:, :-1]``) in one launch: such logits pass
+    as they are, instead of a copy (which would triple the peak memory of the logits path). A
+    vocabulary shard's row op takes a matrix."""
+    if (not sharded and x.dim() == 3 and x.numel() > 0 and x.stride(-1) == 1 and _flat_row_stride(x) is None
+            and x.stride(1) >= x.shape[2] and x.stride(0) >= x.shape[1] * x.stride(1)):  # rows never overlap
+        return x, False
+    return rows_matrix(x)
+
+
+def _flat_row_stride(x: Tensor) -> Optional[int]:
+    """The row stride of ``x`` flattened to ``[M, D]`` without a copy, or None when its leading
+    dims do not merge (``logits[:, :-1]``: the rows of consecutive batch entries are further
+    apart than those within one). Size-1 dims do not count."""
+    dims = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    for (_, outer_stride), (inner_size, inner_stride) in zip(dims, dims[1:]):
+        if outer_stride != inner_size * inner_stride:
+            return None
+    return dims[-1][1] if dims else x.shape[-1]
+
+
 # ----------------------------------------------------------------------------- settings and rows
 
 
-def _settings(options: Options, temperature: Optional[float] = None) -> LossSettings:
-    return check_settings(
-        eta=options.eta, anchor=options.anchor, temperature=options.temperature if temperature is None else temperature,
-        reduction=options.reduction, return_aux=options.return_aux, validate=options.validate,
-        return_entropy=options.return_entropy, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
-        score_eps=options.score_eps, length_normalize=options.length_normalize, entropy_coef=options.entropy_coef,
-    )
-
-
-def _check_sharded_transform(settings: LossSettings, sharded: bool) -> None:
-    if sharded and settings.logit_softcap is not None:
+def _check_sharded_transform(row: RowRequest, sharded: bool) -> None:
+    if sharded and row.logit_softcap is not None:
         raise ValueError("logit_softcap is not supported with a vocabulary-parallel head or logits "
                          "(vocab_parallel_group / DTensor shards); logit_scale is")
 
@@ -264,8 +223,7 @@ def _graph_owns_storage(tensor: Tensor) -> bool:
 def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, torch.device, torch.dtype, int]:
     """The row op's inputs: ``(rows, device, compute dtype, vocabulary size of this rank)``."""
     if isinstance(source, Logits):
-        logits = check_logits(source.logits)
-        inplace_backward = check_flag("inplace_backward", source.inplace_backward)
+        logits, inplace_backward = check_logits_source(source.logits, source.inplace_backward)
         matrix, copied = logits_rows(logits, sharded)
         # Overwrite the buffer only when it is ours (a copy) or the graph's (_graph_owns_storage),
         # never a leaf's storage, whatever view of it arrives. A DTensor's local shard is a view of
@@ -297,18 +255,8 @@ def _token_shape(source: Source) -> Tuple[int, ...]:
         return tuple(source.logprobs.shape)
     return tuple((source.logits if isinstance(source, Logits) else source.hidden).shape[:-1])
 
-
 # ----------------------------------------------------------------------------- the check pass
 
-
-@dataclass(frozen=True)
-class CheckedCall:
-    """A call after its check pass on this rank: its plan, or the failure its peers raise too."""
-
-    plan: Optional[Plan]  # None when a check failed
-    failure: Optional[BaseException]
-    data_group: object = None  # the process group the groups are gathered over (None: local groups)
-    vocab_group: object = None  # the group of the vocabulary exchange (None: the whole vocabulary here)
 
 
 def check_call(request: Union[SequenceRequest, LogprobsRequest, CandidateRequest]) -> CheckedCall:
@@ -356,7 +304,7 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
     batch = request.batch
     if isinstance(source, Logprobs):
         logprobs = check_float_tensor("logprobs", source.logprobs, (1, 2))
-        settings = _settings(request.options, temperature=1.0)
+        row, rule, weights, flags, batch = check_options(request.options, batch, temperature=1.0)
         device, dtype, vocab_size = logprobs.device, compute_dtype(logprobs.dtype), 1
         # Every position is a "label" 0 of a one-entry vocabulary; the mask says which count.
         labels = torch.zeros(logprobs.shape, dtype=torch.int64, device=device)
@@ -364,21 +312,20 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
         input_name = "logprobs"
     else:
         rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
-        settings = _settings(request.options)
-        labels = batch.labels
+        row, rule, weights, flags, batch = check_options(request.options, batch)
+        labels = request.batch.labels
         input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
-    _check_sharded_transform(settings, sharded)
+    _check_sharded_transform(row, sharded)
     key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
-        _token_shape(source), None if sharded else vocab_size, device, dtype, labels, batch.scores,
-        group_size=batch.group_size, group_ids=batch.group_ids, cu_seqlens=batch.cu_seqlens, mask=batch.mask,
-        ignore_index=batch.ignore_index, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
-        beta=batch.beta, input_name=input_name, validate=settings.validate, whole=data_parallel is None,
-        length_normalize=settings.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
+        batch, labels, _token_shape(source), vocab_size=None if sharded else vocab_size, device=device, acc=dtype,
+        input_name=input_name, validate=flags.validate, whole=data_parallel is None,
+        length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
     )
     # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
-    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels,
-                batch=prepared, group_size=prepared.split_group_size, shard_request=shard_request)
+    return Plan(row=row, rule=rule, weights=weights, flags=flags,
+                backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels, batch=prepared,
+                group_size=prepared.split_group_size, shard_request=shard_request)
 
 
 def plan_logprobs(request: LogprobsRequest) -> Plan:
@@ -387,21 +334,14 @@ def plan_logprobs(request: LogprobsRequest) -> Plan:
     sharded = shard_request is not None
     rows, device, dtype, vocab_size = _check_rows(source, sharded, original)
     options = request.options
-    inv_temperature = 1.0 / check_positive("temperature", options.temperature)
-    scale, cap = check_logit_transform(options.logit_scale, options.logit_softcap, inv_temperature)
-    settings = LossSettings(
-        eta=1.0, anchor=True, inv_temperature=inv_temperature, reduction="none", return_aux=False,
-        validate=check_flag("validate", options.validate),
-        return_entropy=check_flag("return_entropy", options.return_entropy), logit_scale=scale,
-        logit_softcap=cap,
-    )
-    _check_sharded_transform(settings, sharded)
+    row, flags, ignore_index = check_row_options(options, request.ignore_index)
+    _check_sharded_transform(row, sharded)
     key = resolve_backend_key(options.backend, device)
     input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
     labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
-                            input_name, request.ignore_index, settings.validate)
-    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=labels,
-                shard_request=shard_request)
+                            input_name, ignore_index, flags.validate)
+    return Plan(row=row, rule=None, weights=None, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
+                labels=labels, shard_request=shard_request)
 
 
 def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
@@ -415,11 +355,12 @@ def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
         check_head(source.hidden, source.weight, source.bias, hidden_ndims=(2,), same_dtype=True)
         num_states, vocab_size, device = source.hidden.shape[0], source.weight.shape[0], source.hidden.device
         dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
-    settings = _settings(options)
+    row, rule, weights, flags, _ = check_options(options)
     key = resolve_backend_key(options.backend, device)
     candidates, scores, old = prepare_candidates(
         num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
-        input_name, settings.validate, whole=data_parallel is None,
+        input_name, flags.validate, whole=data_parallel is None,
     )
     rows = CandidateRows(input_name=input_name, candidates=candidates, scores=scores, old_logprobs=old)
-    return Plan(settings=settings, backend=key, device=device, dtype=dtype, rows=rows, labels=None)
+    return Plan(row=row, rule=rule, weights=weights, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
+                labels=None)
