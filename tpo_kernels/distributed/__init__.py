@@ -4,10 +4,11 @@ This package holds the leaves the one pipeline (:mod:`tpo_kernels.pipeline`) cal
 spans ranks: the collectives, the agreement record every call exchanges before its first
 collective that could wait on a peer (:mod:`.agreement`: a local failure or a disagreement
 becomes the same error on every rank), the vocabulary shard seam (:class:`VocabShard`) and the
-group gather (:class:`GroupGather`). It runs no group math of its own, and its only input checks
-are the shard placement ones it calls from :mod:`tpo_kernels.checks.placement` (group, shard size
-and start, DTensor layouts, replicated hidden states, bias shard, the shards tiling ``[0, V)``),
-inside the call's check pass or, for the tiling, on the agreed sizes.
+group gather (:class:`GroupGather`), and the trainers' own exchanges (:mod:`.rows`, through the
+integration kit). It runs no group math of its own; what a rank's vocabulary is (a DTensor's
+shard, a plain shard of ``vocab_parallel_group``) is resolved by the plan
+(:mod:`tpo_kernels.plan.vocabulary`), and the one check left here is the shards tiling ``[0, V)``,
+on the agreed sizes (:mod:`tpo_kernels.checks.placement`).
 
 Two independent modes, combinable on a 2-D (data x tensor) mesh:
 
@@ -72,8 +73,7 @@ from .agreement import agree
 from .collectives import count_collectives
 from .data_parallel import GroupGather
 from .rows import RowGather, gather_rows, sum_over_ranks, token_mean
-from .vocab_parallel import ShardRequest, VocabShard, vocab_parallel_head, vocab_shard
+from .vocab_parallel import VocabShard
 
-__all__ = ["GroupGather", "ShardRequest", "VocabShard", "agree", "count_collectives", "vocab_parallel_head",
-           "vocab_shard"]
-__all__ += ["RowGather", "gather_rows", "sum_over_ranks", "token_mean"]
+__all__ = ["GroupGather", "RowGather", "VocabShard", "agree", "count_collectives", "gather_rows", "sum_over_ranks",
+           "token_mean"]

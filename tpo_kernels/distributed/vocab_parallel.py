@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..backends.row_summary import RowSummary
 from ..checks import placement
-from ..plan.vocabulary import ShardRequest, vocab_parallel_head, vocab_shard  # noqa: F401 - the package's names
+from ..plan.vocabulary import ShardRequest  # what a rank asked for, resolved by the plan
 from .collectives import all_gather_stacked, all_reduce_sum
 
 

@@ -12,7 +12,6 @@ entered only when a vocabulary group or a DTensor is present.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional, Tuple, Union
 
 import torch
@@ -25,7 +24,7 @@ from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest
 from ..requests import Source
 from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad_accum_dtype, check_head,
                                 check_logits, check_logits_cache, check_logits_source, check_options,
-                                check_row_options, check_tile_policy)
+                                check_row_options, check_tile_policy, is_dtensor)
 from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
 from ..checks.placement import check_group, check_groups_apart
 from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RowSource
@@ -96,12 +95,6 @@ def data_group(process_group):
         return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
     except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
         return None, error
-
-
-def is_dtensor(x) -> bool:
-    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(x, module.DTensor)
 
 
 def _vocabulary_tensor(source: Source) -> Tuple[Optional[Tensor], int]:

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 from torch import Tensor
 
 from ..checks import placement
-from .call import is_dtensor  # the call's check pass imports this module only for a sharded vocabulary
+from ..checks.arguments import is_dtensor
 
 
 def dtensor_vocab_group(x, dim: int):
