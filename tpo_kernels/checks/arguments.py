@@ -4,7 +4,6 @@ of a call checked in one pass into its stages' records (:func:`check_options`)."
 from __future__ import annotations
 
 import math
-import sys
 import numbers
 import dataclasses
 from dataclasses import dataclass
@@ -22,12 +21,6 @@ from ..ops.logprobs import RowRequest
 REDUCTIONS = ("mean", "sum", "none")
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # the ops, the agreement records and the labels hold int64
 _FP32 = torch.finfo(torch.float32)
-
-
-def is_dtensor(x) -> bool:
-    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(x, module.DTensor)
 
 
 # ----------------------------------------------------------------------------- scalars

@@ -12,6 +12,7 @@ entered only when a vocabulary group or a DTensor is present.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple, Union
 
 import torch
@@ -24,7 +25,7 @@ from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest
 from ..requests import Source
 from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad_accum_dtype, check_head,
                                 check_logits, check_logits_cache, check_logits_source, check_options,
-                                check_row_options, check_tile_policy, is_dtensor)
+                                check_row_options, check_tile_policy)
 from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
 from ..checks.placement import check_group, check_groups_apart
 from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RowSource
@@ -105,6 +106,12 @@ def _vocabulary_tensor(source: Source) -> Tuple[Optional[Tensor], int]:
     if isinstance(source, Head):
         return source.weight, 0
     return None, 0
+
+
+def is_dtensor(x) -> bool:
+    """A DTensor can only exist once torch.distributed.tensor has been imported: never import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def vocab_group_hint(source: Source, where: Placement):

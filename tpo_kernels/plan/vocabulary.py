@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 from torch import Tensor
 
 from ..checks import placement
-from ..checks.arguments import is_dtensor
+from .call import is_dtensor  # plan/call.py imports this module only for a sharded vocabulary
 
 
 def dtensor_vocab_group(x, dim: int):
