@@ -77,54 +77,6 @@ def _(hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_
     return (*summary.to_op(), hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
 
 
-def _backward_grads(inputs: tuple, summary: List[Tensor], grads: tuple, logits_cache: Tensor, needs: tuple,
-                    settings: tuple, overwrite_cache: bool):
-    """The gradients of ``inputs = (hidden, weight, bias, labels, cache_candidates)`` from those of
-    the log-probs and entropies (``grads``); ``settings``: the backward op's, from ``request`` on."""
-    request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend, matmul_out_dtype = settings
-    *tensors, cache_candidates = inputs
-    policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype)
-    head = _head(tuple(tensors), RowRequest.from_op(request), chunk_size, policy, backend, cache_candidates)
-    grad_logprobs, grad_entropy = grads
-    # The entropy is read only with its gradient.
-    summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
-    grads = head.backward(summary, grad_logprobs, grad_entropy, needs, grad_accum_dtype, logits_cache, overwrite_cache)
-    # A custom op returns tensors only: an empty one stands for "not requested".
-    return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
-
-
-# Both backward ops read back the counts of their row classes (one tolist), validate or not: no
-# CUDA-graph capture. The first leaves the logits cache as it is (a kept graph, torch.compile); the
-# second may turn it into dz in place (TiledLinearHead._backward_in_cache).
-@torch.library.custom_op("tpo_kernels::linear_logprobs_backward", mutates_args=(), **host_sync_tags())
-def _linear_logprobs_backward(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
-    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
-    cache_candidates: Optional[Tensor], needs_hidden: bool, needs_weight: bool, needs_bias: bool,
-    request: List[float], chunk_size: int, min_tile_tokens: int, accum_bytes: int, grad_accum_dtype: torch.dtype,
-    backend: str, matmul_out_dtype: Optional[bool],
-) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_grads((hidden, weight, bias, labels, cache_candidates), summary, (grad_logprobs, grad_entropy),
-                           logits_cache, (needs_hidden, needs_weight, needs_bias),
-                           (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
-                            matmul_out_dtype), overwrite_cache=False)
-
-
-@torch.library.custom_op("tpo_kernels::linear_logprobs_backward_", mutates_args=("logits_cache",),
-                         **host_sync_tags())
-def _linear_logprobs_backward_overwriting(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
-    grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
-    cache_candidates: Optional[Tensor], needs_hidden: bool, needs_weight: bool, needs_bias: bool,
-    request: List[float], chunk_size: int, min_tile_tokens: int, accum_bytes: int, grad_accum_dtype: torch.dtype,
-    backend: str, matmul_out_dtype: Optional[bool],
-) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_grads((hidden, weight, bias, labels, cache_candidates), summary, (grad_logprobs, grad_entropy),
-                           logits_cache, (needs_hidden, needs_weight, needs_bias),
-                           (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
-                            matmul_out_dtype), overwrite_cache=True)
-
-
 def _backward_fake(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates,
                    needs_hidden, needs_weight, needs_bias, *settings):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
@@ -132,8 +84,36 @@ def _backward_fake(hidden, weight, bias, labels, summary, grad_logprobs, grad_en
             weight.new_empty(weight.shape[0]) if needs_bias else hidden.new_empty(0))
 
 
-_linear_logprobs_backward.register_fake(_backward_fake)
-_linear_logprobs_backward_overwriting.register_fake(_backward_fake)
+def _backward_op(name: str, overwrite_cache: bool):
+    """The backward op ``name``. Both read back the counts of their row classes (one tolist),
+    validate or not: no CUDA-graph capture. Without ``overwrite_cache`` the logits cache is left as
+    it is (a kept graph, torch.compile); with it the op may turn the cache into dz in place
+    (TiledLinearHead._backward_in_cache), so its schema declares the mutation."""
+
+    @torch.library.custom_op(name, mutates_args=("logits_cache",) if overwrite_cache else (), **host_sync_tags())
+    def backward(
+        hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, summary: List[Tensor],
+        grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits_cache: Tensor,
+        cache_candidates: Optional[Tensor], needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+        request: List[float], chunk_size: int, min_tile_tokens: int, accum_bytes: int,
+        grad_accum_dtype: torch.dtype, backend: str, matmul_out_dtype: Optional[bool],
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype)
+        head = _head((hidden, weight, bias, labels), RowRequest.from_op(request), chunk_size, policy, backend,
+                     cache_candidates)
+        # The entropy is read only with its gradient.
+        row_summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
+        grads = head.backward(row_summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),
+                              grad_accum_dtype, logits_cache, overwrite_cache)
+        # A custom op returns tensors only: an empty one stands for "not requested".
+        return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+    backward.register_fake(_backward_fake)
+    return backward
+
+
+_linear_logprobs_backward = _backward_op("tpo_kernels::linear_logprobs_backward", overwrite_cache=False)
+_linear_logprobs_backward_overwriting = _backward_op("tpo_kernels::linear_logprobs_backward_", overwrite_cache=True)
 
 
 def _graph_kept() -> bool:
