@@ -26,17 +26,6 @@ from typing import List, Optional
 from .usage import OneLineParser, UsageError, writable_file_problem
 
 
-def parse_device(text: Optional[str], option: str = "--device", prog: str = "tpo-kernels"):
-    """The torch.device of a ``--device`` value (None: cuda when present, else cpu), or a UsageError
-    naming ``option`` when it is not a device the commands run on here."""
-    from tpo_kernels.selfcheck import usable_device
-
-    try:
-        return usable_device(text)
-    except ValueError as exc:
-        raise UsageError(f"{option}: {exc}", prog) from None
-
-
 def _status(args) -> int:
     import torch
 
@@ -75,7 +64,9 @@ def _demo(args) -> int:
 
     from tpo_kernels.backends import get_backend
 
-    device = parse_device(args.device, prog="tpo-kernels demo")
+    from tpo_kernels.bench.plan import resolve_device
+
+    device = resolve_device(args.device, prog="tpo-kernels demo")
     try:
         get_backend(args.backend, device)
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -28,15 +28,15 @@ def matches_any(name, patterns):
     return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
-def resolve_device(arg: str):
-    """``--device``: auto (cuda when present, else cpu), cpu or cuda[:index] (a UsageError when
-    it is not there)."""
+def resolve_device(arg: Optional[str], prog: str = "tpo-kernels bench"):
+    """``--device`` of the command ``prog``: auto or None (cuda when present, else cpu), cpu or
+    cuda[:index] (a UsageError when it is not there)."""
     from ..selfcheck import usable_device
 
     try:
         return usable_device(None if arg == "auto" else arg)
     except ValueError as exc:
-        raise UsageError(f"--device: {exc}", "tpo-kernels bench") from None
+        raise UsageError(f"--device: {exc}", prog) from None
 
 
 def _preset_device(kind):
