@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -74,6 +75,16 @@ def all_gather_stacked(x: Tensor, group, purpose: str) -> Tensor:
     gather(out, x.view(-1), group=group)
     _record("all_gather", purpose, world, x, out)
     return out.view(world, *x.shape)
+
+
+def all_gather_ragged(local: Tensor, sizes, group, purpose: str) -> Tensor:
+    """``[sum(sizes), ...]``: every rank's ``local`` rows (``sizes[r]`` of them on rank ``r``, the
+    same trailing shape everywhere) concatenated in group rank order: one all-gather of the rows
+    padded to the largest count."""
+    padded = local.new_zeros((max(max(sizes), 1), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    stacked = all_gather_stacked(padded, group, purpose)
+    return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)])
 
 
 def all_reduce_sum(x: Tensor, group, purpose: str) -> Tensor:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..group_math import BatchLayout, build_layout
-from .collectives import all_gather_stacked
+from .collectives import all_gather_ragged
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,7 @@ class GroupGather:
         return slice(start, start + self.sizes[self.rank])
 
     def _cat(self, local: Tensor, purpose: str) -> Tensor:
-        width = max(max(self.sizes), 1)
-        padded = local.new_zeros((width, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        stacked = all_gather_stacked(padded, self.group, purpose)
-        return torch.cat([stacked[r, :n] for r, n in enumerate(self.sizes)])
+        return all_gather_ragged(local, self.sizes, self.group, purpose)
 
     def rows(self, local: Tensor) -> Tensor:
         """``[sum N_r, C]`` from every rank's ``[N_r, C]`` (not differentiable by itself)."""

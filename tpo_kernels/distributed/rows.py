@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import all_gather_stacked, all_reduce_sum
+from .collectives import all_gather_ragged, all_gather_stacked, all_reduce_sum
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ def gather_rows(local: Tensor, process_group=None, purpose: str = "rows") -> Row
         return RowGather(rows=local, sizes=(local.shape[0],), rank=0)
     count = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
     sizes = tuple(int(n) for n in all_gather_stacked(count, process_group, purpose + "_counts").view(-1).tolist())
-    padded = local.new_zeros((max(max(sizes), 1), *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    stacked = all_gather_stacked(padded, process_group, purpose)
-    rows = torch.cat([stacked[r, :n] for r, n in enumerate(sizes)])
+    rows = all_gather_ragged(local, sizes, process_group, purpose)
     return RowGather(rows=rows, sizes=sizes, rank=dist.get_rank(process_group))
 
 
