@@ -33,7 +33,7 @@ from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .plan.call import rows_matrix
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
-from .ops.group import GroupObjective, LossWeights
+from .ops.group import CompletionInputs, GroupObjective, LossWeights, RankSeams
 from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
@@ -225,10 +225,11 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
 
     prepared = plan.batch
     summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, gather))
+    completions = CompletionInputs(scores=prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs,
+                                   kept=prepared.kept)
     objective = GroupObjective(
-        prepared.layout, prepared.scores, rule=plan.rule, weights=plan.weights, backend=plan.backend,
-        old_seq_logprobs=prepared.old_seq_logprobs, ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0,
-        gather=gather, kept=prepared.kept,
+        prepared.layout, completions, rule=plan.rule, weights=plan.weights, backend=plan.backend,
+        ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0, seams=RankSeams(gather=gather),
     )
     loss = objective.forward(summary.label_logprob, summary.entropy)
     if not plan.flags.return_aux:
@@ -281,11 +282,10 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
                                                               rows.candidates, inv_temperature=inv_t, backend=key)
     cand = transformed_candidates(gather_logits, plan.row)
     num_states, num_cand = cand.shape
-    objective = GroupObjective(
-        candidate_layout(num_states, num_cand, cand.device), rows.scores.reshape(-1),
-        rule=plan.rule, weights=plan.weights, backend=key, gather=gather,
-        old_seq_logprobs=None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1),
-    )
+    old = None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1)
+    completions = CompletionInputs(scores=rows.scores.reshape(-1), old_seq_logprobs=old)
+    objective = GroupObjective(candidate_layout(num_states, num_cand, cand.device), completions, rule=plan.rule,
+                               weights=plan.weights, backend=key, seams=RankSeams(gather=gather))
     loss = objective.forward(cand.reshape(-1))
     if not plan.flags.return_aux:
         return loss
