@@ -36,7 +36,7 @@ from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .plan.call import rows_matrix
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
-from .ops.group import GroupObjective, LossWeights
+from .ops.group import CompletionInputs, GroupObjective, LossWeights, RankSeams
 from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
@@ -222,7 +222,7 @@ def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -
                            backend=plan.backend, cache_candidates=cache_candidates)
 
 
-def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
+def _signal_tokens(plan: Plan, rule: GroupRule, seams: RankSeams) -> Optional[Tensor]:
     """``[M]`` bool: the tokens of the groups that can carry a gradient, the candidates of a fused
     head's logits cache of a bounded budget. On-policy with the anchor and no KL term, a group whose standardized
     scores are all 0 (its scores tie) has ``q == p`` bit for bit, so its tokens' gradient is
@@ -230,9 +230,9 @@ def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
     Decided from the scores alone by the group op of the same ``rule`` the loss runs (no
     read-back). None (every counted token) when there is no cache, or when the gradient's support
     is not known before the forward: off-policy, without the anchor, with a KL term, or with the
-    groups gathered over ranks."""
+    batch split over ranks (the groups gathered, or the completions' positions split)."""
     weights, batch = plan.weights, plan.batch
-    if not isinstance(plan.rows, HeadRows) or gather is not None:
+    if not isinstance(plan.rows, HeadRows) or seams.gather is not None or seams.context is not None:
         return None
     budget = plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0])
     if not budget or budget >= EVERY_ROW:  # no cache, or one of every row: no slot to give away
@@ -281,11 +281,14 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         raise failure
 
     prepared = plan.batch
-    summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, gather if context is None else context))
+    seams = RankSeams(gather=gather, context=context)
+    summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, seams))
+    completions = CompletionInputs(scores=prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs,
+                                   old_token_sums=prepared.old_token_sums, kept=prepared.kept,
+                                   kept_after_sum=context is not None and plan.flags.validate)
     objective = GroupObjective(
-        prepared.layout, prepared.scores, rule=plan.rule, weights=plan.weights, backend=plan.backend,
-        old_seq_logprobs=prepared.old_seq_logprobs, ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0,
-        gather=gather, kept=prepared.kept,
+        prepared.layout, completions, rule=plan.rule, weights=plan.weights, backend=plan.backend,
+        ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0, seams=seams,
     )
     loss = objective.forward(summary.label_logprob, summary.entropy)
     if not plan.flags.return_aux:
@@ -338,11 +341,10 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
                                                               rows.candidates, inv_temperature=inv_t, backend=key)
     cand = transformed_candidates(gather_logits, plan.row)
     num_states, num_cand = cand.shape
-    objective = GroupObjective(
-        candidate_layout(num_states, num_cand, cand.device), rows.scores.reshape(-1),
-        rule=plan.rule, weights=plan.weights, backend=key, gather=gather,
-        old_seq_logprobs=None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1),
-    )
+    old = None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1)
+    completions = CompletionInputs(scores=rows.scores.reshape(-1), old_seq_logprobs=old)
+    objective = GroupObjective(candidate_layout(num_states, num_cand, cand.device), completions, rule=plan.rule,
+                               weights=plan.weights, backend=key, seams=RankSeams(gather=gather))
     loss = objective.forward(cand.reshape(-1))
     if not plan.flags.return_aux:
         return loss
