@@ -373,10 +373,11 @@ def mesh_failures_case(rank: int, world: int, *, dp: int, cp: int, tp: int) -> d
 
     def fused(**kw):
         return tpo_kernels.fused_linear_tpo_loss(mine["index"](batch["hidden"]), batch["weight"][start:stop],
-                                                 mine["labels"], mine["scores"], group_size=3, **groups, **kw)
+                                                 mine["labels"], mine["scores"], group_size=2, **groups, **kw)
 
     _attempt(outcomes, "backend_unusable", lambda: fused(backend="cuda" if failing else "torch"))
     _attempt(outcomes, "eta", lambda: fused(eta=0.5 if failing else 1.0))
+    _attempt(outcomes, "none_fails", lambda: fused())  # the same call on every rank: no error
     return {"outcomes": outcomes}
 
 
