@@ -391,7 +391,7 @@ class GroupObjective:
 
     def _token_mean(self, seq_sums: Tensor, seq_counted: Tensor) -> Tensor:
         """A token term's reduction: the mean over every counted token of the batch (every
-        rank's with a gather) for ``"mean"``, their sum for ``"sum"``, the mean over each group's
+        rank's with a seam) for ``"mean"``, their sum for ``"sum"``, the mean over each group's
         counted tokens for ``"none"``. A term over no counted token is 0."""
         if self.reduction == "mean":
             return seq_sums.sum() / seq_counted.sum().clamp(min=1)
