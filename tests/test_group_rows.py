@@ -88,7 +88,7 @@ class Setting:
 
 
 def _objective(tok: Tokens, positions: Tensor, setting: Setting, seams: RankSeams = RankSeams(),
-               members: Optional[Tensor] = None):
+               members: Optional[Tensor] = None, kept_after_sum: Optional[bool] = None):
     """The group stage over ``positions`` of every completion, with leaf token inputs: returns
     (objective, token log-probs leaf, entropy leaf). Without a context seam it is one process on
     those positions (``members``: the completions kept, as the checks would leave them)."""
@@ -106,8 +106,10 @@ def _objective(tok: Tokens, positions: Tensor, setting: Setting, seams: RankSeam
     elif setting.old == "token":  # one process: summed, or averaged, as the checks prepare it
         weights = length_weights(valid, layout, torch.float64) if setting.length_normalize else 1.0
         old_seq = segment_sum(old_tokens * weights, layout)
+    if kept_after_sum is None:  # as the checks set it with validate=True
+        kept_after_sum = seams.context is not None
     completions = CompletionInputs(scores=tok.scores, old_seq_logprobs=old_seq, old_token_sums=old_token_sums,
-                                   kept_after_sum=seams.context is not None)
+                                   kept_after_sum=kept_after_sum)
     objective = GroupObjective(
         layout, completions, rule=GroupRule(length_normalize=setting.length_normalize),
         weights=LossWeights(reduction=setting.reduction, beta=setting.beta, entropy_coef=setting.entropy_coef),
@@ -252,3 +254,27 @@ def test_no_seam_is_bitwise_the_group_op_on_the_token_logprobs(backend, setting)
     want.backward()
     assert torch.equal(loss, want.detach())
     assert torch.equal(lp.grad, leaf.grad)
+
+
+@pytest.mark.parametrize("kept_after_sum,left_out,reads", [(False, False, 0), (True, False, 1), (True, True, 4)],
+                         ids=["unchecked", "all_kept", "one_left_out"])
+def test_the_only_read_back_after_the_sum_decides_which_completions_are_kept(kept_after_sum, left_out, reads):
+    """``kept_after_sum`` (``validate=True``): one read-back (is every completion kept?) and,
+    when one is left out, the three of a layout of the kept ones; without it none, and every
+    completion takes part (the summed count's 0 divided by 1)."""
+    from _dispatch import ReadBacks
+
+    tok = _tokens(torch.float64)
+    if left_out:
+        tok.valid[4] = False
+    positions = _positions(2, "contiguous")
+    setting = Setting(length_normalize=True)
+    others = _objective(tok, positions[1], setting, RankSeams(context=OtherRanks(0.0, 2)))[0]
+    valid1 = others.valid
+    lp1 = torch.where(valid1, tok.logprobs[:, positions[1]].reshape(-1), 0.0)
+    seam = OtherRanks(others.partials(lp1).detach(), 2)
+    objective, lp, ent = _objective(tok, positions[0], setting, RankSeams(context=seam), kept_after_sum=kept_after_sum)
+    with ReadBacks() as counter:
+        _run(objective, lp, ent)
+    assert len(counter.reads) == reads, counter.reads
+    assert bool((objective.aux()["p"][4] == 0)) == (left_out and kept_after_sum)
