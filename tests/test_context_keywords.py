@@ -44,7 +44,8 @@ def _inputs(dtype=torch.float64, seed=0):
     labels = torch.randint(0, V, (N, T), generator=g)
     labels[1, 3:] = -100
     scores = torch.randn(N, generator=g, dtype=dtype)
-    ref = torch.log_softmax(torch.randn(N, T, V, generator=g, dtype=dtype), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    reference_logits = torch.randn(N, T, V, generator=g, dtype=dtype)
+    ref = torch.log_softmax(reference_logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     old = ref + 0.05 * torch.rand(N, T, generator=g, dtype=dtype).neg()
     return dict(hidden=hidden, weight=weight, labels=labels, scores=scores, ref=ref, old=old)
 
