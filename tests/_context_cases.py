@@ -397,6 +397,8 @@ def run_cases(rank: int, world: int, cases: Dict[str, tuple]) -> Dict[str, dict]
             results[name] = globals()[fn_name](rank, world, **kwargs)
         except Exception:  # noqa: BLE001 - reported by the test of this case
             results[name] = {"error": traceback.format_exc()}
+            # At once: a rank that fails out of step with its peers ends the spawn in a collective
+            # error of theirs, which would hide this one.
             print(f"rank {rank}, case {name}:\n{results[name]['error']}", file=sys.stderr, flush=True)
         results[name]["seconds"] = time.monotonic() - begin
     return results
