@@ -22,11 +22,10 @@ from tpo_kernels.backends import backend_key, get_backend
 from tpo_kernels.group_math import GroupRule, build_layout, length_weights, segment_sum
 from tpo_kernels.ops.group import CompletionInputs, GroupObjective, LossWeights, RankSeams, group_targets
 
-from _backends import DEVICE_BACKENDS
+from _backends import DEVICE, DEVICE_BACKENDS
 
 N, K, T = 6, 3, 8
 TOL = {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=5e-5, rtol=2e-4)}
-CPU = torch.device("cpu")
 
 
 @dataclasses.dataclass
@@ -93,14 +92,16 @@ def _objective(tok: Tokens, positions: Tensor, setting: Setting, seams: RankSeam
     (objective, token log-probs leaf, entropy leaf). Without a context seam it is one process on
     those positions (``members``: the completions kept, as the checks would leave them)."""
     width = positions.numel()
-    valid = tok.valid[:, positions].reshape(-1)
-    layout = build_layout(N * width, CPU, padded_shape=(N, width), group_size=K, members=members)
-    lp_leaf = tok.logprobs[:, positions].clone().requires_grad_(True)
-    ent_leaf = tok.entropy[:, positions].clone().requires_grad_(True)
+    on_device = lambda x: x[:, positions].reshape(-1).to(DEVICE)  # noqa: E731 - this rank's tokens, flat
+    valid = on_device(tok.valid)
+    members = None if members is None else members.to(DEVICE)
+    layout = build_layout(N * width, DEVICE, padded_shape=(N, width), group_size=K, members=members)
+    lp_leaf = tok.logprobs[:, positions].to(DEVICE).requires_grad_(True)
+    ent_leaf = tok.entropy[:, positions].to(DEVICE).requires_grad_(True)
     old_seq = old_token_sums = None
-    old_tokens = torch.where(valid, tok.old[:, positions].reshape(-1), 0.0)
+    old_tokens = torch.where(valid, on_device(tok.old), 0.0)
     if setting.old == "seq":
-        old_seq = tok.old_seq
+        old_seq = tok.old_seq.to(DEVICE)
     elif setting.old == "token" and seams.context is not None:
         old_token_sums = segment_sum(old_tokens, layout)
     elif setting.old == "token":  # one process: summed, or averaged, as the checks prepare it
@@ -108,14 +109,20 @@ def _objective(tok: Tokens, positions: Tensor, setting: Setting, seams: RankSeam
         old_seq = segment_sum(old_tokens * weights, layout)
     if kept_after_sum is None:  # as the checks set it with validate=True
         kept_after_sum = seams.context is not None
-    completions = CompletionInputs(scores=tok.scores, old_seq_logprobs=old_seq, old_token_sums=old_token_sums,
-                                   kept_after_sum=kept_after_sum)
+    completions = CompletionInputs(scores=tok.scores.to(DEVICE), old_seq_logprobs=old_seq,
+                                   old_token_sums=old_token_sums, kept_after_sum=kept_after_sum)
     objective = GroupObjective(
         layout, completions, rule=GroupRule(length_normalize=setting.length_normalize),
         weights=LossWeights(reduction=setting.reduction, beta=setting.beta, entropy_coef=setting.entropy_coef),
-        backend=backend_key(get_backend(setting.backend, CPU)), valid=valid, seams=seams,
-        ref_logprobs=torch.where(valid, tok.ref[:, positions].reshape(-1), 0.0) if setting.beta else None)
+        backend=backend_key(get_backend(setting.backend, DEVICE)), valid=valid, seams=seams,
+        ref_logprobs=torch.where(valid, on_device(tok.ref), 0.0) if setting.beta else None)
     return objective, lp_leaf, ent_leaf
+
+
+def _host(objective: GroupObjective, loss: Tensor, lp: Tensor, ent: Tensor) -> dict:
+    """The results on the host: loss, aux, token gradients."""
+    aux = {name: value.cpu() if isinstance(value, Tensor) else value for name, value in objective.aux().items()}
+    return dict(loss=loss.cpu(), aux=aux, grad_lp=lp.grad.cpu(), grad_ent=None if ent.grad is None else ent.grad.cpu())
 
 
 def _run(objective: GroupObjective, lp_leaf: Tensor, ent_leaf: Tensor) -> Tensor:
@@ -140,16 +147,14 @@ def _ranks(tok: Tokens, world: int, kind: str, setting: Setting):
         seam = OtherRanks(sum(p for s, p in enumerate(partials) if s != r), world)
         objective, lp, ent = _objective(tok, pos, setting, RankSeams(context=seam))
         loss = _run(objective, lp, ent)
-        out.append(dict(positions=pos, loss=loss, aux=objective.aux(), grad_lp=lp.grad, grad_ent=ent.grad,
-                        seam=seam))
+        out.append(dict(_host(objective, loss, lp, ent), positions=pos, seam=seam))
     return out
 
 
 def _one_process(tok: Tokens, setting: Setting):
     counted = tok.valid.any(dim=1)
     objective, lp, ent = _objective(tok, torch.arange(T), setting, members=None if counted.all() else counted)
-    loss = _run(objective, lp, ent)
-    return dict(loss=loss, aux=objective.aux(), grad_lp=lp.grad, grad_ent=ent.grad)
+    return _host(objective, _run(objective, lp, ent), lp, ent)
 
 
 SETTINGS = {
@@ -243,13 +248,13 @@ def test_no_seam_is_bitwise_the_group_op_on_the_token_logprobs(backend, setting)
     objective, lp, ent = _objective(tok, torch.arange(T), setting)
     loss = _run(objective, lp, ent)
 
-    leaf = tok.logprobs.clone().requires_grad_(True)
-    valid = tok.valid.reshape(-1)
+    leaf = tok.logprobs.to(DEVICE).requires_grad_(True)
+    valid = objective.valid
     token_lp = torch.where(valid, leaf.reshape(-1), 0.0)
     if setting.length_normalize:
         token_lp = token_lp * length_weights(valid, objective.layout, token_lp.dtype)
-    result = group_targets(token_lp, objective.layout, tok.scores, old_seq_logprobs=objective.old_seq_logprobs,
-                           rule=objective.rule, backend=objective.backend)
+    result = group_targets(token_lp, objective.layout, objective.scores,
+                           old_seq_logprobs=objective.old_seq_logprobs, rule=objective.rule, backend=objective.backend)
     want = result.group_loss.mean().to(token_lp.dtype)
     want.backward()
     assert torch.equal(loss, want.detach())
@@ -270,10 +275,10 @@ def test_the_only_read_back_after_the_sum_decides_which_completions_are_kept(kep
     positions = _positions(2, "contiguous")
     setting = Setting(length_normalize=True)
     others = _objective(tok, positions[1], setting, RankSeams(context=OtherRanks(0.0, 2)))[0]
-    valid1 = others.valid
-    lp1 = torch.where(valid1, tok.logprobs[:, positions[1]].reshape(-1), 0.0)
+    lp1 = torch.where(others.valid, tok.logprobs[:, positions[1]].reshape(-1).to(DEVICE), 0.0)
     seam = OtherRanks(others.partials(lp1).detach(), 2)
-    objective, lp, ent = _objective(tok, positions[0], setting, RankSeams(context=seam), kept_after_sum=kept_after_sum)
+    objective, lp, ent = _objective(tok, positions[0], setting, RankSeams(context=seam),
+                                    kept_after_sum=kept_after_sum)
     with ReadBacks() as counter:
         _run(objective, lp, ent)
     assert len(counter.reads) == reads, counter.reads
