@@ -131,7 +131,7 @@ def _distributed_substitute(code: str) -> str:
 import os, torch, tpo_kernels
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
 torch.distributed.init_process_group("gloo")
-dp, tp = 1, 1
+dp, cp, tp = 1, 1, 1
 hidden = torch.randn(4, 5, 16, requires_grad=True)
 lm_head_shard = torch.randn(32, 16, requires_grad=True)
 labels = torch.randint(0, 32, (4, 5))
