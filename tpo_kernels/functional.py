@@ -38,10 +38,26 @@ Shared keywords of the losses:
         ``entropy_coef`` at most about 5.8e17 (so that weight times a token's term stays finite).
 
 Distributed keywords (``process_group`` for groups split over data-parallel ranks;
-``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded lm_head or logits):
-see :mod:`tpo_kernels.distributed`. A check failing on one rank raises the same error on every
+``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded lm_head or logits;
+``context_parallel_group`` for completions whose positions are split over ranks): see
+:mod:`tpo_kernels.distributed`. A check failing on one rank raises the same error on every
 rank of the call's groups. Distributed calls run eagerly: traced with ``fullgraph=True`` they stop
 with an error saying so.
+
+``context_parallel_group`` (the sequence-level losses): every rank of the group holds the same
+completions (the same ``N``, ``scores``, grouping and per-completion ``old_logprobs``) and its own
+positions of each, in any split (a contiguous slice, torch's load-balanced head-tail chunks, padded
+``[N, T_r]`` or packed ``[M_r]`` with this rank's ``cu_seqlens``); per-token inputs (labels, mask,
+per-token ``old_logprobs`` and ``ref_logprobs``) are split like the logits. Each rank reduces its
+tokens to per-completion sums, the ranks all-reduce those ``[N, C]`` sums once, and every rank
+runs the group stage on them: a completion with no counted token on any rank is left out, length
+normalization and the token means count every rank's tokens. Every rank returns the loss of the
+whole completions; its backward gives its tokens ``S`` times their gradient (``S`` the group's
+size; ``D * S`` with a ``process_group`` of ``D`` ranks), so that averaging gradients over the
+data x context ranks (FSDP2 / DDP over a mesh dimension that includes them) gives the
+one-process gradient. The labels are shifted by the caller before the split: shift the whole
+sequence (``labels = tokens[:, 1:]``), then split inputs and labels with one index map; shifting
+a rank's own slice (``local_tokens[:, 1:]``) loses a label at every shard boundary.
 """
 
 from __future__ import annotations
@@ -89,6 +105,7 @@ def tpo_loss(
     return_entropy: bool = False,
     validate: bool = True,
     process_group=None,
+    context_parallel_group=None,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
 ) -> LossOutput:
@@ -139,8 +156,9 @@ def tpo_loss(
             (True where the group carries no gradient, ``p == q``).
         return_entropy: with ``return_aux``, also ``aux["token_entropy"]``: the entropy of each
             token's tempered distribution, from the same vocabulary pass (0 where not counted).
-        process_group, vocab_parallel_group, vocab_start_index: see the module docstring
-            (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local).
+        process_group, context_parallel_group, vocab_parallel_group, vocab_start_index: see the
+            module docstring (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local;
+            ``[N, T_r, V]`` / ``[M_r, V]`` logits of this rank's positions of every completion).
     """
     return pipeline.sequence_loss(SequenceRequest(
         function="tpo_loss",
@@ -152,8 +170,8 @@ def tpo_loss(
                         logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
                         return_entropy=return_entropy, validate=validate, score_eps=score_eps,
                         length_normalize=length_normalize, entropy_coef=entropy_coef),
-        placement=Placement(process_group=process_group, vocab_parallel_group=vocab_parallel_group,
-                            vocab_start_index=vocab_start_index),
+        placement=Placement(process_group=process_group, context_parallel_group=context_parallel_group,
+                            vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
     ))
 
 
@@ -177,6 +195,7 @@ def tpo_loss_from_logprobs(
     return_aux: bool = False,
     validate: bool = True,
     process_group=None,
+    context_parallel_group=None,
 ) -> LossOutput:
     """Sequence-level TPO on per-token log-probs a trainer has already computed (verl's policy
     losses, or any loop whose vocabulary pass is done): the group stage alone, differentiable in
@@ -189,8 +208,9 @@ def tpo_loss_from_logprobs(
             None: every token counts.
         scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, beta, length_normalize:
             as in :func:`tpo_loss`.
-        eta, anchor, score_eps, reduction, backend, return_aux, validate, process_group: see the module
-            docstring.
+        eta, anchor, score_eps, reduction, backend, return_aux, validate, process_group,
+            context_parallel_group: see the module docstring (with ``context_parallel_group``,
+            ``logprobs`` and the mask hold this rank's positions).
 
     There is no ``entropy_coef`` here: the token entropy needs the vocabulary pass this function
     does not make. Add ``- coef * entropy`` from that pass yourself, or use :func:`tpo_loss` /
@@ -205,7 +225,7 @@ def tpo_loss_from_logprobs(
         options=Options(eta=eta, anchor=anchor, temperature=1.0, reduction=reduction, backend=backend,
                         return_aux=return_aux, validate=validate, score_eps=score_eps,
                         length_normalize=length_normalize),
-        placement=Placement(process_group=process_group),
+        placement=Placement(process_group=process_group, context_parallel_group=context_parallel_group),
     ))
 
 
@@ -276,6 +296,7 @@ def fused_linear_tpo_loss(
     logits_cache_bytes: int = 0,
     validate: bool = True,
     process_group=None,
+    context_parallel_group=None,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
 ) -> LossOutput:
@@ -304,8 +325,9 @@ def fused_linear_tpo_loss(
             the logits' dtype): cached tokens cost three matmuls instead of four. 0: every counted
             token's logits for a vocabulary of at most ``TilePolicy.small_vocab`` (16384) entries,
             else none.
-        process_group, vocab_parallel_group, vocab_start_index: see the module docstring (weight
-            ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors sharded on dim 0).
+        process_group, context_parallel_group, vocab_parallel_group, vocab_start_index: see the
+            module docstring (weight ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors
+            sharded on dim 0; ``hidden`` of this rank's positions with ``context_parallel_group``).
 
     The backward recomputes the logits of the tokens whose loss gradient is nonzero; tokens of
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
@@ -322,8 +344,8 @@ def fused_linear_tpo_loss(
                         logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
                         return_entropy=return_entropy, validate=validate, score_eps=score_eps,
                         length_normalize=length_normalize, entropy_coef=entropy_coef),
-        placement=Placement(process_group=process_group, vocab_parallel_group=vocab_parallel_group,
-                            vocab_start_index=vocab_start_index),
+        placement=Placement(process_group=process_group, context_parallel_group=context_parallel_group,
+                            vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
     ))
 
 

@@ -7,12 +7,15 @@ A public function states its call as a frozen request (:mod:`tpo_kernels.request
    included, before any work), which gives a frozen :class:`~tpo_kernels.plan.records.Plan`:
    whole or sharded vocabulary, what the row op reads, the prepared batch;
 2. when a group is involved, has the ranks agree on their plans before any collective that
-   could wait on a peer (:func:`~tpo_kernels.distributed.agree`): a failed check or a
-   disagreement on one rank becomes the same error on every rank;
+   could wait on a peer (:func:`~tpo_kernels.distributed.agree`), group by group in the order
+   vocabulary -> context -> data, each carrying the previous verdict: a failed check or a
+   disagreement on one rank becomes the same error on every rank of every group;
 3. runs the row op (:mod:`tpo_kernels.ops`: on the whole vocabulary, or on this rank's shard of
    it through :class:`~tpo_kernels.distributed.VocabShard`) and the group stage
-   (:class:`~tpo_kernels.ops.group.GroupObjective`, local or gathered over ``process_group``
-   by a :class:`~tpo_kernels.distributed.GroupGather`), and assembles the aux.
+   (:class:`~tpo_kernels.ops.group.GroupObjective`: on local completions, on per-completion sums
+   all-reduced over ``context_parallel_group`` by a :class:`~tpo_kernels.distributed.ContextSum`,
+   and/or on rows gathered over ``process_group`` by a :class:`~tpo_kernels.distributed.GroupGather`),
+   and assembles the aux.
 
 :mod:`tpo_kernels.ops` and :mod:`tpo_kernels.distributed` are leaves below this module: neither
 checks user input, and ``ops`` does not know ranks exist.
@@ -33,7 +36,7 @@ from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .plan.call import rows_matrix
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
-from .ops.group import GroupObjective, LossWeights
+from .ops.group import CompletionInputs, GroupObjective, LossWeights, RankSeams
 from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
@@ -67,7 +70,8 @@ def _agreed_settings(function: str, plan: Optional[Plan], extra: dict) -> dict:
         for field in dataclasses.fields(record_type):
             value = None if record is None else getattr(record, field.name)
             settings[field.name] = ",".join(value) if isinstance(value, tuple) else value  # names travel as text
-    settings["old_logprobs"] = None if plan is None else batch is not None and batch.old_seq_logprobs is not None
+    settings["old_logprobs"] = None if plan is None else batch is not None and (
+        batch.old_seq_logprobs is not None or batch.old_token_sums is not None)
     settings["ref_logprobs"] = None if plan is None else batch is not None and batch.ref_logprobs is not None
     settings.update(extra if plan is not None else dict.fromkeys(extra))
     return settings
@@ -109,15 +113,57 @@ def _agree_on_vocabulary(request, group, plan: Optional[Plan], failure: Optional
     return shard, None
 
 
+def _bits(values: Optional[Tensor]) -> Tensor:
+    """A 0-d int64 fingerprint of float64 ``values`` by their bits (0 for None)."""
+    if values is None:
+        return torch.zeros((), dtype=torch.int64)
+    return placement.fingerprint(values.to(torch.float64).contiguous().view(torch.int64))
+
+
+def _agree_on_context(request, checked, failure: Optional[BaseException]):
+    """Every rank of ``context_parallel_group`` (``checked.context_group``) states its tokens,
+    whether any of them counts, its settings and fingerprints of the completions it shares with
+    its peers (scores, group ids, per-completion old log-probs); returns ``(ContextSum | None,
+    failure | None)``, the same verdict on every rank. Without a data group, whether some
+    completion has a counted token anywhere is decided here; with one, on the data record."""
+    plan, group = checked.plan, checked.context_group
+    batch = None if plan is None else plan.batch
+    group_ids = None if plan is None else request.batch.group_ids
+    settings = _agreed_settings(request.function, plan, {
+        "completions": 0 if batch is None else batch.layout.num_seqs,
+        "grouping": "ids" if group_ids is not None else (None if plan is None else plan.group_size),
+        "old_logprobs per token": batch is not None and batch.old_token_sums is not None})
+    fingerprints = {"scores": _bits(None if batch is None else batch.scores),
+                    "group_ids": torch.zeros((), dtype=torch.int64) if group_ids is None
+                    else placement.fingerprint(group_ids),
+                    "old_logprobs": _bits(None if batch is None else batch.old_seq_logprobs)}
+    agreement = distributed.agree(
+        group, "context_parallel_group", _record_device(group, plan), failure=failure,
+        counts={"tokens": 0 if plan is None else plan.labels.numel(),
+                "any counted": int(batch is not None and batch.any_kept)},
+        settings=settings, fingerprints=fingerprints,
+    )
+    if agreement.error is not None:
+        return None, agreement.error
+    any_counted = any(c["any counted"] for c in agreement.counts)
+    if checked.data_group is None:
+        try:
+            placement.check_context_batch(any_counted, plan.flags.validate)
+        except ValueError as error:
+            return None, distributed.agreement.agreed(error)
+    return distributed.ContextSum(group=group, any_counted=any_counted), None
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalGroups:
     """What this rank holds of groups split over ``process_group``: ``count`` completions (or
-    states of ``per_item`` candidates each), whether any / all of them are kept, and how they
-    group (``group_size`` over every rank's, or ``group_ids``)."""
+    states of ``per_item`` candidates each), whether any / all of them are kept (None: not known
+    before the group stage, for completions whose positions are split over context ranks), and
+    how they group (``group_size`` over every rank's, or ``group_ids``)."""
 
     count: int
     any_kept: bool
-    all_kept: bool
+    all_kept: Optional[bool]
     group_size: Optional[int] = None
     group_ids: Optional[Tensor] = None
     per_item: int = 1
@@ -132,7 +178,8 @@ def _agree_on_groups(group, function: str, plan: Optional[Plan], failure: Option
     settings = _agreed_settings(function, plan, dict(extra or {}, grouping=grouping))
     agreement = distributed.agree(
         group, "process_group", _record_device(group, plan), failure=failure,
-        counts={"count": local.count, "any kept": int(local.any_kept), "all kept": int(local.all_kept)},
+        counts={"count": local.count, "any kept": int(local.any_kept),
+                "all kept": -1 if local.all_kept is None else int(local.all_kept)},
         settings=settings,
     )
     if agreement.error is not None:
@@ -143,9 +190,10 @@ def _agree_on_groups(group, function: str, plan: Optional[Plan], failure: Option
                                     plan.flags.validate, local.what)
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
+    all_kept = [c["all kept"] for c in agreement.counts]  # -1: unknown, read once from the gathered rows
     return distributed.GroupGather(group=group, sizes=tuple(n * local.per_item for n in sizes),
                                    group_size=local.group_size or local.per_item, group_ids=local.group_ids,
-                                   all_kept=all(c["all kept"] for c in agreement.counts)), None
+                                   all_kept=None if min(all_kept) < 0 else all(all_kept)), None
 
 
 # ----------------------------------------------------------------------------- row ops
@@ -174,7 +222,7 @@ def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -
                            backend=plan.backend, cache_candidates=cache_candidates)
 
 
-def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
+def _signal_tokens(plan: Plan, rule: GroupRule, seams: RankSeams) -> Optional[Tensor]:
     """``[M]`` bool: the tokens of the groups that can carry a gradient, the candidates of a fused
     head's logits cache of a bounded budget. On-policy with the anchor and no KL term, a group whose standardized
     scores are all 0 (its scores tie) has ``q == p`` bit for bit, so its tokens' gradient is
@@ -182,9 +230,9 @@ def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
     Decided from the scores alone by the group op of the same ``rule`` the loss runs (no
     read-back). None (every counted token) when there is no cache, or when the gradient's support
     is not known before the forward: off-policy, without the anchor, with a KL term, or with the
-    groups gathered over ranks."""
+    batch split over ranks (the groups gathered, or the completions' positions split)."""
     weights, batch = plan.weights, plan.batch
-    if not isinstance(plan.rows, HeadRows) or gather is not None:
+    if not isinstance(plan.rows, HeadRows) or seams.gather is not None or seams.context is not None:
         return None
     budget = plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0])
     if not budget or budget >= EVERY_ROW:  # no cache, or one of every row: no slot to give away
@@ -206,29 +254,41 @@ def _signal_tokens(plan: Plan, rule: GroupRule, gather) -> Optional[Tensor]:
 
 
 def sequence_loss(request: SequenceRequest) -> LossOutput:
-    """Sequence-level TPO: row op, then the group stage over local or gathered groups."""
+    """Sequence-level TPO: row op, then the group stage over local completions, completions whose
+    positions are split over context ranks (their per-completion sums all-reduced), and/or
+    completions gathered from data ranks."""
     checked = check_call(request)
     plan, failure, data_parallel = checked.plan, checked.failure, checked.data_group
-    shard = gather = None
+    shard = gather = context = None
     if checked.vocab_group is not None:
         shard, failure = _agree_on_vocabulary(request, checked.vocab_group, plan, failure)
+    if checked.context_group is not None:
+        context, failure = _agree_on_context(request, checked, failure)
     if data_parallel is not None:
         prepared = None if plan is None else plan.batch
+        # With positions split, which completions are kept is known once their counts are summed.
+        kept_later = checked.context_group is not None and plan is not None and plan.flags.validate
         local = LocalGroups(count=0 if prepared is None else prepared.layout.num_seqs,
-                            any_kept=prepared is not None and prepared.any_kept,
-                            all_kept=prepared is None or prepared.kept is None,
+                            any_kept=context.any_counted if context is not None else (
+                                prepared is not None and prepared.any_kept),
+                            all_kept=None if kept_later else prepared is None or prepared.kept is None,
                             group_size=None if plan is None else plan.group_size,
                             group_ids=None if prepared is None else request.batch.group_ids)
-        gather, failure = _agree_on_groups(data_parallel, request.function, plan, failure, local)
+        context_ranks = 1 if checked.context_group is None else torch.distributed.get_world_size(checked.context_group)
+        gather, failure = _agree_on_groups(data_parallel, request.function, plan, failure, local,
+                                           extra={"context_parallel_group size": context_ranks})
     if failure is not None:
         raise failure
 
     prepared = plan.batch
-    summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, gather))
+    seams = RankSeams(gather=gather, context=context)
+    summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, seams))
+    completions = CompletionInputs(scores=prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs,
+                                   old_token_sums=prepared.old_token_sums, kept=prepared.kept,
+                                   kept_after_sum=context is not None and plan.flags.validate)
     objective = GroupObjective(
-        prepared.layout, prepared.scores, rule=plan.rule, weights=plan.weights, backend=plan.backend,
-        old_seq_logprobs=prepared.old_seq_logprobs, ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0,
-        gather=gather, kept=prepared.kept,
+        prepared.layout, completions, rule=plan.rule, weights=plan.weights, backend=plan.backend,
+        ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0, seams=seams,
     )
     loss = objective.forward(summary.label_logprob, summary.entropy)
     if not plan.flags.return_aux:
@@ -281,11 +341,10 @@ def candidate_loss(request: CandidateRequest) -> LossOutput:
                                                               rows.candidates, inv_temperature=inv_t, backend=key)
     cand = transformed_candidates(gather_logits, plan.row)
     num_states, num_cand = cand.shape
-    objective = GroupObjective(
-        candidate_layout(num_states, num_cand, cand.device), rows.scores.reshape(-1),
-        rule=plan.rule, weights=plan.weights, backend=key, gather=gather,
-        old_seq_logprobs=None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1),
-    )
+    old = None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1)
+    completions = CompletionInputs(scores=rows.scores.reshape(-1), old_seq_logprobs=old)
+    objective = GroupObjective(candidate_layout(num_states, num_cand, cand.device), completions, rule=plan.rule,
+                               weights=plan.weights, backend=key, seams=RankSeams(gather=gather))
     loss = objective.forward(cand.reshape(-1))
     if not plan.flags.return_aux:
         return loss

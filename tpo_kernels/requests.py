@@ -42,11 +42,13 @@ class Options:
 @dataclass(frozen=True)
 class Placement:
     """Where the call's data lives: groups split over ``process_group``, the vocabulary over
-    ``vocab_parallel_group`` (see :mod:`tpo_kernels.distributed`)."""
+    ``vocab_parallel_group``, each completion's positions over ``context_parallel_group`` (see
+    :mod:`tpo_kernels.distributed`)."""
 
     process_group: object = None
     vocab_parallel_group: object = None
     vocab_start_index: Optional[int] = None
+    context_parallel_group: object = None
 
 
 @dataclass(frozen=True)

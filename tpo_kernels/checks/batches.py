@@ -106,6 +106,16 @@ def prepare_labels(labels, token_shape, vocab_size: Optional[int], device: torch
 OLD_LOGPROB_SLACK = 1e-2
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one rank's batch is a part of the whole: its ``completions`` are some of the batch's
+    (split over data-parallel ranks), its ``positions`` some of each completion's (split over
+    context-parallel ranks); neither: the whole batch."""
+
+    completions: bool = False
+    positions: bool = False
+
+
 @dataclass
 class PreparedBatch:
     token_shape: Tuple[int, ...]  # labels.shape: (N, T) padded or (M,) packed
@@ -119,8 +129,12 @@ class PreparedBatch:
     # all, unchecked with validate=False); the groups are formed after the gather.
     kept: Optional[Tensor] = None
     any_kept: bool = True
-    # Of such a part: the checked group_size, K over the concatenation (None with group_ids).
+    # Of a split batch: the checked group_size, K over the concatenation of the ranks' completions
+    # when they are split (None with group_ids).
     split_group_size: Optional[int] = None
+    # Positions split over ranks, per-token old_logprobs: [N] float64 sums over this rank's counted
+    # tokens (summed over the ranks, then divided by the counts with length_normalize).
+    old_token_sums: Optional[Tensor] = None
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_name: str,
@@ -240,7 +254,7 @@ def prepare_batch(
     acc: torch.dtype,
     input_name: str = "logits",
     validate: bool = True,
-    whole: bool = True,
+    split: BatchSplit = BatchSplit(),
     length_normalize: bool = False,
     logprobs: Optional[Tensor] = None,
 ) -> PreparedBatch:
@@ -250,11 +264,14 @@ def prepare_batch(
     settings (:func:`~tpo_kernels.checks.arguments.check_options`); ``labels`` in place of its own.
 
     ``vocab_size`` None: a vocabulary shard's, not known yet (the upper bound of the labels is
-    checked once the shards are placed). ``whole=False``: this rank's part of a batch split over
-    ranks: it may hold no completion or none with a counted token, its layout has one group per
-    completion, and ``kept`` / ``any_kept`` say which completions the gathered groups keep.
-    ``length_normalize``: per-token ``old_logprobs`` give each completion's mean over its counted
-    tokens instead of the sum (per-completion ones are used as given). ``logprobs``: the per-token
+    checked once the shards are placed). ``split.completions``: this rank's completions of a batch
+    split over ranks: it may hold no completion or none with a counted token, its layout has one
+    group per completion, and ``kept`` / ``any_kept`` say which completions the gathered groups
+    keep. ``split.positions``: this rank's positions of every completion: it may hold no counted
+    token (``any_kept`` observes whether it holds one), which completions are kept is decided on
+    the counts summed over the ranks (``kept`` None), and per-token ``old_logprobs`` give
+    ``old_token_sums``. ``length_normalize``: per-token ``old_logprobs`` give each completion's mean
+    over its counted tokens instead of the sum (per-completion ones are used as given). ``logprobs``: the per-token
     log-probs of :func:`tpo_kernels.tpo_loss_from_logprobs`, checked (with ``validate``) at
     counted tokens by the rule of ``old_logprobs``."""
     scores, group_size, group_ids, cu_seqlens, mask = (batch.scores, batch.group_size, batch.group_ids,
@@ -278,10 +295,11 @@ def prepare_batch(
         num_seqs = cu_seqlens.numel() - 1
     else:
         raise ValueError(f"labels must be [N, T] (padded) or [M] (packed), got shape {token_shape}")
+    whole = not split.completions  # every completion here, with all or some of its positions
     if num_seqs == 0 and whole:
         raise ValueError("the batch holds no completion (N == 0)")
     group_size = check_grouping(group_size, group_ids, num_seqs, device, input_name, whole)
-    split_group_size = None if whole else group_size
+    split_group_size = group_size if split.completions or split.positions else None
     if not whole:  # one group per completion here; the real groups form after the gather
         group_size, group_ids = 1, None
     shape = dict(padded_shape=token_shape) if len(token_shape) == 2 else dict(cu_seqlens=cu_seqlens,
@@ -303,31 +321,35 @@ def prepare_batch(
         # Completions with no counted token (e.g. truncated and masked) are left out of their group.
         counted_tokens = segment_sum(valid.to(torch.int64), layout)
         counted_seqs = counted_tokens > 0
-        if whole:
+        if whole and not split.positions:
             checks.require(counted_seqs.any(),
                            lambda: ValueError("no completion has a counted token (all masked or ignore_index)"))
-        else:
+        else:  # the other ranks' tokens may count
             any_counted = checks.observe(counted_seqs.any())
-        all_counted = checks.observe(counted_seqs.all())
+        if not split.positions:  # with positions split, kept is decided on the summed counts
+            all_counted = checks.observe(counted_seqs.all())
         if logprobs is not None:
             given = torch.where(valid, logprobs.detach().reshape(-1), 0.0)
             _require_log_probabilities(checks, "logprobs", given, OLD_LOGPROB_SLACK, "at a counted token")
 
     # Old log-probs: per token (shape of labels, summed over counted tokens) or per completion,
     # in float64 like the group math (sums over long completions lose digits in fp32).
-    old_seq = None
+    old_seq = old_sums = None
     if old_logprobs is not None:
         _check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) == token_shape:
             old_tokens = torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0)
             if validate:
                 _require_log_probabilities(checks, "old_logprobs", old_tokens, OLD_LOGPROB_SLACK, "at a counted token")
-            if length_normalize:
-                old_tokens = old_tokens * length_weights(valid, layout, torch.float64)
-            old_seq = segment_sum(old_tokens, layout)
+            if split.positions:  # a partial sum: the mean needs every rank's count
+                old_sums = segment_sum(old_tokens, layout)
+            else:
+                if length_normalize:
+                    old_tokens = old_tokens * length_weights(valid, layout, torch.float64)
+                old_seq = segment_sum(old_tokens, layout)
         elif tuple(old_logprobs.shape) == (num_seqs,):
             old_seq = old_logprobs.to(torch.float64).contiguous()
-            if validate:  # sums carry one rounding per counted token; means one
+            if validate:  # sums carry one rounding per counted token (this rank's: stricter); means one
                 slack = OLD_LOGPROB_SLACK * (1 if length_normalize else counted_tokens.clamp(min=1))
                 _require_log_probabilities(checks, "old_logprobs", old_seq, slack, "for a completion")
         else:
@@ -335,7 +357,8 @@ def prepare_batch(
                 f"old_logprobs must be per token {token_shape} or per completion ({num_seqs},), got {tuple(old_logprobs.shape)}"
             )
         if validate:
-            checks.require(torch.isfinite(old_seq).all(),
+            old_values = old_seq if old_sums is None else old_sums
+            checks.require(torch.isfinite(old_values).all(),
                            lambda: ValueError("old_logprobs must be finite at counted tokens"))
 
     # KL-to-reference (k3) term.
@@ -355,13 +378,14 @@ def prepare_batch(
     if not validate:
         return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                              old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat,
-                             split_group_size=split_group_size)
+                             split_group_size=split_group_size, old_token_sums=old_sums)
     observed = checks.read()
-    if not whole:
-        kept = None if observed[all_counted] else counted_seqs
+    if not whole or split.positions:
+        kept = None if all_counted is None or observed[all_counted] else counted_seqs
         return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                              old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, kept=kept,
-                             any_kept=bool(observed[any_counted]), split_group_size=split_group_size)
+                             any_kept=bool(observed[any_counted]), split_group_size=split_group_size,
+                             old_token_sums=old_sums)
     if not observed[all_counted]:
         layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
                               members=counted_seqs, **shape)

@@ -5,7 +5,7 @@ only by a call with a process group, a vocabulary group or a DTensor."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -84,15 +84,43 @@ def check_shard_tiling(sizes: Sequence[int], starts: Sequence[int]) -> List[int]
     return list(starts)
 
 
-def check_groups_apart(vocab_group, process_group) -> None:
-    """Ranks splitting the batch hold different tokens, so they cannot also split one token's
-    vocabulary: the two groups must differ (a 2-D mesh)."""
-    if list(dist.get_process_group_ranks(vocab_group)) == list(dist.get_process_group_ranks(process_group)):
-        raise ValueError(
-            "the vocabulary is sharded over the ranks of process_group, which hold different completions; "
-            "use a tensor-parallel group for the vocabulary (for FSDP2, call the loss inside the wrapped "
-            "module's forward, where the lm_head weight is unsharded)"
-        )
+# Two groups of one call that must not hold the same ranks, and why, by (group, group): ranks
+# that split the batch hold different tokens, so they cannot also split one token's vocabulary,
+# nor hold the same completions' other positions.
+_APART = {
+    ("vocab_parallel_group", "process_group"): (
+        "the vocabulary is sharded over the ranks of process_group, which hold different completions; "
+        "use a tensor-parallel group for the vocabulary (for FSDP2, call the loss inside the wrapped "
+        "module's forward, where the lm_head weight is unsharded)"),
+    ("context_parallel_group", "process_group"): (
+        "context_parallel_group and process_group hold the same ranks: the ranks of process_group hold "
+        "different completions, those of context_parallel_group other positions of the same completions; "
+        "pass each dimension of the mesh as its own group (mesh.get_group(\"cp\") and mesh.get_group(\"dp\"))"),
+    ("context_parallel_group", "vocab_parallel_group"): (
+        "context_parallel_group and vocab_parallel_group hold the same ranks: the ranks of vocab_parallel_group "
+        "hold the same tokens and split their vocabulary, those of context_parallel_group different positions; "
+        "pass each dimension of the mesh as its own group (mesh.get_group(\"cp\") and mesh.get_group(\"tp\"))"),
+}
+
+
+def check_distinct_groups(groups: Dict[str, object]) -> None:
+    """The call's groups by keyword (None: absent, or of one rank): no two of those that split
+    different things hold the same ranks (a mesh gives each of its dimensions a group)."""
+    present = {name: group for name, group in groups.items() if group is not None}
+    if len(present) < 2:
+        return
+    ranks = {name: list(dist.get_process_group_ranks(group)) for name, group in present.items()}
+    for (first, second), message in _APART.items():
+        if first in ranks and second in ranks and ranks[first] == ranks[second]:
+            raise ValueError(message)
+
+
+def check_context_batch(any_counted: bool, validate: bool) -> None:
+    """Completions split over context-parallel ranks (and not over data-parallel ones): with
+    ``validate``, some completion has a counted token on some rank (``any_counted``: agreed)."""
+    if validate and not any_counted:
+        raise ValueError("no completion has a counted token on any rank of context_parallel_group "
+                         "(all masked or ignore_index)")
 
 
 def check_split_batch(sizes: Sequence[int], group_size: Optional[int], any_kept: Sequence[int], validate: bool,

@@ -1,16 +1,17 @@
-"""TPO across devices: groups split over data-parallel ranks, and a vocabulary-parallel lm_head.
+"""TPO across devices: groups split over data-parallel ranks, completions split over context-parallel
+ranks, and a vocabulary-parallel lm_head.
 
 This package holds the leaves the one pipeline (:mod:`tpo_kernels.pipeline`) calls when a call
 spans ranks: the collectives, the agreement record every call exchanges before its first
 collective that could wait on a peer (:mod:`.agreement`: a local failure or a disagreement
-becomes the same error on every rank), the vocabulary shard seam (:class:`VocabShard`) and the
-group gather (:class:`GroupGather`), and the trainers' own exchanges (:mod:`.rows`, through the
+becomes the same error on every rank), the vocabulary shard seam (:class:`VocabShard`), the
+group gather (:class:`GroupGather`) and the context sum (:class:`ContextSum`), and the trainers' own exchanges (:mod:`.rows`, through the
 integration kit). It runs no group math of its own; what a rank's vocabulary is (a DTensor's
 shard, a plain shard of ``vocab_parallel_group``) is resolved by the plan
 (:mod:`tpo_kernels.plan.vocabulary`), and the one check left here is the shards tiling ``[0, V)``,
 on the agreed sizes (:mod:`tpo_kernels.checks.placement`).
 
-Two independent modes, combinable on a 2-D (data x tensor) mesh:
+Three independent modes, combinable on a 3-D (data x context x tensor) mesh:
 
 **Data parallel** (``process_group=`` on every loss: :func:`~tpo_kernels.tpo_loss`,
 :func:`~tpo_kernels.fused_linear_tpo_loss`, :func:`~tpo_kernels.tpo_loss_from_logprobs` and the
@@ -29,6 +30,24 @@ parallelism (DDP's all-reduce, FSDP2's reduce-scatter) averages parameter gradie
 concatenated batch. The factor ``P`` is not a convention picked for DDP: the gather's true
 backward is a reduce-scatter (sum over ranks) of identical gradients, which equals ``P`` times the
 local one, so no backward collective is needed.
+
+**Context parallel** (``context_parallel_group=`` on the sequence-level losses). Every rank of the
+group holds the same completions (``N``, scores, groups, per-completion old log-probs) and its
+own positions of each, in any split (contiguous, the load-balanced head-tail chunks of torch's
+``context_parallel``, padded ``[N, T_r]`` or packed with this rank's ``cu_seqlens``); per-token
+inputs are split like the logits. Each rank sums its counted tokens per completion into ``[N, C]``
+float64 partials (log-prob, count, then old log-prob, k3 and entropy sums when used), one
+all-reduce adds them (:class:`ContextSum`), and every rank runs the same group stage on the sums:
+a completion with no counted token on any rank is left out, length normalization divides by the
+global count, token means run over every rank's tokens. Nothing in the backward. Contract: every
+rank returns the loss of the whole batch and gives its tokens ``D * S`` times their gradient of it
+(``S`` context ranks, ``D`` data ranks); averaging over data x context (FSDP2 / HSDP over a mesh
+dimension that includes the context ranks) gives the one-process gradient (derivation:
+:mod:`.context_parallel`). A wrapper that sums over the context ranks instead divides the loss by
+``S``. The label shift is the caller's, as in one process: shift the whole sequence, then split
+inputs and labels with one index map (``context_parallel(buffers=[inputs, labels])`` does);
+shifting each rank's shard (``labels = local_inputs[:, 1:]``) loses a label at every shard
+boundary and misaligns the next, which no loss can detect.
 
 **Vocabulary parallel** (``vocab_parallel_group=`` on the fused-linear and logits functions). Each
 rank holds a contiguous vocabulary shard of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``) or of
@@ -68,12 +87,17 @@ with ``fullgraph=True`` a distributed call stops with an error saying so):
         ``vocab_start_index`` gives this shard's first id. A DTensor weight / logits sharded on the
         vocabulary needs neither. Per-token partials are all-gathered (``[4 or 5, M]``); the
         fused path's backward all-reduces ``dH``. Results are the same on every rank of the group.
+    context_parallel_group: every rank holds the same completions and its own positions of each
+        (see "Context parallel" above). One all-reduce of ``[N, C]`` float64 partials (``C`` = 2
+        to 5), nothing in the backward. ``aux``: per-completion and per-group entries of the whole
+        completions, per-token ones at this rank's positions.
 """
 from .agreement import agree
 from .collectives import count_collectives
+from .context_parallel import ContextSum
 from .data_parallel import GroupGather
 from .rows import RowGather, gather_rows, sum_over_ranks, token_mean
 from .vocab_parallel import VocabShard
 
-__all__ = ["GroupGather", "RowGather", "VocabShard", "agree", "count_collectives", "gather_rows", "sum_over_ranks",
-           "token_mean"]
+__all__ = ["ContextSum", "GroupGather", "RowGather", "VocabShard", "agree", "count_collectives", "gather_rows",
+           "sum_over_ranks", "token_mean"]

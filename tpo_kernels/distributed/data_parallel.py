@@ -26,13 +26,15 @@ from .collectives import all_gather_ragged
 class GroupGather:
     """Every rank's completions, in group rank order. ``sizes``: completions per rank (agreed);
     ``group_size`` (K contiguous completions of the concatenation) or this rank's global
-    ``group_ids``; ``all_kept``: no rank left a completion out of its group."""
+    ``group_ids``; ``all_kept``: no rank left a completion out of its group (None: not known
+    before the gather, the positions being split over context ranks; the gathered kept column
+    is read back once)."""
 
     group: object
     sizes: Tuple[int, ...]
     group_size: Optional[int]
     group_ids: Optional[Tensor]
-    all_kept: bool
+    all_kept: Optional[bool]
 
     @property
     def world(self) -> int:
@@ -59,7 +61,8 @@ class GroupGather:
         """The gathered batch as one-"token" completions (``[N, 1]``) and their groups; ``kept``
         (``[N]`` bool, gathered) leaves completions with no counted token out of their group."""
         total = sum(self.sizes)
-        members = None if self.all_kept else kept
+        all_kept = bool(kept.all()) if self.all_kept is None else self.all_kept  # one read-back when unknown
+        members = None if all_kept else kept
         if self.group_ids is None:
             return build_layout(total, device, padded_shape=(total, 1), group_size=self.group_size, members=members)
         ids = self._cat(self.group_ids.to(torch.int64), "group_ids")

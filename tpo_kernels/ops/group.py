@@ -7,10 +7,17 @@ constant of the loss, so ``d group_loss[g] / d ell[i] = p[i] - q[i]`` (``coef``,
 group op in float64 before rounding) for the members of g, and every token of completion i
 receives ``d ell[i]`` (the token sums are linear). A tied on-policy group
 has ``p == q`` bit for bit, so its tokens get exactly zero.
+
+Over ranks the group stage has two seams (:class:`RankSeams`), and ``ops`` knows nothing else of
+ranks: a :class:`RowGather` when the completions are split over ranks (each rank's per-completion
+rows gathered), a :class:`RowSum` when each completion's positions are (each rank's per-completion
+partial sums added up). Both feed a computation every rank runs alike on the same rows, which is why
+their backward is a scale and no collective (see :class:`_Replicated`, :class:`_Summed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Protocol, Tuple
 
@@ -18,7 +25,8 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..group_math import BatchLayout, GroupResult, GroupRule, group_sum, length_weights, segment_sum
+from ..group_math import (BatchLayout, GroupResult, GroupRule, build_layout, group_sum, length_weights,
+                          segment_sum)
 
 
 def layout_op_args(layout: BatchLayout) -> tuple:
@@ -127,6 +135,44 @@ class RowGather(Protocol):
     def layout(self, kept: Optional[Tensor], device: torch.device) -> BatchLayout: ...
 
 
+class RowSum(Protocol):
+    """Where the tokens of each completion live when its positions are split over ranks
+    (:class:`tpo_kernels.distributed.ContextSum`): ``sum`` returns every rank's ``[N, C]``
+    partials added up (the same on every rank; ``partials`` is left as it is), ``world`` ranks."""
+
+    world: int
+
+    def sum(self, partials: Tensor) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class CompletionInputs:
+    """The per-completion inputs of the group stage, ``[N]`` each.
+
+    ``scores``; ``old_seq_logprobs``: the old sequence log-probs as the group op takes them (summed
+    or, with ``length_normalize``, averaged; replicated over context ranks, never summed there);
+    ``old_token_sums``: with the positions split over ranks, this rank's sums of per-token old
+    log-probs over its counted tokens (unweighted; summed over the ranks, then divided by the
+    global count with ``length_normalize``), in place of ``old_seq_logprobs``. ``kept``: the
+    completions with a counted token (None: all, or unchecked); ``kept_after_sum``: decided on
+    the summed counts instead (positions split, ``validate=True``)."""
+
+    scores: Tensor
+    old_seq_logprobs: Optional[Tensor] = None
+    old_token_sums: Optional[Tensor] = None
+    kept: Optional[Tensor] = None
+    kept_after_sum: bool = False
+
+
+@dataclass(frozen=True)
+class RankSeams:
+    """How the batch of this call is split over ranks: ``gather``, its completions (data
+    parallel); ``context``, each completion's positions (context parallel). Neither: one rank."""
+
+    gather: Optional[RowGather] = None
+    context: Optional[RowSum] = None
+
+
 class _Replicated(torch.autograd.Function):
     """Every rank's ``[N_r, C]`` rows, gathered. The computation downstream is replicated (every
     rank runs it on the same rows), so the gradient of the gathered rows is the same on every
@@ -143,6 +189,49 @@ class _Replicated(torch.autograd.Function):
         return grad[ctx.mine] * ctx.world, None
 
 
+class _Summed(torch.autograd.Function):
+    """Every rank's ``[N, C]`` partials, summed. As for :class:`_Replicated`, everything after
+    the sum is computed alike on every rank, so each holds the same gradient ``G`` of the sum;
+    the true backward of a sum that feeds ``S`` identical copies is the sum of their ``S``
+    identical gradients, ``S * G``, for every rank's partials: no collective in the backward."""
+
+    @staticmethod
+    def forward(ctx, partials: Tensor, seam: RowSum) -> Tensor:
+        ctx.world = seam.world
+        return seam.sum(partials)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.world, None
+
+
+class LocalRows:
+    """The gather's stand-in when the completions are all on this rank (their positions split
+    over context ranks): identity rows, and the groups of the token layout as one-"token"
+    completions ``[N, 1]``, left-out completions decided on the summed counts."""
+
+    world = 1
+
+    def __init__(self, token_layout: BatchLayout) -> None:
+        self.token_layout = token_layout
+        self.mine = slice(0, token_layout.num_seqs)
+
+    def rows(self, local: Tensor) -> Tensor:
+        return local
+
+    def layout(self, kept: Optional[Tensor], device: torch.device) -> BatchLayout:
+        """``kept`` None: every completion takes part (no read-back); else one read-back
+        (``kept.all()``) and, when some are left out, the layout of the kept ones (three more)."""
+        groups, n = self.token_layout, self.token_layout.num_seqs
+        if kept is None or bool(kept.all()):  # the same groups, their completions one row each
+            rows = torch.arange(n, device=device, dtype=torch.int64)
+            return dataclasses.replace(groups, num_tokens=n, seq_start=rows, seq_len=torch.ones_like(rows),
+                                       max_seq_len=1, token_seq=rows, padded_len=1)
+        grouping = (dict(group_size=groups.group_size) if groups.group_size is not None
+                    else dict(group_ids=groups.seq_group))
+        return build_layout(n, device, padded_shape=(n, 1), members=kept, **grouping)
+
+
 class GroupObjective:
     """The group stage every TPO loss runs on the output of its row op: the group op, the
     reduction over groups and, for sequence-level TPO, the optional k3 KL-to-reference term
@@ -150,38 +239,44 @@ class GroupObjective:
     ``reduction="none"``). Token-level TPO is the special case of one-token "completions" with
     the K candidates of a state as a group (:func:`tpo_kernels.group_math.candidate_layout`).
 
-    With a ``gather`` the completions are split over ranks: each rank's per-completion rows
-    (sequence log-prob, score, kept, old sequence log-prob, k3 sums) are gathered and every rank
-    runs the same group op on the whole batch, in float64 (the group op's own precision). The
-    KL term, the reduction, the ``1/G`` weight and the aux are the same code either way.
-    Everything is differentiable through autograd; :meth:`aux` gives detached results.
+    ``completions`` (:class:`CompletionInputs`): scores, old sequence log-probs, kept.
+    ``seams`` (:class:`RankSeams`): with a ``gather`` the completions are split over ranks: each
+    rank's per-completion rows (sequence log-prob, score, kept, old sequence log-prob, token-term
+    sums) are gathered and every rank runs the same group op on the whole batch, in float64 (the
+    group op's own precision). With a ``context`` sum each completion's positions are split over
+    ranks: each rank sums its counted tokens per completion in float64 (:meth:`partials`), the
+    ranks' partials are summed, and what needs the whole completion is decided on the sums: kept
+    iff a token counts on some rank, length normalization by the global count, token means over
+    every rank's tokens. The KL term, the reduction, the ``1/G`` weight and the aux are the same
+    code every way. Everything is differentiable through autograd; :meth:`aux` gives detached
+    results.
 
     ``rule`` (:class:`~tpo_kernels.group_math.GroupRule`): the group op's settings, carried to it
     whole; with ``rule.length_normalize`` (sequence-level, needs ``valid``) each sequence log-prob
     is the mean over its counted tokens, through per-token weights ``1/n_i`` applied before the
-    group op (exact gradients; ``old_seq_logprobs`` are expected in the same convention). The KL
-    term and ``aux["token_logprobs"]`` keep the token log-probs themselves. ``weights``
-    (:class:`LossWeights`): the reduction and the weights of the token-mean terms."""
+    group op (exact gradients; ``old_seq_logprobs`` are expected in the same convention), or,
+    with a ``context`` sum, the summed log-probs divided by the summed count (a constant: ``d ell
+    / d lp_t = 1/n``, as in one process). The KL term and ``aux["token_logprobs"]`` keep the token
+    log-probs themselves. ``weights`` (:class:`LossWeights`): the reduction and the weights of the
+    token-mean terms."""
 
-    def __init__(self, layout: BatchLayout, scores: Tensor, *, rule: GroupRule, weights: LossWeights, backend: str,
-                 old_seq_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
-                 valid: Optional[Tensor] = None, gather: Optional[RowGather] = None,
-                 kept: Optional[Tensor] = None) -> None:
-        self.layout, self.scores, self.old_seq_logprobs = layout, scores, old_seq_logprobs
+    def __init__(self, layout: BatchLayout, completions: CompletionInputs, *, rule: GroupRule, weights: LossWeights,
+                 backend: str, ref_logprobs: Optional[Tensor] = None, valid: Optional[Tensor] = None,
+                 seams: RankSeams = RankSeams()) -> None:
+        self.layout, self.completions = layout, completions
+        self.scores, self.old_seq_logprobs = completions.scores, completions.old_seq_logprobs
+        self.kept = completions.kept
         self.rule, self.weights, self.reduction, self.backend = rule, weights, weights.reduction, backend
         self.ref_logprobs, self.valid = ref_logprobs, valid
-        self.gather, self.kept = gather, kept
+        self.seams, self.gather = seams, seams.gather
         self.token_logprobs: Optional[Tensor] = None
         self.result: Optional[GroupResult] = None
-        self.group_layout: BatchLayout = layout  # the layout of the groups: the gathered one with a gather
+        self.group_layout: BatchLayout = layout  # the layout of the groups: of the rows with a seam
         self.mine = slice(0, layout.num_seqs)  # this rank's completions in group_layout
 
-    def forward(self, token_logprobs: Tensor, token_entropy: Optional[Tensor] = None) -> Tensor:
-        """The loss from flat ``[M]`` token log-probs (0 on rows that do not count) and, with
-        ``entropy_coef > 0``, the ``[M]`` token entropies of the same row op (differentiable)."""
-        self.token_logprobs = token_logprobs
-        # The token-mean terms beside the group term (the k3 KL term, the entropy bonus): their
-        # weights, and their per-completion sums with the counted tokens', in one segment sum.
+    def _token_terms(self, token_logprobs: Tensor, token_entropy: Optional[Tensor]):
+        """The token-mean terms beside the group term (the k3 KL term, the entropy bonus): their
+        weights and their ``[M]`` values, 0 at tokens that do not count."""
         weights, token_terms = [], []
         if self.weights.beta > 0:
             weights.append(self.weights.beta)
@@ -189,42 +284,103 @@ class GroupObjective:
         if self.weights.entropy_coef > 0:
             weights.append(-self.weights.entropy_coef)
             token_terms.append(torch.where(self.valid, token_entropy.to(token_logprobs.dtype), 0.0))
-        sums, seq_counted = [], None
-        if token_terms:
-            token_terms.append(self.valid.to(token_logprobs.dtype))
-            seq_columns = segment_sum(torch.stack(token_terms, dim=1), self.layout)
-            sums, seq_counted = list(seq_columns[:, :-1].unbind(1)), seq_columns[:, -1]
-        if self.rule.length_normalize:  # the sequence sums become means over counted tokens
-            token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
-        if self.gather is None:
-            self.result = group_targets(token_logprobs, self.layout, self.scores,
-                                        old_seq_logprobs=self.old_seq_logprobs, rule=self.rule, backend=self.backend)
+        return weights, token_terms
+
+    def forward(self, token_logprobs: Tensor, token_entropy: Optional[Tensor] = None) -> Tensor:
+        """The loss from flat ``[M]`` token log-probs (0 on rows that do not count) and, with
+        ``entropy_coef > 0``, the ``[M]`` token entropies of the same row op (differentiable)."""
+        self.token_logprobs = token_logprobs
+        weights, token_terms = self._token_terms(token_logprobs, token_entropy)
+        if self.seams.context is not None:
+            sums, seq_counted = self._context_rows(token_logprobs, token_terms)
         else:
-            sums, seq_counted = self._gathered(token_logprobs, sums, seq_counted)
+            # The token terms' per-completion sums with the counted tokens', in one segment sum.
+            sums, seq_counted = [], None
+            if token_terms:
+                token_terms.append(self.valid.to(token_logprobs.dtype))
+                seq_columns = segment_sum(torch.stack(token_terms, dim=1), self.layout)
+                sums, seq_counted = list(seq_columns[:, :-1].unbind(1)), seq_columns[:, -1]
+            if self.rule.length_normalize:  # the sequence sums become means over counted tokens
+                token_logprobs = token_logprobs * length_weights(self.valid, self.layout, token_logprobs.dtype)
+            if self.gather is None:
+                self.result = group_targets(token_logprobs, self.layout, self.scores,
+                                            old_seq_logprobs=self.old_seq_logprobs, rule=self.rule,
+                                            backend=self.backend)
+            else:
+                wide = torch.float64
+                kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device) \
+                    if self.kept is None else self.kept
+                sums, seq_counted = self._group_on_rows(
+                    segment_sum(token_logprobs.to(wide), self.layout), kept, self.old_seq_logprobs,
+                    [seq_sums.to(wide) for seq_sums in sums], None if seq_counted is None else seq_counted.to(wide))
         loss = reduce_groups(self.result.group_loss, self.reduction)
         for weight, seq_sums in zip(weights, sums):
             loss = loss + weight * self._token_mean(seq_sums, seq_counted)
         return loss.to(token_logprobs.dtype)
 
-    def _gathered(self, token_logprobs: Tensor, sums, seq_counted):
-        """The group op on every rank's completions; returns the gathered per-completion sums of
-        the token-mean terms and counted tokens."""
+    def partials(self, token_logprobs: Tensor, token_entropy: Optional[Tensor] = None) -> Tensor:
+        """This rank's ``[N, C]`` float64 per-completion sums over its counted tokens, the columns
+        a ``context`` sum adds up: the log-probs, the count, the old log-probs (per-token old
+        only), then the token terms (k3, entropy; those enabled). Differentiable."""
+        _, token_terms = self._token_terms(token_logprobs, token_entropy)
+        return self._partials(token_logprobs, token_terms)
+
+    def _partials(self, token_logprobs: Tensor, token_terms: List[Tensor]) -> Tensor:
         wide = torch.float64
-        kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device) \
-            if self.kept is None else self.kept
-        columns = [segment_sum(token_logprobs.to(wide), self.layout), self.scores.to(wide), kept.to(wide)]
-        if self.old_seq_logprobs is not None:
-            columns.append(self.old_seq_logprobs.to(wide))
+        columns = [token_logprobs.to(wide), self.valid.reshape(-1).to(wide)] + [t.to(wide) for t in token_terms]
+        sums = segment_sum(torch.stack(columns, dim=1), self.layout)
+        if self.completions.old_token_sums is None:
+            return sums
+        return torch.cat([sums[:, :2], self.completions.old_token_sums.to(wide)[:, None], sums[:, 2:]], dim=1)
+
+    def _context_rows(self, token_logprobs: Tensor, token_terms: List[Tensor]):
+        """Every rank's partials summed (:class:`_Summed`), the completion-wide decisions taken on
+        the sums, then the group stage on the completion rows; returns the token terms' summed
+        per-completion sums and counts."""
+        summed = _Summed.apply(self._partials(token_logprobs, token_terms), self.seams.context)
+        counted = summed[:, 1].detach()  # exact integer counts
+        per_count = 1.0 / counted.clamp(min=1.0)
+        ell = summed[:, 0] * per_count if self.rule.length_normalize else summed[:, 0]
+        first_term, old = 2, self.old_seq_logprobs
+        if self.completions.old_token_sums is not None:
+            first_term, old = 3, summed[:, 2].detach()
+            old = old * per_count if self.rule.length_normalize else old
+        kept = self.kept
+        if self.completions.kept_after_sum:  # left out everywhere: no counted token on any rank
+            kept = counted > 0
+        decided = kept is not None
+        if kept is None:
+            kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device)
+        return self._group_on_rows(ell, kept, old, list(summed[:, first_term:].unbind(1)), counted,
+                                   decided=decided)
+
+    def _group_on_rows(self, ell: Tensor, kept: Tensor, old: Optional[Tensor], sums: List[Tensor],
+                       seq_counted: Optional[Tensor], decided: bool = True):
+        """The group op on completion rows (float64): every rank's, gathered with a ``gather``,
+        this rank's otherwise. ``decided``: ``kept`` was checked (else every completion takes part
+        and the gather's stand-in reads nothing back). Returns the rows of the token terms' sums
+        and of the counts."""
+        wide = torch.float64
+        columns = [ell, self.scores.to(wide), kept.to(wide)]
+        if old is not None:
+            columns.append(old.to(wide))
         first_sum = len(columns)
-        columns += [seq_sums.to(wide) for seq_sums in sums]
+        columns += sums
         if seq_counted is not None:
-            columns.append(seq_counted.to(wide))
-        rows = _Replicated.apply(torch.stack(columns, dim=1), self.gather)
-        self.group_layout = self.gather.layout(rows[:, 2] != 0, token_logprobs.device)
-        self.mine = self.gather.mine
-        old = rows[:, 3].detach().contiguous() if self.old_seq_logprobs is not None else None
+            columns.append(seq_counted)
+        stacked = torch.stack(columns, dim=1)
+        if self.gather is None:
+            gather = LocalRows(self.layout)
+            rows = stacked
+            self.group_layout = gather.layout(kept if decided else None, stacked.device)
+        else:
+            gather = self.gather
+            rows = _Replicated.apply(stacked, gather)
+            self.group_layout = gather.layout(rows[:, 2] != 0, stacked.device)
+        self.mine = gather.mine
+        old_rows = rows[:, 3].detach().contiguous() if old is not None else None
         self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
-                                    old_seq_logprobs=old, rule=self.rule, backend=self.backend)
+                                    old_seq_logprobs=old_rows, rule=self.rule, backend=self.backend)
         gathered_sums = [rows[:, first_sum + i] for i in range(len(sums))]
         return gathered_sums, (None if seq_counted is None else rows[:, -1].detach())
 

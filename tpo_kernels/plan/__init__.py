@@ -5,6 +5,7 @@ reads (:mod:`.records`: :class:`Plan`, the row records; each stage's settings re
 resolved by :mod:`.vocabulary`. Nothing here runs a collective."""
 
 from .call import check_call
-from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan
+from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RankGroups
 
-__all__ = ["CandidateRows", "CheckedCall", "HeadRows", "LogitsRows", "LogprobRows", "Plan", "check_call"]
+__all__ = ["CandidateRows", "CheckedCall", "HeadRows", "LogitsRows", "LogprobRows", "Plan", "RankGroups",
+           "check_call"]

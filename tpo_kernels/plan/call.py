@@ -27,8 +27,8 @@ from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad
                                 check_logits, check_logits_cache, check_logits_source, check_options,
                                 check_row_options, check_tile_policy)
 from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
-from ..checks.placement import check_group, check_groups_apart
-from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RowSource
+from ..checks.placement import check_distinct_groups, check_group
+from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RankGroups, RowSource
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -85,15 +85,16 @@ def check_traceable(function: str, validate: bool, distributed_keywords: tuple) 
 # ----------------------------------------------------------------------------- placement
 
 
-def data_group(process_group):
-    """``(data-parallel group | None, failure | None)``: the group (None for one rank: nothing to
-    gather), or why ``process_group`` is none (then this rank has no group to report on, unless a
-    vocabulary group carries the error)."""
-    if process_group is None:
+def checked_group(name: str, group):
+    """``(group | None, failure | None)`` of the keyword ``name`` (``process_group``,
+    ``context_parallel_group``): the group (None for one rank: nothing to exchange, the call is
+    bitwise the call without it), or why it is none (then this rank has no group to report on,
+    unless another of the call's groups carries the error)."""
+    if group is None:
         return None, None
     try:
-        check_group("process_group", process_group)
-        return (process_group if torch.distributed.get_world_size(process_group) > 1 else None), None
+        check_group(name, group)
+        return (group if torch.distributed.get_world_size(group) > 1 else None), None
     except Exception as error:  # noqa: BLE001 - reported to the peers or raised below
         return None, error
 
@@ -265,18 +266,21 @@ def check_call(request: Union[SequenceRequest, LogprobsRequest, CandidateRequest
     instead, for the ranks to exchange (the pipeline's agreement): every rank then raises it,
     none waits for a peer that has stopped."""
     where = request.placement
-    keywords = tuple(name for name in ("process_group", "vocab_parallel_group") if getattr(where, name) is not None)
+    keywords = tuple(name for name in ("process_group", "context_parallel_group", "vocab_parallel_group")
+                     if getattr(where, name) is not None)
     check_traceable(request.function, request.options.validate, keywords)
-    data_parallel, failure = data_group(where.process_group)
+    data_parallel, failure = checked_group("process_group", where.process_group)
+    context, context_failure = checked_group("context_parallel_group", where.context_parallel_group)
+    failure = failure or context_failure
     hint = None if isinstance(request, CandidateRequest) else vocab_group_hint(request.source, where)
-    distributed_call = hint is not None or data_parallel is not None
+    distributed_call = hint is not None or data_parallel is not None or context is not None
     if failure is not None and not distributed_call:
         raise failure
     plan = None
     if failure is None:
         try:
             if isinstance(request, SequenceRequest):
-                plan = plan_sequence(request, data_parallel)
+                plan = plan_sequence(request, RankGroups(data=data_parallel, context=context))
             elif isinstance(request, LogprobsRequest):
                 plan = plan_logprobs(request)
             else:
@@ -288,19 +292,20 @@ def check_call(request: Union[SequenceRequest, LogprobsRequest, CandidateRequest
     # The vocabulary exchange: the resolved shard's group, or (this rank's checks failed) the
     # group its arguments name.
     vocab_group = hint if plan is None else (None if plan.shard_request is None else plan.shard_request.group)
-    return CheckedCall(plan=plan, failure=failure, data_group=data_parallel, vocab_group=vocab_group)
+    return CheckedCall(plan=plan, failure=failure, data_group=data_parallel, vocab_group=vocab_group,
+                       context_group=context)
 
 
 # ----------------------------------------------------------------------------- the three plans
 
 
-def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
-    """The check pass of a sequence-level loss (``data_parallel``: the checked data-parallel
-    group, or None)."""
+def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
+    """The check pass of a sequence-level loss (``groups``: the checked data- and context-parallel
+    groups, None where absent or of one rank)."""
     source, shard_request, original = _resolve_source(request.source, request.placement)
     sharded = shard_request is not None
-    if sharded and data_parallel is not None:
-        check_groups_apart(shard_request.group, data_parallel)
+    check_distinct_groups({"process_group": groups.data, "context_parallel_group": groups.context,
+                           "vocab_parallel_group": shard_request.group if sharded else None})
     batch = request.batch
     if isinstance(source, Logprobs):
         logprobs = check_float_tensor("logprobs", source.logprobs, (1, 2))
@@ -319,10 +324,10 @@ def plan_sequence(request: SequenceRequest, data_parallel) -> Plan:
     key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
         batch, labels, _token_shape(source), vocab_size=None if sharded else vocab_size, device=device, acc=dtype,
-        input_name=input_name, validate=flags.validate, whole=data_parallel is None,
+        input_name=input_name, validate=flags.validate, split=groups.split,
         length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
     )
-    # A part split over ranks: K counts over every rank's completions, checked once the sizes are agreed.
+    # Completions split over ranks: K counts over every rank's, checked once the sizes are agreed.
     return Plan(row=row, rule=rule, weights=weights, flags=flags,
                 backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels, batch=prepared,
                 group_size=prepared.split_group_size, shard_request=shard_request)

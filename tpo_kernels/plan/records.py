@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..checks.arguments import CallFlags
-from ..checks.batches import PreparedBatch
+from ..checks.batches import BatchSplit, PreparedBatch
 from ..group_math import GroupRule
 from ..ops import HeadTiles, RowRequest
 from ..ops.group import LossWeights
@@ -74,9 +74,22 @@ class Plan:
     rows: RowSource
     labels: Optional[Tensor]  # [M] int64, -1 where not counted (None for candidates)
     batch: Optional[PreparedBatch] = None
-    group_size: Optional[int] = None  # of a batch split over ranks: K over the concatenation
+    group_size: Optional[int] = None  # of a batch split over ranks: the checked K (over the concatenation)
     shard_request: object = None  # this rank's vocabulary shard (distributed.ShardRequest), if split
 
+
+@dataclass(frozen=True)
+class RankGroups:
+    """The checked groups a sequence-level batch is split over (None: not split that way, or a
+    group of one rank): its completions over ``data``, each completion's positions over ``context``."""
+
+    data: object = None
+    context: object = None
+
+    @property
+    def split(self) -> BatchSplit:
+        """How this rank's batch is a part of the whole (what :func:`prepare_batch` checks locally)."""
+        return BatchSplit(completions=self.data is not None, positions=self.context is not None)
 
 
 @dataclass(frozen=True)
@@ -87,4 +100,5 @@ class CheckedCall:
     failure: Optional[BaseException]
     data_group: object = None  # the process group the groups are gathered over (None: local groups)
     vocab_group: object = None  # the group of the vocabulary exchange (None: the whole vocabulary here)
+    context_group: object = None  # the group the completions' positions are split over (None: all here)
 
