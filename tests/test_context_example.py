@@ -59,9 +59,14 @@ def test_labels_shifted_before_the_split_keep_every_pair(split):
             assert last in wrong and bool(jumps) == (split == "head-tail"), (wrong, jumps)
 
 
-def _running_mean_grads(rank: int, world: int, split: str) -> dict:
-    """One process's outputs and parameter gradients of a weighted sum of the model's outputs,
-    and this context rank's (outputs at its positions, gradients of its positions' terms)."""
+def _running_mean_grads(rank: int, world: int, splits: tuple) -> dict:
+    """For each split: one process's outputs and parameter gradients of a weighted sum of the
+    model's outputs, and this context rank's (outputs at its positions, gradients of its
+    positions' terms summed over the ranks)."""
+    return {split: _running_mean_grads_of(rank, world, split) for split in splits}
+
+
+def _running_mean_grads_of(rank: int, world: int, split: str) -> dict:
     import torch.distributed as dist  # noqa: PLC0415
 
     torch.manual_seed(0)
@@ -88,27 +93,32 @@ def _running_mean_grads(rank: int, world: int, split: str) -> dict:
                 grads={name: (summed[name], one_process[name]) for name in summed})
 
 
-@pytest.mark.parametrize("world, split", [(2, "head-tail"), (2, "contiguous"), (4, "head-tail")])
-def test_running_mean_gradients_summed_over_context_ranks_equal_one_process(world, split):
+@pytest.mark.parametrize("world, splits", [(2, example.SPLITS), (4, ("head-tail",))],
+                         ids=["2 ranks, both splits", "4 ranks, head-tail"])
+def test_running_mean_gradients_summed_over_context_ranks_equal_one_process(world, splits):
     """The context-parallel running mean (chunk totals exchanged by an all-gather whose backward
     all-reduces) gives every rank one process's outputs at its positions, and gradients that cross
     the shard boundaries: summed over the ranks they are one process's (float64)."""
-    for rank, result in enumerate(run_ranks(world, _running_mean_grads, split, deadline_s=120)):
-        torch.testing.assert_close(*result["outputs"], rtol=1e-12, atol=1e-12, msg=f"outputs, rank {rank}")
-        for name, (summed, expected) in result["grads"].items():
-            torch.testing.assert_close(summed, expected, rtol=1e-12, atol=1e-12, msg=f"{name}, rank {rank}")
+    for rank, by_split in enumerate(run_ranks(world, _running_mean_grads, splits, deadline_s=120)):
+        for split, result in by_split.items():
+            where = f"{split}, rank {rank} of {world}"
+            torch.testing.assert_close(*result["outputs"], rtol=1e-12, atol=1e-12, msg=f"outputs, {where}")
+            for name, (summed, expected) in result["grads"].items():
+                torch.testing.assert_close(summed, expected, rtol=1e-12, atol=1e-12, msg=f"{name}, {where}")
 
 
-@pytest.mark.parametrize("options", [["--context-parallel", "2"],
-                                     ["--context-parallel", "2", "--split", "contiguous", "--wrap", "fsdp2"]],
-                         ids=" ".join)
-def test_torchrun_example_matches_one_process(options):
+@pytest.mark.parametrize("processes, options", [
+    (2, ["--context-parallel", "2"]),
+    (2, ["--context-parallel", "2", "--split", "contiguous", "--wrap", "fsdp2"]),
+    (4, ["--context-parallel", "2"]),  # data x context: DDP averages over 4 ranks, tokens get 4x
+], ids=lambda x: " ".join(x) if isinstance(x, list) else f"{x} processes")
+def test_torchrun_example_matches_one_process(processes, options):
     """``torchrun --nproc-per-node 2 -m bench.examples.distributed_training --context-parallel 2``
     (two steps) trains as one process does: |loss - one process| printed per step, parameters
     within 1e-4 at the end."""
     env = dict(os.environ, **loopback_env(), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                "-m", "bench.examples.distributed_training", *options, "--steps", "2"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
