@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import pathlib
 import socket
+import subprocess
 import sys
 import tempfile
 from typing import Dict, List
@@ -85,7 +86,9 @@ def _rank_bytes(rank: int, world: int, port: int, completions: int, length: int,
                                                           **options, **extra)
             with collectives.count_collectives() as backward:
                 loss.backward()
-            result[name] = dict(columns=columns, forward=[_as_dict(r) for r in forward],
+            partials = forward.payload_bytes("context_partials")
+            assert partials == 8 * completions * columns, (name, partials)  # [N, C] float64, as the protocol says
+            result[name] = dict(columns=partials // (8 * completions), forward=[_as_dict(r) for r in forward],
                                 backward=[_as_dict(r) for r in backward],
                                 received=forward.received_bytes() + backward.received_bytes())
         with collectives.count_collectives() as gathered:
@@ -298,7 +301,12 @@ def main(argv=None) -> None:
                                             **split))
         lines += _memory_table(one, split, args.memory_ranks, args)
 
-    results["meta"] = dict(torch=torch.__version__, python=sys.version.split()[0], command=" ".join(sys.argv))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    command = "python -m bench.context_parallel " + " ".join(sys.argv[1:] if argv is None else argv)
+    results["meta"] = dict(torch=torch.__version__, python=sys.version.split()[0], command=command.strip(),
+                           commit=commit)
+    lines[1:1] = ["", f"`{command.strip()}` at {commit}, torch {torch.__version__}, CPU (gloo); no GPU figures."]
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "results.md").write_text("\n".join(lines))
     print("\n".join(lines))
