@@ -232,7 +232,8 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, cp = args.tensor_parallel, args.context_parallel
     if tp < 1 or cp < 1 or world % (tp * cp) != 0:
-        raise SystemExit(f"--tensor-parallel {tp} x --context-parallel {cp} must divide the number of processes {world}")
+        raise SystemExit(f"--tensor-parallel {tp} x --context-parallel {cp} must divide the number of processes "
+                         f"{world}")
     dp = world // (tp * cp)
     mesh, averaged_group = _mesh_groups(device, dp, cp, tp)
     dp_group, cp_group, tp_group = mesh.get_group("dp"), mesh.get_group("cp"), mesh.get_group("tp")
@@ -302,7 +303,8 @@ def main() -> None:
             print(f"mesh dp={dp} x cp={cp} x tp={tp}, {args.wrap}{where if cp > 1 else ''}: largest parameter "
                   f"difference from one-process training after {args.steps} steps: {worst_t.item():.2e}")
         if worst_t.item() > 1e-4:
-            trap = " (as expected: --shift-after-split gives wrong labels at shard boundaries)" if args.shift_after_split else ""
+            trap = (" (as expected: --shift-after-split gives wrong labels at shard boundaries)"
+                    if args.shift_after_split else "")
             raise SystemExit(f"distributed training diverged from one-process training{trap}")
     dist.destroy_process_group()
 
