@@ -252,10 +252,11 @@ def _memory_table(one: dict, split: dict, world: int, args) -> List[str]:
               f"| with its inputs, GB | {gb(one['peak_with_inputs'])} | {gb(split['peak_with_inputs'])} |",
               f"| ratio one rank / one of {world} | | {one['peak_with_inputs'] / split['peak_with_inputs']:.2f}x "
               f"(head's own {one['head_peak'] / split['head_peak']:.2f}x) |",
-              f"| traffic beyond the matmuls, forward + backward, GB (of it dH over blocks) | "
-              f"{gb(one['traffic']['forward'] + one['traffic']['backward'])} ({gb(one['traffic']['backward_dH'])}) | "
-              f"{gb(split['traffic']['forward'] + split['traffic']['backward'])} "
-              f"({gb(split['traffic']['backward_dH'])}) |",
+              f"| backward traffic beyond the matmuls, GB (of it dH over blocks) | "
+              f"{gb(one['traffic']['backward'])} ({gb(one['traffic']['backward_dH'])}) | "
+              f"{gb(split['traffic']['backward'])} ({gb(split['traffic']['backward_dH'])}) |",
+              f"| forward traffic beyond the matmuls, GB | {gb(one['traffic']['forward'])} | "
+              f"{gb(split['traffic']['forward'])} |",
               f"| backward traffic of the chunked plan (one_gemm=False), GB | "
               f"{gb(one['traffic']['backward_chunked_plan'])} | {gb(split['traffic']['backward_chunked_plan'])} |",
               f"| for comparison: unfused logits + fp32 log-softmax, GB | {gb(one['eager_logits'])} | "
