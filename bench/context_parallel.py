@@ -20,14 +20,14 @@ logits cache (the vocabulary is above the policy's ``small_vocab``), no soft cap
 GPU kernels (no fp32 copy of a tile). The hidden states and the weight are the caller's; the head
 allocates the forward's logits tile and per-row summaries, and in the backward ``dH`` (fp32 when
 the backward has more than one vocabulary block, then converted to the hidden dtype), ``dW`` and
-the backward's tile.
+the backward's tile. Beside it, the bytes each pass moves beyond its matmuls under the same plan
+(``tpo_kernels.bench.cases.fused_linear_traffic``), and those of the chunked backward plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import multiprocessing
 import os
@@ -47,13 +47,11 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "context-par
 # ----------------------------------------------------------------------------- (a) bytes on the wire
 
 
-def _configs(length_normalize_old: bool):
-    """(name, keyword arguments, per-token inputs besides the log-probs, partial columns C)."""
-    configs = [("plain", dict(), (), 2)]
-    if length_normalize_old:
-        configs.append(("token old + KL, length_normalize",
-                        dict(beta=0.04, length_normalize=True), ("old_logprobs", "ref_logprobs"), 4))
-    return configs
+# (name, keyword arguments, per-token inputs besides the log-probs, partial columns C the protocol
+# gives: log-prob sum and token count, + old log-prob sum, + KL sum)
+CONFIGS = (("plain", dict(), (), 2),
+           ("token old + KL, length_normalize", dict(beta=0.04, length_normalize=True),
+            ("old_logprobs", "ref_logprobs"), 4))
 
 
 def _rank_bytes(rank: int, world: int, port: int, completions: int, length: int, out_dir: str) -> None:
@@ -77,7 +75,7 @@ def _rank_bytes(rank: int, world: int, port: int, completions: int, length: int,
         scores = torch.randn(completions, generator=gen)
         whole = {name: -torch.rand(completions, length, generator=gen) for name in ("logprobs", "old_logprobs",
                                                                                       "ref_logprobs")}
-        for name, options, per_token, columns in _configs(True):
+        for name, options, per_token, columns in CONFIGS:
             logprobs = whole["logprobs"][:, mine].clone().requires_grad_(True)
             extra = {key: whole[key][:, mine] for key in per_token}
             with collectives.count_collectives() as forward:
@@ -125,42 +123,6 @@ def counted_bytes(splits: List[int], completions: int, length: int) -> Dict[int,
             out[world] = torch.load(os.path.join(tmp, "rank0.pt"))
         print(f"  counted on {world} gloo ranks", flush=True)
     return out
-
-
-def protocol_bytes(splits: List[int], completions: int, length: int, record_bytes: int) -> Dict[int, dict]:
-    """The same table computed from the protocol (no processes): an all-gather of a
-    ``record_bytes`` agreement record, one all-reduce of ``[N, C]`` float64, nothing backward."""
-    out = {}
-    for world in splits:
-        result = {}
-        for name, _, _, columns in _configs(True):
-            forward = [dict(op="all_gather", purpose="agreement", world_size=world, payload_bytes=record_bytes,
-                            output_bytes=world * record_bytes),
-                       dict(op="all_reduce", purpose="context_partials", world_size=world,
-                            payload_bytes=8 * completions * columns, output_bytes=8 * completions * columns)]
-            result[name] = dict(columns=columns, forward=forward, backward=[], received=_received(forward))
-        shard = 4 * completions * (length // world)
-        forward = [dict(op="all_gather", purpose="logprobs", world_size=world, payload_bytes=shard,
-                        output_bytes=world * shard)]
-        result["gather fp32 log-probs"] = dict(forward=forward, backward=[], received=_received(forward))
-        out[world] = result
-    return out
-
-
-def _received(records: List[dict]) -> int:
-    """As ``CollectiveLog.received_bytes``: (P-1) x payload for an all-gather, 2 (P-1)/P x payload
-    for a ring all-reduce."""
-    total = 0.0
-    for r in records:
-        p = r["world_size"]
-        total += (p - 1) * r["payload_bytes"] if r["op"] == "all_gather" else 2 * (p - 1) / p * r["payload_bytes"]
-    return int(round(total))
-
-
-def keyword_available() -> bool:
-    import tpo_kernels  # noqa: PLC0415
-
-    return "context_parallel_group" in inspect.signature(tpo_kernels.tpo_loss_from_logprobs).parameters
 
 
 # ----------------------------------------------------------------------------- (b) the fused head's memory
@@ -211,10 +173,9 @@ def head_memory(completions: int, length: int, hidden: int, vocab: int, dtype: t
 # ----------------------------------------------------------------------------- report
 
 
-def _bytes_table(table: Dict[int, dict], counted: bool, completions: int, length: int) -> List[str]:
-    how = "counted by count_collectives in a gloo spawn" if counted else \
-        "COMPUTED FROM THE PROTOCOL (the keyword was not available to count them)"
-    lines = [f"### (a) Bytes per call on the context group, N={completions}, T={length} ({how})", "",
+def _bytes_table(table: Dict[int, dict], completions: int, length: int) -> List[str]:
+    lines = [f"### (a) Bytes per call on the context group, N={completions}, T={length} (counted by "
+             "count_collectives in a gloo spawn)", "",
              "| S | config | forward collectives (payload B per rank) | backward | received B per rank "
              "| gather fp32 log-probs, received B per rank | ratio |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for world, result in table.items():
@@ -276,22 +237,17 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-ranks", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--record-bytes", type=int, default=904,
-                        help="the agreement record's size for the protocol fallback (design estimate)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     splits = [int(s) for s in args.splits.split(",")]
     results, lines = {}, ["# Context parallelism: bytes on the wire and the fused head's memory", ""]
 
     if args.part in ("all", "bytes"):
-        counted = keyword_available()
-        print(f"(a) bytes, S = {splits}: " + ("counting in gloo spawns" if counted else "from the protocol"),
-              flush=True)
-        table = counted_bytes(splits, args.completions, args.length) if counted else \
-            protocol_bytes(splits, args.completions, args.length, args.record_bytes)
-        results["bytes"] = dict(counted=counted, completions=args.completions, length=args.length,
+        print(f"(a) bytes, S = {splits}: counting in gloo spawns", flush=True)
+        table = counted_bytes(splits, args.completions, args.length)
+        results["bytes"] = dict(completions=args.completions, length=args.length,
                                 per_split={str(k): v for k, v in table.items()})
-        lines += _bytes_table(table, counted, args.completions, args.length)
+        lines += _bytes_table(table, args.completions, args.length)
 
     if args.part in ("all", "memory"):
         one = head_memory(args.memory_completions, args.memory_length, args.hidden, args.vocab, torch.bfloat16)
