@@ -17,6 +17,7 @@ completion may have no position on a rank).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Dict, Optional
 
@@ -160,7 +161,7 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- exactness
 
 
-def context_case(rank: int, world: int, *, path: str, dp: int = 1, cp: int = 2, tp: int = 1, split: str = "contiguous",
+def context_case(rank: int, world: int, *, path: str, dp: int = 1, tp: int = 1, split: str = "contiguous",
                  packed: bool = False, dtype: str = "float64", backend: str = "torch", old: Optional[str] = None,
                  kl: bool = False, options: Optional[dict] = None, special: Optional[str] = None,
                  grouping: str = "size", n_per_rank: int = 6, seed: int = 0) -> dict:
@@ -171,6 +172,7 @@ def context_case(rank: int, world: int, *, path: str, dp: int = 1, cp: int = 2, 
     all on the last context rank, completion 1 has none), ``zero_signal`` (group 0's scores tie:
     its tokens' gradient is exactly 0 on both sides)."""
     options = dict(options or {})
+    cp = world // (dp * tp)
     dp_group, cp_group, tp_group, (d, s, t) = _mesh_groups(world, dp, cp, tp)
     float_dtype = getattr(torch, dtype)
     batch = cp_batch(n_per_rank * dp, cp=cp, packed=packed, split=split, grouping=grouping, old=old, kl=kl,
@@ -281,6 +283,7 @@ def bytes_case(rank: int, world: int) -> dict:
             if shape_name != "T64_V37" and column_name != "old_kl_entropy":
                 continue
             batch = cp_batch(4, cp=world, packed=False, split="head_tail", max_len=length, vocab=vocab, hidden=8,
+                             group_size=2,
                              seed=5, dtype=torch.float32, **config)
             batch["labels"][:, 0] = 1  # every completion counts somewhere
             mine = share(batch, slice(None), world, rank, "head_tail")
@@ -393,6 +396,7 @@ def run_cases(rank: int, world: int, cases: Dict[str, tuple]) -> Dict[str, dict]
             results[name] = globals()[fn_name](rank, world, **kwargs)
         except Exception:  # noqa: BLE001 - reported by the test of this case
             results[name] = {"error": traceback.format_exc()}
+            print(f"rank {rank}, case {name}:\n{results[name]['error']}", file=sys.stderr, flush=True)
         results[name]["seconds"] = time.monotonic() - begin
     return results
 

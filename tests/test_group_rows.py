@@ -210,8 +210,8 @@ def test_length_normalization_divides_by_the_summed_count():
         torch.testing.assert_close(rank["aux"]["seq_logprobs"][0], want, atol=1e-12, rtol=1e-12)
         counted = tok.valid[0][rank["positions"]]
         # d loss / d lp_t = coef / n with n = 4, times the 2 ranks.
-        torch.testing.assert_close(rank["grad_lp"][0][counted] / 2, (rank["aux"]["coef"][0] / 4).expand(int(counted.sum())),
-                                   atol=1e-12, rtol=1e-12)
+        want_grad = (rank["aux"]["coef"][0] / 4).expand(int(counted.sum()))
+        torch.testing.assert_close(rank["grad_lp"][0][counted] / 2, want_grad, atol=1e-12, rtol=1e-12)
 
 
 def test_a_completion_is_kept_iff_a_token_counts_on_some_rank():

@@ -114,10 +114,8 @@ def _agree_on_vocabulary(request, group, plan: Optional[Plan], failure: Optional
 
 
 def _bits(values: Optional[Tensor]) -> Tensor:
-    """A 0-d int64 fingerprint of float64 ``values`` by their bits (0 for None)."""
-    if values is None:
-        return torch.zeros((), dtype=torch.int64)
-    return placement.fingerprint(values.to(torch.float64).contiguous().view(torch.int64))
+    """A 0-d int64 fingerprint of float64 ``values`` by their bits (0 for None), on their device."""
+    return torch.zeros((), dtype=torch.int64) if values is None else placement.fingerprint(values.view(torch.int64))
 
 
 def _agree_on_context(request, checked, failure: Optional[BaseException]):
@@ -133,10 +131,10 @@ def _agree_on_context(request, checked, failure: Optional[BaseException]):
         "completions": 0 if batch is None else batch.layout.num_seqs,
         "grouping": "ids" if group_ids is not None else (None if plan is None else plan.group_size),
         "old_logprobs per token": batch is not None and batch.old_token_sums is not None})
-    fingerprints = {"scores": _bits(None if batch is None else batch.scores),
-                    "group_ids": torch.zeros((), dtype=torch.int64) if group_ids is None
-                    else placement.fingerprint(group_ids),
-                    "old_logprobs": _bits(None if batch is None else batch.old_seq_logprobs)}
+    no_value = torch.zeros((), dtype=torch.int64)
+    fingerprints = {"scores": no_value if batch is None else _bits(batch.scores),
+                    "group_ids": no_value if group_ids is None else placement.fingerprint(group_ids),
+                    "old_logprobs": no_value if batch is None else _bits(batch.old_seq_logprobs)}
     agreement = distributed.agree(
         group, "context_parallel_group", _record_device(group, plan), failure=failure,
         counts={"tokens": 0 if plan is None else plan.labels.numel(),
@@ -269,8 +267,8 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
         # With positions split, which completions are kept is known once their counts are summed.
         kept_later = checked.context_group is not None and plan is not None and plan.flags.validate
         local = LocalGroups(count=0 if prepared is None else prepared.layout.num_seqs,
-                            any_kept=context.any_counted if context is not None else (
-                                prepared is not None and prepared.any_kept),
+                            any_kept=prepared is not None and (prepared.any_kept if context is None
+                                                               else context.any_counted),
                             all_kept=None if kept_later else prepared is None or prepared.kept is None,
                             group_size=None if plan is None else plan.group_size,
                             group_ids=None if prepared is None else request.batch.group_ids)

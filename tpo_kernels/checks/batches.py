@@ -126,7 +126,8 @@ class PreparedBatch:
     beta: float
     ref_logprobs: Optional[Tensor]  # [M] compute dtype, 0 where not counted; None when beta == 0
     # Part of a batch split over ranks: which completions have a counted token ([N] bool, None =
-    # all, unchecked with validate=False); the groups are formed after the gather.
+    # all, unchecked with validate=False, or decided on the counts summed over context ranks); the
+    # groups are formed after the gather. any_kept: some completion has a counted token here.
     kept: Optional[Tensor] = None
     any_kept: bool = True
     # Of a split batch: the checked group_size, K over the concatenation of the ranks' completions
