@@ -55,7 +55,7 @@ SPLITS = ("head-tail", "contiguous")
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """How every sequence of ``length`` positions is cut over the ``ranks`` of a context group.
+    """How every sequence is cut over the ranks of a context ``group``, seen from ``rank``.
 
     ``bounds``: each chunk's ``(start, stop)`` positions, in sequence order; ``owned[r]``: the
     chunks rank ``r`` holds, in the order it concatenates them (every rank holds as many)."""
@@ -131,7 +131,8 @@ def running_mean(x: torch.Tensor, shard: Optional[SequenceShard]) -> torch.Tenso
     everyone = _GatherTotals.apply(totals, shard.group).flatten(0, 1)  # [S * c, N, H], rank-major
     order = torch.tensor([c for owned in shard.owned for c in owned], device=x.device)
     by_chunk = torch.empty_like(everyone).index_copy(0, order, everyone)  # sequence order
-    before = by_chunk.cumsum(0) - by_chunk  # [2S or S, N, H]: the total of the chunks before each
+    # The total of the chunks before each (exclusive prefix sum over chunks in sequence order).
+    before = torch.cat([torch.zeros_like(by_chunk[:1]), by_chunk[:-1].cumsum(0)])
     summed = torch.cat([p.cumsum(1) + before[c][:, None] for p, c in zip(pieces, shard.chunks)], dim=1)
     positions = shard.positions().to(device=x.device, dtype=x.dtype)
     return summed / (positions + 1)[:, None]
