@@ -52,6 +52,7 @@ from ..backends import Backend
 from .tiles import (BackwardPlan, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
                     full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
 from .logprobs import LogitTransform
+from .padded_rows import padded_backward, padded_forward
 
 __all__ = ["TiledLinearHead"]
 
@@ -72,18 +73,22 @@ class TiledLinearHead:
 
     ``cache_candidates``: ``[M]`` bool, the rows a logits cache may hold (the counted ones among
     them, first come); None: every counted row.
+    ``head_dtype``: the logits' dtype, promoted with the inputs' (None: theirs). Under
+    ``policy.batch_invariant`` a head over a zero-padded copy of the rows (:mod:`.padded_rows`;
+    ``padded``: it takes every row, in chunks of exactly the tile's rows) does the work.
     """
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                  backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
                  vocab_offset: int = 0, transform: Optional[LogitTransform] = None,
-                 cache_candidates: Optional[Tensor] = None) -> None:
+                 cache_candidates: Optional[Tensor] = None, head_dtype: Optional[torch.dtype] = None) -> None:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
         self.chunk_size, self.policy = chunk_size, policy
-        self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
+        self.dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), head_dtype or hidden.dtype)
         self.vocab_offset, self.transform = vocab_offset, transform
         self.cache_candidates = cache_candidates
+        self.padded = False
 
     def _cache_slots(self, cache_rows: int) -> Tensor:
         """``[M]`` int64: each row's place in a cache of ``cache_rows`` rows, -1 for the rows it
@@ -122,7 +127,12 @@ class TiledLinearHead:
         return self.weight[vocab].to(self.dtype)
 
     def _logits(self, h_rows: Tensor, vocab: slice, out: Tensor) -> Tensor:
-        """``h_rows @ W[vocab].T (+ b[vocab])`` written into ``out`` (a tile: unit column stride)."""
+        """``h_rows @ W[vocab].T (+ b[vocab])`` written into ``out`` (a tile: unit column stride); by
+        an out_dtype matmul of uncast bf16 / fp16 operands where the policy allows it."""
+        uncast = h_rows.dtype == self.weight.dtype != self.dtype and self.bias is None
+        if uncast and self.policy.fused_accumulate(h_rows.device, h_rows.dtype, self.dtype):
+            with full_precision_reduction(h_rows.device, h_rows.dtype):
+                return torch.mm(h_rows, self.weight[vocab].t(), out_dtype=self.dtype, out=out)
         weight, h_rows = self._block_weight(vocab), h_rows.to(self.dtype)
         if self.bias is None:
             return torch.mm(h_rows, weight.t(), out=out)
@@ -151,7 +161,7 @@ class TiledLinearHead:
         (:func:`~tpo_kernels.ops.tiles.tile_shape`)."""
         vocab_size, hidden_size = self.weight.shape
         return tile_shape(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
-                          grad_accum_dtype)
+                          grad_accum_dtype, self.dtype)
 
     def backward_plan(self, num_rows: int, grad_accum_dtype: torch.dtype) -> BackwardPlan:
         """The backward's tiles over ``num_rows`` active rows (:func:`~tpo_kernels.ops.tiles.backward_plan`)."""
@@ -173,9 +183,15 @@ class TiledLinearHead:
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         summary = RowSummary.zeros(num_rows, dtype=compute_dtype(self.dtype), device=self.hidden.device,
                                    fields=fields)
+        if self.policy.batch_invariant and not self.padded:  # every tile [T_b, V_b]; no cache
+            self.logits_cache = self.hidden.new_empty(0, vocab_size, dtype=self.dtype)
+            _, _, counted = self._split_rows(self.labels >= 0, 0)
+            summary.assign(counted, padded_forward(self, counted, self._tile(0, self.weight.dtype)[0], fields))
+            return summary
         self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
         # The forward's one read-back; its slots are the cache's first rows (every cached row counts).
         cached, _, uncached = self._split_rows(self.labels >= 0, cache_rows)
+        uncached = slice(0, num_rows) if self.padded else uncached
         num_cached = selection_size(cached)
         if num_cached:
             cache, chunk = self.logits_cache[:num_cached], self._cache_chunk(num_cached)
@@ -251,7 +267,12 @@ class TiledLinearHead:
         active = grad_logprob != 0
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
-        parts, num_active = self._active_parts(active, logits_cache)
+        if self.policy.batch_invariant and not self.padded:
+            rows = ([*self._active_parts(active, None)[0], (slice(0, 0), None)])[0][0]
+            return padded_backward(self, rows, self.backward_plan(0, grad_accum_dtype).token_block, summary,
+                                   grad_logprob, grad_entropy, needs_grad, grad_accum_dtype)
+        parts, num_active = (([(slice(0, hidden.shape[0]), None)], hidden.shape[0]) if self.padded
+                             else self._active_parts(active, logits_cache))
         if overwrite_cache and len(parts) == 1 and parts[0][1] is not None:
             grads = self._backward_in_cache(*parts[0], summary, grad_logprob, grad_entropy, needs_grad,
                                             grad_accum_dtype, logits_cache)
