@@ -74,5 +74,5 @@ def padded_backward(head, rows: Union[slice, Tensor], tile_rows: int, summary: R
         grad_accum_dtype)
     if grad_hidden is not None:
         part, grad_hidden = grad_hidden, head.hidden.new_zeros(head.hidden.shape)
-        grad_hidden[rows] = part[:selection_size(rows)]
+        grad_hidden[rows] = part[:selection_size(rows)].to(grad_hidden.dtype)
     return grad_hidden, grad_weight, grad_bias
