@@ -80,18 +80,26 @@ def _check_invariant(run, with_entropy):
         _assert_rows_equal(run(h, lab, up), full, index, name)
 
 
+# The logits cache of a small vocabulary (every counted row, padded to the tiles): the backward
+# runs in it (no graph kept) or reads it (retain_graph).
+CACHES = {"recomputed": (POLICY, False), "cached": (dataclasses.replace(POLICY, small_vocab=V), False),
+          "cached_kept_graph": (dataclasses.replace(POLICY, small_vocab=V), True)}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "entropy"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_head_results_do_not_depend_on_the_batch(backend, with_entropy, threads):
+def test_fused_head_results_do_not_depend_on_the_batch(backend, with_entropy, cache, threads):
     _, weight, _, _ = _batch()
+    policy, keep_graph = CACHES[cache]
 
     def run(hidden, labels, upstream):
         hidden = hidden.clone().requires_grad_()
         out = tk.fused_linear_logprobs(hidden, weight, labels, return_entropy=with_entropy, backend=backend,
-                                       tile_policy=POLICY)
+                                       tile_policy=policy)
         lp, ent = out if with_entropy else (out, None)
         loss = (lp * upstream[0]).sum() + (0 if ent is None else (ent * upstream[1]).sum())
-        grad, = torch.autograd.grad(loss, hidden)
+        grad, = torch.autograd.grad(loss, hidden, retain_graph=keep_graph)
         return lp.detach(), None if ent is None else ent.detach(), grad
 
     _check_invariant(run, with_entropy)

@@ -24,7 +24,8 @@ from ..backends import backend_by_key
 from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
 from .logprobs import RowRequest, row_gradients
-from .tiles import HeadTiles, TilePolicy
+from .padded_rows import padded_count
+from .tiles import HeadTiles, TilePolicy, invariant_tile_shape
 
 __all__ = ["HeadTiles", "TilePolicy", "linear_logprobs"]
 
@@ -62,7 +63,7 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     row = RowRequest.from_op(request)
     policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, logits_cache_bytes, batch_invariant)
     head = _head((hidden, weight, bias, labels), row, chunk_size, policy, backend, cache_candidates, head_dtype)
-    summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight, head_dtype))
+    summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight, head_dtype, chunk_size))
     # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
     # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
     # has_label is already False there.
@@ -71,11 +72,15 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     return (*summary.masked_fill(beyond, float("nan")).to_op(), head.logits_cache)
 
 
-def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor, head_dtype: Optional[torch.dtype]) -> int:
-    """Rows of the logits cache (none under ``batch_invariant``: the tiles do not read one)."""
-    if policy.batch_invariant:
-        return 0
-    return policy.logits_cache_rows(hidden.shape[0], weight.shape[0], _logits_dtype(hidden, weight, head_dtype))
+def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor, head_dtype: Optional[torch.dtype],
+                chunk_size: int) -> int:
+    """Rows of the logits cache; under ``batch_invariant`` (every row or none) padded to the tiles'."""
+    dtype = _logits_dtype(hidden, weight, head_dtype)
+    rows = policy.logits_cache_rows(hidden.shape[0], weight.shape[0], dtype)
+    if policy.batch_invariant and rows:
+        rows = padded_count(rows, invariant_tile_shape(*weight.shape, chunk_size, policy, weight.dtype, weight.dtype,
+                                                       dtype)[0])
+    return rows
 
 
 @_linear_logprobs.register_fake
@@ -87,7 +92,7 @@ def _(hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_
                         batch_invariant=batch_invariant)
     summary = RowSummary.zeros(rows, dtype=acc, device=hidden.device,
                                fields=RowRequest.from_op(request).token_fields)
-    cache_rows = _cache_rows(policy, hidden, weight, head_dtype)
+    cache_rows = _cache_rows(policy, hidden, weight, head_dtype, chunk_size)
     return (*summary.to_op(), hidden.new_empty(cache_rows, weight.shape[0], dtype=dtype))
 
 

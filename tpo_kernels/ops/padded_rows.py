@@ -51,7 +51,10 @@ def _padded_head(head, rows: Union[slice, Tensor], tile_rows: int):
     padded = type(head)(padded_rows(head.hidden, rows, count, dtype=head.dtype), head.weight, head.bias,
                         padded_rows(head.labels, rows, count, fill=-1), head.backend, head.inv_temperature,
                         head.chunk_size, head.policy, head.vocab_offset, head.transform, head_dtype=head.dtype)
-    padded.padded = True
+    padded.padded, padded.tile_rows = True, tile_rows
+    # The outer head's logits cache (every counted row, padded), or none.
+    padded.logits_cache = head.logits_cache[:count] if getattr(head, "logits_cache", None) is not None and \
+        head.logits_cache.shape[0] else head.hidden.new_empty(0, head.weight.shape[0], dtype=head.dtype)
     return padded
 
 
@@ -63,15 +66,19 @@ def padded_forward(head, rows: Union[slice, Tensor], tile_rows: int, fields: Tup
 
 def padded_backward(head, rows: Union[slice, Tensor], tile_rows: int, summary: RowSummary, grad_logprob: Tensor,
                     grad_entropy: Optional[Tensor], needs_grad: Tuple[bool, bool, bool],
-                    grad_accum_dtype: torch.dtype):
+                    grad_accum_dtype: torch.dtype, logits_cache: Optional[Tensor] = None,
+                    overwrite_cache: bool = False):
     """``head.backward`` of its active ``rows`` zero-padded to chunks of ``tile_rows``: every tile
     ``[tile_rows, V_b]``, each row's ``dH`` summed over the same vocabulary blocks by matmuls of
-    one shape in any batch (the padded rows' gradients are 0: no term in ``dW`` or ``db``)."""
+    one shape in any batch (the padded rows' gradients are 0: no term in ``dW`` or ``db``). With a
+    ``logits_cache`` (of every counted row: ``rows`` are those) its tiles are read, not recomputed,
+    or with ``overwrite_cache`` turned into dz in place, ``dH`` one tile's rows at a time."""
     count = padded_count(selection_size(rows), tile_rows)
     grad_entropy = None if grad_entropy is None else padded_rows(grad_entropy, rows, count)
+    cache = None if logits_cache is None or not logits_cache.shape[0] else logits_cache[:count]
     grad_hidden, grad_weight, grad_bias = _padded_head(head, rows, tile_rows).backward(
         padded_summary(summary, rows, count), padded_rows(grad_logprob, rows, count), grad_entropy, needs_grad,
-        grad_accum_dtype)
+        grad_accum_dtype, cache, overwrite_cache)
     if grad_hidden is not None:
         part, grad_hidden = grad_hidden, head.hidden.new_zeros(head.hidden.shape)
         grad_hidden[rows] = part[:selection_size(rows)].to(grad_hidden.dtype)

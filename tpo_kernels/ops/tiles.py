@@ -55,9 +55,9 @@ class TilePolicy:
     bits whatever else is in the batch (its size, order, padding): every tile has the same shape
     (:func:`invariant_tile_shape`: ``min_tile_tokens`` rows, the last token chunk zero-padded, a
     vocabulary block that does not depend on the row count), the backward cuts the same blocks,
-    the default ``chunk_size`` is not clipped to the batch and no logits cache is kept (a cached
-    row would be read in other blocks than a recomputed one). ``dW`` and ``db`` (sums over the
-    batch) are out of its scope.
+    the default ``chunk_size`` is not clipped to the batch, and a logits cache holds every counted
+    row (the ``small_vocab`` default) or none (a byte budget would cache rows by their place in the
+    batch). ``dW`` and ``db`` (sums over the batch) are out of its scope.
     """
 
     logits_bytes: int
@@ -95,12 +95,9 @@ class TilePolicy:
     def logits_cache_budget(self, vocab_size: int) -> int:
         """The cache budget a head of ``vocab_size`` entries runs with: ``logits_cache_bytes`` when
         set, else every row (:data:`EVERY_ROW`) for a small vocabulary (``small_vocab``), else 0;
-        always 0 under ``batch_invariant``."""
-        if self.batch_invariant:
-            return 0
-        if self.logits_cache_bytes:
-            return self.logits_cache_bytes
-        return EVERY_ROW if 0 < vocab_size <= self.small_vocab else 0
+        under ``batch_invariant`` every row or 0."""
+        budget = self.logits_cache_bytes or (EVERY_ROW if 0 < vocab_size <= self.small_vocab else 0)
+        return 0 if self.batch_invariant and budget < EVERY_ROW else budget
 
     def with_logits_cache(self, logits_cache_bytes: int) -> "TilePolicy":
         """This policy with the ``logits_cache_bytes`` keyword of the public functions applied
