@@ -152,3 +152,25 @@ def test_vocabulary_shard_takes_the_head_dtype():
     cast = shard_linear_logprobs(hidden.float(), weight.float(), bias.float(), labels, seam, request=request,
                                  tiles=_tiles(), backend="torch")
     torch.testing.assert_close(wide.label_logprob, cast.label_logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_head_over_float32_inputs():
+    """``head_dtype=float64``: float64 log-probs (the compute dtype follows the logits'), float32 gradients."""
+    hidden, weight, bias, labels, upstream = _inputs(torch.float32)
+    lp, ent, grads = _run(hidden, weight, bias, labels, upstream, "torch", _tiles(torch.float64))
+    lp64, _, grads64 = _run(hidden.double(), weight.double(), bias.double(), labels, upstream, "torch", _tiles())
+    assert lp.dtype == ent.dtype == torch.float64
+    torch.testing.assert_close(lp, lp64, rtol=1e-12, atol=1e-12)
+    assert [grad.dtype for grad in grads] == [torch.float32] * 3
+    for grad, grad64 in zip(grads, grads64):
+        torch.testing.assert_close(grad, grad64.float())
+
+
+def test_a_narrower_head_dtype_changes_nothing():
+    """The logits are never narrower than the inputs: ``head_dtype=bfloat16`` over float32 inputs
+    is the float32 head, bit for bit (the public functions refuse it; the op promotes)."""
+    hidden, weight, bias, labels, upstream = _inputs(torch.float32)
+    narrow = _run(hidden, weight, bias, labels, upstream, "torch", _tiles(torch.bfloat16))
+    plain = _run(hidden, weight, bias, labels, upstream, "torch", _tiles())
+    for a, b in zip(narrow[:2] + tuple(narrow[2]), plain[:2] + tuple(plain[2])):
+        assert torch.equal(a, b)
