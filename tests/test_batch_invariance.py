@@ -18,7 +18,7 @@ from tpo_kernels.backends.row_summary import RowSummary
 from tpo_kernels.ops import TilePolicy
 from tpo_kernels.ops.tiles import backward_plan, tile_shape
 
-from _backends import backend_params
+from _backends import backend_params, needs_triton
 
 N, T, H, V = 16, 8, 128, 4096
 # Tiles of 64 rows, a budget of 16 rows of V, no logits cache: without batch_invariant the
@@ -69,11 +69,11 @@ def _assert_rows_equal(parts, full, index, name):
             f"{what} of {name} differ from the full batch by {(part[:, :expected.shape[1]] - expected).abs().max():.3g}"
 
 
-def _check_invariant(run, with_entropy):
-    hidden, weight, labels, upstream = _batch()
-    full = run(hidden, labels, upstream)
+def _check_invariant(run, inputs, labels, upstream):
+    """``run(inputs, labels, upstream)`` of every sub-batch (:func:`_selections`) against the full batch's."""
+    full = run(inputs, labels, upstream)
     for name, index, extra in _selections():
-        h, lab, up = hidden[index], labels[index], upstream[:, index]
+        h, lab, up = inputs[index], labels[index], upstream[:, index]
         if extra:
             h, lab, up = _pad_time(h, extra, 0.0), _pad_time(lab, extra, -100), torch.stack(
                 [_pad_time(u, extra, 0.0) for u in up])
@@ -102,37 +102,48 @@ def test_fused_head_results_do_not_depend_on_the_batch(backend, with_entropy, ca
         grad, = torch.autograd.grad(loss, hidden, retain_graph=keep_graph)
         return lp.detach(), None if ent is None else ent.detach(), grad
 
-    _check_invariant(run, with_entropy)
+    hidden, _, labels, upstream = _batch()
+    _check_invariant(run, hidden, labels, upstream)
+
+
+@needs_triton
+def test_fused_head_on_triton_does_not_depend_on_the_batch():
+    """The Triton row ops (the interpreter without a GPU: a tiny head, two vocabulary blocks of
+    tiles of 8 rows)."""
+    n, t, h, v = 4, 3, 16, 256
+    policy = TilePolicy(logits_bytes=4 * v * 4, min_tile_tokens=8, small_vocab=0, batch_invariant=True)
+    generator = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(n, t, h, generator=generator), torch.randn(v, h, generator=generator)
+    labels, upstream = torch.randint(0, v, (n, t), generator=generator), torch.randn(2, n, t, generator=generator)
+
+    def run(index):
+        x = hidden[index].clone().requires_grad_()
+        lp, ent = tk.fused_linear_logprobs(x, weight, labels[index], return_entropy=True, backend="triton",
+                                           tile_policy=policy)
+        grad, = torch.autograd.grad((lp * upstream[0, index]).sum() + (ent * upstream[1, index]).sum(), x)
+        return lp.detach(), ent.detach(), grad
+
+    full = run(torch.arange(n))
+    for name, index in [(f"first{k}", torch.arange(k)) for k in range(1, n)] + [("perm", torch.tensor([2, 0, 3, 1]))]:
+        _assert_rows_equal(run(index), full, index, name)
 
 
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "entropy"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_path_results_do_not_depend_on_the_batch(backend, with_entropy, threads):
-    _, weight, _, _ = _batch()
+    hidden, weight, labels, upstream = _batch()
+    # A sub-batch's logits are the full batch's rows (a matmul at another shape could round them otherwise).
+    full_logits = hidden @ weight.t()
 
-    def run(hidden, labels, upstream):
-        logits = (hidden @ weight.t()).requires_grad_()  # the same rows' logits, any batch (a fixed input)
+    def run(rows, labels, upstream):
+        logits = rows.clone().requires_grad_()
         out = tk.selective_logprobs(logits, labels, return_entropy=with_entropy, backend=backend)
         lp, ent = out if with_entropy else (out, None)
         loss = (lp * upstream[0]).sum() + (0 if ent is None else (ent * upstream[1]).sum())
         grad, = torch.autograd.grad(loss, logits)
         return lp.detach(), None if ent is None else ent.detach(), grad
 
-    hidden, _, labels, upstream = _batch()
-    logits_full = hidden @ weight.t()
-    # The logits of a sub-batch are the full batch's rows (not recomputed at another shape).
-    full = run(hidden, labels, upstream)
-    for name, index, extra in _selections():
-        logits, lab, up = logits_full[index], labels[index], upstream[:, index]
-        if extra:
-            logits, lab = _pad_time(logits, extra, 0.0), _pad_time(lab, extra, -100)
-            up = torch.stack([_pad_time(u, extra, 0.0) for u in up])
-        logits = logits.requires_grad_()
-        out = tk.selective_logprobs(logits, lab, return_entropy=with_entropy, backend=backend)
-        lp, ent = out if with_entropy else (out, None)
-        loss = (lp * up[0]).sum() + (0 if ent is None else (ent * up[1]).sum())
-        grad, = torch.autograd.grad(loss, logits)
-        _assert_rows_equal((lp.detach(), None if ent is None else ent.detach(), grad), full, index, name)
+    _check_invariant(run, full_logits, labels, upstream)
 
 
 def test_invariant_tiles_do_not_depend_on_the_row_count():
