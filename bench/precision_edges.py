@@ -17,6 +17,9 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The fp32-head case times matmul-heavy steps on a shared machine: OpenMP threads that spin after a
+# matmul would starve the small ops between them (bench.compare's children run the same way).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # This checkout's package, not whatever tpo_kernels is installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
