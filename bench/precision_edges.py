@@ -407,19 +407,25 @@ def case_fp32_head():
                 diff = (lp - exact).abs()
                 return {"max": float(diff.max()), "mean": float(diff.mean())}
             guarded(f"{case}: {name}", f"{b}/linear", run)
-        times = {None: [], torch.float32: []}
+        # bf16 head; fp32 head; the route without it: an fp32 copy of the weight (TRL's
+        # cast_lm_head_to_fp32), bf16 hidden states, the copy's time included.
+        variants = {"bf16": (None, False), "fp32 head": (torch.float32, False), "fp32 weight": (None, True)}
+        times = {name: [] for name in variants}
         upstream = torch.randn(m)
         for r in range(FP32_HEAD_ROUNDS + 1):  # the first round warms up, untimed
-            for head_dtype in ((None, torch.float32) if r % 2 == 0 else (torch.float32, None)):
+            for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                head_dtype, cast_weight = variants[name]
                 hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
                 t = time.perf_counter()
-                torch.autograd.backward(_head_logprobs(hh, ww, labels, b, head_dtype), upstream)
+                torch.autograd.backward(_head_logprobs(hh, ww.float() if cast_weight else ww, labels, b, head_dtype),
+                                        upstream)
                 if r:
-                    times[head_dtype].append(time.perf_counter() - t)
-        ratios = sorted(a / c for a, c in zip(times[torch.float32], times[None]))
-        record(f"{case}: time fp32 head / bf16 (fwd+bwd)", f"{b}/linear",
-               f"{ratios[len(ratios) // 2]:.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)}; bf16 "
-               f"{sorted(times[None])[len(ratios) // 2]:.2f} s, {torch.get_num_threads()} threads)")
+                    times[name].append(time.perf_counter() - t)
+        for name in ("fp32 head", "fp32 weight"):
+            ratios = sorted(a / c for a, c in zip(times[name], times["bf16"]))
+            record(f"{case}: time {name} / bf16 (fwd+bwd)", f"{b}/linear",
+                   f"{ratios[len(ratios) // 2]:.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)}; bf16 "
+                   f"{sorted(times['bf16'])[len(ratios) // 2]:.2f} s, {torch.get_num_threads()} threads)")
 
 
 def main():
