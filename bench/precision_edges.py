@@ -17,6 +17,9 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The fp32-head case times matmul-heavy steps on a shared machine: OpenMP threads that spin after a
+# matmul would starve the small ops between them (bench.compare's children run the same way).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # This checkout's package, not whatever tpo_kernels is installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -348,16 +351,99 @@ def case_numpy_scalars():
                 lambda: "ok " + f"{float(tk.tpo_loss(logits, labels, scores, **kw)):.4f}")
 
 
+FP32_HEAD_SHAPE = dict(M=4096, H=512, V=32768)  # --fp32-head-shape M,H,V
+FP32_HEAD_ROUNDS = 3
+
+
+def _fp32_head_batch(m, h, v, seed=0):
+    """A bf16 head and batch with realistic logits: a bulk of std ~3 and each token's label raised
+    by 5..22 (confident tokens; the largest logits ~25), as a trained LM gives."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(v, h, generator=g) * (3 / math.sqrt(h))
+    labels = torch.randint(0, v, (m,), generator=g)
+    hidden = torch.randn(m, h, generator=g)
+    boost = 5 + 17 * torch.rand(m, generator=g)
+    rows = weight[labels]
+    hidden += rows * (boost / rows.pow(2).sum(1)).unsqueeze(1)
+    return hidden.bfloat16(), weight.bfloat16(), labels
+
+
+def _float64_logprobs(hidden, weight, labels, rows=256):
+    out = torch.empty(labels.shape[0], dtype=torch.float64)
+    w = weight.double()
+    for start in range(0, labels.shape[0], rows):
+        z = hidden[start:start + rows].double() @ w.t()
+        out[start:start + rows] = torch.log_softmax(z, -1).gather(1, labels[start:start + rows, None]).squeeze(1)
+    return out
+
+
+def _head_logprobs(hidden, weight, labels, backend, head_dtype):
+    """The fused head's log-probs: ``head_dtype=`` of the public function where it takes one, else
+    the ops layer's ``HeadTiles.head_dtype`` (the same op)."""
+    try:
+        return tk.fused_linear_logprobs(hidden, weight, labels, backend=backend, head_dtype=head_dtype)
+    except TypeError:
+        from tpo_kernels.ops import HeadTiles, RowRequest, TilePolicy, linear_logprobs
+        policy = TilePolicy.for_device(hidden.device)
+        tiles = HeadTiles(chunk_size=policy.chunk_size(hidden.shape[0], weight.shape[0]), policy=policy,
+                          grad_accum_dtype=torch.float32, head_dtype=head_dtype)
+        return linear_logprobs(hidden, weight, None, labels, request=RowRequest(), tiles=tiles,
+                               backend=backend).label_logprob
+
+
+def case_fp32_head():
+    """bf16 hidden states and weight: max and mean |log-prob - float64| with the logits formed in
+    bf16 (as a bf16 matmul gives them) and in fp32 (``head_dtype=torch.float32``), and the time of a
+    forward and backward with the fp32 head over the bf16 one (median of interleaved rounds)."""
+    m, h, v = FP32_HEAD_SHAPE["M"], FP32_HEAD_SHAPE["H"], FP32_HEAD_SHAPE["V"]
+    hidden, weight, labels = _fp32_head_batch(m, h, v)
+    exact = _float64_logprobs(hidden, weight, labels)
+    case = f"fp32 head, bf16 M={m} H={h} V={v}"
+    for b in [b for b in BACKENDS if b in ("cpu", "torch", "cuda", "triton") and not b.startswith("triton")]:
+        for name, head_dtype in (("bf16 logits", None), ("fp32 head", torch.float32)):
+            def run():
+                with torch.no_grad():
+                    lp = _head_logprobs(hidden, weight, labels, b, head_dtype).double()
+                diff = (lp - exact).abs()
+                return {"max": float(diff.max()), "mean": float(diff.mean())}
+            guarded(f"{case}: {name}", f"{b}/linear", run)
+        # bf16 head; fp32 head; the route without it: an fp32 copy of the weight (TRL's
+        # cast_lm_head_to_fp32), bf16 hidden states, the copy's time included.
+        variants = {"bf16": (None, False), "fp32 head": (torch.float32, False), "fp32 weight": (None, True)}
+        times = {name: [] for name in variants}
+        upstream = torch.randn(m)
+        for r in range(FP32_HEAD_ROUNDS + 1):  # the first round warms up, untimed
+            for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                head_dtype, cast_weight = variants[name]
+                hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                t = time.perf_counter()
+                torch.autograd.backward(_head_logprobs(hh, ww.float() if cast_weight else ww, labels, b, head_dtype),
+                                        upstream)
+                if r:
+                    times[name].append(time.perf_counter() - t)
+        for name in ("fp32 head", "fp32 weight"):
+            ratios = sorted(a / c for a, c in zip(times[name], times["bf16"]))
+            record(f"{case}: time {name} / bf16 (fwd+bwd)", f"{b}/linear",
+                   f"{ratios[len(ratios) // 2]:.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)}; bf16 "
+                   f"{sorted(times['bf16'])[len(ratios) // 2]:.2f} s, {torch.get_num_threads()} threads)")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--only", default="")
+    parser.add_argument("--fp32-head-shape", default=None, help="M,H,V of the fp32-head case (default 4096,512,32768)")
+    parser.add_argument("--fp32-head-rounds", type=int, default=3, help="timed rounds of the fp32-head case")
     args = parser.parse_args()
+    global FP32_HEAD_ROUNDS
+    FP32_HEAD_ROUNDS = args.fp32_head_rounds
+    if args.fp32_head_shape:
+        FP32_HEAD_SHAPE.update(zip("MHV", (int(x) for x in args.fp32_head_shape.split(","))))
     print(f"tpo_kernels from {os.path.dirname(tk.__file__)}; backends: {BACKENDS}")
     start = time.time()
     for fn in (case_masked_entropy, case_masked_block_fused, case_entropy_offsets, case_confident, case_offsets,
                case_long_completions, case_neg_inf_label, case_score_spread, case_tiny_hyper, case_meta,
-               case_numpy_scalars):
+               case_numpy_scalars, case_fp32_head):
         if args.only and args.only not in fn.__name__:
             continue
         fn()

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the dtypes the package accepts
@@ -118,18 +117,23 @@ class RowSummary:
         w_k (H_k - log w_k)`` with ``w_k = exp(c_k - log_sum)``: non-negative terms only (the ``lse -
         sum p z`` form cancels catastrophically for large logits). A range of only ``-inf`` logits
         (``row_max == -inf``, e.g. a masked block) adds nothing; a label inside it has log-prob
-        ``-inf``."""
+        ``-inf``.
+
+        Built from ``exp``, ``log1p``, ``maximum`` and ``where`` only (:func:`_log_add_exp`,
+        :func:`_softplus`): on the CPU, ``torch.logaddexp`` and ``F.softplus`` give other bits in a
+        vector's scalar tail than in its body, so a row's merged summary would depend on its
+        position in the batch; these ops do not (batch-invariant log-probs)."""
         neg_inf = float("-inf")
         empty_a, empty_b = self.row_max == neg_inf, other.row_max == neg_inf
         m = torch.maximum(self.row_max, other.row_max)
         shift = torch.where(m == neg_inf, 0.0, m)
         c_a = torch.where(empty_a, neg_inf, (self.row_max - shift) * inv_temperature + self.log_sum)
         c_b = torch.where(empty_b, neg_inf, (other.row_max - shift) * inv_temperature + other.log_sum)
-        log_sum = torch.logaddexp(c_a, c_b)
+        log_sum = _log_add_exp(c_a, c_b)
         lp_a = torch.where(empty_a, neg_inf, self.label_logprob)
         lp_b = torch.where(empty_b, neg_inf, other.label_logprob)
-        log_w_a = -F.softplus(c_b - c_a)  # log of range a's share of the mass
-        log_w_b = -F.softplus(c_a - c_b)
+        log_w_a = -_softplus(c_b - c_a)  # log of range a's share of the mass
+        log_w_b = -_softplus(c_a - c_b)
         logprob = torch.where(other.has_label, lp_b + log_w_b, lp_a + log_w_a)
         entropy = None
         if self.entropy is not None:
@@ -137,6 +141,19 @@ class RowSummary:
             entropy = torch.where(empty_b, self.entropy, torch.where(empty_a, other.entropy, mixed))
         return RowSummary(row_max=m, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
                           has_label=self.has_label | other.has_label)
+
+
+def _log_add_exp(a: Tensor, b: Tensor) -> Tensor:
+    """``log(exp(a) + exp(b)) = max + log1p(exp(-|a - b|))``, ``-inf`` when both are (the gap is
+    then taken as ``inf``: no ``-inf - -inf``)."""
+    high, low = torch.maximum(a, b), torch.minimum(a, b)
+    gap = torch.where(low == float("-inf"), float("inf"), high - low)
+    return high + torch.log1p(torch.exp(-gap))
+
+
+def _softplus(x: Tensor) -> Tensor:
+    """``log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))`` (``inf`` at ``inf``, 0 at ``-inf``)."""
+    return torch.clamp(x, min=0.0) + torch.log1p(torch.exp(-torch.abs(x)))
 
 
 FIELD_NAMES: Tuple[str, ...] = tuple(field.name for field in dataclasses.fields(RowSummary))

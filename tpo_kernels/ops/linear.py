@@ -24,24 +24,33 @@ from ..backends import backend_by_key
 from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
 from .logprobs import RowRequest, row_gradients
-from .tiles import HeadTiles, TilePolicy
+from .padded_rows import padded_count
+from .tiles import HeadTiles, TilePolicy, invariant_tile_shape
 
 __all__ = ["HeadTiles", "TilePolicy", "linear_logprobs"]
 
 
 def _policy(min_tile_tokens: int, accum_bytes: int, matmul_out_dtype: Optional[bool],
-            logits_cache_bytes: int = 0) -> TilePolicy:
-    """The tile policy from the op's ints (its tile budget is the chunk size the op takes)."""
+            logits_cache_bytes: int = 0, batch_invariant: bool = False) -> TilePolicy:
+    """The tile policy from the op's settings (its tile budget is the chunk size the op takes)."""
     return TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, accum_bytes=accum_bytes,
-                      matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes)
+                      matmul_out_dtype=matmul_out_dtype, logits_cache_bytes=logits_cache_bytes,
+                      batch_invariant=batch_invariant)
 
 
 def _head(inputs: Tuple[Tensor, Tensor, Optional[Tensor], Tensor], request: RowRequest, chunk_size: int,
-          policy: TilePolicy, backend: str, cache_candidates: Optional[Tensor] = None) -> TiledLinearHead:
+          policy: TilePolicy, backend: str, cache_candidates: Optional[Tensor] = None,
+          head_dtype: Optional[torch.dtype] = None) -> TiledLinearHead:
     """The tiled head over ``inputs = (hidden, weight, bias, labels)``."""
     inv_t, transform = request.transform()
     return TiledLinearHead(*inputs, backend_by_key(backend), inv_t, chunk_size, policy, transform=transform,
-                           cache_candidates=cache_candidates)
+                           cache_candidates=cache_candidates, head_dtype=head_dtype)
+
+
+def _logits_dtype(hidden: Tensor, weight: Tensor, head_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype the head forms its logits in: the inputs', promoted with ``head_dtype``."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    return dtype if head_dtype is None else torch.promote_types(dtype, head_dtype)
 
 
 # Reads back the counts of its row classes (one tolist), validate or not: no CUDA-graph capture.
@@ -49,11 +58,12 @@ def _head(inputs: Tuple[Tensor, Tensor, Optional[Tensor], Tensor], request: RowR
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, request: List[float],
                      chunk_size: int, min_tile_tokens: int, accum_bytes: int, grad_accum_dtype: torch.dtype,
                      backend: str, matmul_out_dtype: Optional[bool] = None, logits_cache_bytes: int = 0,
-                     cache_candidates: Optional[Tensor] = None) -> op_outputs(extra=1):
+                     cache_candidates: Optional[Tensor] = None, batch_invariant: bool = False,
+                     head_dtype: Optional[torch.dtype] = None) -> op_outputs(extra=1):
     row = RowRequest.from_op(request)
-    policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, logits_cache_bytes)
-    head = _head((hidden, weight, bias, labels), row, chunk_size, policy, backend, cache_candidates)
-    summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight))
+    policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, logits_cache_bytes, batch_invariant)
+    head = _head((hidden, weight, bias, labels), row, chunk_size, policy, backend, cache_candidates, head_dtype)
+    summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight, head_dtype, chunk_size))
     # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
     # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
     # has_label is already False there.
@@ -62,19 +72,28 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     return (*summary.masked_fill(beyond, float("nan")).to_op(), head.logits_cache)
 
 
-def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor) -> int:
-    return policy.logits_cache_rows(hidden.shape[0], weight.shape[0], torch.promote_types(hidden.dtype, weight.dtype))
+def _cache_rows(policy: TilePolicy, hidden: Tensor, weight: Tensor, head_dtype: Optional[torch.dtype],
+                chunk_size: int) -> int:
+    """Rows of the logits cache; under ``batch_invariant`` (every row or none) padded to the tiles'."""
+    dtype = _logits_dtype(hidden, weight, head_dtype)
+    rows = policy.logits_cache_rows(hidden.shape[0], weight.shape[0], dtype)
+    if policy.batch_invariant and rows:
+        rows = padded_count(rows, invariant_tile_shape(*weight.shape, chunk_size, policy, weight.dtype, weight.dtype,
+                                                       dtype)[0])
+    return rows
 
 
 @_linear_logprobs.register_fake
 def _(hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
-      matmul_out_dtype=None, logits_cache_bytes=0, cache_candidates=None):
-    rows, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, weight.dtype)
+      matmul_out_dtype=None, logits_cache_bytes=0, cache_candidates=None, batch_invariant=False, head_dtype=None):
+    rows, dtype = hidden.shape[0], _logits_dtype(hidden, weight, head_dtype)
     acc = compute_dtype(dtype)
-    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes)
+    policy = TilePolicy(logits_bytes=0, min_tile_tokens=min_tile_tokens, logits_cache_bytes=logits_cache_bytes,
+                        batch_invariant=batch_invariant)
     summary = RowSummary.zeros(rows, dtype=acc, device=hidden.device,
                                fields=RowRequest.from_op(request).token_fields)
-    return (*summary.to_op(), hidden.new_empty(_cache_rows(policy, hidden, weight), weight.shape[0], dtype=dtype))
+    cache_rows = _cache_rows(policy, hidden, weight, head_dtype, chunk_size)
+    return (*summary.to_op(), hidden.new_empty(cache_rows, weight.shape[0], dtype=dtype))
 
 
 def _backward_fake(hidden, weight, bias, labels, summary, grad_logprobs, grad_entropy, logits_cache, cache_candidates,
@@ -97,10 +116,11 @@ def _backward_op(name: str, overwrite_cache: bool):
         cache_candidates: Optional[Tensor], needs_hidden: bool, needs_weight: bool, needs_bias: bool,
         request: List[float], chunk_size: int, min_tile_tokens: int, accum_bytes: int,
         grad_accum_dtype: torch.dtype, backend: str, matmul_out_dtype: Optional[bool],
+        batch_invariant: bool = False, head_dtype: Optional[torch.dtype] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype)
+        policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, batch_invariant=batch_invariant)
         head = _head((hidden, weight, bias, labels), RowRequest.from_op(request), chunk_size, policy, backend,
-                     cache_candidates)
+                     cache_candidates, head_dtype)
         # The entropy is read only with its gradient.
         row_summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
         grads = head.backward(row_summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),
@@ -126,12 +146,13 @@ def _graph_kept() -> bool:
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, labels, request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend,
-     matmul_out_dtype, logits_cache_bytes, cache_candidates) = inputs
+     matmul_out_dtype, logits_cache_bytes, cache_candidates, batch_invariant, head_dtype) = inputs
     *summary, logits_cache = output  # the RowSummary's to_op tensors, then the cache
     ctx.save_for_backward(hidden, weight, bias, labels, logits_cache, cache_candidates, *summary)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     # The backward ops' settings, in their schema's order.
-    ctx.settings = (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend, matmul_out_dtype)
+    ctx.settings = (request, chunk_size, min_tile_tokens, accum_bytes, grad_accum_dtype, backend, matmul_out_dtype,
+                    batch_invariant, head_dtype)
     ctx.fields, ctx.has_bias = RowRequest.from_op(request).token_fields, bias is not None
 
 
@@ -163,7 +184,8 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     """The :class:`RowSummary` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))`` tempered
     (the request's :class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64 ``labels``
     (negative: skipped), in the compute dtype, with the per-token fields the request asks for;
-    differentiable in hidden, weight, bias. ``tiles``: how the head cuts its work. The policy's
+    differentiable in hidden, weight, bias. ``tiles``: how the head cuts its work (its
+    ``head_dtype``, its policy's ``batch_invariant``). The policy's
     logits cache is kept only when a gradient will be taken, for the counted rows among
     ``cache_candidates`` (``[M]`` bool; None: every counted row) that fit it."""
     policy = tiles.policy
@@ -171,5 +193,6 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     cache_bytes = policy.logits_cache_budget(weight.shape[0]) if wants_grad else 0
     *summary, _ = _linear_logprobs(hidden, weight, bias, labels, request.to_op(), tiles.chunk_size,
                                    policy.min_tile_tokens, policy.accum_bytes, tiles.grad_accum_dtype, backend,
-                                   policy.matmul_out_dtype, cache_bytes, cache_candidates if cache_bytes else None)
+                                   policy.matmul_out_dtype, cache_bytes, cache_candidates if cache_bytes else None,
+                                   policy.batch_invariant, tiles.head_dtype)
     return RowSummary.from_op(summary, fields=request.token_fields)

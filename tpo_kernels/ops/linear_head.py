@@ -14,16 +14,16 @@ the chain rule of the linear layer::
 
     dH[rows] += dz @ W[block]          dW[block] += dz.T @ h[rows]          db[block] += dz.sum(0)
 
-Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The
-backward's tiles take every active token times a vocabulary block as wide as the logits budget
-allows (:func:`~tpo_kernels.ops.tiles.backward_plan`), so that each ``dW`` block is one matmul
-written straight in the weight's dtype, its sum over tokens in the matmul's fp32 accumulator: no
-accumulator tensor, fill or conversion pass. Where such a tile does not fit (or ``grad_accum_dtype``
-asks for sums wider than a matmul's), tokens come in chunks and ``dW`` is summed over them in a
-per-block accumulator of that dtype. :class:`TilePolicy` holds these budgets per device.
+Tokens of tied on-policy groups (``g == 0`` exactly) cost no backward matmul at all. The backward's
+tiles take every active token times a vocabulary block as wide as the logits budget allows
+(:func:`~tpo_kernels.ops.tiles.backward_plan`): each ``dW`` block is one matmul written in the
+weight's dtype (its sum over tokens in the matmul's fp32 accumulator; no accumulator tensor, fill or
+conversion). Where that does not fit (or ``grad_accum_dtype`` asks for wider sums), tokens come in
+chunks and ``dW`` is summed over them in a per-block accumulator of that dtype. :class:`TilePolicy`
+holds these budgets per device; its ``batch_invariant`` tiles are one shape in any batch.
 
-With a logit soft cap (:class:`tpo_kernels.ops.logprobs.LogitTransform`) each tile is capped into a compute-dtype
-buffer before the row op, and the backward multiplies the row op's ``dz'`` by the cap's derivative.
+With a logit soft cap (:class:`tpo_kernels.ops.logprobs.LogitTransform`) each tile is capped into a
+compute-dtype buffer before the row op; the backward multiplies the row op's ``dz'`` by its derivative.
 
 Logits cache (``TilePolicy.logits_cache_bytes``; by default every counted row of a small
 vocabulary, ``TilePolicy.small_vocab``; DESIGN.md, "Logits cache"). The forward writes the logits
@@ -33,15 +33,13 @@ of the first candidate rows that fit the budget straight into a ``[rows, V]`` ca
 backward reads cached rows instead of recomputing them: three matmuls per cached token instead of
 four. A backward that keeps no graph and finds every active row cached runs in the cache itself
 (:meth:`TiledLinearHead._backward_in_cache`): ``dz`` overwrites the logits, and ``dH`` and ``dW``
-are one matmul each, as wide as the cache, not a tile. Otherwise the cache is only read (a second
-backward with ``retain_graph`` sees it intact) and a mispredicted row is recomputed. A cached
-token's gradient differs from a recomputed one only by the matmuls' rounding.
+are one matmul each, as wide as the cache. Otherwise the cache is only read (a second backward with
+``retain_graph`` sees it intact) and a mispredicted row is recomputed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -52,6 +50,7 @@ from ..backends import Backend
 from .tiles import (BackwardPlan, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
                     full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
 from .logprobs import LogitTransform
+from .padded_rows import padded_backward, padded_forward
 
 __all__ = ["TiledLinearHead"]
 
@@ -61,9 +60,8 @@ class TiledLinearHead:
 
     ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` (the weight's
     dtype) or None; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A
-    tile never holds more than ``chunk_size * V`` logits. Hidden states and weight may differ in
-    dtype (bf16 activations under an fp32 head): logits are computed in the wider of the two, and
-    only a tile's operands are cast, never the whole of either.
+    tile never holds more than ``chunk_size * V`` logits. Logits are computed in the wider of the
+    inputs' dtypes and ``head_dtype`` (None: the inputs'); only a tile's operands are cast.
 
     ``vocab_offset``: the vocabulary id of ``weight``'s first row when it is one shard of a
     vocabulary-parallel head (:mod:`tpo_kernels.distributed`). Labels stay global ids; a counted
@@ -71,19 +69,21 @@ class TiledLinearHead:
     target 0, and no one-hot term in the backward.
 
     ``cache_candidates``: ``[M]`` bool, the rows a logits cache may hold (the counted ones among
-    them, first come); None: every counted row.
+    them, first come); None: every counted row. Under ``policy.batch_invariant`` a head over a
+    zero-padded copy of the rows (:mod:`.padded_rows`; ``padded``: it takes every row, in chunks of
+    exactly ``tile_rows``) does the work.
     """
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                  backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
                  vocab_offset: int = 0, transform: Optional[LogitTransform] = None,
-                 cache_candidates: Optional[Tensor] = None) -> None:
+                 cache_candidates: Optional[Tensor] = None, head_dtype: Optional[torch.dtype] = None) -> None:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
         self.chunk_size, self.policy = chunk_size, policy
-        self.dtype = torch.promote_types(hidden.dtype, weight.dtype)  # of the logits
-        self.vocab_offset, self.transform = vocab_offset, transform
-        self.cache_candidates = cache_candidates
+        self.dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), head_dtype or hidden.dtype)
+        self.vocab_offset, self.transform, self.cache_candidates = vocab_offset, transform, cache_candidates
+        self.padded, self.tile_rows = False, 0
 
     def _cache_slots(self, cache_rows: int) -> Tensor:
         """``[M]`` int64: each row's place in a cache of ``cache_rows`` rows, -1 for the rows it
@@ -122,7 +122,12 @@ class TiledLinearHead:
         return self.weight[vocab].to(self.dtype)
 
     def _logits(self, h_rows: Tensor, vocab: slice, out: Tensor) -> Tensor:
-        """``h_rows @ W[vocab].T (+ b[vocab])`` written into ``out`` (a tile: unit column stride)."""
+        """``h_rows @ W[vocab].T (+ b[vocab])`` written into ``out`` (a tile: unit column stride); by
+        an out_dtype matmul of uncast bf16 / fp16 operands where the policy allows it."""
+        uncast = h_rows.dtype == self.weight.dtype != self.dtype and self.bias is None
+        if uncast and self.policy.fused_accumulate(h_rows.device, h_rows.dtype, self.dtype):
+            with full_precision_reduction(h_rows.device, h_rows.dtype):
+                return torch.mm(h_rows, self.weight[vocab].t(), out_dtype=self.dtype, out=out)
         weight, h_rows = self._block_weight(vocab), h_rows.to(self.dtype)
         if self.bias is None:
             return torch.mm(h_rows, weight.t(), out=out)
@@ -143,15 +148,16 @@ class TiledLinearHead:
 
     def _cache_chunk(self, num_rows: int) -> int:
         """Rows of the cache a row op reads at once: all of them (the row ops bound their own
-        temporaries), or with a soft cap a tile budget's worth (its buffers hold capped rows)."""
-        return num_rows if self.transform is None else min(self.chunk_size, num_rows)
+        temporaries), or with a soft cap a tile budget's worth; a padded head's tile rows."""
+        rows = self.tile_rows if self.padded else num_rows if self.transform is None else self.chunk_size
+        return min(rows, num_rows)
 
     def _tile(self, num_rows: int, grad_accum_dtype: torch.dtype) -> Tuple[int, int]:
         """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows
         (:func:`~tpo_kernels.ops.tiles.tile_shape`)."""
         vocab_size, hidden_size = self.weight.shape
         return tile_shape(num_rows, vocab_size, hidden_size, self.chunk_size, self.policy, self.weight.dtype,
-                          grad_accum_dtype)
+                          grad_accum_dtype, self.dtype)
 
     def backward_plan(self, num_rows: int, grad_accum_dtype: torch.dtype) -> BackwardPlan:
         """The backward's tiles over ``num_rows`` active rows (:func:`~tpo_kernels.ops.tiles.backward_plan`)."""
@@ -161,11 +167,10 @@ class TiledLinearHead:
 
     def forward(self, fields: Tuple[str, ...] = (), cache_rows: int = 0) -> RowSummary:
         """The per-row :class:`RowSummary` of the tempered logits, with the optional ``fields`` (e.g.
-        ``("entropy",)``), as the row ops define it (its
-        ``has_label``: the label lies in this head's rows of the vocabulary); 0 on rows that do not
-        count (their logits are never computed). ``self.logits_cache`` becomes a ``[cache_rows, V]``
-        tensor holding the logits of the first ``cache_rows`` counted candidate rows, in row order
-        (slots past them stay unwritten).
+        ``("entropy",)``), as the row ops define it (its ``has_label``: the label lies in this head's
+        rows of the vocabulary); 0 on rows that do not count (their logits are never computed).
+        ``self.logits_cache`` becomes a ``[cache_rows, V]`` tensor holding the logits of the first
+        ``cache_rows`` counted candidate rows, in row order (slots past them stay unwritten).
 
         The cached rows' logits are written by matmuls straight into the cache (:meth:`_fill_cache`),
         then read by the row op in whole rows. The other rows' tiles are token chunks (outer loop)
@@ -173,9 +178,15 @@ class TiledLinearHead:
         num_rows, vocab_size = self.hidden.shape[0], self.weight.shape[0]
         summary = RowSummary.zeros(num_rows, dtype=compute_dtype(self.dtype), device=self.hidden.device,
                                    fields=fields)
-        self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
+        if not self.padded:  # a padded head's cache is its outer head's (or empty)
+            self.logits_cache = self.hidden.new_empty(cache_rows, vocab_size, dtype=self.dtype)
+            if self.policy.batch_invariant:  # every tile [T_b, V_b]
+                _, _, counted = self._split_rows(self.labels >= 0, 0)
+                summary.assign(counted, padded_forward(self, counted, self._tile(0, self.weight.dtype)[0], fields))
+                return summary
         # The forward's one read-back; its slots are the cache's first rows (every cached row counts).
-        cached, _, uncached = self._split_rows(self.labels >= 0, cache_rows)
+        cached, _, uncached = self._split_rows(self.labels >= 0, 0 if self.padded else cache_rows)
+        uncached = slice(0, num_rows) if self.padded else uncached
         num_cached = selection_size(cached)
         if num_cached:
             cache, chunk = self.logits_cache[:num_cached], self._cache_chunk(num_cached)
@@ -192,7 +203,9 @@ class TiledLinearHead:
             h_rows, row = self.hidden[rows], None
             for start in range(0, vocab_size, vocab_block):
                 vocab = slice(start, start + vocab_block)
-                logits = self._logits(h_rows, vocab, flat_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)))
+                out = (self.logits_cache[rows, vocab] if self.padded and self.logits_cache.shape[0] else
+                       flat_tile(buffer, h_rows.shape[0], self._vocab_width(vocab)))  # a padded head's tiles are cached
+                logits = self._logits(h_rows, vocab, out)
                 block = self._row_forward(logits, rows, start, capped, fields)
                 row = block if row is None else row.merge(block, self.inv_temperature)
             summary.assign(rows, row)
@@ -251,7 +264,13 @@ class TiledLinearHead:
         active = grad_logprob != 0
         if grad_entropy is not None:
             active = active | (grad_entropy != 0)
-        parts, num_active = self._active_parts(active, logits_cache)
+        cached = logits_cache is not None and logits_cache.shape[0] > 0
+        if self.policy.batch_invariant and not self.padded:  # the counted rows when cached (the cache's)
+            rows = self._split_rows(self.labels >= 0 if cached else active, 0)[2]
+            return padded_backward(self, rows, self._tile(0, self.weight.dtype)[0], summary, grad_logprob,
+                                   grad_entropy, needs_grad, grad_accum_dtype, logits_cache, overwrite_cache)
+        parts, num_active = (([(slice(0, hidden.shape[0]), slice(0, hidden.shape[0]) if cached else None)],
+                              hidden.shape[0]) if self.padded else self._active_parts(active, logits_cache))
         if overwrite_cache and len(parts) == 1 and parts[0][1] is not None:
             grads = self._backward_in_cache(*parts[0], summary, grad_logprob, grad_entropy, needs_grad,
                                             grad_accum_dtype, logits_cache)
@@ -259,7 +278,7 @@ class TiledLinearHead:
                 return grads
         plan = self.backward_plan(num_active, grad_accum_dtype)
         vocab_block = plan.vocab_block
-        chunks = parts if plan.one_gemm else self._chunked(parts, plan.token_block)
+        chunks = parts if plan.one_gemm else self._chunked(parts, self.tile_rows if self.padded else plan.token_block)
         hidden_accum = torch.promote_types(self.dtype, hidden.dtype)
         if vocab_block != vocab_size:
             hidden_accum = torch.promote_types(grad_accum_dtype, hidden_accum)
@@ -335,7 +354,8 @@ class TiledLinearHead:
         hidden, weight = self.hidden, self.weight
         vocab_size, hidden_size = weight.shape
         num_rows = selection_size(rows)
-        plan = backward_plan(num_rows, vocab_size, hidden_size, num_rows, self.policy, weight.dtype, self.dtype,
+        plan = backward_plan(num_rows, vocab_size, hidden_size, num_rows,
+                             dataclasses.replace(self.policy, batch_invariant=False), weight.dtype, self.dtype,
                              grad_accum_dtype)
         if not plan.one_gemm:
             return None
@@ -352,8 +372,9 @@ class TiledLinearHead:
         if need_hidden:  # the logits' dtype, at least the hidden states' (a wider weight is never cast here)
             grad_hidden = hidden.new_zeros(hidden.shape, dtype=self.dtype)
             with full_precision_reduction(hidden.device, self.dtype):
-                if isinstance(rows, slice):
-                    torch.mm(dz, weight, out=grad_hidden[rows])
+                if isinstance(rows, slice):  # a padded head's: one tile's rows at a time (row-invariant)
+                    for piece in row_chunks(rows, chunk) if self.padded else [rows]:
+                        torch.mm(dz[piece], weight, out=grad_hidden[piece])
                 else:
                     grad_hidden.index_copy_(0, rows, torch.mm(dz, weight))
             grad_hidden = grad_hidden.to(hidden.dtype)

@@ -51,6 +51,13 @@ class TilePolicy:
     their dtype, less than an eager step keeps (the logits and their fp32 log-softmax), for three
     matmuls a token instead of four. A larger vocabulary keeps none (the minimal-memory path). The
     choice depends on V alone, never on the batch. 0: never.
+    ``batch_invariant``: a token's results (log-prob, entropy, its row of ``dH``) are the same
+    bits whatever else is in the batch (its size, order, padding): every tile has the same shape
+    (:func:`invariant_tile_shape`: ``min_tile_tokens`` rows, the last token chunk zero-padded, a
+    vocabulary block that does not depend on the row count), the backward cuts the same blocks,
+    the default ``chunk_size`` is not clipped to the batch, and a logits cache holds every counted
+    row (the ``small_vocab`` default) or none (a byte budget would cache rows by their place in the
+    batch). ``dW`` and ``db`` (sums over the batch) are out of its scope.
     """
 
     logits_bytes: int
@@ -59,6 +66,7 @@ class TilePolicy:
     matmul_out_dtype: Optional[bool] = None
     logits_cache_bytes: int = 0
     small_vocab: int = 16384
+    batch_invariant: bool = False
 
     @staticmethod
     def for_device(device: torch.device) -> "TilePolicy":
@@ -70,11 +78,12 @@ class TilePolicy:
 
     def chunk_size(self, num_rows: int, vocab_size: int) -> int:
         """The default ``chunk_size``: rows of V fitting ``logits_bytes`` in fp32, a multiple of
-        16, at most ``num_rows``."""
+        16, at most ``num_rows`` (not clipped under ``batch_invariant``: the tiles would then
+        depend on the batch)."""
         rows = self.logits_bytes // (4 * max(vocab_size, 1))
         if rows > ROW_ALIGN:
             rows -= rows % ROW_ALIGN
-        return max(1, min(rows, num_rows))
+        return max(1, rows if self.batch_invariant else min(rows, num_rows))
 
     def logits_cache_rows(self, num_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
         """Rows of ``vocab_size`` logits of ``dtype`` that fit ``logits_cache_bytes``, at most
@@ -85,10 +94,10 @@ class TilePolicy:
 
     def logits_cache_budget(self, vocab_size: int) -> int:
         """The cache budget a head of ``vocab_size`` entries runs with: ``logits_cache_bytes`` when
-        set, else every row (:data:`EVERY_ROW`) for a small vocabulary (``small_vocab``), else 0."""
-        if self.logits_cache_bytes:
-            return self.logits_cache_bytes
-        return EVERY_ROW if 0 < vocab_size <= self.small_vocab else 0
+        set, else every row (:data:`EVERY_ROW`) for a small vocabulary (``small_vocab``), else 0;
+        under ``batch_invariant`` every row or 0."""
+        budget = self.logits_cache_bytes or (EVERY_ROW if 0 < vocab_size <= self.small_vocab else 0)
+        return 0 if self.batch_invariant and budget < EVERY_ROW else budget
 
     def with_logits_cache(self, logits_cache_bytes: int) -> "TilePolicy":
         """This policy with the ``logits_cache_bytes`` keyword of the public functions applied
@@ -111,6 +120,10 @@ class HeadTiles:
     chunk_size: int
     policy: TilePolicy
     grad_accum_dtype: torch.dtype
+    # The dtype the logits are formed in, at least the inputs' (None: theirs). float32 for bf16 /
+    # fp16 hidden states and weight: each tile's operands are cast (or multiplied into fp32 by an
+    # out_dtype matmul), never the whole weight, and the gradients come back in the inputs' dtypes.
+    head_dtype: Optional[torch.dtype] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,20 +289,58 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def tile_shape(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: int, policy: TilePolicy,
-               weight_dtype: torch.dtype, accum_dtype: torch.dtype) -> "tuple[int, int]":
-    """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows: at most
-    ``chunk_size * V`` logits, cut along the vocabulary so that a tile spans at least the
-    policy's ``min_tile_tokens`` rows, and so that a ``dW`` accumulator wider than the weight
-    dtype (``accum_dtype``) stays within ``accum_bytes``."""
-    logits_budget = chunk_size * vocab_size
+def _vocab_block_limit(vocab_size: int, hidden_size: int, chunk_size: int, policy: TilePolicy,
+                       weight_dtype: torch.dtype, accum_dtype: torch.dtype,
+                       logits_dtype: Optional[torch.dtype]) -> int:
+    """The widest vocabulary block the budgets allow, whatever the rows: a ``dW`` accumulator
+    wider than the weight dtype (``accum_dtype``) within ``accum_bytes``, and a weight block cast
+    to a wider ``logits_dtype`` no larger than a tile of logits (never a cast copy of the whole
+    weight)."""
     vocab_block = vocab_size
     if accum_dtype != weight_dtype:
         vocab_block = policy.accum_bytes // (_itemsize(accum_dtype) * max(hidden_size, 1))
-    tokens = max(chunk_size, min(policy.min_tile_tokens, num_rows))
-    vocab_block = max(1, min(vocab_block, logits_budget // tokens))
+    if logits_dtype is not None and logits_dtype != weight_dtype:
+        vocab_block = min(vocab_block, max(VOCAB_ALIGN, chunk_size * vocab_size // max(hidden_size, 1)))
+    return vocab_block
+
+
+def _align_vocab_block(vocab_block: int, vocab_size: int) -> int:
+    vocab_block = max(1, min(vocab_block, vocab_size))
     if VOCAB_ALIGN < vocab_block < vocab_size:
         vocab_block -= vocab_block % VOCAB_ALIGN
+    return vocab_block
+
+
+def invariant_tile_shape(vocab_size: int, hidden_size: int, chunk_size: int, policy: TilePolicy,
+                         weight_dtype: torch.dtype, accum_dtype: torch.dtype,
+                         logits_dtype: Optional[torch.dtype] = None) -> "tuple[int, int]":
+    """(tokens, vocabulary entries) of every tile under ``batch_invariant``, independent of the
+    row count: ``min_tile_tokens`` rows (a chunk of fewer rows is zero-padded to it) times the
+    widest block of at most ``chunk_size * V`` logits, at least ``min(V, 128)`` wide (fewer rows
+    then), within the limits of :func:`_vocab_block_limit`, a multiple of 128 below V."""
+    logits_budget = chunk_size * vocab_size
+    tokens = max(1, policy.min_tile_tokens)
+    vocab_block = min(_vocab_block_limit(vocab_size, hidden_size, chunk_size, policy, weight_dtype, accum_dtype,
+                                         logits_dtype), max(logits_budget // tokens, min(vocab_size, VOCAB_ALIGN)))
+    vocab_block = _align_vocab_block(vocab_block, vocab_size)
+    return max(1, min(tokens, logits_budget // vocab_block)), vocab_block
+
+
+def tile_shape(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: int, policy: TilePolicy,
+               weight_dtype: torch.dtype, accum_dtype: torch.dtype,
+               logits_dtype: Optional[torch.dtype] = None) -> "tuple[int, int]":
+    """(tokens, vocabulary entries) of a token-chunked tile over ``num_rows`` rows: at most
+    ``chunk_size * V`` logits, cut along the vocabulary so that a tile spans at least the
+    policy's ``min_tile_tokens`` rows, within the limits of :func:`_vocab_block_limit`.
+    Under ``batch_invariant``: :func:`invariant_tile_shape`, whatever ``num_rows``."""
+    if policy.batch_invariant:
+        return invariant_tile_shape(vocab_size, hidden_size, chunk_size, policy, weight_dtype, accum_dtype,
+                                    logits_dtype)
+    logits_budget = chunk_size * vocab_size
+    vocab_block = _vocab_block_limit(vocab_size, hidden_size, chunk_size, policy, weight_dtype, accum_dtype,
+                                     logits_dtype)
+    tokens = max(chunk_size, min(policy.min_tile_tokens, num_rows))
+    vocab_block = _align_vocab_block(min(vocab_block, logits_budget // tokens), vocab_size)
     return max(1, logits_budget // vocab_block), vocab_block
 
 
@@ -308,11 +359,19 @@ def backward_plan(num_rows: int, vocab_size: int, hidden_size: int, chunk_size: 
     ``accum_bytes`` of ``dW`` in that dtype (the documented bound of ``grad_accum_dtype``: ``dW``
     is summed one such vocabulary block at a time). Otherwise (or with ``one_gemm=False``: the
     earlier plan, kept to measure against) tokens are chunked as :func:`tile_shape` says and ``dW``
-    is summed over the chunks in ``grad_accum_dtype``."""
+    is summed over the chunks in ``grad_accum_dtype``. Under ``batch_invariant`` the forward's
+    tiles (:func:`invariant_tile_shape`), token chunks padded to them, ``dW`` summed over the
+    chunks: a row's ``dH`` is then summed over the same vocabulary blocks in any batch."""
+    if policy.batch_invariant or logits_dtype != weight_dtype:
+        tokens, vocab_block = tile_shape(num_rows, vocab_size, hidden_size, chunk_size, policy, weight_dtype,
+                                         grad_accum_dtype, logits_dtype)
+        return BackwardPlan(num_rows=num_rows, vocab_size=vocab_size, vocab_block=vocab_block, token_block=tokens,
+                            one_gemm=False, block_accumulator=grad_accum_dtype != weight_dtype,
+                            zero_filled=not one_gemm)
     logits_budget = chunk_size * vocab_size
     fits = num_rows > 0 and logits_budget // num_rows >= min(vocab_size, VOCAB_ALIGN)
     sums_in_gemm = _itemsize(grad_accum_dtype) <= _itemsize(compute_dtype(logits_dtype))
-    if one_gemm and fits and sums_in_gemm and logits_dtype == weight_dtype:
+    if one_gemm and fits and sums_in_gemm:
         vocab_block = min(vocab_size, logits_budget // num_rows)
         if grad_accum_dtype != weight_dtype:  # summed wider than W: at most accum_bytes of dW a block, as documented
             vocab_block = max(1, min(vocab_block, policy.accum_bytes // (_itemsize(grad_accum_dtype) * max(hidden_size, 1))))
