@@ -46,6 +46,11 @@ CASES = {
                                      options=dict(length_normalize=True)),
         "cp2_zero_signal": _cp("fused", split="head_tail", special="zero_signal"),
         "cp2_sum_kl_entropy": _cp("fused", kl=True, options=dict(reduction="sum", entropy_coef=0.02)),
+        # Per-completion log-weights (one -inf) replicated over the context ranks, never summed.
+        "cp2_seq_log_weights": _cp("logits", split="random", old="token", weights=True,
+                                   options=dict(length_normalize=True)),
+        "cp2_seq_log_weights_fused_unchecked": _cp("fused", packed=True, weights=True, grouping="ids",
+                                                   options=dict(validate=False)),
         "cp2_none_kl_entropy": _cp("logits", split="random", kl=True, grouping="ids",
                                    options=dict(reduction="none", entropy_coef=0.02)),
         "bytes": ("bytes_case", {}),
