@@ -161,7 +161,8 @@ void launch_group_targets(const GroupArgs& a, cudaStream_t stream) {
   for_grid_chunks(a.num_groups, [&](int64_t start, int64_t count) {
     group_targets_kernel<T><<<static_cast<unsigned>(count), kGroupBlock, 0, stream>>>(
         static_cast<const T*>(a.token_logprobs), a.seq_start, a.seq_len, a.group_offsets + start,
-        a.group_members, a.scores, a.old_seq_logprobs, a.seq_log_weights, a.eta, a.score_eps, a.anchor, a.seq_logprobs, a.u, a.p,
+        a.group_members, a.scores, a.old_seq_logprobs, a.seq_log_weights, a.eta, a.score_eps, a.anchor,
+        a.seq_logprobs, a.u, a.p,
         a.q, a.group_loss + start);
   });
 }

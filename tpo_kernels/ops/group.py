@@ -154,7 +154,8 @@ class CompletionInputs:
     """The per-completion inputs of the group stage, ``[N]`` each.
 
     ``scores``; ``seq_log_weights``: the log-weights ``lw`` (float64, finite or -inf; replicated
-    over context ranks and never summed, like the scores); ``old_seq_logprobs``: the old sequence log-probs as the group op takes them (summed
+    over context ranks and never summed, like the scores); ``old_seq_logprobs``: the old sequence
+    log-probs as the group op takes them (summed
     or, with ``length_normalize``, averaged; replicated over context ranks, never summed there);
     ``old_token_sums``: with the positions split over ranks, this rank's sums of per-token old
     log-probs over its counted tokens (unweighted; summed over the ranks, then divided by the
