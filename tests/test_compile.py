@@ -100,7 +100,9 @@ def test_custom_ops_pass_opcheck(op):
 
         layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
         token_lp = (-torch.rand(N * T)).requires_grad_()
-        args = (token_lp, *layout_op_args(layout), scores, None, GroupRule(score_eps=1e-6).to_op(), "torch")
+        log_weights = torch.linspace(-1.0, 1.0, N, dtype=torch.float64)  # seq_log_weights
+        args = (token_lp, *layout_op_args(layout), scores, None, log_weights, GroupRule(score_eps=1e-6).to_op(),
+                "torch")
     elif op == "candidate_logits":
         args = (logits, candidates, 1.0, "torch")
     else:
