@@ -358,6 +358,9 @@ def failures_case(rank: int, world: int) -> dict:
                                                 labels, scores=scores[:3] if last else scores))
     attempt("old_per_token_vs_per_completion", lambda: fused(
         old_logprobs=batch["old_logprobs"][:, 0] if last else index(batch["old_logprobs"])))
+    log_weights = torch.zeros(6, dtype=torch.float64)
+    attempt("seq_log_weights_differ", lambda: fused(seq_log_weights=log_weights + (0.5 if last else 0.0)))
+    attempt("seq_log_weights_on_one_rank", lambda: fused(seq_log_weights=log_weights if last else None))
     attempt("all_masked_everywhere", lambda: fused(labels=torch.full_like(labels, -100)))
     attempt("backend_unusable", lambda: fused(backend="cuda" if last else "torch"))
     attempt("same_group_as_process_group", lambda: fused(process_group=pg))

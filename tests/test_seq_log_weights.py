@@ -247,8 +247,35 @@ def _two_ranks(rank: int, world: int) -> dict:
             "p": (aux["p"], whole_aux["p"][mine]), "q": (aux["q"], whole_aux["q"][mine])}
 
 
+def _two_vocab_shards(rank: int, world: int) -> dict:
+    """This rank's half of the vocabulary (logits, and a fused head's weight) of every completion,
+    with the weights, vs the whole vocabulary."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    b = _batch()
+    kw = dict(old_logprobs=b["old_logprobs"], seq_log_weights=b["log_weights"], vocab_parallel_group=dist.group.WORLD)
+    start, stop = (0, V // 2) if rank == 0 else (V // 2, V)
+    pairs = {}
+    whole_loss, whole_grad, _ = _run("tpo_loss", b, "torch", old_logprobs=b["old_logprobs"],
+                                     seq_log_weights=b["log_weights"])
+    loss, grad, _ = _run("tpo_loss", dict(b, logits=b["logits"][..., start:stop]), "torch", **kw)
+    pairs.update(loss=(loss, whole_loss), grad_logits=(grad, whole_grad[..., start:stop]))
+    whole_loss, whole_grad, _ = _run("fused_linear_tpo_loss", b, "cpu", old_logprobs=b["old_logprobs"],
+                                     seq_log_weights=b["log_weights"])
+    loss, grad, _ = _run("fused_linear_tpo_loss", dict(b, weight=b["weight"][start:stop]), "cpu", **kw)
+    pairs.update(fused_loss=(loss, whole_loss), fused_grad_hidden=(grad, whole_grad))
+    return pairs
+
+
 def test_two_gloo_ranks_match_one_process():
     """The weights travel as one more float64 column with the gathered completion rows."""
     for rank, pairs in enumerate(run_ranks(2, _two_ranks, deadline_s=120)):
+        for name, (got, want) in pairs.items():
+            torch.testing.assert_close(got, want, **F64, msg=f"rank {rank}, {name}")
+
+
+def test_two_vocabulary_shards_match_one_process():
+    """Per completion, the weights are the same on every shard of ``vocab_parallel_group``."""
+    for rank, pairs in enumerate(run_ranks(2, _two_vocab_shards, deadline_s=120)):
         for name, (got, want) in pairs.items():
             torch.testing.assert_close(got, want, **F64, msg=f"rank {rank}, {name}")
