@@ -18,6 +18,7 @@ from tpo_kernels import reference
 from tpo_kernels.group_math import build_layout, portable_group_targets
 
 from _backends import backend_params
+from _dispatch import ReadBacks
 from _distributed import run_ranks
 
 BACKENDS = backend_params("torch", "cpu")
@@ -132,11 +133,13 @@ def test_weight_one_is_bitwise_no_weight(backend, path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_constant_per_group_changes_nothing(backend):
+@pytest.mark.parametrize("option", ["anchor", "anchor_off", "off_policy"])
+def test_a_constant_per_group_changes_nothing(backend, option):
     b = _batch()
+    kw = _options(b, option)
     per_group = torch.tensor([3.0, -40.0]).repeat_interleave(K).double()
-    loss, grad, aux = _run("tpo_loss", b, backend, seq_log_weights=b["log_weights"], anchor=False)
-    s_loss, s_grad, s_aux = _run("tpo_loss", b, backend, seq_log_weights=b["log_weights"] + per_group, anchor=False)
+    loss, grad, aux = _run("tpo_loss", b, backend, seq_log_weights=b["log_weights"], **kw)
+    s_loss, s_grad, s_aux = _run("tpo_loss", b, backend, seq_log_weights=b["log_weights"] + per_group, **kw)
     torch.testing.assert_close(s_loss, loss, **F64)
     torch.testing.assert_close(s_grad, grad, **F64)
     torch.testing.assert_close(s_aux["p"], aux["p"], **F64)
@@ -203,6 +206,22 @@ def test_group_kernels_match_the_portable_op(backend):
         for name in ("seq_logprobs", "u", "p", "q", "group_loss", "coef"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name), **F64, msg=name)
         assert (want.p[6:] == 0).all() and want.group_loss[2] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "no-validate"])
+def test_weights_cost_no_read_back(backend, validate):
+    """Their check joins the call's value checks: the read-backs of the same call without them
+    (1 with validate=True, 0 without, padded and grouped by size: DESIGN.md section 3)."""
+    b = _batch()
+    b["labels"][0, 3:] = 1  # every completion counts, and every weight is finite
+    recorders = []
+    for log_weights in (None, torch.randn(N, dtype=torch.float64)):
+        recorder = ReadBacks()
+        with recorder:
+            _run("tpo_loss", b, backend, seq_log_weights=log_weights, validate=validate)
+        recorders.append(len(recorder.reads))
+    assert recorders[1] == recorders[0] == (1 if validate else 0)
 
 
 def test_the_module_takes_the_weights_per_call():
