@@ -38,11 +38,14 @@ from .kernel_support import device_guard, scalar_from_parts, split_scalar
 
 @triton.jit
 def _masked_softmax(x, valid):
-    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0)."""
+    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0; no valid
+    lane, a group whose every weight is 0: p = 0 everywhere, log p = -inf)."""
     x = tl.where(valid, x, float("-inf"))
-    shifted = x - tl.max(x, axis=0)
+    top = tl.max(x, axis=0)
+    shifted = x - tl.where(top == float("-inf"), 0.0, top)
     e = tl.exp(shifted)
     total = tl.sum(e, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
     return e / total, shifted - tl.log(total)
 
 
@@ -101,7 +104,7 @@ def _group_targets_kernel(
     # min/2) / spread in [0, 1]: exact differences of nearby scores, no overflow or underflow.
     # A near tie, std(s) = 2 spread std(x) <= score_eps, keeps s - mean = 2 spread (x - mean(x)).
     scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(tl.float64)
-    count = tl.sum(valid.to(tl.float64), axis=0)
+    count = tl.maximum(tl.sum(valid.to(tl.float64), axis=0), 1.0)  # 0 valid lanes: every w is 0
     s_max = tl.max(tl.where(valid, scores, float("-inf")), axis=0)
     s_min = tl.min(tl.where(valid, scores, float("inf")), axis=0)
     tied = s_max == s_min
@@ -133,9 +136,6 @@ def _group_targets_kernel(
         base = base + lw
     p, log_p = _masked_softmax(policy, valid)
     q, _ = _masked_softmax(base + u * inv_eta, valid)
-    # A group whose every w is 0 has no valid lane: p = q = 0 there, not NaN.
-    p = tl.where(valid, p, 0.0)
-    q = tl.where(valid, q, 0.0)
     # Invalid lanes and q == 0 count 0 (the limit, not 0 * -inf where log p = -inf).
     group_loss = -tl.sum(q * tl.where(q > 0, log_p, 0.0), axis=0)
 
