@@ -260,10 +260,14 @@ def _two_ranks(rank: int, world: int) -> dict:
     whole_loss, whole_grad, whole_aux = _run("tpo_loss", b, "torch", **kw)
     mine = slice(rank * K, (rank + 1) * K)
     part = dict(b, logits=b["logits"][mine], labels=b["labels"][mine], scores=b["scores"][mine])
-    loss, grad, aux = _run("tpo_loss", part, "torch", old_logprobs=b["old_logprobs"][mine],
-                           seq_log_weights=b["log_weights"][mine], process_group=dist.group.WORLD)
-    return {"loss": (loss, whole_loss), "grad": (grad / world, whole_grad[mine]),
-            "p": (aux["p"], whole_aux["p"][mine]), "q": (aux["q"], whole_aux["q"][mine])}
+    pairs = {}
+    for validate in (True, False):  # w = 0: left out by the checks, or masked by the group op
+        loss, grad, aux = _run("tpo_loss", part, "torch", old_logprobs=b["old_logprobs"][mine],
+                               seq_log_weights=b["log_weights"][mine], process_group=dist.group.WORLD,
+                               validate=validate)
+        pairs.update({f"loss {validate}": (loss, whole_loss), f"grad {validate}": (grad / world, whole_grad[mine]),
+                      f"p {validate}": (aux["p"], whole_aux["p"][mine]), f"q {validate}": (aux["q"], whole_aux["q"][mine])})
+    return pairs
 
 
 def _two_vocab_shards(rank: int, world: int) -> dict:
