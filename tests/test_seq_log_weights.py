@@ -266,7 +266,8 @@ def _two_ranks(rank: int, world: int) -> dict:
                                seq_log_weights=b["log_weights"][mine], process_group=dist.group.WORLD,
                                validate=validate)
         pairs.update({f"loss {validate}": (loss, whole_loss), f"grad {validate}": (grad / world, whole_grad[mine]),
-                      f"p {validate}": (aux["p"], whole_aux["p"][mine]), f"q {validate}": (aux["q"], whole_aux["q"][mine])})
+                      f"p {validate}": (aux["p"], whole_aux["p"][mine]),
+                      f"q {validate}": (aux["q"], whole_aux["q"][mine])})
     return pairs
 
 
