@@ -37,7 +37,9 @@ def _step(backend, embedding, lm_head, tokens, labels, scores, candidates):
     logits = lm_head(hidden)
     common = dict(group_size=K, backend=backend, validate=False)
     loss = tpo_kernels.tpo_loss(logits, labels, scores, **common)
-    loss = loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores, **common)
+    log_weights = torch.tensor([0.0, -1.0, float("-inf"), 0.5], dtype=torch.float64)  # w = 0 masked in the op
+    loss = loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores,
+                                                    seq_log_weights=log_weights, **common)
     loss = loss + 0.01 * tpo_kernels.selective_logprobs(logits, labels, backend=backend, validate=False).sum()
     cand_scores = torch.arange(3.0).expand(N * T, 3)
     flat_hidden = hidden.reshape(-1, H)
