@@ -208,6 +208,7 @@ inline GroupArgs group_args(Kwargs& in) {
   a.group_members = in.pointer<const int64_t>("group_members");
   a.scores = in.pointer<const double>("scores");
   a.old_seq_logprobs = in.optional_pointer<const double>("old_seq_logprobs");
+  a.seq_log_weights = in.optional_pointer<const double>("seq_log_weights");
   a.eta = in.real("eta");
   a.score_eps = in.real("score_eps");
   a.anchor = in.flag("anchor");

@@ -109,7 +109,7 @@ PYBIND11_MODULE(_C_cuda, m) {
   m.def("candidate_backward", &candidate_backward, tpo::binding::kCandidateBackwardDoc);
   m.def("group_targets", &group_targets,
         "group_targets(*, dtype, num_groups, token_logprobs, seq_start, seq_len, group_offsets, "
-        "group_members, scores, old_seq_logprobs=0, eta, score_eps, anchor, seq_logprobs, u, p, q, "
+        "group_members, scores, old_seq_logprobs=0, seq_log_weights=0, eta, score_eps, anchor, seq_logprobs, u, p, q, "
         "group_loss, device, stream): the group op of tpo_kernels.group_op, one block per group "
         "(dtype 0 float32 or 3 float64 for every value array).");
   m.def("device_count", &device_count,

@@ -111,7 +111,9 @@ struct CandidateArgs {
 //   scores of the group tie; s - mean, not divided, when their population std is at most
 //   score_eps), p = softmax(ell), q = softmax(base + u / eta) with base =
 //   old_seq_logprobs (ell when absent) if anchor, else 0, and group_loss[g] = -sum q log p
-//   (terms with q == 0 count 0: their limit, also when log p = -inf).
+//   (terms with q == 0 count 0: their limit, also when log p = -inf). With seq_log_weights lw:
+//   p = softmax(ell + lw), q = softmax((base + lw) + u / eta) (one same add into both), u over the
+//   members with lw > -inf; a member with lw = -inf has u = p = q = 0 and no loss term.
 // token_logprobs has `dtype` (kFloat32 or kFloat64); everything else, and all the arithmetic, is
 // float64 (sums over long completions and the [N]-sized group math lose digits in fp32).
 struct GroupArgs {
@@ -124,6 +126,7 @@ struct GroupArgs {
   const int64_t* group_members;   // [N] completions listed group by group
   const double* scores;           // [N]
   const double* old_seq_logprobs; // [N], optional (on-policy when absent)
+  const double* seq_log_weights;  // [N], optional: log w, finite or -inf (0 when absent)
   double eta;
   double score_eps;               // >= 0; 0: divide by every nonzero std
   bool anchor;

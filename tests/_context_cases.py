@@ -50,10 +50,10 @@ def positions(length: int, world: int, rank: int, split: str, seed: int = 0) -> 
 
 def cp_batch(n: int, *, cp: int, packed: bool, split: str, grouping: str = "size", group_size: int = 3,
              old: Optional[str] = None, kl: bool = False, seed: int = 0, vocab: int = VOCAB, hidden: int = HIDDEN,
-             max_len: int = 8, dtype: torch.dtype = torch.float64) -> dict:
+             max_len: int = 8, dtype: torch.dtype = torch.float64, weights: bool = False) -> dict:
     """A whole batch of ``n`` completions, float tensors in ``dtype``. Padded: ``[n, max_len]``,
     ``-100`` past each completion's length. Packed: lengths from 1 (multiples of 2S for the
-    head-tail split)."""
+    head-tail split). ``weights``: ``seq_log_weights`` too, completion 1's ``-inf`` (w = 0)."""
     gen = torch.Generator().manual_seed(seed)
     if packed and split == "head_tail":
         lengths = torch.randint(1, max(2, max_len // (2 * cp)) + 1, (n,), generator=gen) * 2 * cp
@@ -81,6 +81,9 @@ def cp_batch(n: int, *, cp: int, packed: bool, split: str, grouping: str = "size
     if kl:
         batch["ref_logprobs"] = (-torch.rand(token_shape, generator=gen, dtype=torch.float64) * 3).to(dtype)
         batch["beta"] = 0.1
+    if weights:
+        batch["seq_log_weights"] = rand(n)
+        batch["seq_log_weights"][1] = float("-inf")
     return batch
 
 
@@ -95,7 +98,7 @@ def whole_kwargs(batch: dict) -> dict:
     kwargs = _grouping(batch, slice(None))
     if batch["packed"]:
         kwargs["cu_seqlens"] = torch.tensor(_offsets(batch["lengths"].tolist()), dtype=torch.int64)
-    for key in ("old_logprobs", "ref_logprobs", "beta"):
+    for key in ("old_logprobs", "ref_logprobs", "beta", "seq_log_weights"):
         if key in batch:
             kwargs[key] = batch[key]
     return kwargs
@@ -122,6 +125,8 @@ def share(batch: dict, seqs: slice, cp: int, cp_rank: int, split: str) -> dict:
         kwargs["old_logprobs"] = old[seqs] if old.shape == (n,) else index(old)
     if "ref_logprobs" in batch:
         kwargs["ref_logprobs"], kwargs["beta"] = index(batch["ref_logprobs"]), batch["beta"]
+    if "seq_log_weights" in batch:  # per completion: replicated over the context ranks
+        kwargs["seq_log_weights"] = batch["seq_log_weights"][seqs]
     return dict(index=index, kwargs=kwargs, labels=index(batch["labels"]), scores=batch["scores"][seqs],
                 seqs=seqs)
 
@@ -164,7 +169,7 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
 def context_case(rank: int, world: int, *, path: str, dp: int = 1, tp: int = 1, split: str = "contiguous",
                  packed: bool = False, dtype: str = "float64", backend: str = "torch", old: Optional[str] = None,
                  kl: bool = False, options: Optional[dict] = None, special: Optional[str] = None,
-                 grouping: str = "size", n_per_rank: int = 6, seed: int = 0) -> dict:
+                 grouping: str = "size", n_per_rank: int = 6, seed: int = 0, weights: bool = False) -> dict:
     """Loss, every gradient and every aux entry of a (dp x cp x tp) run vs one process.
 
     ``path``: ``logits`` (tpo_loss), ``fused`` (fused_linear_tpo_loss), ``logprobs``
@@ -176,7 +181,7 @@ def context_case(rank: int, world: int, *, path: str, dp: int = 1, tp: int = 1, 
     dp_group, cp_group, tp_group, (d, s, t) = _mesh_groups(world, dp, cp, tp)
     float_dtype = getattr(torch, dtype)
     batch = cp_batch(n_per_rank * dp, cp=cp, packed=packed, split=split, grouping=grouping, old=old, kl=kl,
-                     seed=seed, dtype=float_dtype)
+                     seed=seed, dtype=float_dtype, weights=weights)
     if special == "one_rank_and_none":
         # The whole batch's token positions held by the last context rank, by their flat index.
         marker = torch.arange(batch["labels"].numel()).view(batch["token_shape"])
@@ -353,6 +358,9 @@ def failures_case(rank: int, world: int) -> dict:
                                                 labels, scores=scores[:3] if last else scores))
     attempt("old_per_token_vs_per_completion", lambda: fused(
         old_logprobs=batch["old_logprobs"][:, 0] if last else index(batch["old_logprobs"])))
+    log_weights = torch.zeros(6, dtype=torch.float64)
+    attempt("seq_log_weights_differ", lambda: fused(seq_log_weights=log_weights + (0.5 if last else 0.0)))
+    attempt("seq_log_weights_on_one_rank", lambda: fused(seq_log_weights=log_weights if last else None))
     attempt("all_masked_everywhere", lambda: fused(labels=torch.full_like(labels, -100)))
     attempt("backend_unusable", lambda: fused(backend="cuda" if last else "torch"))
     attempt("same_group_as_process_group", lambda: fused(process_group=pg))

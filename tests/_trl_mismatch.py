@@ -127,15 +127,21 @@ def replay64(trainer: StubSamplerTrainer, inputs):
     lo = -math.inf if lo is None else lo
     hi = math.inf if hi is None else hi
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"].bool()
-    kept = []
+    mode = trainer.args.vllm_importance_sampling_mode
+    kept, log_weights = [], []
     for i, row in enumerate(rows.tolist()):
         d = deltas[row][: int(completion_mask[i].sum())]
-        if trainer.args.vllm_importance_sampling_mode == "sequence_mask":
+        if mode == "sequence_truncate":  # every completion, weighted by min(max(rho, lo), hi)
+            log_weights.append(math.log(min(max(math.exp(float(d.sum())), lo), hi)))
+            kept.append(bool(completion_mask[i].any()))
+            continue
+        if mode == "sequence_mask":
             ratios = [math.exp(float(d.sum()))]
         else:
             ratios = [math.exp(float(x)) for x in d]
         kept.append(all(lo <= r <= hi for r in ratios) and bool(completion_mask[i].any()))
     kept = torch.tensor(kept)
+    log_weights = torch.tensor(log_weights, dtype=torch.float64)[kept] if log_weights else None
     names = [name for name, _ in model64.named_parameters()]
     if not bool(kept.any()):  # every completion left out: the trainer's loss is a zero without gradient
         return (torch.zeros((), dtype=torch.float64), {name: torch.zeros_like(p) for name, p in
@@ -151,7 +157,7 @@ def replay64(trainer: StubSamplerTrainer, inputs):
     loss = reference.tpo_loss(
         logits[kept], labels[kept], inputs["tpo_scores"].cpu().double()[kept],
         group_ids=inputs["tpo_group_ids"].cpu()[kept],
-        old_logprobs=None if old is None else old[kept],
+        old_logprobs=None if old is None else old[kept], seq_log_weights=log_weights,
         eta=trainer.args.tpo_eta, anchor=trainer.args.tpo_anchor, score_eps=trainer.args.tpo_score_eps,
         temperature=trainer.temperature, entropy_coef=trainer._applied_entropy_coef())
     grads = torch.autograd.grad(loss, [p for _, p in model64.named_parameters()], allow_unused=True)

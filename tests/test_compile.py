@@ -37,7 +37,9 @@ def _step(backend, embedding, lm_head, tokens, labels, scores, candidates):
     logits = lm_head(hidden)
     common = dict(group_size=K, backend=backend, validate=False)
     loss = tpo_kernels.tpo_loss(logits, labels, scores, **common)
-    loss = loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores, **common)
+    log_weights = torch.tensor([0.0, -1.0, float("-inf"), 0.5], dtype=torch.float64)  # w = 0 masked in the op
+    loss = loss + tpo_kernels.fused_linear_tpo_loss(hidden, lm_head.weight, labels, scores,
+                                                    seq_log_weights=log_weights, **common)
     loss = loss + 0.01 * tpo_kernels.selective_logprobs(logits, labels, backend=backend, validate=False).sum()
     cand_scores = torch.arange(3.0).expand(N * T, 3)
     flat_hidden = hidden.reshape(-1, H)
@@ -100,7 +102,9 @@ def test_custom_ops_pass_opcheck(op):
 
         layout = build_layout(N * T, hidden.device, padded_shape=(N, T), group_size=K)
         token_lp = (-torch.rand(N * T)).requires_grad_()
-        args = (token_lp, *layout_op_args(layout), scores, None, GroupRule(score_eps=1e-6).to_op(), "torch")
+        log_weights = torch.linspace(-1.0, 1.0, N, dtype=torch.float64)  # seq_log_weights
+        args = (token_lp, *layout_op_args(layout), scores, None, log_weights, GroupRule(score_eps=1e-6).to_op(),
+                "torch")
     elif op == "candidate_logits":
         args = (logits, candidates, 1.0, "torch")
     else:

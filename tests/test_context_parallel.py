@@ -46,6 +46,11 @@ CASES = {
                                      options=dict(length_normalize=True)),
         "cp2_zero_signal": _cp("fused", split="head_tail", special="zero_signal"),
         "cp2_sum_kl_entropy": _cp("fused", kl=True, options=dict(reduction="sum", entropy_coef=0.02)),
+        # Per-completion log-weights (one -inf) replicated over the context ranks, never summed.
+        "cp2_seq_log_weights": _cp("logits", split="random", old="token", weights=True,
+                                   options=dict(length_normalize=True)),
+        "cp2_seq_log_weights_fused_unchecked": _cp("fused", packed=True, weights=True, grouping="ids",
+                                                   options=dict(validate=False)),
         "cp2_none_kl_entropy": _cp("logits", split="random", kl=True, grouping="ids",
                                    options=dict(reduction="none", entropy_coef=0.02)),
         "bytes": ("bytes_case", {}),
@@ -128,6 +133,8 @@ FAILURES = {
     "group_ids_differ": (ValueError, "context_parallel_group: group_ids differs on rank {last} from rank 0"),
     "completions_differ": (ValueError, "context_parallel_group: ranks disagree on completions"),
     "old_per_token_vs_per_completion": (ValueError, "context_parallel_group: ranks disagree on old_logprobs"),
+    "seq_log_weights_differ": (ValueError, "context_parallel_group: seq_log_weights differs on rank {last} from rank 0"),
+    "seq_log_weights_on_one_rank": (ValueError, "context_parallel_group: ranks disagree on seq_log_weights"),
     "all_masked_everywhere": (ValueError, "no completion has a counted token on any rank of context_parallel_group"),
     "backend_unusable": (RuntimeError, "context_parallel_group: rank {last} failed its input checks; rank {last}: "
                                        "backend 'cuda' is not usable here"),

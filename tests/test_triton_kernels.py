@@ -552,15 +552,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
                     assert vector_ops(ptx, "ld") > 0, "row backward: no 16-byte loads"
                     assert (vector_ops(ptx, "st") > 0) == out_aligned, "row backward: store width"
                 names = ["token_logprobs_ptr", "seq_start_ptr", "seq_len_ptr", "group_offsets_ptr",
-                         "group_members_ptr", "scores_ptr", "old_ptr", "ell_ptr", "u_ptr",
+                         "group_members_ptr", "scores_ptr", "old_ptr", "log_weights_ptr", "ell_ptr", "u_ptr",
                          "p_ptr", "q_ptr", "group_loss_ptr"]
                 sig = {n: "*i64" if n in names[1:5] else "*fp64" for n in names}
                 sig["token_logprobs_ptr"] = "*" + acc
                 sig.update({n: "fp32" for n in ("inv_eta_hi", "inv_eta_mid", "inv_eta_lo", "half_eps_hi",
                                                 "half_eps_mid", "half_eps_lo")})
-                sig.update({n: "constexpr" for n in ("HAS_OLD", "ANCHOR", "BLOCK_K", "BLOCK_T")})
-                build(gk._group_targets_kernel, sig, {"HAS_OLD": flag, "ANCHOR": not flag,
-                      "BLOCK_K": 8, "BLOCK_T": 256}, arch)
+                sig.update({n: "constexpr" for n in ("HAS_OLD", "HAS_WEIGHTS", "ANCHOR", "BLOCK_K", "BLOCK_T")})
+                for weights in (True, False):
+                    build(gk._group_targets_kernel, sig, {"HAS_OLD": flag, "HAS_WEIGHTS": weights,
+                          "ANCHOR": not flag, "BLOCK_K": 8, "BLOCK_T": 256}, arch)
     print("compiled")
     """
 )

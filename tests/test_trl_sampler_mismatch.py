@@ -4,7 +4,9 @@ the trainer's old log-probs, the importance-sampling ratio and its metrics as un
 
 The masking modes leave the completions whose ratio lies outside TRL's bounds out of their group:
 exactly zero gradient for them, and the loss and gradient of the float64 replay of TPO on the kept
-completions only. Equal log-probs change nothing; truncation modes are refused.
+completions only. ``sequence_truncate`` weighs each completion in its group with its truncated
+ratio (the float64 replay with those weights). Equal log-probs change nothing; ``token_truncate``
+is refused.
 """
 
 import math
@@ -113,12 +115,35 @@ def test_sampler_kept_reads_trls_ratio():
         sampler_kept(torch.ones(4, 2), mask)
 
 
-@pytest.mark.parametrize("mode", ["sequence_truncate", "token_truncate"])
-def test_truncation_modes_are_refused_with_vllm(tmp_path, mode):
+def test_sequence_truncate_weighs_each_completion_with_its_truncated_ratio(tiny, tmp_path):
+    """``sequence_truncate``: every completion counts in its group with TRL's truncated sequence
+    ratio ``min(max(rho, clip_min), clip_max)`` as its weight (the loss's ``seq_log_weights``): the
+    loss and gradient of the float64 replay with those weights; no completion is left out."""
+    trainer = run(tiny, tmp_path, gaps, vllm_importance_sampling_mode="sequence_truncate",
+                  vllm_importance_sampling_clip_min=0.5)
+    loss64, _, kept, _ = trainer.replays[0]
+    assert bool(kept.all())
+    assert float(trainer.losses[0]) == pytest.approx(float(loss64), rel=1e-5, abs=1e-6)
+    assert gradient_error(trainer) <= 1e-4
+    logs = [entry for entry in trainer.state.log_history if "tpo/loss" in entry]
+    assert logs[0]["tpo/frac_masked_by_sampler"] == 0.0
+
+
+def test_sequence_truncate_weights_are_not_the_mask(tiny, tmp_path):
+    """The weights matter: the truncated run's loss differs from the same run without correction."""
+    weighted = run(tiny, tmp_path / "weighted", gaps, vllm_importance_sampling_mode="sequence_truncate",
+                   vllm_importance_sampling_clip_min=0.5)
+    plain = run(tiny, tmp_path / "plain", gaps, vllm_importance_sampling_correction=False)
+    assert not torch.equal(weighted.losses[0], plain.losses[0])
+
+
+def test_token_truncate_is_refused_with_vllm(tmp_path):
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=K, use_cpu=True,
-                    bf16=False, report_to="none", vllm_importance_sampling_mode=mode)
-    refusal = r"vllm_importance_sampling_mode='.*_truncate'.*'sequence_mask' or 'token_mask'"
+                    bf16=False, report_to="none", vllm_importance_sampling_mode="token_truncate")
+    refusal = (r"vllm_importance_sampling_mode='token_truncate'.*'sequence_mask', 'token_mask' or "
+               r"'sequence_truncate'.*Per-token weights would change")
     with pytest.raises(ValueError, match=refusal):
         TargetPOConfig(use_vllm=True, **settings)
     TargetPOConfig(use_vllm=True, vllm_importance_sampling_correction=False, **settings)  # correction off
     TargetPOConfig(**settings)  # no vLLM: TRL computes no ratio, nothing changes
+    TargetPOConfig(use_vllm=True, **dict(settings, vllm_importance_sampling_mode="sequence_truncate"))

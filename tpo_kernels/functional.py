@@ -89,6 +89,7 @@ def tpo_loss(
     ignore_index: int = -100,
     old_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
+    seq_log_weights: Optional[Tensor] = None,
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
@@ -133,6 +134,14 @@ def tpo_loss(
             (the default of the author's TRL port, GSPO-style); gradients exact.
         ref_logprobs, beta: per-token reference log-probs and the weight of the k3 KL penalty
             (token mean over counted tokens; per group for ``reduction="none"``).
+        seq_log_weights: optional ``[N]`` float log-weights ``log w_i`` of the completions (e.g.
+            truncated importance ratios): ``p_i ∝ w_i exp(ell_i)`` and ``q_i ∝ w_i p_old_i exp(u_i /
+            eta)`` (``p_old`` unweighted; ``q_i ∝ w_i exp(u_i / eta)`` without the anchor); ``u``
+            stays unweighted, over the members with ``w > 0``. A constant added per group changes
+            nothing. ``-inf`` (w = 0) leaves the completion out of its group (with ``validate=False``
+            the group op masks it: a group whose every w is 0 adds 0 to the loss but still counts
+            in the mean over groups); NaN or ``+inf``: a ValueError (``validate=True``). Replicated,
+            like ``scores``, over context ranks.
         entropy_coef: weight (finite, >= 0) of an entropy bonus: the loss becomes
             ``TPO - entropy_coef * H``, ``H`` the mean entropy of the counted tokens' tempered
             distributions, reduced as the KL term is (the token mean of the batch for ``"mean"``,
@@ -165,7 +174,7 @@ def tpo_loss(
         source=Logits(logits=logits, inplace_backward=inplace_backward),
         batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
                     cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs, beta=beta),
+                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights),
         options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
                         logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
                         return_entropy=return_entropy, validate=validate, score_eps=score_eps,
@@ -185,6 +194,7 @@ def tpo_loss_from_logprobs(
     cu_seqlens: Optional[Tensor] = None,
     old_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
+    seq_log_weights: Optional[Tensor] = None,
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
@@ -206,8 +216,8 @@ def tpo_loss_from_logprobs(
             the sampled tokens under the current policy (already tempered).
         mask: ``[N, T]`` / ``[M]`` 0/1 or bool mask of the tokens that count (response mask);
             None: every token counts.
-        scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, beta, length_normalize:
-            as in :func:`tpo_loss`.
+        scores, group_size, group_ids, cu_seqlens, old_logprobs, ref_logprobs, seq_log_weights, beta,
+            length_normalize: as in :func:`tpo_loss`.
         eta, anchor, score_eps, reduction, backend, return_aux, validate, process_group,
             context_parallel_group: see the module docstring (with ``context_parallel_group``,
             ``logprobs`` and the mask hold this rank's positions).
@@ -221,7 +231,7 @@ def tpo_loss_from_logprobs(
         source=Logprobs(logprobs=logprobs),
         batch=Batch(labels=None, scores=scores, group_size=group_size, group_ids=group_ids,
                     cu_seqlens=cu_seqlens, mask=mask, ignore_index=-100, old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs, beta=beta),
+                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights),
         options=Options(eta=eta, anchor=anchor, temperature=1.0, reduction=reduction, backend=backend,
                         return_aux=return_aux, validate=validate, score_eps=score_eps,
                         length_normalize=length_normalize),
@@ -277,6 +287,7 @@ def fused_linear_tpo_loss(
     ignore_index: int = -100,
     old_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
+    seq_log_weights: Optional[Tensor] = None,
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
@@ -339,7 +350,7 @@ def fused_linear_tpo_loss(
                     tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes),
         batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
                     cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs, beta=beta),
+                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights),
         options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
                         logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
                         return_entropy=return_entropy, validate=validate, score_eps=score_eps,

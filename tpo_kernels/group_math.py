@@ -5,11 +5,17 @@ Math, per group of K members (completions, or the K candidate tokens of one stat
     ell[i] = sum_t m[i,t] * lp[i,t]           sequence log-prob (one term for a candidate)
     u[i]   = (s[i] - mean(s)) / std(s)         population std; u = 0 when all scores tie;
                                                u = s[i] - mean(s) when std(s) <= score_eps
-    p      = softmax(ell)                      policy within the group            (Eq. 1)
-    q      = softmax(ell_old + u / eta)        anchored target (ell_old = ell on-policy);
-                                               softmax(u / eta) without the anchor
+    p      = softmax(ell + lw)                 policy within the group            (Eq. 1)
+    q      = softmax(ell_old + lw + u / eta)   anchored target (ell_old = ell on-policy);
+                                               softmax(lw + u / eta) without the anchor
     L      = -sum_i q[i] log p[i]              q held constant                    (Eq. 3)
     dL / d ell[i] = p[i] - q[i]
+
+``lw`` are the optional per-completion log-weights (``seq_log_weights``, 0 when absent):
+``p ∝ w exp(ell)`` and ``q ∝ w p_old exp(u / eta)``, and ``dL / d ell = p - q`` still (``sum q =
+1``). ``u`` is unweighted, over the members with ``w > 0``; a member with ``lw = -inf`` has
+``p = q = 0`` and no loss term (a group whose members all have it adds 0). ``ell + lw`` and
+``base + lw`` are formed by one same add, so the tied on-policy group below keeps ``q == p``.
 
 Ties are detected as ``max(s) == min(s)`` rather than ``std == 0``: the float mean of equal
 values can differ from them in the last bit, which would turn a tie into u = +-1 noise. p and q
@@ -337,18 +343,23 @@ def standardize_dense(scores: Tensor, valid: Tensor, score_eps: float = 0.0) -> 
 
 
 def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], valid: Optional[Tensor],
-                     eta: float, anchor: bool, score_eps: float = 0.0):
-    """The group math on a dense ``[G, K]`` layout (``valid`` marks real members; None = all).
-    Returns ``(u, p, q, group_loss)`` in the inputs' dtype (float64 in :func:`portable_group_targets`)."""
+                     eta: float, anchor: bool, score_eps: float = 0.0, log_weights: Optional[Tensor] = None):
+    """The group math on a dense ``[G, K]`` layout (``valid`` marks real members; None = all;
+    ``log_weights``: ``lw``, None = 0). Returns ``(u, p, q, group_loss)`` in the inputs' dtype
+    (float64 in :func:`portable_group_targets`)."""
     neg_inf = float("-inf")
     if valid is None:
         valid = torch.ones_like(scores, dtype=torch.bool)
+    base = (ell if old_ell is None else old_ell) if anchor else torch.zeros_like(ell)
+    if log_weights is not None:  # one same add into both softmax inputs: a tied group keeps q == p
+        valid = valid & (log_weights > neg_inf)
+        ell, base = ell + log_weights, base + log_weights
     u = standardize_dense(scores, valid, score_eps)
     policy = torch.where(valid, ell, neg_inf)
     log_p = torch.log_softmax(policy, dim=1)
-    p = torch.softmax(policy, dim=1)
-    base = (ell if old_ell is None else old_ell) if anchor else torch.zeros_like(ell)
-    q = torch.softmax(torch.where(valid, base + u / eta, neg_inf), dim=1)
+    # where(valid): a row with no valid member (every w = 0) has p = q = 0, not NaN.
+    p = torch.where(valid, torch.softmax(policy, dim=1), 0.0)
+    q = torch.where(valid, torch.softmax(torch.where(valid, base + u / eta, neg_inf), dim=1), 0.0)
     # q == 0 terms are 0 (their limit), not 0 * -inf when log p = -inf.
     group_loss = -(q * torch.where(valid & (q > 0), log_p, 0.0)).sum(dim=1)
     return u, p, q, group_loss
@@ -363,15 +374,17 @@ def portable_group_targets(
     eta: float,
     anchor: bool,
     score_eps: float = 0.0,
+    seq_log_weights: Optional[Tensor] = None,
 ) -> GroupResult:
     """The portable group op: flat ``[M]`` token log-probs (0 on rows that do not count) ->
-    :class:`GroupResult` in the token log-probs' dtype, computed in float64. Not differentiable by
-    itself: the autograd rule lives with the ``tpo_kernels::group_targets`` op
-    (:mod:`tpo_kernels.ops.group`)."""
+    :class:`GroupResult` in the token log-probs' dtype, computed in float64 (``seq_log_weights``:
+    ``[N]`` ``lw``, finite or -inf). Not differentiable by itself: the autograd rule lives with the
+    ``tpo_kernels::group_targets`` op (:mod:`tpo_kernels.ops.group`)."""
     out_dtype = token_logprobs.dtype
     ell = segment_sum(token_logprobs.to(torch.float64), layout)
     scores = scores.to(ell.dtype)
     old = None if old_seq_logprobs is None else old_seq_logprobs.to(ell.dtype)
+    lw = None if seq_log_weights is None else seq_log_weights.to(ell.dtype)
     g, kmax = layout.num_groups, layout.max_group_size
 
     if layout.group_size is not None:  # contiguous groups of K: plain views
@@ -400,7 +413,7 @@ def portable_group_targets(
 
     u, p, q, group_loss = dense_group_math(
         to_dense(ell), to_dense(scores), None if old is None else to_dense(old), valid, eta, anchor,
-        score_eps,
+        score_eps, None if lw is None else to_dense(lw),
     )
     return GroupResult(seq_logprobs=ell, u=from_dense(u), p=from_dense(p), q=from_dense(q), group_loss=group_loss,
                        coef=from_dense(p - q)).to(out_dtype)

@@ -105,7 +105,8 @@ class LossRows:
     ``cu_seqlens``, ``[N + 1]``); ``scores``, ``group_ids``: ``[N]``; ``mask``: the counted tokens
     (None: all); ``old_logprobs``: per token (``logprobs``' shape) or per completion (``[N]``),
     or None; ``ref_logprobs``, ``token_entropy``: per token, or None (the entropy rides along for
-    :func:`token_mean`; the loss does not read it)."""
+    :func:`token_mean`; the loss does not read it); ``seq_log_weights``: ``[N]`` per-completion
+    log-weights (``log w``; ``-inf`` leaves a completion out of its group), or None."""
 
     logprobs: Tensor
     scores: Tensor
@@ -115,6 +116,7 @@ class LossRows:
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     token_entropy: Optional[Tensor] = None
+    seq_log_weights: Optional[Tensor] = None
 
     @property
     def num_rows(self) -> int:
@@ -123,7 +125,8 @@ class LossRows:
     def loss_inputs(self) -> Dict[str, Any]:
         """The keywords of :func:`tpo_kernels.tpo_loss_from_logprobs` these rows fill."""
         return dict(logprobs=self.logprobs, scores=self.scores, group_ids=self.group_ids, mask=self.mask,
-                    cu_seqlens=self.cu_seqlens, old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs)
+                    cu_seqlens=self.cu_seqlens, old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
+                    seq_log_weights=self.seq_log_weights)
 
 
 # Per-token fields (padded along the token dimension when widths differ); the rest are per completion.

@@ -73,6 +73,7 @@ def _agreed_settings(function: str, plan: Optional[Plan], extra: dict) -> dict:
     settings["old_logprobs"] = None if plan is None else batch is not None and (
         batch.old_seq_logprobs is not None or batch.old_token_sums is not None)
     settings["ref_logprobs"] = None if plan is None else batch is not None and batch.ref_logprobs is not None
+    settings["seq_log_weights"] = None if plan is None else batch is not None and batch.seq_log_weights is not None
     settings.update(extra if plan is not None else dict.fromkeys(extra))
     return settings
 
@@ -134,7 +135,8 @@ def _agree_on_context(request, checked, failure: Optional[BaseException]):
     no_value = torch.zeros((), dtype=torch.int64)
     fingerprints = {"scores": no_value if batch is None else _bits(batch.scores),
                     "group_ids": no_value if group_ids is None else placement.fingerprint(group_ids),
-                    "old_logprobs": no_value if batch is None else _bits(batch.old_seq_logprobs)}
+                    "old_logprobs": no_value if batch is None else _bits(batch.old_seq_logprobs),
+                    "seq_log_weights": no_value if batch is None else _bits(batch.seq_log_weights)}
     agreement = distributed.agree(
         group, "context_parallel_group", _record_device(group, plan), failure=failure,
         counts={"tokens": 0 if plan is None else plan.labels.numel(),
@@ -243,7 +245,7 @@ def _signal_tokens(plan: Plan, rule: GroupRule, seams: RankSeams) -> Optional[Te
     layout = batch.layout
     # u from the group op itself (u does not depend on the log-probs): one tie rule, not two.
     u = portable_group_targets(torch.zeros(layout.num_tokens, dtype=torch.float64, device=plan.device), layout,
-                               batch.scores, **rule.kernel_args()).u
+                               batch.scores, seq_log_weights=batch.seq_log_weights, **rule.kernel_args()).u
     signal = group_sum((u != 0).to(torch.float64), layout) > 0
     return (layout.token_seq >= 0) & signal[layout.seq_group[layout.token_seq.clamp(min=0)]]
 
@@ -281,7 +283,8 @@ def sequence_loss(request: SequenceRequest) -> LossOutput:
     prepared = plan.batch
     seams = RankSeams(gather=gather, context=context)
     summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, seams))
-    completions = CompletionInputs(scores=prepared.scores, old_seq_logprobs=prepared.old_seq_logprobs,
+    completions = CompletionInputs(scores=prepared.scores, seq_log_weights=prepared.seq_log_weights,
+                                   old_seq_logprobs=prepared.old_seq_logprobs,
                                    old_token_sums=prepared.old_token_sums, kept=prepared.kept,
                                    kept_after_sum=context is not None and plan.flags.validate)
     objective = GroupObjective(

@@ -127,8 +127,14 @@ def tpo_loss(
     logit_softcap: Optional[float] = None,
     reduction: str = "mean",
     return_aux: bool = False,
+    seq_log_weights: Optional[Tensor] = None,
 ):
     """TPO loss by the book (DESIGN.md section 1). Same arguments as :func:`tpo_kernels.tpo_loss`.
+
+    ``seq_log_weights``: ``[N]`` log-weights ``lw = log w`` (finite or -inf): ``p ∝ w exp(ell)``,
+    ``q ∝ w p_old exp(u / eta)`` (``p_old`` the unweighted softmax of ``ell_old``; ``q ∝ w
+    exp(u / eta)`` without the anchor), ``u`` over the members with ``w > 0``; a completion with
+    ``w = 0`` is left out of its group, and a group left with no member is dropped.
 
     ``length_normalize``: a completion's sequence log-prob is the mean of its counted token
     log-probs instead of the sum, and so is ``ell_old`` from per-token ``old_logprobs``; per
@@ -146,7 +152,8 @@ def tpo_loss(
     return _group_stage(lp, scores, mask=valid, group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens,
                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta, eta=eta, anchor=anchor,
                         score_eps=score_eps, length_normalize=length_normalize, reduction=reduction,
-                        return_aux=return_aux, token_entropy=entropy, entropy_coef=entropy_coef)
+                        return_aux=return_aux, token_entropy=entropy, entropy_coef=entropy_coef,
+                        seq_log_weights=seq_log_weights)
 
 
 def tpo_loss_from_logprobs(
@@ -166,18 +173,20 @@ def tpo_loss_from_logprobs(
     length_normalize: bool = False,
     reduction: str = "mean",
     return_aux: bool = False,
+    seq_log_weights: Optional[Tensor] = None,
 ):
     """The group stage by the book on per-token log-probs ``[N, T]`` (or ``[M]`` packed with
     ``cu_seqlens``); same arguments as :func:`tpo_kernels.tpo_loss_from_logprobs`."""
     return _group_stage(logprobs, scores, mask=mask, group_size=group_size, group_ids=group_ids,
                         cu_seqlens=cu_seqlens, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
                         eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize,
-                        reduction=reduction, return_aux=return_aux)
+                        reduction=reduction, return_aux=return_aux, seq_log_weights=seq_log_weights)
 
 
 def _group_stage(logprobs: Tensor, scores: Tensor, *, mask, group_size, group_ids, cu_seqlens, old_logprobs,
                  ref_logprobs, beta, eta, anchor, score_eps, length_normalize, reduction, return_aux,
-                 token_entropy: Optional[Tensor] = None, entropy_coef: float = 0.0):
+                 token_entropy: Optional[Tensor] = None, entropy_coef: float = 0.0,
+                 seq_log_weights: Optional[Tensor] = None):
     """The group stage, the KL term and the entropy bonus (``token_entropy`` of the shape of
     ``logprobs``, used when ``entropy_coef != 0``)."""
     valid = torch.ones(logprobs.shape, dtype=torch.bool, device=logprobs.device) if mask is None else mask.bool()
@@ -203,15 +212,18 @@ def _group_stage(logprobs: Tensor, scores: Tensor, *, mask, group_size, group_id
         ell_old = old_logprobs.to(dtype)
 
     groups = _groups(num_seqs, group_size, group_ids)
+    lw = torch.zeros(num_seqs, dtype=dtype) if seq_log_weights is None else seq_log_weights.to(dtype)
+    # w = 0 leaves a completion out of its group (no mass, no gradient); an emptied group is dropped.
+    groups = [kept for kept in ([i for i in members if lw[i] > float("-inf")] for members in groups) if kept]
     group_losses, ps, qs, us = [], torch.zeros(num_seqs, dtype=dtype), torch.zeros(num_seqs, dtype=dtype), torch.zeros(num_seqs, dtype=dtype)
     for members in groups:
         idx = torch.tensor(members)
         u = standardize(scores[idx].to(dtype), score_eps)
-        log_p = torch.log_softmax(ell[idx], dim=0)  # Eq. 1
-        if anchor:  # q ∝ p_old * exp(u / eta)
-            q = torch.softmax(torch.log_softmax(ell_old[idx], dim=0) + u / eta, dim=0)
+        log_p = torch.log_softmax(ell[idx] + lw[idx], dim=0)  # Eq. 1, p ∝ w exp(ell)
+        if anchor:  # q ∝ w * p_old * exp(u / eta), p_old unweighted
+            q = torch.softmax(torch.log_softmax(ell_old[idx], dim=0) + lw[idx] + u / eta, dim=0)
         else:
-            q = torch.softmax(u / eta, dim=0)
+            q = torch.softmax(lw[idx] + u / eta, dim=0)
         q = q.detach()
         # Eq. 3; a term with q == 0 is 0 (its limit), also where log p = -inf (a -inf label logit).
         group_losses.append(-(q * torch.where(q > 0, log_p, torch.zeros_like(log_p))).sum())

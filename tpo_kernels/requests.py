@@ -96,6 +96,7 @@ class Batch:
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     beta: float = 0.0
+    seq_log_weights: Optional[Tensor] = None  # [N] log w per completion
 
 
 @dataclass(frozen=True)

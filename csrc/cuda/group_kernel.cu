@@ -1,7 +1,8 @@
 // The TPO group op (layer 2) in one launch: one block per group computes the sequence log-probs
 // of its members (deterministic segmented sums of token log-probs), the standardized scores u,
-// p = softmax(ell), q = softmax(ell_old + u/eta) (or softmax(u/eta)) and the group loss
-// -sum q log p (GroupArgs in tpo_abi.h).
+// p = softmax(ell + lw), q = softmax((ell_old + lw) + u/eta) (or softmax(lw + u/eta)) and the
+// group loss -sum q log p (GroupArgs in tpo_abi.h; lw = 0 without seq_log_weights; a member with
+// lw = -inf is out of u, p and q: 0 there, and a group with no other member has loss 0).
 //
 // Matches tpo_kernels.group_op.group_targets: ties are detected as max(s) == min(s) (u = 0), the
 // std is the population std of x = (s/2 - min/2) / spread (exact differences of nearby scores, no
@@ -56,7 +57,8 @@ __global__ void __launch_bounds__(kGroupBlock)
                          const int64_t* __restrict__ group_offsets,
                          const int64_t* __restrict__ group_members,
                          const double* __restrict__ scores,
-                         const double* __restrict__ old_seq_logprobs, double eta,
+                         const double* __restrict__ old_seq_logprobs,
+                         const double* __restrict__ log_weights, double eta,
                          double score_eps, bool anchor,
                          double* ell, double* u, double* p, double* q,
                          double* __restrict__ group_loss) {
@@ -66,6 +68,8 @@ __global__ void __launch_bounds__(kGroupBlock)
   const int64_t begin = group_offsets[group];
   const int64_t count = group_offsets[group + 1] - begin;
   const int64_t* members = group_members + begin;
+  // A member with w = 0 (lw = -inf) takes no part in u, p or q.
+  auto weighted = [&](int64_t n) { return log_weights == nullptr || log_weights[n] > neg_inf<A>(); };
 
   // 1. ell[n] = sum of the member's token log-probs (masked tokens hold 0), in double.
   for (int64_t j = 0; j < count; ++j) {
@@ -81,11 +85,13 @@ __global__ void __launch_bounds__(kGroupBlock)
 
   // 2. u = (x - mean) / std of x = (s/2 - min/2) / spread, population std; 0 for the whole group
   //    when all scores tie; 2 spread (x - mean) = s - mean when std(s) <= score_eps (never for 0).
-  A local_max = neg_inf<A>(), local_min = -neg_inf<A>();
+  A local_max = neg_inf<A>(), local_min = -neg_inf<A>(), local_count = A(0);
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
+    if (!weighted(members[j])) continue;
     const A s = scores[members[j]];
     local_max = s > local_max ? s : local_max;
     local_min = s < local_min ? s : local_min;
+    local_count += A(1);
   }
   const A s_max = block_reduce<kGroupBlock>(local_max, MaxOp<A>(), scratch);
   const A s_min = block_reduce<kGroupBlock>(local_min, MinOp<A>(), scratch);
@@ -93,6 +99,7 @@ __global__ void __launch_bounds__(kGroupBlock)
   const A half_min = tied ? A(0) : s_min * A(0.5);
   A local_spread = A(0);
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
+    if (!weighted(members[j])) continue;
     const A d = scores[members[j]] * A(0.5) - half_min;
     local_spread = d > local_spread ? d : local_spread;
   }
@@ -101,12 +108,13 @@ __global__ void __launch_bounds__(kGroupBlock)
   const A scale = flat ? A(1) : spread;
   A local_sum = A(0);
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
-    local_sum += (scores[members[j]] * A(0.5) - half_min) / scale;
+    if (weighted(members[j])) local_sum += (scores[members[j]] * A(0.5) - half_min) / scale;
   }
-  const A n_members = static_cast<A>(count);
+  const A n_members = block_reduce<kGroupBlock>(local_count, SumOp<A>(), scratch);
   const A mean = block_reduce<kGroupBlock>(local_sum, SumOp<A>(), scratch) / n_members;
   A local_sq = A(0);
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
+    if (!weighted(members[j])) continue;
     const A c = (scores[members[j]] * A(0.5) - half_min) / scale - mean;
     local_sq += c * c;
   }
@@ -115,23 +123,32 @@ __global__ void __launch_bounds__(kGroupBlock)
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const int64_t n = members[j];
     const A c = (scores[n] * A(0.5) - half_min) / scale - mean;
-    u[n] = flat ? A(0) : near_tie ? c * (scale * A(2)) : c / std_dev;
-    // The softmax input of q, staged in q[] (overwritten by q below).
-    const A base = old_seq_logprobs != nullptr ? old_seq_logprobs[n] : ell[n];
-    q[n] = anchor ? base + u[n] / eta : u[n] / eta;
+    const bool in_w = weighted(n);
+    u[n] = flat || !in_w ? A(0) : near_tie ? c * (scale * A(2)) : c / std_dev;
+    // The softmax inputs of p and q, staged in p[] and q[] (overwritten below); lw enters both
+    // by one same add, so a tied on-policy group keeps q == p bit for bit.
+    A base = anchor ? (old_seq_logprobs != nullptr ? old_seq_logprobs[n] : ell[n]) : A(0);
+    A policy = ell[n];
+    if (log_weights != nullptr) {
+      policy = policy + log_weights[n];
+      base = base + log_weights[n];
+    }
+    p[n] = in_w ? policy : neg_inf<A>();
+    q[n] = in_w ? (anchor || log_weights != nullptr ? base + u[n] / eta : u[n] / eta) : neg_inf<A>();
   }
   __syncthreads();
 
   // 3. p and q through the same code: identical inputs give identical outputs.
-  const SoftmaxStats<A> ps = block_softmax(ell, members, count, scratch);
+  const SoftmaxStats<A> ps = block_softmax(p, members, count, scratch);
   const SoftmaxStats<A> qs = block_softmax(q, members, count, scratch);
   const A log_p_norm = ps.max + acc_log(ps.sum);
   A local_loss = A(0);
   for (int64_t j = threadIdx.x; j < count; j += kGroupBlock) {
     const int64_t n = members[j];
-    const A pn = acc_exp(ell[n] - ps.max) / ps.sum;
-    const A qn = acc_exp(q[n] - qs.max) / qs.sum;
-    if (qn > A(0)) local_loss += qn * (ell[n] - log_p_norm);  // q == 0: 0, not 0 * -inf
+    const bool in_w = weighted(n);  // a group with no weighted member: p = q = 0, loss 0
+    const A pn = in_w ? acc_exp(p[n] - ps.max) / ps.sum : A(0);
+    const A qn = in_w ? acc_exp(q[n] - qs.max) / qs.sum : A(0);
+    if (qn > A(0)) local_loss += qn * (p[n] - log_p_norm);  // q == 0: 0, not 0 * -inf
     p[n] = pn;
     q[n] = qn;  // same thread read q[n] just above: no race
   }
@@ -144,7 +161,8 @@ void launch_group_targets(const GroupArgs& a, cudaStream_t stream) {
   for_grid_chunks(a.num_groups, [&](int64_t start, int64_t count) {
     group_targets_kernel<T><<<static_cast<unsigned>(count), kGroupBlock, 0, stream>>>(
         static_cast<const T*>(a.token_logprobs), a.seq_start, a.seq_len, a.group_offsets + start,
-        a.group_members, a.scores, a.old_seq_logprobs, a.eta, a.score_eps, a.anchor, a.seq_logprobs, a.u, a.p,
+        a.group_members, a.scores, a.old_seq_logprobs, a.seq_log_weights, a.eta, a.score_eps, a.anchor,
+        a.seq_logprobs, a.u, a.p,
         a.q, a.group_loss + start);
   });
 }

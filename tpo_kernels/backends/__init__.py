@@ -76,11 +76,12 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
   weight rows are summed in a fixed order. An id outside ``[0, V)`` adds nothing to dhidden (its
   grad is ignored) and is not written in dweight / dbias.
 
-Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None, eta,
-anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_math`; ``score_eps >= 0`` is
-the near-tie tolerance: a group whose scores' population std is at most it gets ``u = s - mean``,
-undivided): the sequence sums and the
-``[N]``-sized group math run in float64 (``scores`` and ``old_seq_logprobs`` arrive in float64),
+Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None,
+seq_log_weights=None, eta, anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_math`;
+``score_eps >= 0`` is the near-tie tolerance: a group whose scores' population std is at most it gets
+``u = s - mean``, undivided; ``seq_log_weights`` ``lw``, finite or -inf, is added by one same add to
+``ell`` and to q's base, and a member with ``lw = -inf`` has ``p = q = 0`` and no u): the sequence sums and the
+``[N]``-sized group math run in float64 (``scores``, ``old_seq_logprobs`` and ``seq_log_weights`` arrive in float64),
 the results come back in the dtype of the token log-probs, with ``coef = p - q`` formed before
 the rounding (``None`` lets the caller take the difference of the rounded p and q).
 

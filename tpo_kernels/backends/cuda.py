@@ -95,6 +95,7 @@ class CudaBackend(NativeBackend):
         eta: float,
         anchor: bool,
         score_eps: float = 0.0,
+        seq_log_weights: Optional[Tensor] = None,
     ) -> GroupResult:
         """The fused group op (contract: :func:`tpo_kernels.group_math.portable_group_targets`), one block
         per group, in float64 (results cast to the token dtype). Takes float32 / float64 token
@@ -115,13 +116,15 @@ class CudaBackend(NativeBackend):
         offsets, members = index(layout.group_offsets), index(layout.group_members)
         s = per_row(scores, n, f64, dev, "scores")
         old = per_row(old_seq_logprobs, n, f64, dev, "old_seq_logprobs")
+        log_weights = per_row(seq_log_weights, n, f64, dev, "seq_log_weights")
         # Completions outside every group (no counted token) keep 0.
         ell, u, p, q = (torch.zeros(n, dtype=f64, device=dev) for _ in range(4))
         group_loss = torch.empty(g, dtype=f64, device=dev)
         self.extension.group_targets(
             dtype=DTYPE_CODES[dtype], num_groups=g, token_logprobs=ptr(tokens),
             seq_start=ptr(seq_start), seq_len=ptr(seq_len), group_offsets=ptr(offsets),
-            group_members=ptr(members), scores=ptr(s), old_seq_logprobs=ptr(old), eta=float(eta),
+            group_members=ptr(members), scores=ptr(s), old_seq_logprobs=ptr(old),
+            seq_log_weights=ptr(log_weights), eta=float(eta),
             score_eps=float(score_eps), anchor=bool(anchor), seq_logprobs=ptr(ell), u=ptr(u), p=ptr(p), q=ptr(q),
             group_loss=ptr(group_loss), **launch,
         )

@@ -136,6 +136,7 @@ class PreparedBatch:
     # Positions split over ranks, per-token old_logprobs: [N] float64 sums over this rank's counted
     # tokens (summed over the ranks, then divided by the counts with length_normalize).
     old_token_sums: Optional[Tensor] = None
+    seq_log_weights: Optional[Tensor] = None  # [N] float64 log w (finite or -inf), or None
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_name: str,
@@ -316,12 +317,23 @@ def prepare_batch(
     flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
                                  mask=counted, checks=checks, metadata_checked=True)
     scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]", metadata_checked=True)
+    log_weights = batch.seq_log_weights
+    if log_weights is not None:  # log w: finite, or -inf for w = 0 (the completion is left out)
+        _check_float_values("seq_log_weights", log_weights, device, input_name)
+        if tuple(log_weights.shape) != (num_seqs,):
+            raise ValueError(f"seq_log_weights must have shape [N]=({num_seqs},), got {tuple(log_weights.shape)}")
+        log_weights = log_weights.to(torch.float64).contiguous()
+        if checks is not None:
+            checks.require(~(torch.isnan(log_weights) | (log_weights == float("inf"))).any(), lambda: ValueError(
+                "seq_log_weights must be finite or -inf (a weight of 0); found NaN or +inf"))
     valid = flat_labels >= 0
     all_counted = any_counted = None
     if validate:
         # Completions with no counted token (e.g. truncated and masked) are left out of their group.
         counted_tokens = segment_sum(valid.to(torch.int64), layout)
         counted_seqs = counted_tokens > 0
+        if log_weights is not None:  # w = 0: left out like a completion with no counted token
+            counted_seqs = counted_seqs & (log_weights > float("-inf"))
         if whole and not split.positions:
             checks.require(counted_seqs.any(),
                            lambda: ValueError("no completion has a counted token (all masked or ignore_index)"))
@@ -379,19 +391,20 @@ def prepare_batch(
     if not validate:
         return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                              old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat,
-                             split_group_size=split_group_size, old_token_sums=old_sums)
+                             split_group_size=split_group_size, old_token_sums=old_sums,
+                             seq_log_weights=log_weights)
     observed = checks.read()
     if not whole or split.positions:
         kept = None if all_counted is None or observed[all_counted] else counted_seqs
         return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                              old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, kept=kept,
                              any_kept=bool(observed[any_counted]), split_group_size=split_group_size,
-                             old_token_sums=old_sums)
+                             old_token_sums=old_sums, seq_log_weights=log_weights)
     if not observed[all_counted]:
         layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
                               members=counted_seqs, **shape)
     return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
-                         old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat)
+                         old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, seq_log_weights=log_weights)
 
 
 # ----------------------------------------------------------------------------- candidates

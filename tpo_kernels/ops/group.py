@@ -52,6 +52,7 @@ def _group_targets_op(
     padded_len: int,
     scores: Tensor,
     old_seq_logprobs: Optional[Tensor],
+    seq_log_weights: Optional[Tensor],
     rule: List[float],
     backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -62,13 +63,15 @@ def _group_targets_op(
         group_size=group_size or None, padded_len=padded_len or None,
     )
     result = backend_by_key(backend).group_targets(token_logprobs, layout, scores, old_seq_logprobs=old_seq_logprobs,
+                                                   seq_log_weights=seq_log_weights,
                                                    **GroupRule.from_op(rule).kernel_args())
     return result.to_op()
 
 
 @_group_targets_op.register_fake
 def _(token_logprobs, seq_start, seq_len, token_seq, seq_group, group_offsets, group_members,
-      num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs, rule, backend):
+      num_groups, max_seq_len, max_group_size, group_size, padded_len, scores, old_seq_logprobs, seq_log_weights, rule,
+      backend):
     n = seq_start.shape[0]
     per_seq = [token_logprobs.new_empty(n) for _ in range(4)]
     return (*per_seq, token_logprobs.new_empty(num_groups), token_logprobs.new_empty(n))
@@ -94,12 +97,13 @@ _group_targets_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def group_targets(token_logprobs: Tensor, layout: BatchLayout, scores: Tensor, *,
-                  old_seq_logprobs: Optional[Tensor], rule: GroupRule, backend: str) -> GroupResult:
+                  old_seq_logprobs: Optional[Tensor], rule: GroupRule, backend: str,
+                  seq_log_weights: Optional[Tensor] = None) -> GroupResult:
     """The group op through the dispatcher: differentiable in ``token_logprobs`` (through
     ``seq_logprobs`` and ``group_loss``) and traceable by ``torch.compile``; ``rule`` travels
-    whole (:meth:`GroupRule.to_op`)."""
-    outputs = _group_targets_op(token_logprobs, *layout_op_args(layout), scores, old_seq_logprobs, rule.to_op(),
-                                backend)
+    whole (:meth:`GroupRule.to_op`); ``seq_log_weights``: ``[N]`` float64 ``lw``, or None."""
+    outputs = _group_targets_op(token_logprobs, *layout_op_args(layout), scores, old_seq_logprobs, seq_log_weights,
+                                rule.to_op(), backend)
     return GroupResult.from_op(outputs)
 
 
@@ -149,7 +153,9 @@ class RowSum(Protocol):
 class CompletionInputs:
     """The per-completion inputs of the group stage, ``[N]`` each.
 
-    ``scores``; ``old_seq_logprobs``: the old sequence log-probs as the group op takes them (summed
+    ``scores``; ``seq_log_weights``: the log-weights ``lw`` (float64, finite or -inf; replicated
+    over context ranks and never summed, like the scores); ``old_seq_logprobs``: the old sequence
+    log-probs as the group op takes them (summed
     or, with ``length_normalize``, averaged; replicated over context ranks, never summed there);
     ``old_token_sums``: with the positions split over ranks, this rank's sums of per-token old
     log-probs over its counted tokens (unweighted; summed over the ranks, then divided by the
@@ -158,6 +164,7 @@ class CompletionInputs:
     the summed counts instead (positions split, ``validate=True``)."""
 
     scores: Tensor
+    seq_log_weights: Optional[Tensor] = None
     old_seq_logprobs: Optional[Tensor] = None
     old_token_sums: Optional[Tensor] = None
     kept: Optional[Tensor] = None
@@ -305,7 +312,8 @@ class GroupObjective:
             if self.gather is None:
                 self.result = group_targets(token_logprobs, self.layout, self.scores,
                                             old_seq_logprobs=self.old_seq_logprobs, rule=self.rule,
-                                            backend=self.backend)
+                                            backend=self.backend,
+                                            seq_log_weights=self.completions.seq_log_weights)
             else:
                 wide = torch.float64
                 kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device) \
@@ -346,8 +354,10 @@ class GroupObjective:
             first_term, old = 3, summed[:, 2].detach()
             old = old * per_count if self.rule.length_normalize else old
         kept = self.kept
-        if self.completions.kept_after_sum:  # left out everywhere: no counted token on any rank
+        if self.completions.kept_after_sum:  # left out everywhere: no counted token on any rank, or w = 0
             kept = counted > 0
+            if self.completions.seq_log_weights is not None:
+                kept = kept & (self.completions.seq_log_weights > float("-inf"))
         decided = kept is not None
         if kept is None:
             kept = torch.ones(self.layout.num_seqs, dtype=torch.bool, device=token_logprobs.device)
@@ -362,8 +372,10 @@ class GroupObjective:
         and of the counts."""
         wide = torch.float64
         columns = [ell, self.scores.to(wide), kept.to(wide)]
-        if old is not None:
-            columns.append(old.to(wide))
+        lw = self.completions.seq_log_weights
+        for extra in (old, lw):  # one float64 column each, after the kept flag
+            if extra is not None:
+                columns.append(extra.to(wide))
         first_sum = len(columns)
         columns += sums
         if seq_counted is not None:
@@ -379,8 +391,10 @@ class GroupObjective:
             self.group_layout = gather.layout(rows[:, 2] != 0, stacked.device)
         self.mine = gather.mine
         old_rows = rows[:, 3].detach().contiguous() if old is not None else None
+        lw_rows = rows[:, first_sum - 1].detach().contiguous() if lw is not None else None
         self.result = group_targets(rows[:, 0].contiguous(), self.group_layout, rows[:, 1].detach().contiguous(),
-                                    old_seq_logprobs=old_rows, rule=self.rule, backend=self.backend)
+                                    old_seq_logprobs=old_rows, rule=self.rule, backend=self.backend,
+                                    seq_log_weights=lw_rows)
         gathered_sums = [rows[:, first_sum + i] for i in range(len(sums))]
         return gathered_sums, (None if seq_counted is None else rows[:, -1].detach())
 

@@ -5,9 +5,13 @@ For group ``g`` with members ``i`` (``layout.group_members[group_offsets[g]:grou
     ell[i] = sum of token log-probs over rows [seq_start[i], seq_start[i] + seq_len[i])
     u[i]   = (s[i] - mean(s)) / std(s)   population std; u = 0 for all when max(s) == min(s);
                                          u = s[i] - mean(s) when std(s) <= score_eps
-    p      = softmax(ell)
-    q      = softmax(ell_old + u / eta)  (anchor; on-policy ell_old = ell), softmax(u / eta) if not
+    p      = softmax(ell + lw)
+    q      = softmax(ell_old + lw + u / eta)  (anchor; on-policy ell_old = ell), softmax(lw + u / eta)
     loss_g = -sum_i q[i] log p[i]
+
+with ``lw`` the optional log-weights (``HAS_WEIGHTS``; 0 without): a member with ``lw = -inf``
+leaves the lanes of u, p and q (p = q = 0, no loss term), and ``ell + lw`` and ``base + lw`` are one
+same add, so the tied on-policy group below still gets ``p == q``.
 
 Everything after the token loads runs in float64 (the sums over long completions and the
 ``[N]``-sized math lose digits in fp32; see :mod:`tpo_kernels.group_math`), written to float64
@@ -34,11 +38,14 @@ from .kernel_support import device_guard, scalar_from_parts, split_scalar
 
 @triton.jit
 def _masked_softmax(x, valid):
-    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0)."""
+    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0; no valid
+    lane, a group whose every weight is 0: p = 0 everywhere, log p = -inf)."""
     x = tl.where(valid, x, float("-inf"))
-    shifted = x - tl.max(x, axis=0)
+    top = tl.max(x, axis=0)
+    shifted = x - tl.where(top == float("-inf"), 0.0, top)
     e = tl.exp(shifted)
     total = tl.sum(e, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
     return e / total, shifted - tl.log(total)
 
 
@@ -51,6 +58,7 @@ def _group_targets_kernel(
     group_members_ptr,
     scores_ptr,
     old_ptr,
+    log_weights_ptr,
     ell_ptr,
     u_ptr,
     p_ptr,
@@ -63,6 +71,7 @@ def _group_targets_kernel(
     half_eps_mid,
     half_eps_lo,
     HAS_OLD: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
     ANCHOR: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -86,12 +95,16 @@ def _group_targets_kernel(
         rows = start[:, None] + t[None, :]
         partial += tl.load(token_logprobs_ptr + rows, mask=in_seq, other=0.0).to(tl.float64)
     ell = tl.sum(partial, axis=1)
+    in_group = valid  # the lanes of ell; valid below: those of u, p and q (w > 0)
+    if HAS_WEIGHTS:
+        lw = tl.load(log_weights_ptr + member, mask=valid, other=0.0).to(tl.float64)
+        valid = valid & (lw > float("-inf"))
 
     # u: standardized scores, population std; an all-tied group gets u = 0. From x = (s/2 -
     # min/2) / spread in [0, 1]: exact differences of nearby scores, no overflow or underflow.
     # A near tie, std(s) = 2 spread std(x) <= score_eps, keeps s - mean = 2 spread (x - mean(x)).
     scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(tl.float64)
-    count = size.to(tl.float64)
+    count = tl.maximum(tl.sum(valid.to(tl.float64), axis=0), 1.0)  # 0 valid lanes: every w is 0
     s_max = tl.max(tl.where(valid, scores, float("-inf")), axis=0)
     s_min = tl.min(tl.where(valid, scores, float("inf")), axis=0)
     tied = s_max == s_min
@@ -110,22 +123,26 @@ def _group_targets_kernel(
     u = tl.where(flat, 0.0, u)
 
     inv_eta = scalar_from_parts(inv_eta_hi, inv_eta_mid, inv_eta_lo, tl.float64)
-    p, log_p = _masked_softmax(ell, valid)
     if ANCHOR:
         if HAS_OLD:
             base = tl.load(old_ptr + member, mask=valid, other=0.0).to(tl.float64)
         else:
             base = ell  # on-policy: p_old = p
-        q, _ = _masked_softmax(base + u * inv_eta, valid)
     else:
-        q, _ = _masked_softmax(u * inv_eta, valid)
+        base = tl.zeros([BLOCK_K], dtype=tl.float64)
+    policy = ell
+    if HAS_WEIGHTS:  # one same add into both softmax inputs
+        policy = ell + lw
+        base = base + lw
+    p, log_p = _masked_softmax(policy, valid)
+    q, _ = _masked_softmax(base + u * inv_eta, valid)
     # Invalid lanes and q == 0 count 0 (the limit, not 0 * -inf where log p = -inf).
     group_loss = -tl.sum(q * tl.where(q > 0, log_p, 0.0), axis=0)
 
-    tl.store(ell_ptr + member, ell, mask=valid)
-    tl.store(u_ptr + member, u, mask=valid)
-    tl.store(p_ptr + member, p, mask=valid)
-    tl.store(q_ptr + member, q, mask=valid)
+    tl.store(ell_ptr + member, ell, mask=in_group)
+    tl.store(u_ptr + member, u, mask=in_group)
+    tl.store(p_ptr + member, p, mask=in_group)
+    tl.store(q_ptr + member, q, mask=in_group)
     tl.store(group_loss_ptr + group, group_loss)
 
 
@@ -147,6 +164,7 @@ def fused_group_targets(
     eta: float,
     anchor: bool,
     score_eps: float = 0.0,
+    seq_log_weights: Optional[Tensor] = None,
     block_t: Optional[int] = None,
 ) -> GroupResult:
     """Same contract as :func:`tpo_kernels.group_math.portable_group_targets`.
@@ -165,6 +183,8 @@ def fused_group_targets(
         scores = scores.to(torch.float64).contiguous()
         has_old = old_seq_logprobs is not None
         old = old_seq_logprobs.to(torch.float64).contiguous() if has_old else scores  # placeholder when unused
+        has_weights = seq_log_weights is not None
+        log_weights = seq_log_weights.to(torch.float64).contiguous() if has_weights else scores
         block_k, block_t = _tile_sizes(layout, block_t)
         with device_guard(token_logprobs):
             _group_targets_kernel[(g,)](
@@ -175,6 +195,7 @@ def fused_group_targets(
                 layout.group_members.contiguous(),
                 scores,
                 old,
+                log_weights,
                 ell,
                 u,
                 p,
@@ -183,6 +204,7 @@ def fused_group_targets(
                 *split_scalar(1.0 / eta),
                 *split_scalar(0.5 * score_eps),  # in float32's range (checked with the settings)
                 HAS_OLD=has_old,
+                HAS_WEIGHTS=has_weights,
                 ANCHOR=bool(anchor),
                 BLOCK_K=block_k,
                 BLOCK_T=block_t,

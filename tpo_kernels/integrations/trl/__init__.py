@@ -82,8 +82,10 @@ What the trainer does, and why it is exact:
   ``"token_mask"``) a completion whose ratio (or any of whose counted tokens' ratios) lies outside
   TRL's ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` is left out of
   its group (its token mask is zeroed: no probability mass, no gradient, the rest renormalized).
-  The truncation modes are refused (a weight on a completion's gradient breaks
-  ``sum_i (p_i - q_i) = 0``; the math: this folder's README.md). Without vLLM nothing changes.
+  ``"sequence_truncate"`` counts each completion in its group with TRL's truncated ratio as a
+  weight, in both ``p`` and ``q`` (the loss's ``seq_log_weights``); ``"token_truncate"`` is refused
+  (per-token weights have no reading in the group softmax; the math: this folder's README.md).
+  Without vLLM nothing changes.
 * **Entropy bonus.** ``entropy_coef`` trains ``loss - entropy_coef * H``, ``H`` the mean tempered
   token entropy of the loss call's counted tokens, from the loss's own vocabulary pass;
   ``use_adaptive_entropy`` runs TRL's controller on that entropy (same state, so TRL saves it in
@@ -124,7 +126,7 @@ on, ``policy_loss`` (the loss before the bonus; ``tpo/loss`` and TRL's ``loss`` 
 GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_sampling_level``,
 the SAPO / VESPO parameters, ``scale_rewards``) do not apply to TPO and are ignored; the options that would silently
 change the objective (``top_entropy_quantile < 1``, ``off_policy_mask_threshold``,
-``use_bias_correction_kl`` with ``beta > 0``, a truncation ``vllm_importance_sampling_mode`` with
+``use_bias_correction_kl`` with ``beta > 0``, ``vllm_importance_sampling_mode="token_truncate"`` with
 vLLM's correction on) are refused; this config
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
 vision-language models, DeepSpeed ZeRO-3.

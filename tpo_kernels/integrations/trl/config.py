@@ -81,8 +81,11 @@ class TargetPOConfig(GRPOConfig):
 
 
 # vLLM's importance-sampling modes whose meaning TPO takes over: a completion whose sampler /
-# trainer ratio is out of TRL's bounds is left out of its group (see generation_batch.sampler_kept).
+# trainer ratio is out of TRL's bounds is left out of its group (see generation_batch.sampler_kept);
+# with sequence_truncate each completion counts in its group with its truncated sequence ratio as a
+# weight (the loss's seq_log_weights; a ratio of 0 leaves it out).
 SAMPLER_MASK_MODES = ("sequence_mask", "token_mask")
+SAMPLER_WEIGHT_MODES = ("sequence_truncate",)
 
 
 def sampler_correction_on(args: GRPOConfig) -> bool:
@@ -92,13 +95,14 @@ def sampler_correction_on(args: GRPOConfig) -> bool:
 
 
 def sampler_mode_refusal(mode: str) -> str:
-    """Why ``vllm_importance_sampling_mode=mode`` (a truncation mode) is refused with vLLM's correction on."""
+    """Why ``vllm_importance_sampling_mode=mode`` (``token_truncate``) is refused with vLLM's correction on."""
+    accepted = SAMPLER_MASK_MODES + SAMPLER_WEIGHT_MODES
     return (
-        f"vllm_importance_sampling_mode={mode!r} with vLLM's importance-sampling correction (TPO corrects the "
-        "sampler-trainer mismatch by leaving the offending completions out of their group: use "
-        f"{' or '.join(repr(m) for m in SAMPLER_MASK_MODES)}, or vllm_importance_sampling_correction=False. A "
-        "truncated ratio weighs a completion's share of the gradient; in TPO's group softmax that weight would have "
-        "to enter both p and q, which the loss does not take)"
+        f"vllm_importance_sampling_mode={mode!r} with vLLM's importance-sampling correction (TPO weighs whole "
+        "completions in their group: use "
+        f"{', '.join(repr(m) for m in accepted[:-1])} or {accepted[-1]!r}, or vllm_importance_sampling_correction="
+        "False. Per-token weights would change each token's share of a completion's sequence log-prob ell_i, not "
+        "the completion's weight in its group's p and q, and TPO's group softmax has no per-token reading of them)"
     )
 
 
@@ -178,7 +182,8 @@ def check_tpo_args(args: GRPOConfig) -> None:
         _check_eval_layout(args.per_device_eval_batch_size, args.num_generations_eval or args.num_generations,
                            processes)
     refused = []
-    if sampler_correction_on(args) and args.vllm_importance_sampling_mode not in SAMPLER_MASK_MODES:
+    accepted_modes = SAMPLER_MASK_MODES + SAMPLER_WEIGHT_MODES
+    if sampler_correction_on(args) and args.vllm_importance_sampling_mode not in accepted_modes:
         refused.append(sampler_mode_refusal(args.vllm_importance_sampling_mode))
     if args.top_entropy_quantile < 1.0:
         refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (TPO trains every counted token)")

@@ -136,17 +136,19 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
 
     ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
     ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes),
-    ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``beta``, ``eta``, ``anchor``,
+    ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``seq_log_weights`` ([N] or None), ``beta``,
+    ``eta``, ``anchor``,
     ``score_eps``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``,
     ``token_entropy``, ``router_aux_loss`` (read by the patched forward: also return the model's MoE
     load-balancing loss, as ``router_aux_loss``) and ``detached``: None, or the other rows of this
     micro-step's groups (a group spanning micro-steps), a :class:`tpo_kernels.kit.LossRows` of
     ``[D, C]`` / ``[D]`` token log-probs, ``token_entropy`` (on request), ``mask``, ``scores``,
-    ``group_ids``, ``old_logprobs`` and ``ref_logprobs`` as the N rows carry them, which enter the
+    ``group_ids``, ``old_logprobs``, ``ref_logprobs`` and ``seq_log_weights`` as the N rows carry them, which enter the
     loss call after the N rows without gradient (:func:`tpo_kernels.kit.add_constant_members`; their
     token log-probs computed under the same parameters; ``group_ids`` then required).
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
-    completion has a counted token), ``kept`` ([N (+ D)] bool: completions with a counted token), and
+    completion has a counted token), ``kept`` ([N (+ D)] bool: completions with a counted token and a
+    weight above 0), and
     ``mask``, ``ref_logprobs`` of the call's rows on the hidden states' device.
 
     Completions without a counted token are left out of their group by tpo_kernels itself.
@@ -158,6 +160,8 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     old = None if old is None else old.to(device)
     ref = None if ref is None else ref.to(device)
     group_ids = None if request["group_ids"] is None else request["group_ids"].to(device)
+    log_weights = request.get("seq_log_weights")
+    log_weights = None if log_weights is None else log_weights.to(device)
     detached = request["detached"]
     rows = None
     if detached is not None:
@@ -166,10 +170,12 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
         token_logprobs, entropy = _vocab_pass(hidden, weight, bias, labels, mask, request, logit_scale, logit_softcap)
         rows = kit.add_constant_members(
             kit.LossRows(logprobs=token_logprobs, scores=scores, group_ids=group_ids, mask=mask, old_logprobs=old,
-                         ref_logprobs=ref, token_entropy=entropy),
+                         ref_logprobs=ref, token_entropy=entropy, seq_log_weights=log_weights),
             detached)
-        mask, ref = rows.mask, rows.ref_logprobs
+        mask, ref, log_weights = rows.mask, rows.ref_logprobs, rows.seq_log_weights
     kept = mask.any(dim=1)
+    if log_weights is not None:  # a weight of 0 leaves a completion out of its group
+        kept = kept & (log_weights > float("-inf"))
     out: Dict[str, Any] = {"kept": kept, "mask": mask, "ref_logprobs": ref}
     if request["process_group"] is None and not bool(kept.any()):
         # tpo_kernels refuses a batch without any counted token; return a differentiable zero
@@ -187,7 +193,8 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
         with torch.autocast(device.type, enabled=False):
             loss, aux = fused_linear_tpo_loss(
                 hidden, weight, labels, scores, bias=bias, mask=mask, group_ids=group_ids, old_logprobs=old,
-                ref_logprobs=ref, temperature=request["temperature"], logit_scale=logit_scale,
+                ref_logprobs=ref, seq_log_weights=log_weights, temperature=request["temperature"],
+                logit_scale=logit_scale,
                 logit_softcap=logit_softcap, return_entropy=request["token_entropy"], entropy_coef=entropy_coef,
                 **settings)
     else:

@@ -21,8 +21,8 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from ... import kit
-from .config import (SAMPLER_MASK_MODES, TargetPOConfig, check_tpo_args, group_window, groups_split_over_processes,
-                     sampler_mode_refusal)
+from .config import (SAMPLER_MASK_MODES, SAMPLER_WEIGHT_MODES, TargetPOConfig, check_tpo_args, group_window,
+                     groups_split_over_processes, sampler_mode_refusal)
 from .generation_batch import padded_to_width, sampler_kept, shuffle_groups, take_rows, tpo_scores_from_rewards
 from .head import add_tpo_head, serve_trl_fused_head, trl_fused_head_missing
 from .metrics import log_tpo_metrics
@@ -124,12 +124,18 @@ class TargetPOTrainer(GRPOTrainer):
         batch["tpo_group_ids"] = torch.arange(first, first + rows, device=device) // group_size
         if self._sampler_correction_on():
             # TRL has computed (and logged) the sampler / trainer ratio; the completions it masks are
-            # left out of their group by their token mask (see _token_mask).
-            if self.vllm_importance_sampling_mode not in SAMPLER_MASK_MODES:  # the config refuses it too
-                raise ValueError("TargetPOTrainer does not support " + sampler_mode_refusal(
-                    self.vllm_importance_sampling_mode))
-            kept = sampler_kept(batch["importance_sampling_ratio"], self._token_mask(batch))
-            batch["tpo_sampler_kept"] = kept
+            # left out of their group by their token mask (see _token_mask); with sequence_truncate
+            # each completion counts with its truncated ratio as a weight (a ratio of 0: left out).
+            mode = self.vllm_importance_sampling_mode
+            if mode not in SAMPLER_MASK_MODES + SAMPLER_WEIGHT_MODES:  # the config refuses it too
+                raise ValueError("TargetPOTrainer does not support " + sampler_mode_refusal(mode))
+            ratio = batch["importance_sampling_ratio"]
+            if mode in SAMPLER_WEIGHT_MODES:  # [rows, 1]: min(max(rho, clip_min), clip_max), rho TRL's ratio
+                batch["tpo_seq_log_weights"] = ratio[:, 0].to(torch.float64).log()
+                kept = batch["tpo_seq_log_weights"] > float("-inf")
+            else:
+                kept = sampler_kept(ratio, self._token_mask(batch))
+                batch["tpo_sampler_kept"] = kept
             counts = torch.stack([(~kept).sum(), torch.tensor(rows, device=kept.device)]).float()
             masked, total = kit.sum_over_ranks(counts, self._world_group(), "sampler_masked").tolist()
             mode = "train" if self.model.training else "eval"
@@ -263,6 +269,7 @@ class TargetPOTrainer(GRPOTrainer):
             "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached.group_ids]),
             "old_logprobs": self._old_logprobs(inputs, mode),
             "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            "seq_log_weights": inputs.get("tpo_seq_log_weights"),
             "detached": detached,
             "beta": float(self.beta),
             "eta": float(self.args.tpo_eta),
@@ -351,7 +358,8 @@ class TargetPOTrainer(GRPOTrainer):
                 logprobs=token_logprobs, token_entropy=entropy, mask=self._token_mask(batch),
                 scores=batch["tpo_scores"], group_ids=batch["tpo_group_ids"],
                 old_logprobs=self._old_logprobs(batch, "train"),
-                ref_logprobs=batch.get("ref_per_token_logps") if self.beta != 0.0 else None))
+                ref_logprobs=batch.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                seq_log_weights=batch.get("tpo_seq_log_weights")))
         return functools.reduce(kit.add_constant_members, parts)
 
     def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):

@@ -88,8 +88,8 @@ a response a sequence-level rejection (``rollout_rs``) masks out has no counted 
 estimator standardizes its group without it and the loss leaves it out (no mass, no gradient); it
 still carries its group id on its row, so that the loss counts it as a member. Sequence-level
 importance weights (``rollout_is=sequence``) count each response ``w`` times in its group
-(:func:`.policy_loss._weighted_inputs`); ``w = 0`` is a rejection. Refused, by the estimator:
-``bypass_mode`` (the sampler's log-probs would be TPO's anchor), token-level rejection options and
+(the loss's ``seq_log_weights=log w``, :func:`.policy_loss._log_weights`); ``w = 0`` is a
+rejection. Refused, by the estimator: ``bypass_mode`` (the sampler's log-probs would be TPO's anchor), token-level rejection options and
 ``rollout_is=token`` (TPO's unit is the whole response); by the loss: per-token weights. The
 worker's record carries the weights, so recorded micro-batches add up to the weighted mini-batch.
 

@@ -16,7 +16,6 @@ narrower dtype loses the marker and the loss refuses the batch.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence, Tuple
 
 import torch
@@ -29,10 +28,6 @@ MAX_ABS_SCORE = 2.0**5  # |u| <= sqrt(K - 1): K <= 1025 completions per prompt
 GROUP_ID_BITS = 20  # up to 2**20 - 1 groups per batch
 _FRACTION_BITS = GROUP_ID_BITS + 1  # the id and its marker bit
 _DTYPE = torch.float64  # 5 + 24 + 21 bits fit float64's 53
-# The largest log importance weight: verl clamps every log ratio to [-20, 20] (SAFETY_BOUND in
-# verl/trainer/ppo/rollout_corr_helper.py) before exponentiating; the policy loss anchors the
-# weighted group at log w - MAX_LOG_WEIGHT <= 0 (policy_loss._weighted_inputs).
-MAX_LOG_WEIGHT = 20.0
 
 
 def group_ids_from_uids(index: Sequence) -> Tensor:
@@ -100,22 +95,22 @@ def decode_advantages(advantages: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]
 
 def response_weights(rollout_is_weights: Tensor, mask: Tensor) -> Tensor:
     """``[B]`` float64: each response's importance weight from verl's ``[B, T]`` weights, which
-    must be one value in [0, e^MAX_LOG_WEIGHT] per response over its counted tokens
-    (``rollout_is=sequence``); 1 for a response without a counted token (it is out of its group
-    anyway)."""
+    must be one finite value >= 0 per response over its counted tokens (``rollout_is=sequence``;
+    verl clamps each log ratio to [-20, 20] before exponentiating, but the loss needs no bound: its
+    ``seq_log_weights`` take any finite ``log w``); 1 for a response without a counted token (it is
+    out of its group anyway)."""
     if tuple(rollout_is_weights.shape) != tuple(mask.shape):
         raise ValueError(f"rollout_is_weights must be [B, T] like response_mask {tuple(mask.shape)}, got "
                          f"{tuple(rollout_is_weights.shape)}")
     weights = rollout_is_weights.detach().to(torch.float64)
     first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
     per_response = weights.gather(1, first).squeeze(1)
-    # (float32's exp(20) rounds a little above e^20: the bound allows for it.)
-    in_range = (weights >= 0) & (weights <= math.exp(MAX_LOG_WEIGHT) * (1 + 1e-6))
+    in_range = (weights >= 0) & torch.isfinite(weights)
     bad, varying = torch.stack([(mask & ~in_range).any(),
                                 (mask & (weights != per_response.unsqueeze(1))).any()]).tolist()
     if bad:
-        raise ValueError(f"rollout_is_weights must be in [0, e^{MAX_LOG_WEIGHT:g}] (verl's bound on an importance "
-                         "weight) on the counted tokens; found a negative, NaN, infinite or larger weight")
+        raise ValueError("rollout_is_weights must be finite and >= 0 on the counted tokens (an importance weight); "
+                         "found a negative, NaN or infinite weight")
     if varying:
         raise ValueError(
             "rollout_is_weights vary along a response (algorithm.rollout_correction.rollout_is=token): TPO weights "

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ... import kit, tpo_loss_from_logprobs
-from .advantage import MAX_LOG_WEIGHT, SCORE_BITS, decode_advantages, decode_members, response_weights
+from .advantage import SCORE_BITS, decode_advantages, decode_members, response_weights
 from .record import ROW_FIELD, MiniBatchRecord, current_rows
 
 # A whole group's standardized scores sum to 0 and their squares to its size (population std),
@@ -157,7 +157,7 @@ def tpo_policy_loss(
             over the ranks when it is > 1) and scales the loss to the mean over the mini-batch.
         rollout_is_weights: None, or verl's sequence-level importance weights (``rollout_is=sequence``,
             ``[B, T]``, one value per response on its counted tokens): each response counts in its
-            group with its weight ``w`` (see :func:`_weighted_inputs`); ``w = 0`` (IcePop's
+            group with its weight ``w`` (see :func:`_log_weights`); ``w = 0`` (IcePop's
             out-of-bounds responses) takes it out of its group. Token-level weights are refused.
         eta, anchor, score_eps, length_normalize, backend: TPO's settings (see
             :func:`tpo_kernels.tpo_loss`). The estimator already applied the near-tie rule to the
@@ -185,10 +185,10 @@ def tpo_policy_loss(
     member_ids = decode_members(advantages.detach(), mask)
     step_ids, step_scores = _step_groups(u, group_ids, member_ids, group_size, process_group, score_eps)
     loss_inputs = dict(logprobs=log_prob, mask=mask, group_ids=group_ids,
-                       old_logprobs=old_log_prob.detach() if anchor else None, anchor=anchor)
-    if weights is not None:
-        loss_inputs = _weighted_inputs(weights, log_prob, old_log_prob, mask, group_ids, anchor, length_normalize)
-    if not bool((loss_inputs["group_ids"] >= 0).any()) and process_group is None:
+                       old_logprobs=old_log_prob.detach() if anchor else None, anchor=anchor,
+                       seq_log_weights=None if weights is None else _log_weights(weights, log_prob.device))
+    kept = group_ids >= 0 if weights is None else (group_ids >= 0) & (weights > 0).to(group_ids.device)
+    if not bool(kept.any()) and process_group is None:
         # Every response here has weight 0 (or no counted token): no loss, no gradient.
         return log_prob.sum() * 0.0, _metrics(None, step_ids, step_scores, log_prob, old_log_prob, mask, dp_size)
     loss, aux = tpo_loss_from_logprobs(
@@ -205,48 +205,17 @@ def tpo_policy_loss(
     return loss, metrics
 
 
-def _weighted_inputs(weights: Tensor, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, group_ids: Tensor,
-                     anchor: bool, length_normalize: bool) -> Dict[str, Any]:
-    """tpo_loss_from_logprobs' inputs for TPO with a per-response weight ``w_i`` in its group:
-    the group's responses count with multiplicity ``w_i`` (as if response i had been drawn w_i
-    times), so both distributions over the group carry the weight,
+def _log_weights(weights: Tensor, device) -> Tensor:
+    """``[B]`` float64 ``log w`` per response for the loss's ``seq_log_weights``: each response counts
+    with multiplicity ``w_i`` in its group (as if drawn ``w_i`` times), in both distributions,
 
         p_i = w_i exp(ell_i) / sum_j w_j exp(ell_j),    q_i = w_i p_old_i exp(u_i / eta) / Z,
 
-    (``p_old_i`` dropped without the anchor), and the loss ``-sum_i q_i log p_i`` has gradient
-    ``dL/d ell_i = p_i - q_i``, which sums to 0 over the group. This is TPO with ``ell_i + log w_i``
-    and ``ell_old_i + log w_i``: the shift rides on one counted token of each response (n_i times
-    log w_i with length_normalize, which divides by n_i), a constant, so each token's gradient is
-    the weighted group's. The target policy (p = q) is the unweighted one; the weights change how
-    much each sample counts. ``w = 0`` takes a response out of its group (no mass, no gradient, the
-    rest renormalized), exactly as a rejection mask does; equal weights change nothing.
-
-    Both shifts take ``log w_i - MAX_LOG_WEIGHT`` rather than ``log w_i``: the same constant for
-    every member of every group (on every rank and micro-batch), so p and q are unchanged, and the
-    log-probs and the anchor stay <= 0 as tpo_loss checks (w up to e^20, log-probs near 0)."""
-    kept = weights > 0
-    counted = mask.any(dim=1)
-    log_w = torch.where(kept, torch.log(torch.where(kept, weights, 1.0)), 0.0)
-    anchor_log_w = log_w - MAX_LOG_WEIGHT
-    tokens_per_shift = mask.sum(dim=1) if length_normalize else 1
-    first = mask.to(torch.int8).argmax(dim=1, keepdim=True)
-    device = log_prob.device
-
-    def on_first_token(per_response: Tensor) -> Tensor:
-        values = torch.where(counted & kept, per_response * tokens_per_shift, 0.0)
-        return torch.zeros(log_prob.shape, dtype=torch.float64, device=device).scatter_(
-            1, first.to(device), values.unsqueeze(1).to(device))
-
-    kept_mask = mask & kept.to(mask.device).unsqueeze(1)
-    # The shift rides in float64 (log-probs stay <= 0, as tpo_loss checks, and a shift of n times
-    # log w - MAX_LOG_WEIGHT keeps the token's digits); the gradient flows back in log_prob's dtype.
-    inputs = dict(logprobs=log_prob.to(torch.float64) + on_first_token(anchor_log_w), mask=kept_mask,
-                  group_ids=torch.where(kept.to(group_ids.device), group_ids, -1), anchor=True)
-    if anchor:
-        inputs["old_logprobs"] = old_log_prob.detach().to(torch.float64) + on_first_token(anchor_log_w)
-    else:  # q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i per response
-        inputs["old_logprobs"] = torch.where(kept, anchor_log_w, 0.0).to(device)
-    return inputs
+    (``p_old_i`` dropped without the anchor), so ``dL/d ell_i = p_i - q_i`` still sums to 0 over the
+    group. The target policy (p = q) is the unweighted one; the weights change how much each sample
+    counts. ``w = 0`` (``log w = -inf``) takes a response out of its group (no mass, no gradient,
+    the rest renormalized), exactly as a rejection mask does; equal weights change nothing."""
+    return torch.log(weights).to(device)  # log 0 = -inf: out of its group
 
 
 def _recorded_others(record: MiniBatchRecord, rows: Tensor, group_ids: Tensor, u: Tensor, group_size: int,
@@ -311,8 +280,8 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
     (constants), so each response gets the gradient of the unsplit group. Each group's value
     counts with the fraction of its responses held here (the micro-batches' values add up to the
     mini-batch mean; the gradient is unchanged), times dp_size as data parallelism averages.
-    Importance weights as in :func:`_weighted_inputs`: ``log w`` added to every member's current
-    and old sequence log-prob (as the anchor without ``anchor``), weight-0 members left out."""
+    Importance weights as in :func:`_log_weights`: every member's ``log w`` as ``seq_log_weights``,
+    weight-0 members left out."""
     rows = rows.to(torch.int64)
     ids_cpu, u_cpu = group_ids.cpu(), u.to(torch.float64).cpu()
     others = _recorded_others(record, rows, ids_cpu, u_cpu, group_size, score_eps)
@@ -338,28 +307,22 @@ def _recorded_loss(record: MiniBatchRecord, rows: Tensor, group_size: int, u: Te
     # Packed rows: this micro-batch's counted responses token by token, then each other member as
     # one constant token carrying its sequence log-prob (its mean over its tokens with
     # length_normalize, which a one-token mean leaves unchanged); old log-probs per response.
+    own_log_w = other_log_w = None
+    if recorded_weights is not None:
+        own_log_w = _log_weights(recorded_weights[rows][own], device)
+        other_log_w = _log_weights(recorded_weights[others], device)
     rows_here = kit.LossRows(logprobs=log_prob[own.to(device)][own_mask], scores=u_cpu[own].to(device, dtype),
                              group_ids=ids_cpu[own].to(device), old_logprobs=own_old,
-                             cu_seqlens=torch.cat([own_lengths.new_zeros(1), own_lengths.cumsum(0)]).to(device))
+                             cu_seqlens=torch.cat([own_lengths.new_zeros(1), own_lengths.cumsum(0)]).to(device),
+                             seq_log_weights=own_log_w)
     other_members = kit.LossRows(logprobs=record.seq_logprobs[others] / other_tokens, scores=record.scores[others],
                                  group_ids=record.group_ids[others], old_logprobs=other_old,
-                                 cu_seqlens=torch.arange(len(others) + 1))
+                                 cu_seqlens=torch.arange(len(others) + 1), seq_log_weights=other_log_w)
     joined = kit.add_constant_members(rows_here, other_members)
-    logprobs, old_ell = joined.logprobs, joined.old_logprobs
-    log_w = None
-    if recorded_weights is not None:  # log w on each member's first packed token (n log w: a token mean)
-        log_w = torch.cat([recorded_weights[rows][own], recorded_weights[others]]).log()
-        lengths = torch.cat([own_lengths, torch.ones(len(others), dtype=torch.int64)])
-        token_shift = (log_w - MAX_LOG_WEIGHT) * (lengths if length_normalize else 1)  # <= 0: log-probs stay <= 0
-        logprobs = logprobs.to(torch.float64).index_add(0, joined.cu_seqlens[:-1],
-                                                        token_shift.to(device, torch.float64))
-        # <= 0: see _weighted_inputs; without the anchor, q_i = w_i exp(u_i / eta) / Z: an anchor of log w_i
-        old_ell = (log_w - MAX_LOG_WEIGHT) if old_ell is None else old_ell + (log_w - MAX_LOG_WEIGHT)
-    if old_ell is not None:
-        old_ell = old_ell.to(device)  # float64: the sums and the shift keep their digits
+    old_ell = None if joined.old_logprobs is None else joined.old_logprobs.to(device)  # float64 sums
     per_group, aux = tpo_loss_from_logprobs(
-        **dataclasses.replace(joined, logprobs=logprobs, old_logprobs=old_ell).loss_inputs(),
-        eta=eta, anchor=anchor or log_w is not None, score_eps=_decoded_score_eps(score_eps),
+        **dataclasses.replace(joined, old_logprobs=old_ell).loss_inputs(),
+        eta=eta, anchor=anchor, score_eps=_decoded_score_eps(score_eps),
         length_normalize=length_normalize, reduction="none", backend=backend, return_aux=True,
     )
     _, inverse, sizes = torch.unique(ids, return_inverse=True, return_counts=True)  # per_group's order
