@@ -305,6 +305,8 @@ def fused_linear_tpo_loss(
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
     logits_cache_bytes: int = 0,
+    head_dtype: Optional[torch.dtype] = None,
+    batch_invariant: bool = False,
     validate: bool = True,
     process_group=None,
     context_parallel_group=None,
@@ -336,6 +338,16 @@ def fused_linear_tpo_loss(
             the logits' dtype): cached tokens cost three matmuls instead of four. 0: every counted
             token's logits for a vocabulary of at most ``TilePolicy.small_vocab`` (16384) entries,
             else none.
+        head_dtype: the dtype the logits are formed in (None: the inputs'). ``torch.float32`` for a
+            bf16 / fp16 head keeps the logits from being rounded to bf16 before the softmax: each
+            tile's operands are cast (on CUDA, multiplied into fp32 by one out_dtype matmul), never
+            the whole weight; gradients come back in the inputs' dtypes. float32 or float64, never
+            narrower than ``hidden`` and ``weight``.
+        batch_invariant: a token's log-prob, entropy and row of the hidden-state gradient are the
+            same bits whatever else is in the batch (its size, order, padding): every tile has one
+            shape, the last zero-padded, and no byte-budgeted logits cache. Off by default (small
+            calls pay for the padding). ``dW``, ``db`` and the loss's group-coupled gradients are
+            sums over the batch and out of scope.
         process_group, context_parallel_group, vocab_parallel_group, vocab_start_index: see the
             module docstring (weight ``[V_r, H]`` and bias ``[V_r]`` of a vocabulary shard, or DTensors
             sharded on dim 0; ``hidden`` of this rank's positions with ``context_parallel_group``).
@@ -347,7 +359,8 @@ def fused_linear_tpo_loss(
     return pipeline.sequence_loss(SequenceRequest(
         function="fused_linear_tpo_loss",
         source=Head(hidden=hidden, weight=weight, bias=bias, chunk_size=chunk_size, grad_accum_dtype=grad_accum_dtype,
-                    tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes),
+                    tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes, head_dtype=head_dtype,
+                    batch_invariant=batch_invariant),
         batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
                     cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
                     ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights),
@@ -376,6 +389,8 @@ def fused_linear_logprobs(
     grad_accum_dtype: torch.dtype = torch.float32,
     tile_policy: Optional[TilePolicy] = None,
     logits_cache_bytes: int = 0,
+    head_dtype: Optional[torch.dtype] = None,
+    batch_invariant: bool = False,
     validate: bool = True,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
@@ -388,13 +403,15 @@ def fused_linear_logprobs(
     ignore_index``; with ``return_entropy`` also the per-token entropy of the tempered
     distribution (0 at ignored positions), whose gradient flows too. Under ``torch.no_grad()``
     this is the memory-light way to get old / reference log-probs from a model's hidden states.
-    ``chunk_size``, ``grad_accum_dtype``, ``tile_policy`` and ``logits_cache_bytes`` as in :func:`fused_linear_tpo_loss`;
+    ``chunk_size``, ``grad_accum_dtype``, ``tile_policy``, ``logits_cache_bytes``, ``head_dtype`` and
+    ``batch_invariant`` as in :func:`fused_linear_tpo_loss`;
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     """
     return pipeline.selective_logprobs(LogprobsRequest(
         function="fused_linear_logprobs",
         source=Head(hidden=hidden, weight=weight, bias=bias, chunk_size=chunk_size, grad_accum_dtype=grad_accum_dtype,
-                    tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes),
+                    tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes, head_dtype=head_dtype,
+                    batch_invariant=batch_invariant),
         labels=labels,
         ignore_index=ignore_index,
         options=Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,

@@ -92,9 +92,12 @@ def _agree_on_vocabulary(request, group, plan: Optional[Plan], failure: Optional
     """Every rank of ``vocab_parallel_group`` states its shard, its tokens and its settings;
     returns ``(VocabShard | None, failure | None)``, the same verdict on every rank."""
     shard_request = None if plan is None else plan.shard_request
-    hidden = plan.rows.hidden.shape[-1] if plan is not None and isinstance(plan.rows, HeadRows) else 0
+    tiles = plan.rows.tiles if plan is not None and isinstance(plan.rows, HeadRows) else None
+    head = {"hidden size": 0 if tiles is None else plan.rows.hidden.shape[-1],  # the head's tiles: one shape per rank
+            "head dtype": None if tiles is None else str(tiles.head_dtype).replace("torch.", ""),
+            "batch invariant": tiles is not None and tiles.policy.batch_invariant}
     tokens = 0 if plan is None else plan.labels.numel()
-    settings = _agreed_settings(request.function, plan, {"tokens": tokens, "hidden size": hidden})
+    settings = _agreed_settings(request.function, plan, {"tokens": tokens, **head})
     labels = torch.zeros((), dtype=torch.int64) if plan is None else placement.fingerprint(plan.labels)
     size = 0 if shard_request is None else shard_request.size
     start = -1 if shard_request is None or shard_request.start is None else shard_request.start

@@ -70,6 +70,8 @@ class Head:
     grad_accum_dtype: torch.dtype = torch.float32
     tile_policy: Optional[TilePolicy] = None
     logits_cache_bytes: int = 0
+    head_dtype: Optional[torch.dtype] = None
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

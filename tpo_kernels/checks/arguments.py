@@ -292,6 +292,7 @@ def check_tile_policy(tile_policy, policy_type: type) -> None:
         check_int(f"tile_policy.{field}", getattr(tile_policy, field), 0, INT64_MAX)
     if tile_policy.matmul_out_dtype is not None:
         check_flag("tile_policy.matmul_out_dtype", tile_policy.matmul_out_dtype)
+    check_flag("tile_policy.batch_invariant", tile_policy.batch_invariant)
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -417,6 +418,19 @@ def check_grad_accum_dtype(grad_accum_dtype, weight_dtype: torch.dtype) -> torch
             f"grad_accum_dtype must be torch.float32, float64 or the weight dtype, got {grad_accum_dtype!r}"
         )
     return torch.promote_types(grad_accum_dtype, weight_dtype)
+
+
+def check_head_dtype(head_dtype, inputs_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the fused head forms its logits in: None (the inputs'), float32 or float64, never
+    narrower than the inputs' (``inputs_dtype``: hidden and weight promoted)."""
+    if head_dtype is None:
+        return inputs_dtype
+    if not isinstance(head_dtype, torch.dtype):
+        raise TypeError(f"head_dtype must be None, torch.float32 or torch.float64, got {_kind(head_dtype)}")
+    if head_dtype not in (torch.float32, torch.float64) or torch.promote_types(head_dtype, inputs_dtype) != head_dtype:
+        raise ValueError(f"head_dtype must be None, torch.float32 or torch.float64 and at least the inputs' "
+                         f"{inputs_dtype}, got {head_dtype}")
+    return head_dtype
 
 
 def check_logits_cache(logits_cache_bytes, policy_bytes, vocab_parallel: bool) -> int:

@@ -12,6 +12,7 @@ entered only when a vocabulary group or a DTensor is present.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Optional, Tuple, Union
 
@@ -23,9 +24,9 @@ from ..backends import resolve_backend_key
 from ..ops import HeadTiles, RowRequest, TilePolicy
 from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Placement, SequenceRequest
 from ..requests import Source
-from ..checks.arguments import (check_chunk_size, check_float_tensor, check_grad_accum_dtype, check_head,
-                                check_logits, check_logits_cache, check_logits_source, check_options,
-                                check_row_options, check_tile_policy)
+from ..checks.arguments import (check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype, check_head,
+                                check_head_dtype, check_logits, check_logits_cache, check_logits_source,
+                                check_options, check_row_options, check_tile_policy)
 from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
 from ..checks.placement import check_distinct_groups, check_group
 from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RankGroups, RowSource
@@ -150,9 +151,7 @@ def _resolve_source(source: Source, where: Placement):
     if isinstance(source, Head):
         hidden, weight, bias, shard = vocab_parallel_head(source.hidden, source.weight, source.bias,
                                                           where.vocab_parallel_group, where.vocab_start_index)
-        return Head(hidden=hidden, weight=weight, bias=bias, chunk_size=source.chunk_size,
-                    grad_accum_dtype=source.grad_accum_dtype, tile_policy=source.tile_policy,
-                    logits_cache_bytes=source.logits_cache_bytes), shard, None
+        return dataclasses.replace(source, hidden=hidden, weight=weight, bias=bias), shard, None
     return source, None, None
 
 
@@ -239,15 +238,19 @@ def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, tor
     chunk_size = check_chunk_size(source.chunk_size)
     accum = check_grad_accum_dtype(source.grad_accum_dtype, weight.dtype)
     check_tile_policy(source.tile_policy, TilePolicy)
+    head_dtype = check_head_dtype(source.head_dtype, torch.promote_types(hidden.dtype, weight.dtype))
     policy = source.tile_policy or TilePolicy.for_device(hidden.device)
+    if check_flag("batch_invariant", source.batch_invariant):  # before chunk_size: unclipped by M under it
+        policy = dataclasses.replace(policy, batch_invariant=True)
     cache = check_logits_cache(source.logits_cache_bytes, policy.logits_cache_bytes, sharded)
     policy = policy.with_logits_cache(cache)
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     if chunk_size is None:  # the tile budget, in rows of V
         chunk_size = policy.chunk_size(flat.shape[0], weight.shape[0])
-    rows = HeadRows(hidden=flat, weight=weight, bias=bias,
-                    tiles=HeadTiles(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum))
-    dtype = compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    tiles = HeadTiles(chunk_size=chunk_size, policy=policy, grad_accum_dtype=accum,
+                      head_dtype=None if source.head_dtype is None else head_dtype)
+    rows = HeadRows(hidden=flat, weight=weight, bias=bias, tiles=tiles)
+    dtype = compute_dtype(head_dtype)
     return rows, hidden.device, dtype, weight.shape[0]
 
 
