@@ -1,0 +1,258 @@
+"""Kept-set kernels (sampling-mask replay) against a float64 reference written here, vLLM's recipe:
+a token's log-prob is ``log_softmax`` of its logits masked to its kept set (every other id -inf),
+at its label; its entropy is that of the renormalized distribution; its gradient lives on the kept
+ids only.
+
+Rows are ragged (sets of 0..~100 ids), padded sets have holes (-1), a counted label outside its set
+gives a NaN log-prob with the statistics computed, and an empty set does not count.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tpo_kernels.backends import get_backend
+from tpo_kernels.backends.kept_sets import LABEL_OUTSIDE, NOT_COUNTED, KeptSets
+from tpo_kernels.group_math import pair_runs
+
+from _backends import backend_params
+
+BACKENDS = backend_params("torch", "cpu")
+DTYPES = [torch.float32, torch.float64]
+V = 300
+
+
+def _sets(num_rows, *, max_size=100, seed=0, vocab=V):
+    """Per-row kept sets (distinct ids, some empty) and labels (in the set where it is nonempty)."""
+    gen = torch.Generator().manual_seed(seed)
+    sets, labels = [], []
+    for r in range(num_rows):
+        size = int(torch.randint(0, max_size + 1, (1,), generator=gen)) if r % 5 else int(r % 3 == 1)
+        ids = torch.randperm(vocab, generator=gen)[:size]
+        sets.append(ids.tolist())
+        labels.append(int(ids[torch.randint(0, size, (1,), generator=gen)]) if size else 7)
+    return sets, torch.tensor(labels)
+
+
+def _csr(sets, labels):
+    ids = torch.tensor([i for s in sets for i in s], dtype=torch.int64)
+    offsets = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
+    return KeptSets.from_csr(ids, offsets, labels)
+
+
+def _padded(sets, labels, width):
+    """The same sets as a padded [M, width] tensor, each set's ids placed among holes."""
+    padded = torch.full((len(sets), width), -1, dtype=torch.int64)
+    for r, s in enumerate(sets):
+        slots = torch.randperm(width, generator=torch.Generator().manual_seed(r))[: len(s)].sort().values
+        padded[r, slots] = torch.tensor(s, dtype=torch.int64)
+    return KeptSets.from_padded(padded, labels)
+
+
+def _reference(logits, sets, labels, inv_t=1.0):
+    """float64 (log-prob, entropy) per row: log_softmax over the logits masked to the set; 0 where the
+    set is empty or the label negative, NaN log-prob where the label is outside its set."""
+    lps, ents = [], []
+    for r, s in enumerate(sets):
+        if not s or labels[r] < 0:
+            lps.append(0.0)
+            ents.append(0.0)
+            continue
+        masked = torch.full((logits.shape[-1],), float("-inf"), dtype=torch.float64)
+        masked[s] = logits[r, s].double() * inv_t
+        logp = torch.log_softmax(masked, 0)
+        lps.append(float(logp[labels[r]]) if int(labels[r]) in s else float("nan"))
+        p = logp.exp()
+        ents.append(float(-(p[s] * logp[s]).sum()))
+    return torch.tensor(lps, dtype=torch.float64), torch.tensor(ents, dtype=torch.float64)
+
+
+def _logits(num_rows, dtype, seed=1, offset=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_rows, V, generator=gen) * 3 + offset).to(dtype)
+
+
+def _row_summary(backend, logits, kept, inv_t=1.0):
+    b = get_backend(backend, logits.device)
+    return b.ragged_row_forward(b.kept_gather(logits, kept), kept, inv_temperature=inv_t, with_entropy=True)
+
+
+def _tolerance(dtype):
+    return dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inv_t", [1.0, 1 / 0.7])
+def test_ragged_forward_matches_the_masked_log_softmax(backend, dtype, inv_t):
+    sets, labels = _sets(40)
+    logits = _logits(40, dtype)
+    summary = _row_summary(backend, logits, _csr(sets, labels), inv_t)
+    lp, ent = _reference(logits, sets, labels, inv_t)
+    torch.testing.assert_close(summary.label_logprob.double(), lp, **_tolerance(dtype))
+    torch.testing.assert_close(summary.entropy.double(), ent, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_large_common_offset_keeps_the_log_probs(backend):
+    """Tempering after the max (offset 3e4): the fp32 log-probs keep the reference's digits."""
+    sets, labels = _sets(30, seed=3)
+    logits = _logits(30, torch.float32, offset=3e4)
+    summary = _row_summary(backend, logits, _csr(sets, labels), 1 / 0.7)
+    lp, _ = _reference(logits, sets, labels, 1 / 0.7)
+    torch.testing.assert_close(summary.label_logprob.double(), lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_label_outside_its_set_gives_nan_with_the_statistics(backend):
+    sets, labels = [[3, 5, 9], [4], [1, 2]], torch.tensor([4, 4, 2])
+    logits = _logits(3, torch.float32)
+    kept = _csr(sets, labels)
+    assert kept.label_slot.tolist() == [LABEL_OUTSIDE, 3, 5]
+    summary = _row_summary(backend, logits, kept)
+    assert math.isnan(summary.label_logprob[0]) and not summary.has_label[0]
+    expected = torch.logsumexp(logits[0, [3, 5, 9]].double() - logits[0, [3, 5, 9]].max(), 0)
+    torch.testing.assert_close(summary.log_sum[0].double(), expected, rtol=1e-6, atol=1e-6)
+    assert summary.has_label[1:].all() and float(summary.label_logprob[1]) == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_sets_and_negative_labels_do_not_count(backend):
+    sets, labels = [[], [1, 2], [3]], torch.tensor([5, -100, 3])
+    kept = _csr(sets, labels)
+    assert kept.label_slot.tolist() == [NOT_COUNTED, NOT_COUNTED, 2]
+    summary = _row_summary(backend, _logits(3, torch.float32), kept)
+    for _, field in summary.items():
+        assert (field[:2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_sets_with_holes_equal_their_csr_bit_for_bit(backend, dtype):
+    sets, labels = _sets(24, max_size=40, seed=5)
+    logits = _logits(24, dtype)
+    padded = _padded(sets, labels, width=48)
+    csr = _row_summary(backend, logits, _csr(sets, labels))
+    dense = _row_summary(backend, logits, padded)
+    for (name, a), (_, b) in zip(csr.items(), dense.items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uniform_offsets_are_the_candidate_gather(backend):
+    """Dense sets (offsets = K * arange) gather what the token-level candidate op gathers."""
+    logits = _logits(10, torch.float32)
+    cand = torch.randint(0, V, (10, 6), generator=torch.Generator().manual_seed(2))
+    kept = KeptSets.from_padded(cand, cand[:, 0])
+    b = get_backend(backend, logits.device)
+    assert torch.equal(b.kept_gather(logits, kept).view(10, 6), b.candidate_forward(logits, cand, inv_temperature=1.0))
+
+
+def _grad_reference(logits, sets, labels, g, ge, inv_t):
+    x = logits.double().clone().requires_grad_(True)
+    lps, ents = [], []
+    for r, s in enumerate(sets):
+        if not s or labels[r] < 0:
+            continue
+        masked = torch.full((V,), float("-inf"), dtype=torch.float64).index_put((torch.tensor(s),), x[r, s] * inv_t)
+        logp = torch.log_softmax(masked, 0)
+        lps.append(logp[labels[r]] * g[r])
+        ents.append(-(logp[s].exp() * logp[s]).sum() * ge[r])
+    (sum(lps) + sum(ents)).backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_backward_is_the_masked_gradient(backend, dtype):
+    sets, labels = _sets(30, seed=7)
+    logits = _logits(30, dtype)
+    kept = _csr(sets, labels)
+    b = get_backend(backend, logits.device)
+    gen = torch.Generator().manual_seed(8)
+    g, ge = torch.randn(30, generator=gen), torch.randn(30, generator=gen)
+    z = b.kept_gather(logits, kept)
+    summary = b.ragged_row_forward(z, kept, inv_temperature=1 / 0.7, with_entropy=True)
+    out = torch.empty_like(z)
+    b.ragged_row_backward(z, kept, summary, g.to(z.dtype), grad_entropy=ge.to(z.dtype), inv_temperature=1 / 0.7,
+                          out=out)
+    dense = torch.empty_like(logits)
+    b.kept_scatter(out, kept, out=dense)
+    expected = _grad_reference(logits, sets, labels, g.double(), ge.double(), 1 / 0.7)
+    torch.testing.assert_close(dense.double(), expected, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_scatter_writes_no_hole_and_no_id_outside_the_vocabulary(backend):
+    ids = torch.tensor([[2, -1, 5], [V, 1, -1]])
+    kept = KeptSets.from_padded(ids, torch.tensor([2, 1]))
+    b = get_backend(backend, torch.device("cpu"))
+    out = torch.full((2, V), 9.0)
+    b.kept_scatter(torch.arange(1.0, 7.0), kept, out=out)
+    expected = torch.zeros(2, V)
+    expected[0, 2], expected[0, 5], expected[1, 1] = 1.0, 3.0, 5.0
+    assert torch.equal(out, expected)
+    gathered = b.kept_gather(torch.zeros(2, V), kept)
+    assert gathered[1] == float("-inf") and math.isnan(gathered[3])
+
+
+def _linear(num_rows, hidden_size, dtype, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_rows, hidden_size, generator=gen).to(dtype)
+    weight = (torch.randn(V, hidden_size, generator=gen) / hidden_size**0.5).to(dtype)
+    bias = torch.randn(V, generator=gen).to(dtype)
+    return hidden, weight, bias
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_forward_is_the_gathered_head(backend, dtype):
+    sets, labels = _sets(20, seed=9)
+    hidden, weight, bias = _linear(20, 32, dtype)
+    kept = _padded(sets, labels, width=110)
+    b = get_backend(backend, hidden.device)
+    logits = hidden @ weight.T + bias
+    got = b.kept_linear_forward(hidden, weight, kept, bias=bias)
+    torch.testing.assert_close(got, b.kept_gather(logits, kept), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_backward_is_the_autograd_of_the_gathered_head(backend):
+    sets, labels = _sets(20, seed=10)
+    hidden, weight, bias = _linear(20, 16, torch.float64)
+    kept = _padded(sets, labels, width=110)
+    grad = torch.randn(kept.num_pairs, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    b = get_backend(backend, hidden.device)
+    dh, dw, db = b.kept_linear_backward(grad, hidden, weight, kept, runs=pair_runs(kept.ids), with_hidden=True,
+                                        with_weight=True, with_bias=True)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    dense = leaves[0] @ leaves[1].T + leaves[2]
+    present = kept.ids >= 0
+    (dense[kept.rows[present], kept.ids[present]] * grad[present]).sum().backward()
+    for got, leaf in zip((dh, dw, db), leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 3, 7, 15])
+def test_a_row_does_not_depend_on_its_batch(backend, n):
+    """The first n rows alone give bitwise the log-probs, entropies and gradients they get in the batch."""
+    sets, labels = _sets(16, seed=12)
+    hidden, weight, bias = _linear(16, 64, torch.float32)
+    b = get_backend(backend, hidden.device)
+
+    def run(rows):
+        kept = _csr(sets[:rows], labels[:rows])
+        z = b.kept_linear_forward(hidden[:rows], weight, kept, bias=bias)
+        summary = b.ragged_row_forward(z, kept, inv_temperature=1.0, with_entropy=True)
+        dz = torch.empty_like(z)
+        b.ragged_row_backward(z, kept, summary, torch.ones(rows), grad_entropy=torch.ones(rows),
+                              inv_temperature=1.0, out=dz)
+        dh, _, _ = b.kept_linear_backward(dz, hidden[:rows], weight, kept, runs=None, with_hidden=True,
+                                          with_weight=False, with_bias=False)
+        return summary.label_logprob, summary.entropy, dh
+
+    whole = run(16)
+    for part, full in zip(run(n), whole):
+        assert torch.equal(part, full[:n])
