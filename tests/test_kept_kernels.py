@@ -256,3 +256,83 @@ def test_a_row_does_not_depend_on_its_batch(backend, n):
     whole = run(16)
     for part, full in zip(run(n), whole):
         assert torch.equal(part, full[:n])
+
+
+# ----------------------------------------------------------------------------- the custom ops
+
+
+def _request(entropy=True, softcap=None, inv_t=1 / 0.7):
+    from tpo_kernels.ops.logprobs import RowRequest
+
+    return RowRequest(inv_temperature=inv_t, logit_softcap=softcap, token_fields=("entropy",) if entropy else ())
+
+
+def _op_loss(summary, gen_seed=4):
+    gen = torch.Generator().manual_seed(gen_seed)
+    g = torch.randn(summary.label_logprob.shape, generator=gen, dtype=summary.label_logprob.dtype)
+    ge = torch.randn(summary.label_logprob.shape, generator=gen, dtype=summary.label_logprob.dtype)
+    # Rows with a NaN log-prob (label outside its set) carry no gradient here.
+    lp = torch.where(summary.has_label, summary.label_logprob, 0.0)
+    return (lp * g).sum() + (summary.entropy * ge).sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_kept_row_summary_gradcheck(backend, softcap):
+    from tpo_kernels.ops.kept import kept_row_summary
+
+    sets, labels = _sets(8, max_size=12, seed=13)
+    kept = _padded(sets, labels, width=14)
+    logits = _logits(8, torch.float64).requires_grad_(True)
+    request = _request(softcap=softcap)
+    torch.autograd.gradcheck(lambda x: _op_loss(kept_row_summary(x, kept, request, backend)), (logits,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_kept_row_summary_gradcheck(backend):
+    from tpo_kernels.ops.kept import linear_kept_row_summary
+
+    sets, labels = _sets(8, max_size=12, seed=14)
+    kept = _csr(sets, labels)
+    leaves = [t.requires_grad_(True) for t in _linear(8, 6, torch.float64)]
+    request = _request()
+    torch.autograd.gradcheck(lambda h, w, b: _op_loss(linear_kept_row_summary(h, w, b, kept, request, backend)),
+                             leaves)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_ops_match_the_reference_on_a_shifted_view(backend):
+    """``logits[:, :-1]`` (rows that do not flatten) is read in place and gets its gradient there."""
+    from tpo_kernels.ops.kept import kept_row_summary
+
+    source = _logits(4 * 6, torch.float32).view(4, 6, V).requires_grad_(True)
+    view = source[:, :-1]
+    sets, labels = _sets(20, seed=15)
+    summary = kept_row_summary(view, _csr(sets, labels), _request(inv_t=1.0), backend)
+    lp, ent = _reference(view.detach().reshape(20, V), sets, labels)
+    torch.testing.assert_close(summary.label_logprob.double(), lp, rtol=2e-5, atol=2e-5)
+    summary.label_logprob.sum().backward()
+    expected = _grad_reference(view.detach().reshape(20, V), sets, labels, torch.ones(20), torch.zeros(20), 1.0)
+    torch.testing.assert_close(source.grad[:, :-1].reshape(20, V).double(), expected, rtol=2e-5, atol=2e-5)
+    assert (source.grad[:, -1] == 0).all()
+
+
+def test_the_fused_path_forms_no_vocabulary_sized_tensor():
+    """With kept sets the fused head allocates nothing near [M, V] (forward and backward): every
+    tensor an op returns stays below an eighth of it."""
+    from _dispatch import OutputSizes
+    from tpo_kernels.ops.kept import linear_kept_row_summary
+
+    rows, hidden_size, vocab = 256, 16, 8192
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=gen, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.1).requires_grad_(False)
+    sets = [torch.randperm(vocab, generator=gen)[: 1 + r % 40].tolist() for r in range(rows)]
+    labels = torch.tensor([s[0] for s in sets])
+    kept = _csr(sets, labels)
+    recorder = OutputSizes()
+    with recorder:
+        summary = linear_kept_row_summary(hidden, weight, None, kept, _request(), "torch")
+        _op_loss(summary).backward()
+    largest = max(size for _, size in recorder.outputs)
+    assert largest < rows * vocab * 4 / 8, largest
