@@ -197,6 +197,24 @@ inline CandidateArgs candidate_args(Kwargs& in, CandidateOp op) {
   return a;
 }
 
+inline KeptDotArgs kept_dot_args(Kwargs& in) {
+  KeptDotArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.hidden_size = in.integer("hidden_size");
+  a.vocab = in.integer("vocab");
+  a.hidden = in.pointer<const void>("hidden");
+  a.hidden_row_stride = in.integer("hidden_row_stride");
+  a.weight = in.pointer<const void>("weight");
+  a.weight_row_stride = in.integer("weight_row_stride");
+  a.bias = in.optional_pointer<const void>("bias");
+  a.ids = in.pointer<const int64_t>("ids");
+  a.offsets = in.pointer<const int64_t>("offsets");
+  a.num_pairs = in.integer("num_pairs");
+  a.out = in.pointer<void>("out");
+  return a;
+}
+
 inline GroupArgs group_args(Kwargs& in) {
   GroupArgs a{};
   a.dtype = in.small_integer("dtype");
@@ -318,6 +336,30 @@ inline void check_args(const CandidateArgs& a, CandidateOp op) {
   check_pointer(a.candidates, "candidates");
 }
 
+// Host-side offsets (the CPU binding): they bound every pair the kernel reads and writes, so they
+// are checked value by value (ids are not: the kernel guards each one).
+inline void check_args(const KeptDotArgs& a) {
+  check_dtype(a.dtype);
+  check(a.rows >= 0, "rows must be >= 0, got " + std::to_string(a.rows));
+  check(a.num_pairs >= 0, "num_pairs must be >= 0, got " + std::to_string(a.num_pairs));
+  check(a.hidden_size >= 0, "hidden_size must be >= 0, got " + std::to_string(a.hidden_size));
+  check(a.vocab >= 1, "vocab must be >= 1, got " + std::to_string(a.vocab));
+  check(a.weight_row_stride >= a.hidden_size, "weight_row_stride must be >= hidden_size");
+  check(a.hidden_row_stride >= a.hidden_size, "hidden_row_stride must be >= hidden_size");
+  check_pointer(a.offsets, "offsets");
+  check(a.offsets[0] == 0, "offsets[0] must be 0, got " + std::to_string(a.offsets[0]));
+  for (int64_t r = 0; r < a.rows; ++r) {
+    check(a.offsets[r + 1] >= a.offsets[r], "offsets must not decrease (row " + std::to_string(r) + ")");
+  }
+  check(a.offsets[a.rows] == a.num_pairs, "offsets[rows] (" + std::to_string(a.offsets[a.rows]) +
+                                              ") must be num_pairs (" + std::to_string(a.num_pairs) + ")");
+  if (a.num_pairs == 0) return;
+  check_pointer(a.hidden, "hidden");
+  check_pointer(a.weight, "weight");
+  check_pointer(a.ids, "ids");
+  check_pointer(a.out, "out");
+}
+
 inline void check_args(const GroupArgs& a) {
   check(a.dtype == kFloat32 || a.dtype == kFloat64,
         "group op dtype code must be 0 (float32) or 3 (float64), got " + std::to_string(a.dtype));
@@ -361,6 +403,11 @@ constexpr const char* kCandidateBackwardDoc =
     "candidate_backward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
     "inv_temperature, grad_cand, out): out = 0 except out[r, candidates[r, k]] += grad_cand[r, k] "
     "* it, duplicates summed in ascending k.";
+constexpr const char* kKeptLinearForwardDoc =
+    "kept_linear_forward(*, dtype, rows, hidden_size, vocab, hidden, hidden_row_stride, weight, "
+    "weight_row_stride, bias=0, ids, offsets, num_pairs, out): out[p] = hidden[r] . weight[ids[p]] "
+    "(+ bias[ids[p]]) for the pairs p of row r, offsets[r] <= p < offsets[r + 1]; a negative id "
+    "gives -inf, an id >= vocab NaN (csrc/tpo_abi.h).";
 
 }  // namespace binding
 }  // namespace tpo

@@ -106,6 +106,29 @@ struct CandidateArgs {
   void* out;                 // backward: written
 };
 
+// Kept-set dot products (sampling-mask replay on the fused head): for each row r and each pair p
+// in [offsets[r], offsets[r + 1]),
+//   out[p] = hidden[r] . weight[ids[p]] (+ bias[ids[p]]),
+// summed in the compute dtype in a fixed order that depends on hidden_size only (16 lane sums,
+// then a fixed tree), so a pair's value does not depend on its row's position or its batch.
+// ids[p] < 0 is a hole: out[p] = -inf; ids[p] >= vocab: NaN (never read). offsets run from 0 to
+// num_pairs without decreasing (the binding checks them; it never checks ids).
+struct KeptDotArgs {
+  int dtype;                 // element type of hidden, weight and bias
+  int64_t rows;
+  int64_t hidden_size;
+  int64_t vocab;
+  const void* hidden;        // [rows, hidden_size], hidden_row_stride between rows
+  int64_t hidden_row_stride;
+  const void* weight;        // [vocab, hidden_size], weight_row_stride between rows
+  int64_t weight_row_stride;
+  const void* bias;          // [vocab], optional
+  const int64_t* ids;        // [num_pairs]
+  const int64_t* offsets;    // [rows + 1]
+  int64_t num_pairs;
+  void* out;                 // [num_pairs] compute dtype
+};
+
 // The group op (layer 2), one group at a time: for the members n of group g,
 //   ell[n] = sum of token_logprobs over the member's rows, u = standardized scores (0 when all
 //   scores of the group tie; s - mean, not divided, when their population std is at most

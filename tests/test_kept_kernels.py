@@ -218,6 +218,27 @@ def test_linear_forward_is_the_gathered_head(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hidden_size", [5, 37])
+def test_linear_forward_of_bf16_sums_in_fp32(backend, hidden_size):
+    sets, labels = _sets(12, seed=16)
+    hidden, weight, bias = _linear(12, hidden_size, torch.bfloat16)
+    kept = _csr(sets, labels)
+    got = get_backend(backend, hidden.device).kept_linear_forward(hidden, weight, kept, bias=bias)
+    assert got.dtype == torch.float32
+    expected = (hidden.double() @ weight.double().T + bias.double())[kept.rows, kept.ids]
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_forward_of_a_hole_is_minus_inf_and_of_an_id_outside_nan(backend):
+    hidden, weight, bias = _linear(2, 8, torch.float32)
+    kept = KeptSets.from_padded(torch.tensor([[3, -1], [V, 4]]), torch.tensor([3, 4]))
+    got = get_backend(backend, hidden.device).kept_linear_forward(hidden, weight, kept, bias=bias)
+    assert got[1] == float("-inf") and math.isnan(got[2])
+    torch.testing.assert_close(got[[0, 3]], torch.stack([hidden[0] @ weight[3] + bias[3], hidden[1] @ weight[4] + bias[4]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_backward_is_the_autograd_of_the_gathered_head(backend):
     sets, labels = _sets(20, seed=10)
     hidden, weight, bias = _linear(20, 16, torch.float64)
@@ -336,3 +357,17 @@ def test_the_fused_path_forms_no_vocabulary_sized_tensor():
         _op_loss(summary).backward()
     largest = max(size for _, size in recorder.outputs)
     assert largest < rows * vocab * 4 / 8, largest
+
+
+@pytest.mark.parametrize("offsets, message", [([1, 2, 3], "offsets\\[0\\] must be 0"), ([0, 2, 1], "must not decrease"),
+                                              ([0, 1, 2], "must be num_pairs")])
+def test_the_cpu_binding_refuses_offsets_that_would_read_out_of_bounds(offsets, message):
+    pytest.importorskip("tpo_kernels._C_cpu")
+    from tpo_kernels import _C_cpu
+
+    hidden, weight, _ = _linear(2, 4, torch.float32)
+    ids, offs, out = torch.zeros(3, dtype=torch.int64), torch.tensor(offsets), torch.empty(3)
+    with pytest.raises(ValueError, match=message):
+        _C_cpu.kept_linear_forward(dtype=0, rows=2, hidden_size=4, vocab=V, hidden=hidden.data_ptr(),
+                                   hidden_row_stride=4, weight=weight.data_ptr(), weight_row_stride=4,
+                                   ids=ids.data_ptr(), offsets=offs.data_ptr(), num_pairs=3, out=out.data_ptr())

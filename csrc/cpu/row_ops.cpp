@@ -20,6 +20,7 @@
   namespace ns {                                         \
   void row_forward_impl(const RowForwardArgs& args, int64_t begin, int64_t end);   \
   void row_backward_impl(const RowBackwardArgs& args, int64_t begin, int64_t end); \
+  void kept_dot_impl(const KeptDotArgs& args, int64_t begin, int64_t end);          \
   }                                                      \
   }                                                      \
   }
@@ -108,6 +109,13 @@ void row_forward(const RowForwardArgs& args, int num_threads) {
 void row_backward(const RowBackwardArgs& args, int num_threads) {
   parallel_rows(args.rows, args.vocab, plan_threads(args.rows, args.vocab, num_threads),
                 [&](int64_t begin, int64_t end) { TPO_DISPATCH(row_backward_impl, args, begin, end) });
+}
+
+void kept_linear_forward(const KeptDotArgs& args, int num_threads) {
+  // The mean pairs per row times H elements per row: threads by the call's work, as a row op.
+  const int64_t per_row = args.rows > 0 ? (args.num_pairs / args.rows + 1) * args.hidden_size : 0;
+  parallel_rows(args.rows, per_row, plan_threads(args.rows, per_row, num_threads),
+                [&](int64_t begin, int64_t end) { TPO_DISPATCH(kept_dot_impl, args, begin, end) });
 }
 
 // Gathers and scatters of K values per row: no vectorization to gain, baseline code only; the
