@@ -372,3 +372,21 @@ def test_the_cpu_binding_refuses_offsets_that_would_read_out_of_bounds(offsets, 
         _C_cpu.kept_linear_forward(dtype=0, rows=2, hidden_size=4, vocab=V, hidden=hidden.data_ptr(),
                                    hidden_row_stride=4, weight=weight.data_ptr(), weight_row_stride=4,
                                    ids=ids.data_ptr(), offsets=offs.data_ptr(), num_pairs=3, out=out.data_ptr())
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_custom_ops_pass_opcheck(with_entropy):
+    """Schemas, fakes (torch.compile) and autograd registration of the three ops."""
+    import tpo_kernels.ops.kept as kept_ops
+
+    sets, labels = _sets(6, max_size=8, seed=1)
+    tensors, width = _padded(sets, labels, 9).to_op()
+    logits = _logits(6, torch.float64).requires_grad_(True)
+    hidden, weight, bias = (t.requires_grad_(True) for t in _linear(6, 5, torch.float64))
+    gathered = kept_ops._kept_logits(logits, tensors, width, "torch").detach().requires_grad_(True)
+    cases = [(kept_ops._kept_logits, (logits, tensors, width, "torch")),
+             (kept_ops._linear_kept_logits, (hidden, weight, bias, tensors, width, "torch")),
+             (kept_ops._ragged_logprobs, (gathered, tensors, width, 1.3, with_entropy, "torch"))]
+    for op, args in cases:
+        results = torch.library.opcheck(op, args)
+        assert all(result == "SUCCESS" for result in results.values()), (op, results)
