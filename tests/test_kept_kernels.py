@@ -390,3 +390,34 @@ def test_the_custom_ops_pass_opcheck(with_entropy):
     for op, args in cases:
         results = torch.library.opcheck(op, args)
         assert all(result == "SUCCESS" for result in results.values()), (op, results)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocabulary_shards_merge_into_the_whole_row(backend):
+    """Each shard's summary over its part of the kept sets, merged, is the whole row's."""
+    sets, labels = _sets(30, seed=17)
+    logits = _logits(30, torch.float64)
+    kept = _csr(sets, labels)
+    whole = _row_summary(backend, logits, kept, 1 / 0.7)
+    bounds = [0, 70, 71, 200, V]
+    parts = [_row_summary(backend, logits[:, a:b], kept.shard(a, b - a), 1 / 0.7) for a, b in zip(bounds, bounds[1:])]
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merge(part, 1 / 0.7)
+    counted = kept.label_slot >= 0
+    for name in ("label_logprob", "entropy"):
+        torch.testing.assert_close(getattr(merged, name)[counted], getattr(whole, name)[counted], rtol=1e-12, atol=1e-12)
+    assert torch.equal(merged.has_label, whole.has_label)
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_a_call_with_no_kept_ids_counts_nothing_and_has_zero_gradients(backend):
+    from tpo_kernels.ops.kept import linear_kept_row_summary
+
+    kept = KeptSets.from_csr(torch.zeros(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), torch.tensor([1, 2, 3]))
+    assert kept.label_slot.tolist() == [NOT_COUNTED] * 3
+    hidden, weight, bias = (t.requires_grad_(True) for t in _linear(3, 4, torch.float32))
+    summary = linear_kept_row_summary(hidden, weight, bias, kept, _request(), backend)
+    _op_loss(summary).backward()
+    assert not summary.has_label.any() and (summary.label_logprob == 0).all()
+    assert all((t.grad == 0).all() for t in (hidden, weight, bias))

@@ -58,6 +58,20 @@ class KeptSets:
         ids, offsets, rows, label_slot = tensors
         return KeptSets(ids=ids, offsets=offsets, rows=rows, label_slot=label_slot, width=width or None)
 
+    def shard(self, start: int, size: int) -> "KeptSets":
+        """The sets seen by the vocabulary shard ``[start, start + size)``: ids shifted by ``-start``,
+        ids off the shard made holes, and a counted label off the shard LABEL_OUTSIDE (the shard
+        computes its statistics; :meth:`RowSummary.merge` takes the label from the shard holding
+        it, and a shard holding none of a row's ids has ``row_max = -inf``: it adds nothing)."""
+        local = self.ids - start
+        on_shard = (self.ids >= 0) & (local >= 0) & (local < size)
+        ids = torch.where(on_shard, local, -1)
+        # No pairs: every row is NOT_COUNTED (an empty set does not count), nothing to look up.
+        on_label = on_shard[self.label_slot.clamp(min=0)] if self.num_pairs else torch.zeros_like(self.label_slot, dtype=torch.bool)
+        label_here = (self.label_slot >= 0) & on_label
+        label_slot = torch.where(label_here | (self.label_slot == NOT_COUNTED), self.label_slot, LABEL_OUTSIDE)
+        return KeptSets(ids=ids, offsets=self.offsets, rows=self.rows, label_slot=label_slot, width=self.width)
+
     # ------------------------------------------------------------------ builders
 
     @staticmethod
