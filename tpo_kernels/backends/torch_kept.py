@@ -160,7 +160,7 @@ def ragged_row_forward(kept_logits: Tensor, kept: KeptSets, *, inv_temperature: 
     columns = [rest]
     if with_entropy:
         columns.append(torch.where(e == 0, 0.0, e * d))  # 0 log 0 = 0 at -inf logits
-    sums = _segment_sums(torch.stack(columns, 1), kept.offsets)
+    sums = _segment_sums(torch.stack(columns, 1) if with_entropy else rest.unsqueeze(1), kept.offsets)
     r = sums[:, 0]
     d_y, has_label = _label_values(d, kept)
     e_y = torch.where(has_label, torch.exp(d_y), 0.0)
