@@ -421,3 +421,38 @@ def test_a_call_with_no_kept_ids_counts_nothing_and_has_zero_gradients(backend):
     _op_loss(summary).backward()
     assert not summary.has_label.any() and (summary.label_logprob == 0).all()
     assert all((t.grad == 0).all() for t in (hidden, weight, bias))
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_permuted_rows_get_bitwise_the_same_values(backend):
+    sets, labels = _sets(16, seed=18)
+    hidden, weight, bias = _linear(16, 48, torch.float32)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(5))
+    b = get_backend(backend, hidden.device)
+
+    def run(rows):
+        kept = _csr([sets[r] for r in rows.tolist()], labels[rows])
+        z = b.kept_linear_forward(hidden[rows], weight, kept, bias=bias)
+        summary = b.ragged_row_forward(z, kept, inv_temperature=1.3, with_entropy=True)
+        dz = torch.empty_like(z)
+        b.ragged_row_backward(z, kept, summary, torch.ones(16), grad_entropy=torch.ones(16), inv_temperature=1.3, out=dz)
+        dh, _, _ = b.kept_linear_backward(dz, hidden[rows], weight, kept, runs=None, with_hidden=True,
+                                          with_weight=False, with_bias=False)
+        return summary.label_logprob, summary.entropy, dh
+
+    for permuted, plain in zip(run(order), run(torch.arange(16))):
+        assert torch.equal(permuted, plain[order])
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_linear_backward_ignores_holes_and_ids_outside_the_vocabulary(backend):
+    hidden, weight, bias = _linear(2, 8, torch.float32)
+    kept = KeptSets.from_padded(torch.tensor([[3, -1], [V, 4]]), torch.tensor([3, 4]))
+    grad = torch.tensor([1.0, float("nan"), float("nan"), 2.0])
+    dh, dw, db = get_backend(backend, hidden.device).kept_linear_backward(
+        grad, hidden, weight, kept, runs=pair_runs(kept.ids), with_hidden=True, with_weight=True, with_bias=True)
+    torch.testing.assert_close(dh, torch.stack([weight[3], 2.0 * weight[4]]))
+    expected_db = torch.zeros(V)
+    expected_db[3], expected_db[4] = 1.0, 2.0
+    assert torch.equal(db, expected_db)
+    assert torch.equal(dw[[3, 4]], torch.stack([hidden[0], 2.0 * hidden[1]])) and dw.abs().sum() == dw[[3, 4]].abs().sum()
