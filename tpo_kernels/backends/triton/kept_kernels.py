@@ -7,7 +7,7 @@ With ``kept`` a CSR of (row, id) pairs (:class:`~tpo_kernels.backends.kept_sets.
     dH[r]     = sum over the pairs p of row r of g[p] W[ids[p]]
     dW, db    : per token, the sorted runs of :func:`tpo_kernels.group_math.pair_runs` (the
                 candidate ops' segmented sums, :mod:`.candidate_weight_grad`, with each pair's
-                row read from ``kept.rows``)
+                row read from the record's ``rows``)
 
 One program per row on a 1-D grid walks its pairs ``offsets[r] .. offsets[r + 1]`` in blocks of
 ``BLOCK_K = 16`` (a set of 2048 ids is 128 trips), the hidden dimension in ``BLOCK_H`` columns. A
