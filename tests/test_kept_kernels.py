@@ -18,8 +18,9 @@ from tpo_kernels.group_math import pair_runs
 
 from _backends import backend_params
 
-BACKENDS = backend_params("torch", "cpu")
-LINEAR_BACKENDS = BACKENDS + backend_params("triton")  # the fused head's kernels (tiny: interpreted here)
+BACKENDS = backend_params("torch", "cpu")  # gradchecks: many calls, not interpreted
+KERNEL_BACKENDS = BACKENDS + backend_params("triton")  # one call each (tiny: interpreted here)
+LINEAR_BACKENDS = KERNEL_BACKENDS
 DTYPES = [torch.float32, torch.float64]
 V = 300
 
@@ -83,7 +84,7 @@ def _tolerance(dtype):
     return dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inv_t", [1.0, 1 / 0.7])
 def test_ragged_forward_matches_the_masked_log_softmax(backend, dtype, inv_t):
@@ -95,7 +96,7 @@ def test_ragged_forward_matches_the_masked_log_softmax(backend, dtype, inv_t):
     torch.testing.assert_close(summary.entropy.double(), ent, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_a_large_common_offset_keeps_the_log_probs(backend):
     """Tempering after the max (offset 3e4): the fp32 log-probs keep the reference's digits."""
     sets, labels = _sets(30, seed=3)
@@ -105,7 +106,7 @@ def test_a_large_common_offset_keeps_the_log_probs(backend):
     torch.testing.assert_close(summary.label_logprob.double(), lp, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_a_label_outside_its_set_gives_nan_with_the_statistics(backend):
     sets, labels = [[3, 5, 9], [4], [1, 2]], torch.tensor([4, 4, 2])
     logits = _logits(3, torch.float32)
@@ -118,7 +119,7 @@ def test_a_label_outside_its_set_gives_nan_with_the_statistics(backend):
     assert summary.has_label[1:].all() and float(summary.label_logprob[1]) == 0.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_empty_sets_and_negative_labels_do_not_count(backend):
     sets, labels = [[], [1, 2], [3]], torch.tensor([5, -100, 3])
     kept = _csr(sets, labels)
@@ -128,16 +129,19 @@ def test_empty_sets_and_negative_labels_do_not_count(backend):
         assert (field[:2] == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_padded_sets_with_holes_equal_their_csr_bit_for_bit(backend, dtype):
+def test_padded_sets_with_holes_equal_their_csr(backend, dtype):
     sets, labels = _sets(24, max_size=40, seed=5)
     logits = _logits(24, dtype)
     padded = _padded(sets, labels, width=48)
     csr = _row_summary(backend, logits, _csr(sets, labels))
     dense = _row_summary(backend, logits, padded)
     for (name, a), (_, b) in zip(csr.items(), dense.items()):
-        assert torch.equal(a, b), name
+        if backend == "triton":  # lanes of a block sum in a tree: holes move a pair to another lane
+            torch.testing.assert_close(a, b, **_tolerance(dtype), equal_nan=True)
+        else:  # sequential per row: a hole adds an exact 0
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -164,7 +168,7 @@ def _grad_reference(logits, sets, labels, g, ge, inv_t):
     return x.grad
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ragged_backward_is_the_masked_gradient(backend, dtype):
     sets, labels = _sets(30, seed=7)
@@ -392,7 +396,7 @@ def test_the_custom_ops_pass_opcheck(with_entropy):
         assert all(result == "SUCCESS" for result in results.values()), (op, results)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_vocabulary_shards_merge_into_the_whole_row(backend):
     """Each shard's summary over its part of the kept sets, merged, is the whole row's."""
     sets, labels = _sets(30, seed=17)

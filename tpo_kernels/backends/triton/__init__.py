@@ -26,10 +26,12 @@ class TritonBackend(Backend):
     candidate_linear_forward = staticmethod(candidate_kernels.candidate_linear_forward)
     candidate_linear_backward = staticmethod(candidate_kernels.candidate_linear_backward)
     group_targets = staticmethod(group_kernel.fused_group_targets)
-    # Kept sets: the fused head's ragged dot products as kernels; the gathers and the [P]-sized
-    # ragged row ops are the PyTorch defaults.
+    # Kept sets: the fused head's ragged dot products and the ragged row ops as kernels; the
+    # gather and scatter of the logits path are the PyTorch defaults.
     kept_linear_forward = staticmethod(kept_kernels.kept_linear_forward)
     kept_linear_backward = staticmethod(kept_kernels.kept_linear_backward)
+    ragged_row_forward = staticmethod(kept_kernels.ragged_row_forward)
+    ragged_row_backward = staticmethod(kept_kernels.ragged_row_backward)
 
     def unavailable_reason(self) -> Optional[str]:
         if torch.cuda.is_available() or triton_interpreter_enabled():

@@ -13,7 +13,11 @@ One program per row on a 1-D grid walks its pairs ``offsets[r] .. offsets[r + 1]
 ``BLOCK_K = 16`` (a set of 2048 ids is 128 trips), the hidden dimension in ``BLOCK_H`` columns. A
 row's sums depend on its own pairs only: batch-invariant, no atomics. Ids: a negative id is a hole
 (``-inf``, adds nothing to dH, never written); an id ``>= V`` gives NaN and is never dereferenced.
-The ragged row ops themselves are the PyTorch defaults (``[P]``-sized work).
+The ragged row ops (the row-op contract over row ``r = z[offsets[r]:offsets[r + 1]]``, label at
+``label_slot[r]``) are one program per row too: a max pass and a sum pass over the row's pairs in
+blocks of ``BLOCK_ROW`` lanes (each lane's partial sums in pair order, the lanes combined by
+``tl.sum``'s fixed tree), the label's mass summed apart, ``1 - p`` of the label as
+``-expm1(lp)`` in the backward.
 """
 
 from typing import Optional, Tuple
@@ -24,11 +28,12 @@ import triton.language as tl
 from torch import Tensor
 
 from ..kept_sets import KeptSets
-from ..row_summary import compute_dtype
+from ..row_summary import RowSummary, compute_dtype
 from .candidate_weight_grad import num_warps, weight_grad
-from .kernel_support import device_guard
+from .kernel_support import device_guard, expm1, log1p, use_libdevice
 
 BLOCK_K = 16
+BLOCK_ROW = 64
 
 
 @triton.jit
@@ -87,6 +92,138 @@ def _kept_hidden_grad_kernel(grad_ptr, weight_ptr, ids_ptr, offsets_ptr, dhidden
         tl.store(dhidden_ptr + row * hidden_size + c, dh.to(dhidden_ptr.dtype.element_ty), mask=in_h)
 
 
+@triton.jit
+def _ragged_forward_kernel(z_ptr, offsets_ptr, slot_ptr, scale_ptr, row_max_ptr, log_sum_ptr, logprob_ptr, entropy_ptr,
+                           WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, ACCURATE_MATH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    acc_ty = row_max_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + row)
+    if slot == -1:  # the row does not count: outputs 0, never read
+        zero = tl.full([], 0.0, acc_ty)
+        tl.store(row_max_ptr + row, zero)
+        tl.store(log_sum_ptr + row, zero)
+        tl.store(logprob_ptr + row, zero)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, zero)
+    else:
+        it = tl.load(scale_ptr)
+        lanes = tl.arange(0, BLOCK)
+        start = tl.load(offsets_ptr + row)
+        end = tl.load(offsets_ptr + row + 1)
+        lane_max = tl.full([BLOCK], float("-inf"), acc_ty)
+        for block in range(start, end, BLOCK):
+            p = block + lanes
+            lane_max = tl.maximum(lane_max, tl.load(z_ptr + p, mask=p < end, other=float("-inf")))
+        row_max = tl.max(lane_max, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        lane_rest = tl.zeros([BLOCK], acc_ty)
+        lane_t = tl.zeros([BLOCK], acc_ty)
+        for block in range(start, end, BLOCK):
+            p = block + lanes
+            d = (tl.load(z_ptr + p, mask=p < end, other=float("-inf")) - shift) * it
+            e = tl.exp(d)
+            lane_rest += tl.where(p == slot, 0.0, e)  # the label's mass is added apart
+            if WITH_ENTROPY:
+                lane_t += tl.where(e == 0, 0.0, e * d)  # 0 log 0 = 0 at -inf (holes)
+        rest = tl.sum(lane_rest, axis=0)
+        has_label = slot >= 0
+        d_y = (tl.load(z_ptr + tl.maximum(slot, 0), mask=has_label, other=0.0) - shift) * it
+        e_y = tl.where(has_label, tl.exp(d_y), 0.0)
+        total = rest + e_y
+        log_sum = tl.log(total)
+        confident = -log1p(rest / tl.where(e_y > 0, e_y, 1.0), ACCURATE_MATH)
+        logprob = tl.where(rest < e_y, confident, d_y - log_sum)
+        empty = row_max == float("-inf")
+        tl.store(row_max_ptr + row, row_max)
+        tl.store(log_sum_ptr + row, log_sum)
+        tl.store(logprob_ptr + row, tl.where(has_label & ~empty, logprob, float("nan")))
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, tl.where(empty, float("nan"), log_sum - tl.sum(lane_t, axis=0) / total))
+
+
+@triton.jit
+def _ragged_backward_kernel(z_ptr, ids_ptr, offsets_ptr, slot_ptr, scale_ptr, row_max_ptr, log_sum_ptr, logprob_ptr,
+                            entropy_ptr, g_ptr, ge_ptr, out_ptr, HAS_GE: tl.constexpr, BLOCK: tl.constexpr,
+                            ACCURATE_MATH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    it = tl.load(scale_ptr)
+    lanes = tl.arange(0, BLOCK)
+    start = tl.load(offsets_ptr + row)
+    end = tl.load(offsets_ptr + row + 1)
+    slot = tl.load(slot_ptr + row)
+    g = tl.load(g_ptr + row)
+    row_max = tl.load(row_max_ptr + row)
+    log_sum = tl.load(log_sum_ptr + row)
+    lp = tl.load(logprob_ptr + row)
+    label_term = -g * expm1(lp, ACCURATE_MATH)
+    silent = (g == 0).to(tl.int32)  # 1: the row is written as zeros (int flags: scalar | vector bools)
+    if HAS_GE:
+        ge = tl.load(ge_ptr + row)
+        ent = tl.where(ge != 0, tl.load(entropy_ptr + row), 0.0)
+        label_term -= ge * tl.exp(lp) * (lp + ent)
+        silent = silent * (ge == 0).to(tl.int32)
+    silent = tl.maximum(silent, (slot == -1).to(tl.int32))
+    for block in range(start, end, BLOCK):
+        p = block + lanes
+        in_row = p < end
+        log_p = (tl.load(z_ptr + p, mask=in_row, other=float("-inf")) - row_max) * it - log_sum
+        prob = tl.exp(log_p)
+        dz = -g * prob
+        if HAS_GE:
+            dz -= ge * tl.where(prob == 0, 0.0, prob * (log_p + ent))
+        dz = tl.where(p == slot, label_term, dz) * it
+        hole = (tl.load(ids_ptr + p, mask=in_row, other=-1) < 0).to(tl.int32)
+        tl.store(out_ptr + p, tl.where(silent + hole > 0, 0.0, dz), mask=in_row)
+
+
+def _scale(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.full((1,), value, dtype=dtype, device=device)  # exact in float64; no host-to-device copy
+
+
+def ragged_row_forward(kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
+                       with_entropy: bool) -> RowSummary:
+    """The row-op contract over the ragged rows of ``kept_logits`` [P] (raw, compute dtype)."""
+    z = kept_logits.contiguous()
+    rows = kept.num_rows
+    row_max, log_sum, logprob = (torch.empty(rows, dtype=z.dtype, device=z.device) for _ in range(3))
+    entropy = torch.empty(rows, dtype=z.dtype, device=z.device) if with_entropy else None
+    if rows:
+        with device_guard(z):
+            _ragged_forward_kernel[(rows,)](
+                z, kept.offsets.contiguous(), kept.label_slot.contiguous(), _scale(inv_temperature, z.dtype, z.device),
+                row_max, log_sum, logprob, entropy if with_entropy else row_max, WITH_ENTROPY=with_entropy,
+                BLOCK=BLOCK_ROW, ACCURATE_MATH=use_libdevice(), num_warps=2,
+            )
+    return RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                      has_label=kept.label_slot >= 0)
+
+
+def ragged_row_backward(kept_logits: Tensor, kept: KeptSets, summary: RowSummary, grad_logprob: Tensor, *,
+                        grad_entropy: Optional[Tensor] = None, inv_temperature: float, out: Tensor) -> None:
+    """``out [P]``: the row-op backward over the ragged rows (0 on holes and rows that do not count)."""
+    z = kept_logits.contiguous()
+    rows = kept.num_rows
+    if rows == 0 or z.numel() == 0:
+        return
+    target = out if out.is_contiguous() and out.dtype == z.dtype else torch.empty_like(z)
+    acc = z.dtype
+
+    def per_row(t: Tensor) -> Tensor:
+        return t.to(acc).contiguous()
+
+    has_ge = grad_entropy is not None
+    with device_guard(z):
+        _ragged_backward_kernel[(rows,)](
+            z, kept.ids.contiguous(), kept.offsets.contiguous(), kept.label_slot.contiguous(),
+            _scale(inv_temperature, acc, z.device), per_row(summary.row_max), per_row(summary.log_sum),
+            per_row(summary.label_logprob), per_row(summary.entropy) if has_ge else z, per_row(grad_logprob),
+            per_row(grad_entropy) if has_ge else z, target, HAS_GE=has_ge, BLOCK=BLOCK_ROW,
+            ACCURATE_MATH=use_libdevice(), num_warps=2,
+        )
+    if target is not out:
+        out.copy_(target)
+
+
 def _block_h(hidden_size: int) -> int:
     # A [BLOCK_K, BLOCK_H] tile of about 4096 elements (fp32 registers on a GPU).
     return max(16, min(triton.next_power_of_2(max(hidden_size, 1)), 4096 // BLOCK_K))
@@ -143,4 +280,4 @@ def kept_linear_backward(
     return dhidden, dweight, dbias
 
 
-__all__ = ["kept_linear_backward", "kept_linear_forward"]
+__all__ = ["kept_linear_backward", "kept_linear_forward", "ragged_row_backward", "ragged_row_forward"]
