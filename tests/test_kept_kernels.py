@@ -16,7 +16,7 @@ from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.kept_sets import LABEL_OUTSIDE, NOT_COUNTED, KeptSets
 from tpo_kernels.group_math import pair_runs
 
-from _backends import backend_params
+from _backends import backend_params, needs_triton
 
 BACKENDS = backend_params("torch", "cpu")  # gradchecks: many calls, not interpreted
 KERNEL_BACKENDS = BACKENDS + backend_params("triton")  # one call each (tiny: interpreted here)
@@ -460,3 +460,13 @@ def test_linear_backward_ignores_holes_and_ids_outside_the_vocabulary(backend):
     expected_db[3], expected_db[4] = 1.0, 2.0
     assert torch.equal(db, expected_db)
     assert torch.equal(dw[[3, 4]], torch.stack([hidden[0], 2.0 * hidden[1]])) and dw.abs().sum() == dw[[3, 4]].abs().sum()
+
+
+@needs_triton
+def test_the_cuda_backend_runs_the_triton_kept_kernels_when_triton_is_usable():
+    from tpo_kernels.backends import torch_kept
+    from tpo_kernels.backends.cuda import kept_ops
+    from tpo_kernels.backends.triton import kept_kernels
+
+    assert kept_ops(None) is kept_kernels
+    assert kept_ops("no CUDA device") is torch_kept
