@@ -199,16 +199,17 @@ def weight_grad(
     dbias = dbias if with_bias else grad
     has_rows = pair_rows is not None
     pair_rows = pair_rows if has_rows else order  # a placeholder pointer without rows
-    flags = dict(HAS_WEIGHT=with_weight, HAS_PAIR_ROWS=has_rows, SEGMENT=SEGMENT_PAIRS, BLOCK_H=block_h, num_warps=num_warps(tile * block_h))
+    flags = dict(HAS_WEIGHT=with_weight, SEGMENT=SEGMENT_PAIRS, BLOCK_H=block_h, num_warps=num_warps(tile * block_h))
     _weight_grad_run_kernel[(num_runs, col_blocks)](
         grad, hidden, order, pair_rows, run_offsets, run_tokens, dweight, dbias, partial_w, partial_b, crossing_run,
-        hidden.stride(0), vocab, num_cand, hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
+        hidden.stride(0), vocab, num_cand, hidden_size, HAS_BIAS=with_bias, HAS_PAIR_ROWS=has_rows, PAIR_TILE=tile,
+        **flags,
     )
     if num_segments == 1:
         return  # no run crosses a segment boundary: no partials
     _weight_grad_segment_kernel[(num_segments - 1, col_blocks)](
         grad, hidden, candidates, order, pair_rows, partial_w, partial_b, hidden.stride(0), num_cand, num_pairs,
-        hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
+        hidden_size, HAS_BIAS=with_bias, HAS_PAIR_ROWS=has_rows, PAIR_TILE=tile, **flags,
     )
     # The last segment's end is the end of the pairs: no run crosses it.
     _weight_grad_combine_kernel[(num_segments - 1, col_blocks)](
