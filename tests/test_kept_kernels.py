@@ -7,7 +7,12 @@ Rows are ragged (sets of 0..~100 ids), padded sets have holes (-1), a counted la
 gives a NaN log-prob with the statistics computed, and an empty set does not count.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.kept_sets import LABEL_OUTSIDE, NOT_COUNTED, KeptSets
 from tpo_kernels.group_math import pair_runs
 
-from _backends import backend_params, needs_triton
+from _backends import ROOT, backend_params, needs_triton
 
 BACKENDS = backend_params("torch", "cpu")  # gradchecks: many calls, not interpreted
 KERNEL_BACKENDS = BACKENDS + backend_params("triton")  # one call each (tiny: interpreted here)
@@ -470,3 +475,64 @@ def test_the_cuda_backend_runs_the_triton_kept_kernels_when_triton_is_usable():
 
     assert kept_ops(None) is kept_kernels
     assert kept_ops("no CUDA device") is torch_kept
+
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from bench import kernel_report as KR
+    from bench.kernel_report.triton import Scenario
+    from tpo_kernels.backends.kept_sets import KeptSets
+    from tpo_kernels.group_math import pair_runs
+
+    def replay(dtype, bias, entropy):
+        def call(backend):
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            hidden, weight = torch.randn(6, 4096).to(dtype), torch.randn(64, 4096).to(dtype)
+            ids = torch.randint(0, 64, (6, 30))
+            ids[:, :20] = 5  # one token's run longer than a weight-gradient segment
+            ids[0, 3] = -1
+            kept = KeptSets.from_padded(ids, ids[:, 0])
+            b = torch.randn(64).to(dtype) if bias else None
+            z = backend.kept_linear_forward(hidden, weight, kept, bias=b)
+            summary = backend.ragged_row_forward(z, kept, inv_temperature=1.0, with_entropy=entropy)
+            g = torch.ones(6, dtype=acc)
+            backend.ragged_row_backward(z, kept, summary, g, grad_entropy=g if entropy else None,
+                                        inv_temperature=1.0, out=torch.empty_like(z))
+            backend.kept_linear_backward(torch.ones_like(z), hidden, weight, kept, runs=pair_runs(kept.ids),
+                                         with_hidden=True, with_weight=True, with_bias=bias)
+        return call
+
+    scenarios = [Scenario(f"kept replay bias={bias} entropy={entropy}", name, replay(dtype, bias, entropy))
+                 for name, dtype in (("bf16", torch.bfloat16), ("fp64", torch.float64))
+                 for bias in (False, True) for entropy in (False, True)]
+    rows = [row for arch in (80, 90) for row in KR.collect_triton(arch, scenarios)]
+    with open(sys.argv[1], "w") as f:
+        json.dump([r.to_json() for r in rows], f)
+    """
+)
+
+KEPT_KERNELS = {"_kept_dot_kernel", "_kept_hidden_grad_kernel", "_ragged_forward_kernel", "_ragged_backward_kernel",
+                "_weight_grad_run_kernel", "_weight_grad_segment_kernel", "_weight_grad_combine_kernel"}
+
+
+@needs_triton
+def test_the_triton_kept_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
+    """The interpreter accepts programs the compiler may reject: every kept kernel compiles as its
+    launcher specializes it (the kernel report's launch capture, no GPU needed)."""
+    from bench import kernel_report
+
+    if kernel_report.triton_tool("cuobjdump") is None:
+        pytest.skip("Triton's NVIDIA tools are absent")
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(out)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [kernel_report.KernelRow.from_json(d) for d in json.loads(out.read_text())]
+    for arch in ("sm_80", "sm_90"):
+        assert {r.kernel for r in rows if r.arch.startswith(arch)} == KEPT_KERNELS
+    assert not [(r.kernel, r.arch, r.dtype) for r in rows if r.spilled]
