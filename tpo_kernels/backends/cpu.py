@@ -8,8 +8,9 @@ use OpenMP threads (they collapsed on a loaded machine): csrc/cpu/parallel.h.
 
 The tensor preparation shared with the CUDA backend lives in :mod:`.native`; the extension
 functions take no other launch arguments. The group op is the portable PyTorch one. Of the
-kept-set ops (sampling-mask replay), the fused head's dot products run in the extension
-(``kept_linear_forward``: no ``[P, H]`` gathers); the others are the PyTorch defaults.
+kept-set ops (sampling-mask replay), the fused head's dot products and the ragged row ops run
+in the extension (one call each, where the PyTorch defaults take a dozen ``[P]``-sized ops, each
+waking ATen's threads); the gather, scatter and linear backward are the PyTorch defaults.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 from . import torch_kept
 from .kept_sets import KeptSets
 from .native import NativeBackend, as_rows, dtype_code, ptr
-from .row_summary import compute_dtype
+from .row_summary import RowSummary, compute_dtype
 
 
 class CpuBackend(NativeBackend):
@@ -71,3 +72,50 @@ class CpuBackend(NativeBackend):
             offsets=ptr(offsets), num_pairs=ids.numel(), out=ptr(out), **launch,
         )
         return out
+
+    def _ragged_args(self, kept_logits: Tensor, kept: KeptSets, inv_temperature: float) -> dict:
+        launch = self._launch_args(kept_logits, "kept_logits")
+        if kept_logits.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"kept_logits must be float32 or float64 (the compute dtype), got {kept_logits.dtype}")
+        for t, what in ((kept.ids, "kept ids"), (kept.offsets, "kept offsets"), (kept.label_slot, "kept label_slot")):
+            self._same_device(t, kept_logits, what)
+        return dict(dtype=dtype_code(kept_logits.dtype), rows=kept.num_rows, num_pairs=kept.num_pairs,
+                    kept_logits=ptr(kept_logits), ids=ptr(kept.ids), offsets=ptr(kept.offsets),
+                    label_slot=ptr(kept.label_slot), inv_temperature=float(inv_temperature), **launch)
+
+    @staticmethod
+    def _contiguous_sets(kept: KeptSets) -> KeptSets:
+        return KeptSets(ids=kept.ids.to(torch.int64).contiguous(), offsets=kept.offsets.to(torch.int64).contiguous(),
+                        rows=kept.rows, label_slot=kept.label_slot.to(torch.int64).contiguous(), width=kept.width)
+
+    def ragged_row_forward(self, kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
+                           with_entropy: bool) -> RowSummary:
+        """The ragged row forward by the extension: each row summed sequentially in pair order."""
+        z, kept = kept_logits.contiguous(), self._contiguous_sets(kept)
+        row_max, log_sum, logprob = (torch.empty(kept.num_rows, dtype=z.dtype) for _ in range(3))
+        entropy = torch.empty(kept.num_rows, dtype=z.dtype) if with_entropy else None
+        self.extension.ragged_row_forward(**self._ragged_args(z, kept, inv_temperature), row_max=ptr(row_max),
+                                          log_sum=ptr(log_sum), logprob=ptr(logprob), entropy=ptr(entropy))
+        return RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                          has_label=kept.label_slot >= 0)
+
+    def ragged_row_backward(self, kept_logits: Tensor, kept: KeptSets, summary: RowSummary, grad_logprob: Tensor, *,
+                            grad_entropy: Optional[Tensor] = None, inv_temperature: float, out: Tensor) -> None:
+        """The ragged row backward by the extension, into ``out [P]``."""
+        z, kept = kept_logits.contiguous(), self._contiguous_sets(kept)
+
+        def per_row(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else t.to(z.dtype).contiguous()
+
+        if grad_entropy is not None and summary.entropy is None:
+            raise ValueError("ragged_row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
+        target = out if out.is_contiguous() and out.dtype == z.dtype else torch.empty_like(z)
+        fields = [per_row(t) for t in (summary.row_max, summary.log_sum, summary.label_logprob,
+                                       summary.entropy if grad_entropy is not None else None, grad_logprob,
+                                       grad_entropy)]
+        row_max, log_sum, logprob, entropy, g, ge = fields
+        self.extension.ragged_row_backward(**self._ragged_args(z, kept, inv_temperature), row_max=ptr(row_max),
+                                           log_sum=ptr(log_sum), logprob=ptr(logprob), entropy=ptr(entropy),
+                                           grad_logprob=ptr(g), grad_entropy=ptr(ge), out=ptr(target))
+        if target is not out:
+            out.copy_(target)
