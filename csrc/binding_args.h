@@ -197,6 +197,46 @@ inline CandidateArgs candidate_args(Kwargs& in, CandidateOp op) {
   return a;
 }
 
+inline KeptDotArgs kept_dot_args(Kwargs& in) {
+  KeptDotArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.hidden_size = in.integer("hidden_size");
+  a.vocab = in.integer("vocab");
+  a.hidden = in.pointer<const void>("hidden");
+  a.hidden_row_stride = in.integer("hidden_row_stride");
+  a.weight = in.pointer<const void>("weight");
+  a.weight_row_stride = in.integer("weight_row_stride");
+  a.bias = in.optional_pointer<const void>("bias");
+  a.ids = in.pointer<const int64_t>("ids");
+  a.offsets = in.pointer<const int64_t>("offsets");
+  a.num_pairs = in.integer("num_pairs");
+  a.out = in.pointer<void>("out");
+  return a;
+}
+
+inline RaggedRowArgs ragged_row_args(Kwargs& in, RaggedOp op) {
+  RaggedRowArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.num_pairs = in.integer("num_pairs");
+  a.kept_logits = in.pointer<const void>("kept_logits");
+  a.ids = in.pointer<const int64_t>("ids");
+  a.offsets = in.pointer<const int64_t>("offsets");
+  a.label_slot = in.pointer<const int64_t>("label_slot");
+  a.inv_temperature = in.real("inv_temperature");
+  a.row_max = in.pointer<void>("row_max");
+  a.log_sum = in.pointer<void>("log_sum");
+  a.logprob = in.pointer<void>("logprob");
+  a.entropy = in.optional_pointer<void>("entropy");
+  if (op == RaggedOp::kBackward) {
+    a.grad_logprob = in.pointer<const void>("grad_logprob");
+    a.grad_entropy = in.optional_pointer<const void>("grad_entropy");
+    a.out = in.pointer<void>("out");
+  }
+  return a;
+}
+
 inline GroupArgs group_args(Kwargs& in) {
   GroupArgs a{};
   a.dtype = in.small_integer("dtype");
@@ -319,6 +359,62 @@ inline void check_args(const CandidateArgs& a, CandidateOp op) {
   check_pointer(a.candidates, "candidates");
 }
 
+// Host-side offsets (the CPU binding): they bound every pair the kernel reads and writes, so they
+// are checked value by value (ids are not: the kernel guards each one).
+inline void check_args(const KeptDotArgs& a) {
+  check_dtype(a.dtype);
+  check(a.rows >= 0, "rows must be >= 0, got " + std::to_string(a.rows));
+  check(a.num_pairs >= 0, "num_pairs must be >= 0, got " + std::to_string(a.num_pairs));
+  check(a.hidden_size >= 0, "hidden_size must be >= 0, got " + std::to_string(a.hidden_size));
+  check(a.vocab >= 1, "vocab must be >= 1, got " + std::to_string(a.vocab));
+  check(a.weight_row_stride >= a.hidden_size, "weight_row_stride must be >= hidden_size");
+  check(a.hidden_row_stride >= a.hidden_size, "hidden_row_stride must be >= hidden_size");
+  check_pointer(a.offsets, "offsets");
+  check(a.offsets[0] == 0, "offsets[0] must be 0, got " + std::to_string(a.offsets[0]));
+  for (int64_t r = 0; r < a.rows; ++r) {
+    check(a.offsets[r + 1] >= a.offsets[r], "offsets must not decrease (row " + std::to_string(r) + ")");
+  }
+  check(a.offsets[a.rows] == a.num_pairs, "offsets[rows] (" + std::to_string(a.offsets[a.rows]) +
+                                              ") must be num_pairs (" + std::to_string(a.num_pairs) + ")");
+  if (a.num_pairs == 0) return;
+  check_pointer(a.hidden, "hidden");
+  check_pointer(a.weight, "weight");
+  check_pointer(a.ids, "ids");
+  check_pointer(a.out, "out");
+}
+
+// Host-side offsets: checked value by value, as for KeptDotArgs (label slots are guarded by the kernel).
+inline void check_offsets(const int64_t* offsets, int64_t rows, int64_t num_pairs) {
+  check_pointer(offsets, "offsets");
+  check(offsets[0] == 0, "offsets[0] must be 0, got " + std::to_string(offsets[0]));
+  for (int64_t r = 0; r < rows; ++r) {
+    check(offsets[r + 1] >= offsets[r], "offsets must not decrease (row " + std::to_string(r) + ")");
+  }
+  check(offsets[rows] == num_pairs, "offsets[rows] (" + std::to_string(offsets[rows]) +
+                                        ") must be num_pairs (" + std::to_string(num_pairs) + ")");
+}
+
+inline void check_args(const RaggedRowArgs& a, RaggedOp op) {
+  check(a.dtype == kFloat32 || a.dtype == kFloat64,
+        "ragged row ops take dtype code 0 (float32) or 3 (float64), got " + std::to_string(a.dtype));
+  check(a.rows >= 0 && a.num_pairs >= 0, "rows and num_pairs must be >= 0");
+  check_inv_temperature(a.inv_temperature);
+  check_offsets(a.offsets, a.rows, a.num_pairs);
+  if (a.rows == 0) return;
+  check_pointer(a.label_slot, "label_slot");
+  check_pointer(a.row_max, "row_max");
+  check_pointer(a.log_sum, "log_sum");
+  check_pointer(a.logprob, "logprob");
+  if (op == RaggedOp::kBackward) {
+    check_pointer(a.grad_logprob, "grad_logprob");
+    check(a.grad_entropy == nullptr || a.entropy != nullptr, "grad_entropy needs entropy");
+  }
+  if (a.num_pairs == 0) return;
+  check_pointer(a.kept_logits, "kept_logits");
+  check_pointer(a.ids, "ids");
+  if (op == RaggedOp::kBackward) check_pointer(a.out, "out");
+}
+
 inline void check_args(const GroupArgs& a) {
   check(a.dtype == kFloat32 || a.dtype == kFloat64,
         "group op dtype code must be 0 (float32) or 3 (float64), got " + std::to_string(a.dtype));
@@ -362,6 +458,19 @@ constexpr const char* kCandidateBackwardDoc =
     "candidate_backward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
     "inv_temperature, grad_cand, out): out = 0 except out[r, candidates[r, k]] += grad_cand[r, k] "
     "* it, duplicates summed in ascending k.";
+constexpr const char* kRaggedRowForwardDoc =
+    "ragged_row_forward(*, dtype, rows, num_pairs, kept_logits, ids, offsets, label_slot, inv_temperature, "
+    "row_max, log_sum, logprob, entropy=0): the row forward over row r = kept_logits[offsets[r]:offsets[r + 1]] "
+    "with its label at pair label_slot[r] (-1: not counted, 0 outputs; -2: not in the set, NaN logprob).";
+constexpr const char* kRaggedRowBackwardDoc =
+    "ragged_row_backward(*, dtype, rows, num_pairs, kept_logits, ids, offsets, label_slot, inv_temperature, "
+    "row_max, log_sum, logprob, entropy=0, grad_logprob, grad_entropy=0, out): out[p] = it (g (1[p = slot] - p) "
+    "- ge p (log p + H)) on each row's pairs; 0 on holes, rows not counted and rows with g == ge == 0.";
+constexpr const char* kKeptLinearForwardDoc =
+    "kept_linear_forward(*, dtype, rows, hidden_size, vocab, hidden, hidden_row_stride, weight, "
+    "weight_row_stride, bias=0, ids, offsets, num_pairs, out): out[p] = hidden[r] . weight[ids[p]] "
+    "(+ bias[ids[p]]) for the pairs p of row r, offsets[r] <= p < offsets[r + 1]; a negative id "
+    "gives -inf, an id >= vocab NaN (csrc/tpo_abi.h).";
 
 }  // namespace binding
 }  // namespace tpo

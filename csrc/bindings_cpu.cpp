@@ -76,6 +76,32 @@ void candidate_backward(const py::kwargs& kwargs) {
   tpo::cpu::candidate_backward(args, threads);
 }
 
+void kept_linear_forward(const py::kwargs& kwargs) {
+  Kwargs in(kwargs, "kept_linear_forward");
+  const tpo::KeptDotArgs args = tpo::binding::kept_dot_args(in);
+  const int threads = num_threads(kwargs, in, "kept_linear_forward");
+  in.finish();
+  tpo::binding::check_args(args);
+  py::gil_scoped_release release;
+  tpo::cpu::kept_linear_forward(args, threads);
+}
+
+void ragged_row(const py::kwargs& kwargs, tpo::RaggedOp op, const char* name) {
+  Kwargs in(kwargs, name);
+  const tpo::RaggedRowArgs args = tpo::binding::ragged_row_args(in, op);
+  const int threads = num_threads(kwargs, in, name);
+  in.finish();
+  tpo::binding::check_args(args, op);
+  py::gil_scoped_release release;
+  tpo::cpu::ragged_rows(args, op, threads);
+}
+
+void ragged_row_forward(const py::kwargs& kwargs) { ragged_row(kwargs, tpo::RaggedOp::kForward, "ragged_row_forward"); }
+
+void ragged_row_backward(const py::kwargs& kwargs) {
+  ragged_row(kwargs, tpo::RaggedOp::kBackward, "ragged_row_backward");
+}
+
 // Element-wise access to the shared row_math.h helpers, so tests can check the arithmetic the
 // CUDA kernels share (exp, bf16/fp16 conversions) exhaustively on the CPU.
 void math_elementwise(const std::string& op, uintptr_t in, uintptr_t out, int64_t count) {
@@ -134,6 +160,9 @@ PYBIND11_MODULE(_C_cpu, m) {
   m.def("row_backward", &row_backward, tpo::binding::kRowBackwardDoc);
   m.def("candidate_forward", &candidate_forward, tpo::binding::kCandidateForwardDoc);
   m.def("candidate_backward", &candidate_backward, tpo::binding::kCandidateBackwardDoc);
+  m.def("kept_linear_forward", &kept_linear_forward, tpo::binding::kKeptLinearForwardDoc);
+  m.def("ragged_row_forward", &ragged_row_forward, tpo::binding::kRaggedRowForwardDoc);
+  m.def("ragged_row_backward", &ragged_row_backward, tpo::binding::kRaggedRowBackwardDoc);
   m.def("math_elementwise", &math_elementwise, py::arg("op"), py::arg("in"), py::arg("out"),
         py::arg("count"),
         "Apply a row_math.h helper element-wise (testing aid): exp2_f32 (f32 -> f32), "

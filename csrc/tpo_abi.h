@@ -106,6 +106,56 @@ struct CandidateArgs {
   void* out;                 // backward: written
 };
 
+// Kept-set dot products (sampling-mask replay on the fused head): for each row r and each pair p
+// in [offsets[r], offsets[r + 1]),
+//   out[p] = hidden[r] . weight[ids[p]] (+ bias[ids[p]]),
+// summed in the compute dtype in a fixed order that depends on hidden_size only (16 lane sums,
+// then a fixed tree), so a pair's value does not depend on its row's position or its batch.
+// ids[p] < 0 is a hole: out[p] = -inf; ids[p] >= vocab: NaN (never read). offsets run from 0 to
+// num_pairs without decreasing (the binding checks them; it never checks ids).
+struct KeptDotArgs {
+  int dtype;                 // element type of hidden, weight and bias
+  int64_t rows;
+  int64_t hidden_size;
+  int64_t vocab;
+  const void* hidden;        // [rows, hidden_size], hidden_row_stride between rows
+  int64_t hidden_row_stride;
+  const void* weight;        // [vocab, hidden_size], weight_row_stride between rows
+  int64_t weight_row_stride;
+  const void* bias;          // [vocab], optional
+  const int64_t* ids;        // [num_pairs]
+  const int64_t* offsets;    // [rows + 1]
+  int64_t num_pairs;
+  void* out;                 // [num_pairs] compute dtype
+};
+
+// Ragged row ops (replay): the row forward / backward above over ragged rows of the gathered kept
+// logits, row r = kept_logits[offsets[r] .. offsets[r + 1]) (raw, in the compute dtype `dtype`,
+// kFloat32 or kFloat64, as every [rows] array), its label at pair label_slot[r]: -1 the row does not
+// count (outputs 0, never read), -2 (or a slot outside the row) its label is not in the set (the
+// statistics computed, logprob NaN). Each row is summed sequentially in pair order, so a row's
+// results depend on its own pairs only. The backward writes out[p] for every pair: 0 on holes
+// (ids[p] < 0), on rows that do not count and on rows with g == ge == 0.
+enum class RaggedOp : int { kForward = 0, kBackward = 1 };
+
+struct RaggedRowArgs {
+  int dtype;                 // kFloat32 or kFloat64
+  int64_t rows;
+  int64_t num_pairs;
+  const void* kept_logits;   // [num_pairs]
+  const int64_t* ids;        // [num_pairs], read by the backward (holes)
+  const int64_t* offsets;    // [rows + 1], 0 .. num_pairs, not decreasing
+  const int64_t* label_slot; // [rows]
+  double inv_temperature;
+  void* row_max;             // forward: written; backward: read
+  void* log_sum;             // forward: written; backward: read
+  void* logprob;             // forward: written; backward: read
+  void* entropy;             // optional; the backward reads it with grad_entropy
+  const void* grad_logprob;  // backward: [rows]
+  const void* grad_entropy;  // backward: [rows], optional
+  void* out;                 // backward: [num_pairs]
+};
+
 // The group op (layer 2), one group at a time: for the members n of group g,
 //   ell[n] = sum of token_logprobs over the member's rows, u = standardized scores (0 when all
 //   scores of the group tie; s - mean, not divided, when their population std is at most

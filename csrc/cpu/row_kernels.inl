@@ -3,7 +3,7 @@
 // The inner loops are branch-free over contiguous arrays with `#pragma omp simd`, so the compiler
 // vectorizes them, including the inlined exp2_f32 from row_math.h.
 //
-// Requires, before inclusion: <stdint.h>, <string.h>, <math.h>, <algorithm>, "row_math.h",
+// Requires, before inclusion: <stdint.h>, <string.h>, <math.h>, <algorithm>, <limits>, "row_math.h",
 // "row_ops.h", and TPO_ISA_NS defined. Element types and conversions are row_math.h's Elem<T>.
 
 namespace tpo {
@@ -185,6 +185,50 @@ void backward_rows(const RowBackwardArgs& a, int64_t begin, int64_t end) {
   }
 }
 
+// hidden . weight row in the compute dtype, in an order fixed by n alone: 16 lane sums (lane j
+// takes the elements i = j mod 16, the vector loop and the tail alike), then a fixed pairwise
+// tree. No `omp simd reduction`, whose order could follow the pointers' alignment.
+template <class T>
+acc_t<T> dot_row(const T* x, const T* w, int64_t n) {
+  using A = acc_t<T>;
+  constexpr int kLanes = 16;
+  A lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) lane[j] += Elem<T>::load(x[i + j]) * Elem<T>::load(w[i + j]);
+  }
+  for (int j = 0; i + j < n; ++j) lane[j] += Elem<T>::load(x[i + j]) * Elem<T>::load(w[i + j]);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+  }
+  return lane[0];
+}
+
+template <class T>
+void kept_dot_rows(const KeptDotArgs& a, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
+  const T* hidden = static_cast<const T*>(a.hidden);
+  const T* weight = static_cast<const T*>(a.weight);
+  const T* bias = static_cast<const T*>(a.bias);
+  A* out = static_cast<A*>(a.out);
+  for (int64_t r = begin; r < end; ++r) {
+    const T* h = hidden + r * a.hidden_row_stride;
+    for (int64_t p = a.offsets[r]; p < a.offsets[r + 1]; ++p) {
+      const int64_t id = a.ids[p];
+      if (id < 0) {  // a hole: no entry
+        out[p] = -std::numeric_limits<A>::infinity();
+      } else if (id >= a.vocab) {  // outside the vocabulary: NaN, never read
+        out[p] = static_cast<A>(quiet_nan_f());
+      } else {
+        A dot = dot_row<T>(h, weight + id * a.weight_row_stride, a.hidden_size);
+        if (bias != nullptr) dot += Elem<T>::load(bias[id]);
+        out[p] = dot;
+      }
+    }
+  }
+}
+
 // Entry points with runtime dtype dispatch, one set per ISA (declared in row_ops.cpp).
 void row_forward_impl(const RowForwardArgs& args, int64_t begin, int64_t end) {
   visit_dtype(args.dtype, [&](auto tag) { forward_rows<typename decltype(tag)::type>(args, begin, end); });
@@ -192,6 +236,10 @@ void row_forward_impl(const RowForwardArgs& args, int64_t begin, int64_t end) {
 
 void row_backward_impl(const RowBackwardArgs& args, int64_t begin, int64_t end) {
   visit_dtype(args.dtype, [&](auto tag) { backward_rows<typename decltype(tag)::type>(args, begin, end); });
+}
+
+void kept_dot_impl(const KeptDotArgs& args, int64_t begin, int64_t end) {
+  visit_dtype(args.dtype, [&](auto tag) { kept_dot_rows<typename decltype(tag)::type>(args, begin, end); });
 }
 
 }  // namespace TPO_ISA_NS

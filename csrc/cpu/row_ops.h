@@ -12,6 +12,8 @@ void row_forward(const RowForwardArgs& args, int num_threads);
 void row_backward(const RowBackwardArgs& args, int num_threads);
 void candidate_forward(const CandidateArgs& args, int num_threads);
 void candidate_backward(const CandidateArgs& args, int num_threads);
+void kept_linear_forward(const KeptDotArgs& args, int num_threads);
+void ragged_rows(const RaggedRowArgs& args, RaggedOp op, int num_threads);
 
 // The thread budget of a call that gives none: the number of hardware threads.
 int max_threads();

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "../row_math.h"
 #include "row_ops.h"

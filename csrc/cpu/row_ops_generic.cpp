@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "../row_math.h"
 #include "row_ops.h"

@@ -76,6 +76,23 @@ Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each
   weight rows are summed in a fixed order. An id outside ``[0, V)`` adds nothing to dhidden (its
   grad is ignored) and is not written in dweight / dbias.
 
+Kept-set ops (sampling-mask replay; ``kept`` a :class:`~tpo_kernels.backends.kept_sets.KeptSets`
+of ``P`` (row, id) pairs over ``M`` rows; a negative id is a hole: no entry):
+
+* ``kept_gather(logits, kept) -> [P]``: raw ``logits[row, id]`` in the compute dtype from ``[M, V]``
+  or a ``[B, T, V]`` view (hole: ``-inf``; id ``>= V``: NaN).
+* ``kept_scatter(grad, kept, *, out)``: ``out`` zero except ``out[row, id]``, the sum of that row's
+  pairs in ascending order; holes and ids outside ``[0, V)`` are never written.
+* ``kept_linear_forward(hidden, weight, kept, *, bias=None) -> [P]``: raw ``h[row] . W[id] + b[id]``.
+* ``kept_linear_backward(grad, hidden, weight, kept, *, runs, with_hidden, with_weight, with_bias)``:
+  as ``candidate_linear_backward``, ``runs = pair_runs(kept.ids)``.
+* ``ragged_row_forward(kept_logits, kept, *, inv_temperature, with_entropy) -> RowSummary`` and
+  ``ragged_row_backward(kept_logits, kept, summary, grad_logprob, *, grad_entropy=None,
+  inv_temperature, out)``: the row ops above over row ``r = kept_logits[offsets[r]:offsets[r+1]]``
+  with label ``label_slot[r] - offsets[r]``; a label slot of -1 follows the negative-label rule,
+  -2 (the label is not in the set) the ``labels >= V`` rule for the label log-prob only (the
+  statistics are computed); ``out`` is ``[P]`` in the compute dtype.
+
 Group op: ``group_targets(token_logprobs, layout, scores, *, old_seq_logprobs=None,
 seq_log_weights=None, eta, anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tpo_kernels.group_math`;
 ``score_eps >= 0`` is the near-tie tolerance: a group whose scores' population std is at most it gets
@@ -86,7 +103,8 @@ the results come back in the dtype of the token log-probs, with ``coef = p - q``
 the rounding (``None`` lets the caller take the difference of the rounded p and q).
 
 The base class supplies PyTorch implementations of the candidate ops
-(:mod:`tpo_kernels.backends.torch_candidates`) and of the group op; a backend overrides what it has
+(:mod:`tpo_kernels.backends.torch_candidates`), of the kept-set ops
+(:mod:`tpo_kernels.backends.torch_kept`) and of the group op; a backend overrides what it has
 kernels for. Inputs reaching a backend have validated metadata: 2-D logits (3-D for the row
 ops) with unit column stride, int64 ids, one device. Id values are checked only with ``validate=True``, so every op
 checks each id where it touches memory (DESIGN.md, "Ids outside the vocabulary": the results
@@ -104,7 +122,7 @@ import torch
 from torch import Tensor
 
 from .. import group_math
-from . import torch_candidates
+from . import torch_candidates, torch_kept
 from .row_summary import RowSummary
 
 class Backend:
@@ -143,6 +161,12 @@ class Backend:
     candidate_linear_forward = staticmethod(torch_candidates.candidate_linear_forward)
     candidate_linear_backward = staticmethod(torch_candidates.candidate_linear_backward)
     group_targets = staticmethod(group_math.portable_group_targets)
+    kept_gather = staticmethod(torch_kept.kept_gather)
+    kept_scatter = staticmethod(torch_kept.kept_scatter)
+    kept_linear_forward = staticmethod(torch_kept.kept_linear_forward)
+    kept_linear_backward = staticmethod(torch_kept.kept_linear_backward)
+    ragged_row_forward = staticmethod(torch_kept.ragged_row_forward)
+    ragged_row_backward = staticmethod(torch_kept.ragged_row_backward)
 
     def __repr__(self) -> str:
         return f"<tpo_kernels backend {self.name!r}>"

@@ -12,7 +12,9 @@ are the Triton backend's kernels when Triton is usable in this process, else the
 defaults (:func:`linear_candidate_ops`), so that ``backend="auto"``, which picks this backend on
 a GPU, runs the token-level path as a handful of fused launches rather than chunked PyTorch.
 Either way their results follow the backend contract (deterministic; weight rows summed in a
-fixed order), and they are tested as the Triton and PyTorch ops.
+fixed order), and they are tested as the Triton and PyTorch ops. The kept-set ops of replay (the
+ragged dot products and row ops) go the same way (:func:`kept_ops`); their gather and scatter
+are the PyTorch defaults.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from torch import Tensor
 from ..group_math import BatchLayout, GroupResult
 from . import _reason
 from . import torch_candidates as torch_candidate_ops
+from . import torch_kept
+from .kept_sets import KeptSets
+from .row_summary import RowSummary
 from .native import DTYPE_CODES, NativeBackend, per_row, ptr
 
 
@@ -38,6 +43,16 @@ def linear_candidate_ops(triton_unavailable: Optional[str]) -> ModuleType:
 
         return candidate_kernels
     return torch_candidate_ops
+
+
+def kept_ops(triton_unavailable: Optional[str]) -> ModuleType:
+    """The module of the kept-set dot products and ragged row ops the cuda backend runs: the
+    Triton kernels when Triton is usable (``triton_unavailable is None``), else the PyTorch defaults."""
+    if triton_unavailable is None:
+        from .triton import kept_kernels  # noqa: PLC0415 - imports Triton
+
+        return kept_kernels
+    return torch_kept
 
 
 class CudaBackend(NativeBackend):
@@ -84,6 +99,28 @@ class CudaBackend(NativeBackend):
             grad, hidden, weight, candidates, runs=runs, with_hidden=with_hidden, with_weight=with_weight,
             with_bias=with_bias,
         )
+
+    def kept_linear_forward(self, hidden: Tensor, weight: Tensor, kept: KeptSets, *,
+                            bias: Optional[Tensor] = None) -> Tensor:
+        return kept_ops(_reason("triton")).kept_linear_forward(hidden, weight, kept, bias=bias)
+
+    def kept_linear_backward(self, grad: Tensor, hidden: Tensor, weight: Tensor, kept: KeptSets, *,
+                             runs: Optional[Tuple[Tensor, Tensor, Tensor]], with_hidden: bool, with_weight: bool,
+                             with_bias: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        return kept_ops(_reason("triton")).kept_linear_backward(
+            grad, hidden, weight, kept, runs=runs, with_hidden=with_hidden, with_weight=with_weight,
+            with_bias=with_bias)
+
+    def ragged_row_forward(self, kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
+                           with_entropy: bool) -> RowSummary:
+        return kept_ops(_reason("triton")).ragged_row_forward(kept_logits, kept, inv_temperature=inv_temperature,
+                                                              with_entropy=with_entropy)
+
+    def ragged_row_backward(self, kept_logits: Tensor, kept: KeptSets, summary: RowSummary, grad_logprob: Tensor,
+                            *, grad_entropy: Optional[Tensor] = None, inv_temperature: float, out: Tensor) -> None:
+        kept_ops(_reason("triton")).ragged_row_backward(kept_logits, kept, summary, grad_logprob,
+                                                        grad_entropy=grad_entropy, inv_temperature=inv_temperature,
+                                                        out=out)
 
     def group_targets(
         self,

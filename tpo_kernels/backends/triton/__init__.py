@@ -1,4 +1,4 @@
-"""Triton backend: row ops, candidate ops and the group op as Triton kernels.
+"""Triton backend: row ops, candidate ops, the kept-set head and the group op as Triton kernels.
 
 Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``,
 slow; meant for tests). Importing this module imports Triton; the backend registry imports it
@@ -13,7 +13,7 @@ import torch
 
 from .. import triton_interpreter_enabled
 from .. import Backend
-from . import candidate_kernels, group_kernel, row_kernels
+from . import candidate_kernels, group_kernel, kept_kernels, row_kernels
 
 
 class TritonBackend(Backend):
@@ -26,6 +26,12 @@ class TritonBackend(Backend):
     candidate_linear_forward = staticmethod(candidate_kernels.candidate_linear_forward)
     candidate_linear_backward = staticmethod(candidate_kernels.candidate_linear_backward)
     group_targets = staticmethod(group_kernel.fused_group_targets)
+    # Kept sets: the fused head's ragged dot products and the ragged row ops as kernels; the
+    # gather and scatter of the logits path are the PyTorch defaults.
+    kept_linear_forward = staticmethod(kept_kernels.kept_linear_forward)
+    kept_linear_backward = staticmethod(kept_kernels.kept_linear_backward)
+    ragged_row_forward = staticmethod(kept_kernels.ragged_row_forward)
+    ragged_row_backward = staticmethod(kept_kernels.ragged_row_backward)
 
     def unavailable_reason(self) -> Optional[str]:
         if torch.cuda.is_available() or triton_interpreter_enabled():

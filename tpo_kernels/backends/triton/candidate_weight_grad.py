@@ -36,10 +36,13 @@ SEGMENT_PAIRS = 64  # pairs per segment: the most any program of passes 1 and 2 
 
 
 @triton.jit
-def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, start, stop, hidden_row_stride, num_cand, cols, in_h,
-              HAS_WEIGHT: tl.constexpr, PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr):
+def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride, num_cand, cols,
+              in_h, HAS_WEIGHT: tl.constexpr, HAS_PAIR_ROWS: tl.constexpr, PAIR_TILE: tl.constexpr,
+              BLOCK_H: tl.constexpr):
     """``(sum g * h[state], sum g)`` over the sorted pairs ``start <= j < stop``, ``PAIR_TILE``
-    pairs at a time (each tile reduced by a fixed tree, the tiles in ascending order)."""
+    pairs at a time (each tile reduced by a fixed tree, the tiles in ascending order). A pair's
+    state is ``pair // num_cand`` (K candidates per state), or ``pair_rows[pair]`` with
+    ``HAS_PAIR_ROWS`` (ragged kept sets)."""
     acc_ty = grad_ptr.dtype.element_ty
     lanes = tl.arange(0, PAIR_TILE)
     dw = tl.zeros([BLOCK_H], dtype=acc_ty)
@@ -50,7 +53,11 @@ def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, start, stop, hidden_row_stri
         pair = tl.load(pair_order_ptr + j, mask=in_j, other=0)
         g = tl.load(grad_ptr + pair, mask=in_j, other=0.0)
         if HAS_WEIGHT:
-            rows = hidden_ptr + (pair // num_cand)[:, None] * hidden_row_stride
+            if HAS_PAIR_ROWS:
+                state = tl.load(pair_rows_ptr + pair, mask=in_j, other=0)
+            else:
+                state = pair // num_cand
+            rows = hidden_ptr + state[:, None] * hidden_row_stride
             h = tl.load(rows + cols[None, :], mask=in_j[:, None] & in_h[None, :], other=0.0).to(acc_ty)
             dw += tl.sum(g[:, None] * h, axis=0)
         db += tl.sum(g, axis=0)
@@ -59,10 +66,10 @@ def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, start, stop, hidden_row_stri
 
 @triton.jit
 def _weight_grad_run_kernel(
-    grad_ptr, hidden_ptr, pair_order_ptr, run_offsets_ptr, run_tokens_ptr, dweight_ptr, dbias_ptr,
+    grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, run_offsets_ptr, run_tokens_ptr, dweight_ptr, dbias_ptr,
     partial_w_ptr, partial_b_ptr, crossing_run_ptr, hidden_row_stride, vocab, num_cand, hidden_size,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENT: tl.constexpr, PAIR_TILE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAIR_ROWS: tl.constexpr, SEGMENT: tl.constexpr,
+    PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # One program per (run, column block): the run's pairs up to the end of its first segment.
     # A run ending there is final; otherwise this is partial row 2 * segment + 1.
@@ -74,8 +81,8 @@ def _weight_grad_run_kernel(
     stop = tl.minimum(end, (segment + 1) * SEGMENT)
     cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_h = cols < hidden_size
-    dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, start, stop, hidden_row_stride, num_cand, cols,
-                       in_h, HAS_WEIGHT, PAIR_TILE, BLOCK_H)
+    dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride,
+                       num_cand, cols, in_h, HAS_WEIGHT, HAS_PAIR_ROWS, PAIR_TILE, BLOCK_H)
     if stop == end:
         token = tl.load(run_tokens_ptr + run)
         if (token >= 0) & (token < vocab):  # a token outside [0, vocab) is never written
@@ -96,9 +103,9 @@ def _weight_grad_run_kernel(
 
 @triton.jit
 def _weight_grad_segment_kernel(
-    grad_ptr, hidden_ptr, candidates_ptr, pair_order_ptr, partial_w_ptr, partial_b_ptr, hidden_row_stride,
-    num_cand, num_pairs, hidden_size, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENT: tl.constexpr,
-    PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
+    grad_ptr, hidden_ptr, candidates_ptr, pair_order_ptr, pair_rows_ptr, partial_w_ptr, partial_b_ptr,
+    hidden_row_stride, num_cand, num_pairs, hidden_size, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_PAIR_ROWS: tl.constexpr, SEGMENT: tl.constexpr, PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # One program per (segment s >= 1, column block): when the run holding the segment's first
     # pair began in an earlier segment, its pairs in this segment become partial row 2 * s.
@@ -114,8 +121,8 @@ def _weight_grad_segment_kernel(
         stop = start + tl.sum(same.to(tl.int64), axis=0)
         cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
         in_h = cols < hidden_size
-        dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, start, stop, hidden_row_stride, num_cand, cols,
-                           in_h, HAS_WEIGHT, PAIR_TILE, BLOCK_H)
+        dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride,
+                           num_cand, cols, in_h, HAS_WEIGHT, HAS_PAIR_ROWS, PAIR_TILE, BLOCK_H)
         if HAS_WEIGHT:
             tl.store(partial_w_ptr + 2 * segment * hidden_size + cols, dw, mask=in_h)
         if HAS_BIAS:
@@ -170,11 +177,13 @@ def weight_grad(
     dweight: Optional[Tensor],
     dbias: Optional[Tensor],
     vocab: int,
+    pair_rows: Optional[Tensor] = None,
 ) -> None:
     """Write the candidate rows of ``dweight`` [V, H] and ``dbias`` [V] (each None when not
     wanted; the other rows are left as they are) for ``grad`` [R, K] (compute dtype), contiguous
     ``hidden`` and ``candidates``, ``runs = pair_runs(candidates)`` and ``vocab`` = the weight's rows
-(tokens outside ``[0, vocab)`` are not written); see the module docstring."""
+(tokens outside ``[0, vocab)`` are not written); see the module docstring. Ragged kept sets pass
+    their flat ids as ``[P, 1]`` candidates and each pair's row as ``pair_rows`` ``[P]``."""
     order, run_tokens, run_offsets = runs
     num_pairs, num_runs = order.numel(), run_tokens.numel()
     num_cand, hidden_size = candidates.shape[1], hidden.shape[1]
@@ -188,16 +197,19 @@ def weight_grad(
     crossing_run = torch.full((num_segments,), -1, dtype=torch.int32, device=grad.device)
     dweight = dweight if with_weight else grad  # placeholder pointers when not requested
     dbias = dbias if with_bias else grad
+    has_rows = pair_rows is not None
+    pair_rows = pair_rows if has_rows else order  # a placeholder pointer without rows
     flags = dict(HAS_WEIGHT=with_weight, SEGMENT=SEGMENT_PAIRS, BLOCK_H=block_h, num_warps=num_warps(tile * block_h))
     _weight_grad_run_kernel[(num_runs, col_blocks)](
-        grad, hidden, order, run_offsets, run_tokens, dweight, dbias, partial_w, partial_b, crossing_run,
-        hidden.stride(0), vocab, num_cand, hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
+        grad, hidden, order, pair_rows, run_offsets, run_tokens, dweight, dbias, partial_w, partial_b, crossing_run,
+        hidden.stride(0), vocab, num_cand, hidden_size, HAS_BIAS=with_bias, HAS_PAIR_ROWS=has_rows, PAIR_TILE=tile,
+        **flags,
     )
     if num_segments == 1:
         return  # no run crosses a segment boundary: no partials
     _weight_grad_segment_kernel[(num_segments - 1, col_blocks)](
-        grad, hidden, candidates, order, partial_w, partial_b, hidden.stride(0), num_cand, num_pairs,
-        hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
+        grad, hidden, candidates, order, pair_rows, partial_w, partial_b, hidden.stride(0), num_cand, num_pairs,
+        hidden_size, HAS_BIAS=with_bias, HAS_PAIR_ROWS=has_rows, PAIR_TILE=tile, **flags,
     )
     # The last segment's end is the end of the pairs: no run crosses it.
     _weight_grad_combine_kernel[(num_segments - 1, col_blocks)](
