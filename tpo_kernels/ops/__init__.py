@@ -9,6 +9,9 @@ op                                 computes                                     
 ``tpo_kernels::group_targets``     the group op: ell, u, p, q, per-group loss        group
 ``tpo_kernels::candidate_logits``  K candidate logits per state (token-level)       candidates
 ``tpo_kernels::linear_candidate_logits``  the same as K dot products per state      candidates
+``tpo_kernels::kept_logits``       the logits of each token's kept set (replay)     kept
+``tpo_kernels::linear_kept_logits``  the same as dot products, no ``[M, V]``          kept
+``tpo_kernels::ragged_logprobs``   token log-probs (+ entropy) over kept sets       kept
 =================================  ===============================================  ==========
 
 Each op takes its stage's settings as one record, flattened at the op boundary by one method:
