@@ -93,6 +93,27 @@ def _candidate_scatter_kernel(
 
 
 @triton.jit
+def pair_dots(h_row, weight_ptr, bias_ptr, out_ptr, ids, in_vocab, weight_row_stride, hidden_size,
+              HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``h_row . W[ids[k]] (+ b[ids[k]])`` for a block of ``BLOCK_K`` ids, in ``out_ptr``'s dtype,
+    the hidden dimension in ``BLOCK_H`` columns; 0 where not ``in_vocab`` (never dereferenced).
+    The one dot loop of the candidate and the kept-set kernels."""
+    acc_ty = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_H)
+    w_rows = weight_ptr + ids.to(tl.int64)[:, None] * weight_row_stride
+    dot = tl.zeros([BLOCK_K], dtype=acc_ty)
+    for h_start in range(0, hidden_size, BLOCK_H):
+        c = h_start + cols
+        in_h = c < hidden_size
+        h = tl.load(h_row + c, mask=in_h, other=0.0).to(acc_ty)
+        w = tl.load(w_rows + c[None, :], mask=in_vocab[:, None] & in_h[None, :], other=0.0).to(acc_ty)
+        dot += tl.sum(w * h[None, :], axis=1)
+    if HAS_BIAS:
+        dot += tl.load(bias_ptr + ids, mask=in_vocab, other=0.0).to(acc_ty)
+    return dot
+
+
+@triton.jit
 def _candidate_dot_kernel(
     hidden_ptr,
     weight_ptr,
@@ -110,26 +131,16 @@ def _candidate_dot_kernel(
     BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    acc_ty = out_ptr.dtype.element_ty
     scale = tl.load(scale_ptr)
     lanes = tl.arange(0, BLOCK_K)
-    cols = tl.arange(0, BLOCK_H)
     h_row = hidden_ptr + row * hidden_row_stride
     for k_start in range(0, num_cand, BLOCK_K):
         k = k_start + lanes
         in_k = k < num_cand
         ids = tl.load(candidates_ptr + row * num_cand + k, mask=in_k, other=0)
         in_vocab = in_k & (ids >= 0) & (ids < vocab)
-        w_rows = weight_ptr + ids.to(tl.int64)[:, None] * weight_row_stride
-        dot = tl.zeros([BLOCK_K], dtype=acc_ty)
-        for h_start in range(0, hidden_size, BLOCK_H):
-            c = h_start + cols
-            in_h = c < hidden_size
-            h = tl.load(h_row + c, mask=in_h, other=0.0).to(acc_ty)
-            w = tl.load(w_rows + c[None, :], mask=in_vocab[:, None] & in_h[None, :], other=0.0).to(acc_ty)
-            dot += tl.sum(w * h[None, :], axis=1)
-        if HAS_BIAS:
-            dot += tl.load(bias_ptr + ids, mask=in_vocab, other=0.0).to(acc_ty)
+        dot = pair_dots(h_row, weight_ptr, bias_ptr, out_ptr, ids, in_vocab, weight_row_stride, hidden_size,
+                        HAS_BIAS, BLOCK_K, BLOCK_H)
         tl.store(out_ptr + row * num_cand + k, tl.where(in_vocab, dot * scale, float("nan")), mask=in_k)
 
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..kept_sets import KeptSets
 from ..row_summary import RowSummary, compute_dtype
+from .candidate_kernels import pair_dots
 from .candidate_weight_grad import num_warps, weight_grad
 from .kernel_support import device_guard, expm1, log1p, use_libdevice
 
@@ -41,9 +42,7 @@ def _kept_dot_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, offsets_ptr, out
                      weight_row_stride, vocab, hidden_size, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    acc_ty = out_ptr.dtype.element_ty
     lanes = tl.arange(0, BLOCK_K)
-    cols = tl.arange(0, BLOCK_H)
     h_row = hidden_ptr + row * hidden_row_stride
     start = tl.load(offsets_ptr + row)
     end = tl.load(offsets_ptr + row + 1)
@@ -52,16 +51,8 @@ def _kept_dot_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, offsets_ptr, out
         in_k = p < end
         ids = tl.load(ids_ptr + p, mask=in_k, other=-1)
         in_vocab = in_k & (ids >= 0) & (ids < vocab)
-        w_rows = weight_ptr + ids.to(tl.int64)[:, None] * weight_row_stride
-        dot = tl.zeros([BLOCK_K], dtype=acc_ty)
-        for h_start in range(0, hidden_size, BLOCK_H):
-            c = h_start + cols
-            in_h = c < hidden_size
-            h = tl.load(h_row + c, mask=in_h, other=0.0).to(acc_ty)
-            w = tl.load(w_rows + c[None, :], mask=in_vocab[:, None] & in_h[None, :], other=0.0).to(acc_ty)
-            dot += tl.sum(w * h[None, :], axis=1)
-        if HAS_BIAS:
-            dot += tl.load(bias_ptr + ids, mask=in_vocab, other=0.0).to(acc_ty)
+        dot = pair_dots(h_row, weight_ptr, bias_ptr, out_ptr, ids, in_vocab, weight_row_stride, hidden_size,
+                        HAS_BIAS, BLOCK_K, BLOCK_H)
         dot = tl.where(ids < 0, float("-inf"), tl.where(in_vocab, dot, float("nan")))
         tl.store(out_ptr + p, dot, mask=in_k)
 
