@@ -127,13 +127,6 @@ def test_the_check_pass_reports_no_context_group_for_one_rank(one_rank):
     assert checked.failure is None and checked.context_group is None and checked.plan.batch.kept is None
 
 
-def test_the_groups_say_how_the_batch_is_split():
-    assert RankGroups().split == BatchSplit()
-    assert RankGroups(data="dp").split == BatchSplit(completions=True)
-    assert RankGroups(context="cp").split == BatchSplit(positions=True)
-    assert RankGroups(data="dp", context="cp").split == BatchSplit(completions=True, positions=True)
-
-
 # ----------------------------------------------------------------------------- a rank's positions
 
 

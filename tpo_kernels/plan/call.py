@@ -27,7 +27,7 @@ from ..requests import Source
 from ..checks.arguments import (check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype, check_head,
                                 check_head_dtype, check_logits, check_logits_cache, check_logits_source,
                                 check_options, check_row_options, check_tile_policy)
-from ..checks.batches import prepare_batch, prepare_candidates, prepare_labels
+from ..checks.batches import BatchSplit, prepare_batch, prepare_candidates, prepare_labels
 from ..checks.placement import check_distinct_groups, check_group
 from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RankGroups, RowSource
 
@@ -307,8 +307,10 @@ def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
     groups, None where absent or of one rank)."""
     source, shard_request, original = _resolve_source(request.source, request.placement)
     sharded = shard_request is not None
-    check_distinct_groups({"process_group": groups.data, "context_parallel_group": groups.context,
-                           "vocab_parallel_group": shard_request.group if sharded else None})
+    present = {name: group for name, group in (("process_group", groups.data), ("context_parallel_group", groups.context),
+               ("vocab_parallel_group", shard_request.group if sharded else None)) if group is not None}
+    if len(present) > 1:  # one rank's call has nothing to tell apart
+        check_distinct_groups(present)
     batch = request.batch
     if isinstance(source, Logprobs):
         logprobs = check_float_tensor("logprobs", source.logprobs, (1, 2))
@@ -327,7 +329,8 @@ def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
     key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
         batch, labels, _token_shape(source), vocab_size=None if sharded else vocab_size, device=device, acc=dtype,
-        input_name=input_name, validate=flags.validate, split=groups.split,
+        input_name=input_name, validate=flags.validate,
+        split=BatchSplit(completions=groups.data is not None, positions=groups.context is not None),
         length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
     )
     # Completions split over ranks: K counts over every rank's, checked once the sizes are agreed.

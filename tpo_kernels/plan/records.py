@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..checks.arguments import CallFlags
-from ..checks.batches import BatchSplit, PreparedBatch
+from ..checks.batches import PreparedBatch
 from ..group_math import GroupRule
 from ..ops import HeadTiles, RowRequest
 from ..ops.group import LossWeights
@@ -85,11 +85,6 @@ class RankGroups:
 
     data: object = None
     context: object = None
-
-    @property
-    def split(self) -> BatchSplit:
-        """How this rank's batch is a part of the whole (what :func:`prepare_batch` checks locally)."""
-        return BatchSplit(completions=self.data is not None, positions=self.context is not None)
 
 
 @dataclass(frozen=True)
