@@ -38,13 +38,12 @@ def _policy(min_tile_tokens: int, accum_bytes: int, matmul_out_dtype: Optional[b
                       batch_invariant=batch_invariant)
 
 
-def _head(inputs: Tuple[Tensor, Tensor, Optional[Tensor], Tensor], request: RowRequest, chunk_size: int,
-          policy: TilePolicy, backend: str, cache_candidates: Optional[Tensor] = None,
-          head_dtype: Optional[torch.dtype] = None) -> TiledLinearHead:
+def _head(inputs: Tuple[Tensor, Tensor, Optional[Tensor], Tensor], request: RowRequest, tiles: HeadTiles,
+          backend: str, cache_candidates: Optional[Tensor] = None) -> TiledLinearHead:
     """The tiled head over ``inputs = (hidden, weight, bias, labels)``."""
     inv_t, transform = request.transform()
-    return TiledLinearHead(*inputs, backend_by_key(backend), inv_t, chunk_size, policy, transform=transform,
-                           cache_candidates=cache_candidates, head_dtype=head_dtype)
+    return TiledLinearHead(*inputs, backend_by_key(backend), inv_t, tiles, transform=transform,
+                           cache_candidates=cache_candidates)
 
 
 def _logits_dtype(hidden: Tensor, weight: Tensor, head_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -62,7 +61,8 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
                      head_dtype: Optional[torch.dtype] = None) -> op_outputs(extra=1):
     row = RowRequest.from_op(request)
     policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, logits_cache_bytes, batch_invariant)
-    head = _head((hidden, weight, bias, labels), row, chunk_size, policy, backend, cache_candidates, head_dtype)
+    tiles = HeadTiles(chunk_size=chunk_size, policy=policy, grad_accum_dtype=grad_accum_dtype, head_dtype=head_dtype)
+    head = _head((hidden, weight, bias, labels), row, tiles, backend, cache_candidates)
     summary = head.forward(row.token_fields, _cache_rows(head.policy, hidden, weight, head_dtype, chunk_size))
     # A label >= V (validate=False checks none) lies in no tile, whose row ops read it as column 0:
     # its row's results become NaN, as the row ops' are (DESIGN.md, "Ids outside the vocabulary");
@@ -119,8 +119,9 @@ def _backward_op(name: str, overwrite_cache: bool):
         batch_invariant: bool = False, head_dtype: Optional[torch.dtype] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         policy = _policy(min_tile_tokens, accum_bytes, matmul_out_dtype, batch_invariant=batch_invariant)
-        head = _head((hidden, weight, bias, labels), RowRequest.from_op(request), chunk_size, policy, backend,
-                     cache_candidates, head_dtype)
+        tiles = HeadTiles(chunk_size=chunk_size, policy=policy, grad_accum_dtype=grad_accum_dtype,
+                          head_dtype=head_dtype)
+        head = _head((hidden, weight, bias, labels), RowRequest.from_op(request), tiles, backend, cache_candidates)
         # The entropy is read only with its gradient.
         row_summary = RowSummary.from_op(summary, fields=() if grad_entropy is None else ("entropy",))
         grads = head.backward(row_summary, grad_logprobs, grad_entropy, (needs_hidden, needs_weight, needs_bias),

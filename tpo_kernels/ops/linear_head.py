@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..backends.row_summary import RowSummary, compute_dtype, row_flags
 from ..backends import Backend
-from .tiles import (BackwardPlan, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
+from .tiles import (BackwardPlan, HeadTiles, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
                     full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
 from .logprobs import LogitTransform
 from .padded_rows import padded_backward, padded_forward
@@ -60,8 +60,8 @@ class TiledLinearHead:
 
     ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` (the weight's
     dtype) or None; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A
-    tile never holds more than ``chunk_size * V`` logits. Logits are computed in the wider of the
-    inputs' dtypes and ``head_dtype`` (None: the inputs'); only a tile's operands are cast.
+    tile never holds more than ``tiles.chunk_size * V`` logits. Logits are computed in the wider of
+    the inputs' dtypes and ``tiles.head_dtype`` (None: the inputs'); only a tile's operands are cast.
 
     ``vocab_offset``: the vocabulary id of ``weight``'s first row when it is one shard of a
     vocabulary-parallel head (:mod:`tpo_kernels.distributed`). Labels stay global ids; a counted
@@ -74,14 +74,13 @@ class TiledLinearHead:
     exactly ``tile_rows``) does the work.
     """
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                 backend: Backend, inv_temperature: float, chunk_size: int, policy: TilePolicy,
-                 vocab_offset: int = 0, transform: Optional[LogitTransform] = None,
-                 cache_candidates: Optional[Tensor] = None, head_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, backend: Backend,
+                 inv_temperature: float, tiles: HeadTiles, vocab_offset: int = 0,
+                 transform: Optional[LogitTransform] = None, cache_candidates: Optional[Tensor] = None) -> None:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels
         self.backend, self.inv_temperature = backend, inv_temperature
-        self.chunk_size, self.policy = chunk_size, policy
-        self.dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), head_dtype or hidden.dtype)
+        self.tiles, self.chunk_size, self.policy = tiles, tiles.chunk_size, tiles.policy
+        self.dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), tiles.head_dtype or hidden.dtype)
         self.vocab_offset, self.transform, self.cache_candidates = vocab_offset, transform, cache_candidates
         self.padded, self.tile_rows = False, 0
 

@@ -11,6 +11,8 @@ first, in order, then rows of zeros whose labels (-1) do not count and whose gra
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional, Tuple, Union
 
 import torch
@@ -50,7 +52,7 @@ def _padded_head(head, rows: Union[slice, Tensor], tile_rows: int):
     count = padded_count(selection_size(rows), tile_rows)
     padded = type(head)(padded_rows(head.hidden, rows, count, dtype=head.dtype), head.weight, head.bias,
                         padded_rows(head.labels, rows, count, fill=-1), head.backend, head.inv_temperature,
-                        head.chunk_size, head.policy, head.vocab_offset, head.transform, head_dtype=head.dtype)
+                        dataclasses.replace(head.tiles, head_dtype=head.dtype), head.vocab_offset, head.transform)
     padded.padded, padded.tile_rows = True, tile_rows
     # The outer head's logits cache (every counted row, padded), or none.
     padded.logits_cache = head.logits_cache[:count] if getattr(head, "logits_cache", None) is not None and \

@@ -100,7 +100,7 @@ class _ShardLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, seam, request, tiles, key):
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(key), request.inv_temperature,
-                               tiles.chunk_size, tiles.policy, vocab_offset=seam.start, head_dtype=tiles.head_dtype)
+                               tiles, vocab_offset=seam.start)
         owned, _ = _owned(labels, seam)
         summary = _whole(head.forward(request.token_fields), owned, labels >= 0, seam, request.inv_temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, *summary.to_op())
@@ -117,7 +117,7 @@ class _ShardLinearLogprobs(torch.autograd.Function):
         grad_logprobs, grad_entropy = row_gradients(labels >= 0, summary, summary_grads.label_logprob,
                                                     summary_grads.entropy)
         head = TiledLinearHead(hidden, weight, bias, labels, backend_by_key(ctx.backend), request.inv_temperature,
-                               tiles.chunk_size, tiles.policy, vocab_offset=seam.start, head_dtype=tiles.head_dtype)
+                               tiles, vocab_offset=seam.start)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         grad_hidden, grad_weight, grad_bias = head.backward(summary, grad_logprobs, grad_entropy, needs,
                                                             tiles.grad_accum_dtype)
