@@ -12,7 +12,6 @@ first, in order, then rows of zeros whose labels (-1) do not count and whose gra
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Optional, Tuple, Union
 
 import torch
