@@ -372,6 +372,8 @@ def failures_case(rank: int, world: int) -> dict:
     log_weights = torch.zeros(6, dtype=torch.float64)
     attempt("seq_log_weights_differ", lambda: fused(seq_log_weights=log_weights + (0.5 if last else 0.0)))
     attempt("seq_log_weights_on_one_rank", lambda: fused(seq_log_weights=log_weights if last else None))
+    kept_labels = labels.clamp(min=0)[..., None]  # a padded set of one id: the label
+    attempt("sampling_mask_on_one_rank", lambda: fused(sampling_mask=kept_labels if last else None))
     attempt("all_masked_everywhere", lambda: fused(labels=torch.full_like(labels, -100)))
     attempt("backend_unusable", lambda: fused(backend="cuda" if last else "torch"))
     attempt("same_group_as_process_group", lambda: fused(process_group=pg))

@@ -139,6 +139,7 @@ FAILURES = {
     "old_per_token_vs_per_completion": (ValueError, "context_parallel_group: ranks disagree on old_logprobs"),
     "seq_log_weights_differ": (ValueError, "context_parallel_group: seq_log_weights differs on rank {last} from rank 0"),
     "seq_log_weights_on_one_rank": (ValueError, "context_parallel_group: ranks disagree on seq_log_weights"),
+    "sampling_mask_on_one_rank": (ValueError, "context_parallel_group: ranks disagree on sampling_mask"),
     "all_masked_everywhere": (ValueError, "no completion has a counted token on any rank of context_parallel_group"),
     "backend_unusable": (RuntimeError, "context_parallel_group: rank {last} failed its input checks; rank {last}: "
                                        "backend 'cuda' is not usable here"),
