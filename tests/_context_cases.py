@@ -50,10 +50,13 @@ def positions(length: int, world: int, rank: int, split: str, seed: int = 0) -> 
 
 def cp_batch(n: int, *, cp: int, packed: bool, split: str, grouping: str = "size", group_size: int = 3,
              old: Optional[str] = None, kl: bool = False, seed: int = 0, vocab: int = VOCAB, hidden: int = HIDDEN,
-             max_len: int = 8, dtype: torch.dtype = torch.float64, weights: bool = False) -> dict:
+             max_len: int = 8, dtype: torch.dtype = torch.float64, weights: bool = False,
+             kept: bool = False) -> dict:
     """A whole batch of ``n`` completions, float tensors in ``dtype``. Padded: ``[n, max_len]``,
     ``-100`` past each completion's length. Packed: lengths from 1 (multiples of 2S for the
-    head-tail split). ``weights``: ``seq_log_weights`` too, completion 1's ``-inf`` (w = 0)."""
+    head-tail split). ``weights``: ``seq_log_weights`` too, completion 1's ``-inf`` (w = 0). ``kept``:
+    a padded ``sampling_mask [*token_shape, 3]`` too (per token, like the labels): each counted
+    label and two other ids, about one counted token in six with an empty set (it does not count)."""
     gen = torch.Generator().manual_seed(seed)
     if packed and split == "head_tail":
         lengths = torch.randint(1, max(2, max_len // (2 * cp)) + 1, (n,), generator=gen) * 2 * cp
@@ -84,6 +87,11 @@ def cp_batch(n: int, *, cp: int, packed: bool, split: str, grouping: str = "size
     if weights:
         batch["seq_log_weights"] = rand(n)
         batch["seq_log_weights"][1] = float("-inf")
+    if kept:  # label + a, label + b (mod V), a != b in [1, V): three distinct ids
+        steps = torch.stack([torch.zeros((), dtype=torch.int64), *(torch.randperm(vocab - 1, generator=gen)[:2] + 1)])
+        ids = (labels.clamp(min=0)[..., None] + steps) % vocab
+        empty = (labels < 0) | (torch.rand(token_shape, generator=gen) < 0.17)
+        batch["sampling_mask"] = torch.where(empty[..., None], -1, ids)
     return batch
 
 
@@ -98,7 +106,7 @@ def whole_kwargs(batch: dict) -> dict:
     kwargs = _grouping(batch, slice(None))
     if batch["packed"]:
         kwargs["cu_seqlens"] = torch.tensor(_offsets(batch["lengths"].tolist()), dtype=torch.int64)
-    for key in ("old_logprobs", "ref_logprobs", "beta", "seq_log_weights"):
+    for key in ("old_logprobs", "ref_logprobs", "beta", "seq_log_weights", "sampling_mask"):
         if key in batch:
             kwargs[key] = batch[key]
     return kwargs
@@ -125,6 +133,8 @@ def share(batch: dict, seqs: slice, cp: int, cp_rank: int, split: str) -> dict:
         kwargs["old_logprobs"] = old[seqs] if old.shape == (n,) else index(old)
     if "ref_logprobs" in batch:
         kwargs["ref_logprobs"], kwargs["beta"] = index(batch["ref_logprobs"]), batch["beta"]
+    if "sampling_mask" in batch:  # per token: this rank's positions, like the labels
+        kwargs["sampling_mask"] = index(batch["sampling_mask"])
     if "seq_log_weights" in batch:  # per completion: replicated over the context ranks
         kwargs["seq_log_weights"] = batch["seq_log_weights"][seqs]
     return dict(index=index, kwargs=kwargs, labels=index(batch["labels"]), scores=batch["scores"][seqs],
@@ -169,7 +179,8 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
 def context_case(rank: int, world: int, *, path: str, dp: int = 1, tp: int = 1, split: str = "contiguous",
                  packed: bool = False, dtype: str = "float64", backend: str = "torch", old: Optional[str] = None,
                  kl: bool = False, options: Optional[dict] = None, special: Optional[str] = None,
-                 grouping: str = "size", n_per_rank: int = 6, seed: int = 0, weights: bool = False) -> dict:
+                 grouping: str = "size", n_per_rank: int = 6, seed: int = 0, weights: bool = False,
+                 kept: bool = False) -> dict:
     """Loss, every gradient and every aux entry of a (dp x cp x tp) run vs one process.
 
     ``path``: ``logits`` (tpo_loss), ``fused`` (fused_linear_tpo_loss), ``logprobs``
@@ -181,7 +192,7 @@ def context_case(rank: int, world: int, *, path: str, dp: int = 1, tp: int = 1, 
     dp_group, cp_group, tp_group, (d, s, t) = _mesh_groups(world, dp, cp, tp)
     float_dtype = getattr(torch, dtype)
     batch = cp_batch(n_per_rank * dp, cp=cp, packed=packed, split=split, grouping=grouping, old=old, kl=kl,
-                     seed=seed, dtype=float_dtype, weights=weights)
+                     seed=seed, dtype=float_dtype, weights=weights, kept=kept)
     if special == "one_rank_and_none":
         # The whole batch's token positions held by the last context rank, by their flat index.
         marker = torch.arange(batch["labels"].numel()).view(batch["token_shape"])
@@ -361,6 +372,8 @@ def failures_case(rank: int, world: int) -> dict:
     log_weights = torch.zeros(6, dtype=torch.float64)
     attempt("seq_log_weights_differ", lambda: fused(seq_log_weights=log_weights + (0.5 if last else 0.0)))
     attempt("seq_log_weights_on_one_rank", lambda: fused(seq_log_weights=log_weights if last else None))
+    kept_labels = labels.clamp(min=0)[..., None]  # a padded set of one id: the label
+    attempt("sampling_mask_on_one_rank", lambda: fused(sampling_mask=kept_labels if last else None))
     attempt("all_masked_everywhere", lambda: fused(labels=torch.full_like(labels, -100)))
     attempt("backend_unusable", lambda: fused(backend="cuda" if last else "torch"))
     attempt("same_group_as_process_group", lambda: fused(process_group=pg))

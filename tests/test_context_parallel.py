@@ -51,6 +51,10 @@ CASES = {
                                    options=dict(length_normalize=True)),
         "cp2_seq_log_weights_fused_unchecked": _cp("fused", packed=True, weights=True, grouping="ids",
                                                    options=dict(validate=False)),
+        # Kept sets (sampling_mask), per token like the labels: each rank passes its positions' sets.
+        "cp2_sampling_mask": _cp("logits", split="head_tail", kl=True, old="token", kept=True, options=KL_ENTROPY_LN),
+        "cp2_sampling_mask_fused_packed": _cp("fused", packed=True, backend="cpu", dtype="float32", kept=True,
+                                              options=dict(entropy_coef=0.02)),
         "cp2_none_kl_entropy": _cp("logits", split="random", kl=True, grouping="ids",
                                    options=dict(reduction="none", entropy_coef=0.02)),
         "bytes": ("bytes_case", {}),
@@ -135,6 +139,7 @@ FAILURES = {
     "old_per_token_vs_per_completion": (ValueError, "context_parallel_group: ranks disagree on old_logprobs"),
     "seq_log_weights_differ": (ValueError, "context_parallel_group: seq_log_weights differs on rank {last} from rank 0"),
     "seq_log_weights_on_one_rank": (ValueError, "context_parallel_group: ranks disagree on seq_log_weights"),
+    "sampling_mask_on_one_rank": (ValueError, "context_parallel_group: ranks disagree on sampling_mask"),
     "all_masked_everywhere": (ValueError, "no completion has a counted token on any rank of context_parallel_group"),
     "backend_unusable": (RuntimeError, "context_parallel_group: rank {last} failed its input checks; rank {last}: "
                                        "backend 'cuda' is not usable here"),

@@ -74,6 +74,37 @@ def test_read_backs_per_call_are_the_documented_budget(name, validate, backend):
     assert len(recorder.reads) == BUDGET[name][not validate], recorder.reads
 
 
+# With a sampling_mask the kept sets' value checks join the call's one read-back; the fused paths
+# form no logits tile, so their budget is the kept backward's one (the weight gradient's runs).
+MASK_BUDGET = {"tpo_loss": (1, 0), "selective_logprobs": (1, 0), "fused_linear_tpo_loss": (2, 1),
+               "fused_linear_logprobs": (2, 1)}
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "no-validate"])
+@pytest.mark.parametrize("form", ["padded", "csr"])
+@pytest.mark.parametrize("name", list(MASK_BUDGET))
+def test_a_sampling_mask_adds_no_read_back(name, form, validate, backend):
+    labels = torch.randint(0, V, (N, T), device=DEVICE)
+    labels[0, -1] = -100
+    padded = torch.stack([labels.clamp(min=0), (labels.clamp(min=0) + 5) % V], dim=-1)
+    mask = padded if form == "padded" else tpo_kernels.SamplingMask.from_lists(padded.view(-1, 2).tolist(),
+                                                                               device=DEVICE)
+    scores, logits = torch.randn(N, device=DEVICE), _leaf(N, T, V) * 1
+    hidden, weight = _leaf(N, T, H), _leaf(V, H)
+    calls = {
+        "tpo_loss": lambda **kw: tpo_kernels.tpo_loss(logits, labels, scores, group_size=K, **kw),
+        "selective_logprobs": lambda **kw: tpo_kernels.selective_logprobs(logits, labels, **kw).sum(),
+        "fused_linear_tpo_loss": lambda **kw: tpo_kernels.fused_linear_tpo_loss(hidden, weight, labels, scores,
+                                                                                group_size=K, **kw),
+        "fused_linear_logprobs": lambda **kw: tpo_kernels.fused_linear_logprobs(hidden, weight, labels, **kw).sum(),
+    }
+    recorder = ReadBacks()
+    with recorder:
+        calls[name](sampling_mask=mask, validate=validate, backend=backend).backward()
+    assert len(recorder.reads) == MASK_BUDGET[name][not validate], recorder.reads
+
+
 def test_a_left_out_completion_costs_three_more_read_backs():
     # The layout must learn the kept completions: nonzero, the groups, the largest group.
     labels = torch.randint(0, V, (N, T), device=DEVICE)

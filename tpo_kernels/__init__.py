@@ -39,6 +39,7 @@ _PUBLIC = {
     "TokenTPOLoss": (".modules", "TokenTPOLoss"),
     "TPOLoss": (".modules", "TPOLoss"),
     "TilePolicy": (".ops", "TilePolicy"),
+    "SamplingMask": (".requests", "SamplingMask"),
     "check": (".selfcheck", "check"),
     "kit": (".kit", None),
 }

@@ -90,6 +90,7 @@ def tpo_loss(
     old_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     seq_log_weights: Optional[Tensor] = None,
+    sampling_mask=None,
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
@@ -142,6 +143,15 @@ def tpo_loss(
             the group op masks it: a group whose every w is 0 adds 0 to the loss but still counts
             in the mean over groups); NaN or ``+inf``: a ValueError (``validate=True``). Replicated,
             like ``scores``, over context ranks.
+        sampling_mask: the kept set each token was sampled from (top-k / top-p replay): a
+            :class:`tpo_kernels.SamplingMask`, a ``(token_ids, offsets)`` CSR over every token of the
+            call (``offsets [labels.numel() + 1]``, flat row-major), or an int tensor
+            ``[*labels.shape, S]`` (negative: no entry). Each token's log-prob (and entropy) is then
+            over its kept set, renormalized; its gradient is 0 off the set. A token with an empty set
+            does not count; a counted label outside its set is a ValueError (``validate=True``), else
+            NaN. ``old_logprobs`` / ``ref_logprobs`` must be on the same sets. Per token, like the
+            labels (each context rank passes its own positions'); not with ``vocab_parallel_group``
+            nor ``logits_cache_bytes > 0``.
         entropy_coef: weight (finite, >= 0) of an entropy bonus: the loss becomes
             ``TPO - entropy_coef * H``, ``H`` the mean entropy of the counted tokens' tempered
             distributions, reduced as the KL term is (the token mean of the batch for ``"mean"``,
@@ -174,7 +184,8 @@ def tpo_loss(
         source=Logits(logits=logits, inplace_backward=inplace_backward),
         batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
                     cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights),
+                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights,
+                    sampling_mask=sampling_mask),
         options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
                         logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
                         return_entropy=return_entropy, validate=validate, score_eps=score_eps,
@@ -248,6 +259,7 @@ def selective_logprobs(
     logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    sampling_mask=None,
     backend: BackendArg = "auto",
     validate: bool = True,
     vocab_parallel_group=None,
@@ -261,6 +273,8 @@ def selective_logprobs(
     distribution (0 at ignored positions), which is differentiable too. Under ``torch.no_grad()``
     this is the cheap way to get old / reference log-probs. With ``vocab_parallel_group``
     (module docstring) ``logits`` is this rank's vocabulary shard ``[..., V_r]``.
+    ``sampling_mask``: each token's kept set, as in :func:`tpo_loss`: the log-probs (and entropies)
+    over it (replay), 0 where a set is empty.
     """
     return pipeline.selective_logprobs(LogprobsRequest(
         function="selective_logprobs",
@@ -270,6 +284,7 @@ def selective_logprobs(
         options=Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
                         backend=backend, return_entropy=return_entropy, validate=validate),
         placement=Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+        sampling_mask=sampling_mask,
     ))
 
 
@@ -288,6 +303,7 @@ def fused_linear_tpo_loss(
     old_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     seq_log_weights: Optional[Tensor] = None,
+    sampling_mask=None,
     beta: float = 0.0,
     eta: float = 1.0,
     anchor: bool = True,
@@ -363,7 +379,8 @@ def fused_linear_tpo_loss(
                     batch_invariant=batch_invariant),
         batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
                     cu_seqlens=cu_seqlens, mask=mask, ignore_index=ignore_index, old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights),
+                    ref_logprobs=ref_logprobs, beta=beta, seq_log_weights=seq_log_weights,
+                    sampling_mask=sampling_mask),
         options=Options(eta=eta, anchor=anchor, temperature=temperature, logit_scale=logit_scale,
                         logit_softcap=logit_softcap, reduction=reduction, backend=backend, return_aux=return_aux,
                         return_entropy=return_entropy, validate=validate, score_eps=score_eps,
@@ -384,6 +401,7 @@ def fused_linear_logprobs(
     logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    sampling_mask=None,
     chunk_size: Optional[int] = None,
     backend: BackendArg = "auto",
     grad_accum_dtype: torch.dtype = torch.float32,
@@ -406,6 +424,7 @@ def fused_linear_logprobs(
     ``chunk_size``, ``grad_accum_dtype``, ``tile_policy``, ``logits_cache_bytes``, ``head_dtype`` and
     ``batch_invariant`` as in :func:`fused_linear_tpo_loss`;
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
+    ``sampling_mask`` as in :func:`selective_logprobs`: |S| dot products per token, no logits tile.
     """
     return pipeline.selective_logprobs(LogprobsRequest(
         function="fused_linear_logprobs",
@@ -417,4 +436,5 @@ def fused_linear_logprobs(
         options=Options(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
                         backend=backend, return_entropy=return_entropy, validate=validate),
         placement=Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
+        sampling_mask=sampling_mask,
     ))

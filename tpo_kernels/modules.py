@@ -14,7 +14,7 @@ from .functional import fused_linear_token_tpo_loss, fused_linear_tpo_loss, toke
 
 # Per-call keywords: the batch and its grouping, and what to return.
 _SEQUENCE_BATCH = ("group_size", "group_ids", "cu_seqlens", "mask", "old_logprobs", "ref_logprobs", "seq_log_weights",
-                   "return_aux",
+                   "sampling_mask", "return_aux",
                    "bias")
 _TOKEN_BATCH = ("old_logprobs", "return_aux", "bias")
 

@@ -36,6 +36,7 @@ from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .plan.call import rows_matrix
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
 from .ops import RowRequest, candidate_logits, linear_candidate_logits, linear_logprobs, token_logprobs
+from .ops.kept import kept_row_summary, linear_kept_row_summary
 from .ops.group import CompletionInputs, GroupObjective, LossWeights, RankSeams
 from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
@@ -74,6 +75,7 @@ def _agreed_settings(function: str, plan: Optional[Plan], extra: dict) -> dict:
         batch.old_seq_logprobs is not None or batch.old_token_sums is not None)
     settings["ref_logprobs"] = None if plan is None else batch is not None and batch.ref_logprobs is not None
     settings["seq_log_weights"] = None if plan is None else batch is not None and batch.seq_log_weights is not None
+    settings["sampling_mask"] = None if plan is None else plan.kept is not None
     settings.update(extra if plan is not None else dict.fromkeys(extra))
     return settings
 
@@ -207,6 +209,10 @@ def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -
     ``cache_candidates``: the tokens a fused head's logits cache may hold (None: every counted
     token). Per-token log-probs a trainer computed come back as a summary of their own."""
     request, rows = plan.row, plan.rows
+    if plan.kept is not None:  # replay: the row op over each token's kept set (no vocabulary shard here)
+        if isinstance(rows, LogitsRows):
+            return kept_row_summary(rows.matrix, plan.kept, request, plan.backend)
+        return linear_kept_row_summary(rows.hidden, rows.weight, rows.bias, plan.kept, request, plan.backend)
     if isinstance(rows, LogprobRows):
         counted = plan.labels >= 0
         logprobs = torch.where(counted, rows.logprobs.reshape(-1).to(plan.dtype), 0.0)
@@ -235,7 +241,8 @@ def _signal_tokens(plan: Plan, rule: GroupRule, seams: RankSeams) -> Optional[Te
     is not known before the forward: off-policy, without the anchor, with a KL term, or with the
     batch split over ranks (the groups gathered, or the completions' positions split)."""
     weights, batch = plan.weights, plan.batch
-    if not isinstance(plan.rows, HeadRows) or seams.gather is not None or seams.context is not None:
+    if (not isinstance(plan.rows, HeadRows) or seams.gather is not None or seams.context is not None
+            or plan.kept is not None):  # replay caches no logits
         return None
     budget = plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0])
     if not budget or budget >= EVERY_ROW:  # no cache, or one of every row: no slot to give away

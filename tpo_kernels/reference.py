@@ -28,13 +28,44 @@ def tempered_logits(logits: Tensor, *, temperature: float = 1.0, logit_scale: fl
     return z / temperature
 
 
+def kept_mask(sampling_mask, token_shape, vocab_size: int, device=None) -> Tensor:
+    """``[*token_shape, V]`` bool: True at the ids of each token's kept set, from any form
+    ``sampling_mask=`` takes (a SamplingMask, a ``(token_ids, offsets)`` CSR over the flat tokens,
+    or padded ids ``[*token_shape, S]``, negative: none)."""
+    num_tokens = int(torch.Size(token_shape).numel())
+    keep = torch.zeros(num_tokens, vocab_size, dtype=torch.bool, device=device)
+    if isinstance(sampling_mask, Tensor):
+        ids = sampling_mask.reshape(num_tokens, -1).to(device=device, dtype=torch.int64)
+        for token in range(num_tokens):
+            row = ids[token]
+            keep[token, row[row >= 0]] = True
+    else:
+        token_ids, offsets = (sampling_mask if isinstance(sampling_mask, tuple)
+                              else (sampling_mask.token_ids, sampling_mask.offsets))
+        offsets = offsets.tolist()
+        for token in range(num_tokens):
+            keep[token, token_ids[offsets[token]:offsets[token + 1]].to(device=device, dtype=torch.int64)] = True
+    return keep.view(*token_shape, vocab_size)
+
+
+def _restricted(logits: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """The tempered logits with the ids off each token's kept set at -inf (vLLM's recipe: the
+    softmax renormalized over the set). A token with an empty set keeps every id: it does not
+    count, and its row stays finite."""
+    if keep is None:
+        return logits
+    keep = keep | ~keep.any(-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def token_logprobs(
     logits: Tensor, labels: Tensor, *, temperature: float = 1.0, ignore_index: int = -100, logit_scale: float = 1.0,
-    logit_softcap: Optional[float] = None,
+    logit_softcap: Optional[float] = None, keep: Optional[Tensor] = None,
 ) -> Tensor:
-    """log softmax(tempered_logits)[label] per token; 0 where ``labels == ignore_index``."""
-    log_probs = torch.log_softmax(tempered_logits(logits, temperature=temperature, logit_scale=logit_scale,
-                                                  logit_softcap=logit_softcap), dim=-1)
+    """log softmax(tempered_logits)[label] per token; 0 where ``labels == ignore_index``; over
+    each token's kept set with ``keep`` (:func:`kept_mask`)."""
+    log_probs = torch.log_softmax(_restricted(tempered_logits(logits, temperature=temperature, logit_scale=logit_scale,
+                                                              logit_softcap=logit_softcap), keep), dim=-1)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0)
     picked = log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -42,10 +73,11 @@ def token_logprobs(
 
 
 def token_entropy(logits: Tensor, *, temperature: float = 1.0, logit_scale: float = 1.0,
-                  logit_softcap: Optional[float] = None) -> Tensor:
-    """Entropy of softmax(tempered_logits) per token (0 log 0 = 0 at -inf logits)."""
-    log_probs = torch.log_softmax(tempered_logits(logits, temperature=temperature, logit_scale=logit_scale,
-                                                  logit_softcap=logit_softcap), dim=-1)
+                  logit_softcap: Optional[float] = None, keep: Optional[Tensor] = None) -> Tensor:
+    """Entropy of softmax(tempered_logits) per token (0 log 0 = 0 at -inf logits); with ``keep``
+    that of the softmax renormalized over each token's kept set."""
+    log_probs = torch.log_softmax(_restricted(tempered_logits(logits, temperature=temperature, logit_scale=logit_scale,
+                                                              logit_softcap=logit_softcap), keep), dim=-1)
     probs = log_probs.exp()
     return -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
 
@@ -59,8 +91,14 @@ def selective_logprobs(
     ignore_index: int = -100,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
+    sampling_mask=None,
 ):
-    transform = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    """``sampling_mask``: each token's kept set (replay): the log-prob and entropy over it; a
+    token with an empty set does not count (0)."""
+    keep = None if sampling_mask is None else kept_mask(sampling_mask, labels.shape, logits.shape[-1], logits.device)
+    if keep is not None:
+        labels = torch.where(keep.any(-1), labels, ignore_index)
+    transform = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, keep=keep)
     lp = token_logprobs(logits, labels, ignore_index=ignore_index, **transform)
     if not return_entropy:
         return lp
@@ -128,6 +166,7 @@ def tpo_loss(
     reduction: str = "mean",
     return_aux: bool = False,
     seq_log_weights: Optional[Tensor] = None,
+    sampling_mask=None,
 ):
     """TPO loss by the book (DESIGN.md section 1). Same arguments as :func:`tpo_kernels.tpo_loss`.
 
@@ -142,11 +181,18 @@ def tpo_loss(
 
     ``entropy_coef``: the loss minus ``entropy_coef`` times the full-vocabulary entropy of the
     counted tokens, reduced as the KL term is (token mean for ``"mean"``, token sum for
-    ``"sum"``, each group's token mean for ``"none"``), differentiable through ordinary autograd."""
+    ``"sum"``, each group's token mean for ``"none"``), differentiable through ordinary autograd.
+
+    ``sampling_mask``: each token's kept set (replay, :func:`kept_mask`): log-probs and entropies
+    over it; a token with an empty set does not count."""
     valid = labels != ignore_index
     if mask is not None:
         valid = valid & mask.bool()
-    transform = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    keep = None if sampling_mask is None else kept_mask(sampling_mask, labels.shape, logits.shape[-1], logits.device)
+    if keep is not None:
+        valid = valid & keep.any(-1)
+        labels = torch.where(valid, labels, ignore_index)
+    transform = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, keep=keep)
     lp = token_logprobs(logits, labels, ignore_index=ignore_index, **transform)
     entropy = token_entropy(logits, **transform) if entropy_coef != 0.0 else None
     return _group_stage(lp, scores, mask=valid, group_size=group_size, group_ids=group_ids, cu_seqlens=cu_seqlens,

@@ -8,7 +8,7 @@ types of the public signatures: :data:`BackendArg` (what ``backend=`` takes) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -18,6 +18,25 @@ from .ops import TilePolicy
 
 BackendArg = Union[str, Backend]  # a registered backend's name ("auto", "triton", ...) or an instance
 LossOutput = Union[Tensor, Tuple[Tensor, dict]]  # the loss, or (loss, aux) with return_aux=True
+
+
+@dataclass(frozen=True)
+class SamplingMask:
+    """The kept sets a top-k / top-p sampler sampled from, one per token of the call, as vLLM
+    returns them: a CSR over every token (``offsets [M + 1]``, M = ``labels.numel()``, tokens in
+    flat row-major order), token ``i``'s set being ``token_ids[offsets[i]:offsets[i + 1]]``. A
+    token with an empty set does not count. Pass it as ``sampling_mask=`` (so is a
+    ``(token_ids, offsets)`` tuple, or a padded int tensor ``[*labels.shape, S]``, negative: none)."""
+
+    token_ids: Tensor  # [P] integer ids
+    offsets: Tensor  # [M + 1] integer, from 0 to P, non-decreasing
+
+    @staticmethod
+    def from_lists(rows: Sequence[Sequence[int]], device=None) -> "SamplingMask":
+        """From one list of kept ids per token (flat row-major order; ``[]``: the token does not count)."""
+        counts = torch.tensor([0] + [len(row) for row in rows], dtype=torch.int64)
+        ids = torch.tensor([i for row in rows for i in row], dtype=torch.int64)
+        return SamplingMask(token_ids=ids.to(device), offsets=counts.cumsum(0).to(device))
 
 
 @dataclass(frozen=True)
@@ -99,6 +118,7 @@ class Batch:
     ref_logprobs: Optional[Tensor] = None
     beta: float = 0.0
     seq_log_weights: Optional[Tensor] = None  # [N] log w per completion
+    sampling_mask: object = None  # SamplingMask, (token_ids, offsets) or [*labels.shape, S] ids
 
 
 @dataclass(frozen=True)
@@ -118,6 +138,7 @@ class LogprobsRequest:
     ignore_index: int
     options: Options
     placement: Placement
+    sampling_mask: object = None  # as Batch.sampling_mask
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,7 @@ class PreparedBatch:
     # tokens (summed over the ranks, then divided by the counts with length_normalize).
     old_token_sums: Optional[Tensor] = None
     seq_log_weights: Optional[Tensor] = None  # [N] float64 log w (finite or -inf), or None
+    kept_sets: object = None  # the KeptSets of sampling_mask (checks/kept_sets.py), or None
 
 
 def _check_cu_seqlens(cu_seqlens, device: torch.device, num_tokens: int, input_name: str,
@@ -259,6 +260,7 @@ def prepare_batch(
     split: BatchSplit = BatchSplit(),
     length_normalize: bool = False,
     logprobs: Optional[Tensor] = None,
+    sampling=None,
 ) -> PreparedBatch:
     """Check a sequence-level batch and describe it as flat ``[M]`` rows plus a layout.
 
@@ -275,7 +277,7 @@ def prepare_batch(
     ``old_token_sums``. ``length_normalize``: per-token ``old_logprobs`` give each completion's mean
     over its counted tokens instead of the sum (per-completion ones are used as given). ``logprobs``: the per-token
     log-probs of :func:`tpo_kernels.tpo_loss_from_logprobs`, checked (with ``validate``) at
-    counted tokens by the rule of ``old_logprobs``."""
+    counted tokens by the rule of ``old_logprobs``. ``sampling``: a checked ``sampling_mask`` (empty set: not counted)."""
     scores, group_size, group_ids, cu_seqlens, mask = (batch.scores, batch.group_size, batch.group_ids,
                                                        batch.cu_seqlens, batch.mask)
     ignore_index, old_logprobs, ref_logprobs, beta = batch.ignore_index, batch.old_logprobs, batch.ref_logprobs, batch.beta
@@ -313,6 +315,8 @@ def prepare_batch(
     if mask is not None:
         flat_mask = _check_mask(mask, token_shape, device, input_name, checks)
         counted = flat_mask if counted is None else counted & flat_mask
+    if sampling is not None:  # a token with an empty kept set does not count
+        counted = sampling.nonempty if counted is None else counted & sampling.nonempty
     check_batch_tensors(labels, scores, device, input_name)  # one pass over their metadata
     flat_labels = prepare_labels(labels, token_shape, vocab_size, device, input_name, ignore_index, validate,
                                  mask=counted, checks=checks, metadata_checked=True)
@@ -326,6 +330,7 @@ def prepare_batch(
         if checks is not None:
             checks.require(~(torch.isnan(log_weights) | (log_weights == float("inf"))).any(), lambda: ValueError(
                 "seq_log_weights must be finite or -inf (a weight of 0); found NaN or +inf"))
+    kept_sets = None if sampling is None else sampling.build(flat_labels, vocab_size, checks)
     valid = flat_labels >= 0
     all_counted = any_counted = None
     if validate:
@@ -392,19 +397,19 @@ def prepare_batch(
         return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                              old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat,
                              split_group_size=split_group_size, old_token_sums=old_sums,
-                             seq_log_weights=log_weights)
+                             seq_log_weights=log_weights, kept_sets=kept_sets)
     observed = checks.read()
     if not whole or split.positions:
         kept = None if all_counted is None or observed[all_counted] else counted_seqs
         return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                              old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, kept=kept,
                              any_kept=bool(observed[any_counted]), split_group_size=split_group_size,
-                             old_token_sums=old_sums, seq_log_weights=log_weights)
+                             old_token_sums=old_sums, seq_log_weights=log_weights, kept_sets=kept_sets)
     if not observed[all_counted]:
         layout = build_layout(num_tokens, device, group_size=group_size, group_ids=group_ids,
                               members=counted_seqs, **shape)
     return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
-                         old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, seq_log_weights=log_weights)
+                         old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, seq_log_weights=log_weights, kept_sets=kept_sets)
 
 
 # ----------------------------------------------------------------------------- candidates

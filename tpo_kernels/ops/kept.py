@@ -200,7 +200,8 @@ _ragged_logprobs.register_autograd(_backward_ragged, setup_context=_setup_ragged
 
 def _ragged_summary(raw: Tensor, kept: KeptSets, request: RowRequest, backend: str) -> RowSummary:
     inv_temperature, transform = request.transform()
-    z = raw if transform is None else transform.differentiable(raw)
+    # A hole (negative id) gathers -inf; the cap would map it to -cap, a finite logit in the set.
+    z = raw if transform is None else torch.where(kept.ids >= 0, transform.differentiable(raw), raw)
     tensors, width = kept.to_op()
     with_entropy = request.wants("entropy")
     out = _ragged_logprobs(z, tensors, width, float(inv_temperature), with_entropy, backend)

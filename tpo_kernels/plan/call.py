@@ -27,7 +27,8 @@ from ..requests import Source
 from ..checks.arguments import (check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype, check_head,
                                 check_head_dtype, check_logits, check_logits_cache, check_logits_source,
                                 check_options, check_row_options, check_tile_policy)
-from ..checks.batches import BatchSplit, prepare_batch, prepare_candidates, prepare_labels
+from ..checks.batches import BatchSplit, ValueChecks, prepare_batch, prepare_candidates, prepare_labels
+from ..checks.kept_sets import check_sampling_mask
 from ..checks.placement import check_distinct_groups, check_group
 from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RankGroups, RowSource
 
@@ -254,6 +255,22 @@ def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, tor
     return rows, hidden.device, dtype, weight.shape[0]
 
 
+def _checked_mask(mask, source: Source, sharded: bool, input_name: str):
+    """The metadata-checked ``sampling_mask`` (None without one), refused where replay has no path:
+    a vocabulary shard (the shards' kept sets would merge like their statistics; not built) and a
+    fused head's logits cache (replay forms no logits tile to cache)."""
+    if mask is None:
+        return None
+    if sharded:
+        raise ValueError("sampling_mask is not supported with vocab_parallel_group (or DTensor vocabulary shards); "
+                         "pass the whole vocabulary on each rank, or no sampling_mask")
+    if isinstance(source, Head) and source.logits_cache_bytes:
+        raise ValueError("logits_cache_bytes > 0 has nothing to cache with a sampling_mask (replay forms no logits "
+                         "tile); leave logits_cache_bytes at 0")
+    device = (source.logits if isinstance(source, Logits) else source.hidden).device
+    return check_sampling_mask(mask, _token_shape(source), device, input_name)
+
+
 def _token_shape(source: Source) -> Tuple[int, ...]:
     if isinstance(source, Logprobs):
         return tuple(source.logprobs.shape)
@@ -325,6 +342,8 @@ def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
         row, rule, weights, flags, batch = check_options(request.options, batch)
         labels = request.batch.labels
         input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
+    sampling = None if isinstance(source, Logprobs) else _checked_mask(batch.sampling_mask, source, sharded,
+                                                                        input_name)
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
@@ -332,11 +351,12 @@ def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
         input_name=input_name, validate=flags.validate,
         split=BatchSplit(completions=groups.data is not None, positions=groups.context is not None),
         length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
+        sampling=sampling,
     )
     # Completions split over ranks: K counts over every rank's, checked once the sizes are agreed.
     return Plan(row=row, rule=rule, weights=weights, flags=flags,
                 backend=key, device=device, dtype=dtype, rows=rows, labels=prepared.labels, batch=prepared,
-                group_size=prepared.split_group_size, shard_request=shard_request)
+                group_size=prepared.split_group_size, shard_request=shard_request, kept=prepared.kept_sets)
 
 
 def plan_logprobs(request: LogprobsRequest) -> Plan:
@@ -349,10 +369,16 @@ def plan_logprobs(request: LogprobsRequest) -> Plan:
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(options.backend, device)
     input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
+    sampling = _checked_mask(request.sampling_mask, source, sharded, input_name)
+    checks = ValueChecks() if flags.validate else None
     labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
-                            input_name, ignore_index, flags.validate)
+                            input_name, ignore_index, flags.validate, checks=checks,
+                            mask=None if sampling is None else sampling.nonempty)
+    kept = None if sampling is None else sampling.build(labels, vocab_size, checks)
+    if checks is not None:
+        checks.read()
     return Plan(row=row, rule=None, weights=None, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
-                labels=labels, shard_request=shard_request)
+                labels=labels, shard_request=shard_request, kept=kept)
 
 
 def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:

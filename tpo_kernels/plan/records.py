@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from ..backends.kept_sets import KeptSets
 from ..checks.arguments import CallFlags
 from ..checks.batches import PreparedBatch
 from ..group_math import GroupRule
@@ -76,6 +77,7 @@ class Plan:
     batch: Optional[PreparedBatch] = None
     group_size: Optional[int] = None  # of a batch split over ranks: the checked K (over the concatenation)
     shard_request: object = None  # this rank's vocabulary shard (distributed.ShardRequest), if split
+    kept: Optional[KeptSets] = None  # sampling_mask's kept sets: the row op runs over them (replay)
 
 
 @dataclass(frozen=True)
