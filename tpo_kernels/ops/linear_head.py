@@ -60,8 +60,9 @@ class TiledLinearHead:
 
     ``hidden`` is ``[M, H]`` contiguous, ``weight`` ``[V, H]``, ``bias`` ``[V]`` (the weight's
     dtype) or None; ``labels`` is ``[M]`` int64 with negatives marking rows that do not count. A
-    tile never holds more than ``tiles.chunk_size * V`` logits. Logits are computed in the wider of
-    the inputs' dtypes and ``tiles.head_dtype`` (None: the inputs'); only a tile's operands are cast.
+    tile never holds more than ``chunk_size * V`` logits (``tiles``: the call's HeadTiles). Logits are
+    computed in the wider of the inputs' dtypes and ``head_dtype`` (None: theirs); only a tile's
+    operands are cast.
 
     ``vocab_offset``: the vocabulary id of ``weight``'s first row when it is one shard of a
     vocabulary-parallel head (:mod:`tpo_kernels.distributed`). Labels stay global ids; a counted
