@@ -53,7 +53,13 @@ def _calls():
     candidates, cand_scores = torch.randint(0, V, (R, C), device=DEVICE), torch.randn(R, C, device=DEVICE)
     off = dict(validate=False)
     uncached = dataclasses.replace(tpo_kernels.TilePolicy.for_device(DEVICE), small_vocab=0)
+    # Kept sets of three distinct ids holding the label (padded form); an ignored token's set is empty.
+    kept = torch.stack([labels, (labels + 1) % V, (labels + 2) % V], dim=-1).masked_fill((labels < 0)[..., None], -1)
     return {
+        "tpo_loss with a sampling_mask": lambda b: tpo_kernels.tpo_loss(
+            _leaf(N, T, V) * 1, labels, scores, group_size=K, sampling_mask=kept, backend=b, **off),
+        "fused_linear_tpo_loss with a sampling_mask": lambda b: tpo_kernels.fused_linear_tpo_loss(
+            hidden, weight, labels, scores, group_size=K, sampling_mask=kept, backend=b, **off),
         "tpo_loss": lambda b: tpo_kernels.tpo_loss(_leaf(N, T, V) * 1, labels, scores, group_size=K, backend=b, **off),
         "selective_logprobs": lambda b: tpo_kernels.selective_logprobs(_leaf(N, T, V), labels, backend=b, **off).sum(),
         "tpo_loss_from_logprobs": lambda b: tpo_kernels.tpo_loss_from_logprobs(_leaf(N, T), scores, group_size=K,
@@ -112,7 +118,8 @@ def test_the_tagged_ops_are_the_documented_ones():
     """README's compile section names the paths these ops serve."""
     tagged = {name for name in _ops() if CUDAGRAPH_UNSAFE is not None and CUDAGRAPH_UNSAFE in _tags(name)}
     expected = {"tpo_kernels::linear_logprobs", "tpo_kernels::linear_logprobs_backward",
-                "tpo_kernels::linear_logprobs_backward_", "tpo_kernels::linear_candidate_logits_backward"}
+                "tpo_kernels::linear_logprobs_backward_", "tpo_kernels::linear_candidate_logits_backward",
+                "tpo_kernels::linear_kept_logits_backward"}
     assert tagged == (expected if host_sync_tags() else set())
 
 

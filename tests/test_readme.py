@@ -138,7 +138,11 @@ labels = torch.randint(0, 32, (4, 5))
 scores = torch.tensor([1.0, 0.0, 0.5, 0.25])
 group_ids = torch.tensor([0, 0, 1, 1])
 """
-    return prelude + code.replace('"cuda"', '"cpu"') + "\ntorch.distributed.destroy_process_group()\n"
+    # The block ends with the process group destroyed; the process then leaves at once: gloo's
+    # threads of a DeviceMesh's sub-groups can abort the interpreter's own teardown on a loaded
+    # machine ("terminate called without an active exception", after the block has run).
+    return (prelude + code.replace('"cuda"', '"cpu"')
+            + "\ntorch.distributed.destroy_process_group()\nimport sys; sys.stdout.flush(); os._exit(0)\n")
 
 
 def test_readme_has_python_blocks():
