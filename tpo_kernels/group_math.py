@@ -357,9 +357,10 @@ def dense_group_math(ell: Tensor, scores: Tensor, old_ell: Optional[Tensor], val
     u = standardize_dense(scores, valid, score_eps)
     policy = torch.where(valid, ell, neg_inf)
     log_p = torch.log_softmax(policy, dim=1)
-    # where(valid): a row with no valid member (every w = 0) has p = q = 0, not NaN.
-    p = torch.where(valid, torch.softmax(policy, dim=1), 0.0)
-    q = torch.where(valid, torch.softmax(torch.where(valid, base + u / eta, neg_inf), dim=1), 0.0)
+    p = torch.softmax(policy, dim=1)
+    q = torch.softmax(torch.where(valid, base + u / eta, neg_inf), dim=1)
+    if log_weights is not None:  # a row whose every weight is 0 (no valid member) has p = q = 0, not NaN
+        p, q = torch.where(valid, p, 0.0), torch.where(valid, q, 0.0)
     # q == 0 terms are 0 (their limit), not 0 * -inf when log p = -inf.
     group_loss = -(q * torch.where(valid & (q > 0), log_p, 0.0)).sum(dim=1)
     return u, p, q, group_loss
