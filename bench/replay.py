@@ -26,7 +26,7 @@ from tpo_kernels.backends import resolve_backend_key
 from tpo_kernels.backends.kept_sets import KeptSets
 from tpo_kernels.ops.candidates import linear_candidate_logits
 from tpo_kernels.ops.kept import linear_kept_row_summary
-from tpo_kernels.ops.logprobs import RowRequest
+from tpo_kernels.backends.rows import RowRequest
 
 
 def draw_set_sizes(rows: int, gen: torch.Generator) -> torch.Tensor:

@@ -14,8 +14,9 @@ refused by that copy. One predicate decides it for the native and the Triton bac
 import pytest
 import torch
 
-from tpo_kernels.backends import get_backend, rows_in_place
-from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.backends import get_backend
+from tpo_kernels.backends.rows import rows_in_place
+from tpo_kernels.backends import TorchBackend
 
 from _backends import DEVICE, backend_available, backend_params
 
@@ -94,9 +95,9 @@ def test_row_backward_into_an_expanded_out_is_refused_by_the_copy(backend):
 def test_torch_backend_chunked_in_place_on_overlapping_rows_reads_the_values_before_the_call(monkeypatch):
     """The torch backend walks rows in chunks: with one row per chunk, an in-place write of a row
     would change the next row's logits before it is read, unless ``out`` goes through a buffer."""
-    from tpo_kernels.backends import pytorch
+    import tpo_kernels.backends as torch_backend_module
 
-    monkeypatch.setattr(pytorch, "_CHUNK_ELEMENTS", VOCAB)  # one row per chunk
+    monkeypatch.setattr(torch_backend_module, "_CHUNK_ELEMENTS", VOCAB)  # one row per chunk
     storage, labels, (g, _) = _case("rows")
     logits = _overlapping(storage, "rows")
     ops = TorchBackend()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tpo_kernels as tk
-from tpo_kernels.backends.row_summary import RowSummary
+from tpo_kernels.backends.rows import RowSummary
 from tpo_kernels.ops import TilePolicy
 from tpo_kernels.ops.tiles import backward_plan, tile_shape
 

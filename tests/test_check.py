@@ -15,7 +15,7 @@ import torch
 import tpo_kernels
 from tpo_kernels import cli
 from tpo_kernels.backends import get_backend
-from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.backends import TorchBackend
 from tpo_kernels.selfcheck import PATHS, CheckReport, heartbeat, inputs as check_inputs, report as check_report
 from tpo_kernels.selfcheck.paths import _REFERENCE_RUNNERS as check_runners
 

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from tpo_kernels.backends.row_summary import RowSummary, compute_dtype
+from tpo_kernels.backends.rows import RowSummary, compute_dtype
 from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends import get_backend
-from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.backends import TorchBackend
 
 from _backends import HAS_GPU, backend_available, needs_cpu, stats_logprob_entropy
 from _native_helpers import (

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpo_kernels.backends.row_summary import compute_dtype
+from tpo_kernels.backends.rows import compute_dtype
 from tpo_kernels.backends import torch_candidates
-from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.backends import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
 from _backends import CUDA_EXTENSION, needs_cuda, needs_cuda_extension, stats_logprob_entropy

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tpo_kernels.backends.row_summary import RowSummary
+from tpo_kernels.backends.rows import RowSummary
 from tpo_kernels.ops import HeadTiles, RowRequest, TilePolicy, linear_logprobs
 from tpo_kernels.ops.vocab_shard import shard_linear_logprobs
 

@@ -22,7 +22,7 @@ import torch
 
 import tpo_kernels
 from tpo_kernels.backends import get_backend
-from tpo_kernels.backends.row_summary import RowSummary
+from tpo_kernels.backends.rows import RowSummary
 from tpo_kernels.group_math import pair_runs
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS, needs_triton

@@ -293,7 +293,7 @@ def test_a_row_does_not_depend_on_its_batch(backend, n):
 
 
 def _request(entropy=True, softcap=None, inv_t=1 / 0.7):
-    from tpo_kernels.ops.logprobs import RowRequest
+    from tpo_kernels.backends.rows import RowRequest
 
     return RowRequest(inv_temperature=inv_t, logit_softcap=softcap, token_fields=("entropy",) if entropy else ())
 

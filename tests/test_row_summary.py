@@ -1,4 +1,4 @@
-"""The row ops' record (tpo_kernels/backends/row_summary.py): every backend's ``row_forward``
+"""The row ops' record (tpo_kernels/backends/rows.py): every backend's ``row_forward``
 returns a ``RowSummary`` whose fields equal the torch backend's, ``row_backward`` takes it back
 whole, and everything that carries one (the custom ops through ``to_op`` / ``from_op``, the
 vocabulary-parallel gather) walks its fields by name."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tpo_kernels.backends import get_backend
-from tpo_kernels.backends.row_summary import FIELD_NAMES, RowSummary
+from tpo_kernels.backends.rows import FIELD_NAMES, RowSummary
 from tpo_kernels.distributed import vocab_parallel
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tpo_kernels.backends import get_backend, triton_interpreter_enabled
-from tpo_kernels.backends.pytorch import TorchBackend
+from tpo_kernels.backends import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
 from _backends import BACKEND_STATUS, DEVICE, backend_available, needs_triton_nvidia_compiler, stats_logprob_entropy

@@ -41,7 +41,7 @@ from .ops.group import CompletionInputs, GroupObjective, LossWeights, RankSeams
 from .ops.tiles import EVERY_ROW
 from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
 from .requests import CandidateRequest, Logits, LogprobsRequest, LossOutput, SequenceRequest
-from .backends.row_summary import RowSummary
+from .backends.rows import RowSummary
 
 
 # Every name a setting may take that is longer than a record field: the agreement words a

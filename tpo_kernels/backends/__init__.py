@@ -1,10 +1,11 @@
-"""Backends (layer 1): the contract every backend implements (:class:`Backend`) and the registry;
-one small module per backend behind it.
+"""Backends (layer 1): the contract every backend implements (:class:`Backend`), its PyTorch
+implementation (:class:`TorchBackend`, the reference beside the contract) and the registry; one
+small module per compiled backend behind it.
 
 ========  =============================================  =========================================
 name      module                                         runs on
 ========  =============================================  =========================================
-torch     :mod:`.pytorch` (chunked PyTorch)              any device
+torch     this module (chunked PyTorch)                  any device
 triton    :mod:`.triton` (Triton kernels)                CUDA; CPU under ``TRITON_INTERPRET=1``
 cpu       :mod:`.cpu` (C++ extension ``_C_cpu``)         CPU
 cuda      :mod:`.cuda` (CUDA extension ``_C_cuda``)      CUDA
@@ -25,7 +26,7 @@ has the logits' shape; tensors first, settings keyword-only):
 
 * ``row_forward(logits, labels, *, inv_temperature, with_entropy) -> RowSummary``
 
-  A :class:`~tpo_kernels.backends.row_summary.RowSummary`, built by keyword, of ``[M]`` tensors.
+  A :class:`~tpo_kernels.backends.rows.RowSummary`, built by keyword, of ``[M]`` tensors.
   With ``z = logits[r]`` and ``d = (z - max z) * inv_temperature``: ``row_max[r] = max z``
   (untempered) and ``log_sum[r] = log sum_v exp(d_v)``, so that the tempered logsumexp is
   ``row_max * inv_t + log_sum`` (never formed: one fp32 lse of logits with a large common offset
@@ -52,7 +53,7 @@ has the logits' shape; tensors first, settings keyword-only):
   ``-expm1(label_logprob)``. ``p log p`` is 0 where ``p == 0``. ``out`` has the logits' dtype and
   shape and may be ``logits`` itself (in-place backward); the native and Triton backends read
   logits whose rows overlap from a copy and fill an ``out`` whose rows overlap by
-  ``out.copy_(gradient)`` (:func:`rows_in_place`, :func:`gradient_buffer`: no two programs store
+  ``out.copy_(gradient)`` (:func:`.rows.rows_in_place`, :func:`.rows.gradient_buffer`: no two programs store
   one address). Rows where ``g == 0`` and ``ge == 0`` are written as zeros without reading the
   logits; a label outside ``[0, V)`` adds no one-hot term. The summary may come from a wider row
   than ``logits`` (the fused-linear path passes a vocabulary block with the summary of the whole
@@ -123,7 +124,7 @@ from torch import Tensor
 
 from .. import group_math
 from . import torch_candidates, torch_kept
-from .row_summary import RowSummary
+from .rows import RowSummary, compute_dtype, gradient_buffer
 
 class Backend:
     """A backend: a name, where it runs, and the ops above."""
@@ -172,17 +173,181 @@ class Backend:
         return f"<tpo_kernels backend {self.name!r}>"
 
 
+# ----------------------------------------------------------------------------- the torch backend
+#
+# Portable PyTorch row ops, the fallback on any device. They work on chunks of consecutive rows (of a
+# ``[M, V]`` matrix, or whole entries / row ranges of a ``[B, T, V]`` view such as ``logits[:, :-1]``,
+# read in place), each pass over a chunk one vectorized op into a reused buffer of at most
+# ``_CHUNK_ELEMENTS`` compute-dtype values, never a full ``[M, V]`` fp32 copy of the logits (the chunk
+# size trades op count, each op a parallel region, against memory). Every row is computed and the
+# rows to skip (negative label forward, zero gradient backward) are then set to 0 by ``torch.where``
+# on per-row results: the results of never reading them, with no count or index of rows read back to
+# the host (sync-free, CUDA-graph capturable). Ids outside the vocabulary (DESIGN.md) the same way: a
+# label ``>= V`` is read as column 0, its row's outputs then replaced by NaN, and the backward adds no
+# one-hot term for it (no index error, no device-side assert).
+
+_CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per buffer: few ops per call, far below one [M, V] copy
+
+
+def _chunks(batch: int, per_batch: int, vocab: int):
+    """``([(batch slice, row slice)], rows per chunk at most)`` covering a ``[B, T, V]`` batch (a
+    ``[M, V]`` matrix is ``[1, M, V]``): whole batch entries per chunk while they fit, else row
+    ranges of one entry; each chunk is one ``[b, t, V]`` view, so a ``logits[:, :-1]`` view is read
+    in place in as few ops as a matrix of the same size."""
+    if batch * per_batch == 0:
+        return [], 0
+    step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    if per_batch <= step:
+        entries = max(1, step // max(per_batch, 1))
+        chunks = [(slice(b, min(b + entries, batch)), slice(0, per_batch)) for b in range(0, batch, entries)]
+    else:
+        chunks = [(slice(b, b + 1), slice(t, min(t + step, per_batch)))
+                  for b in range(batch) for t in range(0, per_batch, step)]
+    return chunks, min(step, batch * per_batch)
+
+
+def _as_batch(t: Tensor) -> Tensor:
+    """``[M, V]`` as ``[1, M, V]``; a ``[B, T, V]`` view as it is."""
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def _shifted(z: Tensor, shift: Tensor, inv_temperature: float, out: Tensor) -> Tensor:
+    """``(z - shift) * inv_temperature`` written into ``out`` (which may be ``z`` itself)."""
+    torch.sub(z, shift, out=out)
+    return out if inv_temperature == 1.0 else out.mul_(inv_temperature)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def supports_device(self, device: torch.device) -> bool:
+        return True
+
+    def row_forward(
+        self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
+    ) -> RowSummary:
+        z3 = _as_batch(logits)
+        batch, per_batch, v = z3.shape
+        m = batch * per_batch
+        acc = compute_dtype(logits.dtype)
+        row_max, log_sum = logits.new_zeros(m, dtype=acc), logits.new_zeros(m, dtype=acc)
+        logprob = logits.new_zeros(m, dtype=acc)
+        entropy = logits.new_zeros(m, dtype=acc) if with_entropy else None
+        chunks, rows_max = _chunks(batch, per_batch, v)
+        buffer = logits.new_empty(rows_max * v, dtype=acc)
+        weights = logits.new_empty(rows_max * v, dtype=acc) if with_entropy else None
+        labels = labels.reshape(m)
+        labels3 = labels.view(batch, per_batch)
+        row_max3, log_sum3 = row_max.view(batch, per_batch), log_sum.view(batch, per_batch)
+        logprob3 = logprob.view(batch, per_batch)
+        entropy3 = entropy.view(batch, per_batch) if with_entropy else None
+        for bs, ts in chunks:
+            z = z3[bs, ts]  # read only: may be the logits the backward overwrites later
+            lab = labels3[bs, ts]
+            counted = lab >= 0
+            in_vocab = counted & (lab < v)
+            # NaN for a label >= V (as the native kernels), 0 for an ignored (negative) one.
+            skipped = torch.where(counted, float("nan"), 0.0).to(acc)
+            label = torch.where(in_vocab, lab, 0).unsqueeze(-1)
+            chunk_max = z.amax(dim=-1).to(acc)
+            # d = (z - max) * it <= 0; an all -inf row shifts by 0 (no -inf - -inf).
+            shift = torch.where(chunk_max == float("-inf"), 0.0, chunk_max).unsqueeze(-1)
+            d = _shifted(z, shift, inv_temperature, buffer[: z.numel()].view(z.shape))
+            d_y = d.gather(-1, label).squeeze(-1)
+            if with_entropy:
+                e = torch.exp(d, out=weights[: z.numel()].view(z.shape))
+                # t = sum e d, with 0 (not 0 * -inf) where e == 0: -inf becomes the lowest float.
+                t = d.clamp_(min=torch.finfo(acc).min).mul_(e).sum(dim=-1)
+            else:
+                e = d.exp_()
+            e_y = e.gather(-1, label).squeeze(-1)
+            rest = e.scatter_(-1, label, 0.0).sum(dim=-1)  # the mass without the label
+            total = rest + e_y
+            chunk_log_sum = torch.log(total)
+            # log(e_y / (e_y + rest)): -log1p(rest / e_y) keeps 1 - p exact-ish for confident tokens.
+            lp = torch.where(rest < e_y, -torch.log1p(rest / e_y), d_y - chunk_log_sum)
+            logprob3[bs, ts] = torch.where(in_vocab, lp, skipped)
+            row_max3[bs, ts] = torch.where(in_vocab, chunk_max, skipped)
+            log_sum3[bs, ts] = torch.where(in_vocab, chunk_log_sum, skipped)
+            if with_entropy:
+                entropy3[bs, ts] = torch.where(in_vocab, chunk_log_sum - t / total, skipped)
+        return RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                          has_label=(labels >= 0) & (labels < v))
+
+    def row_backward(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        summary: RowSummary,
+        grad_logprob: Tensor,
+        *,
+        grad_entropy: Optional[Tensor] = None,
+        inv_temperature: float,
+        out: Tensor,
+    ) -> None:
+        # Chunk by chunk in place, overlapping rows of ``out`` would overwrite logits a later chunk
+        # still reads: such an ``out`` gets the gradient through a buffer, as on every backend.
+        target = gradient_buffer(logits, out)
+        z3, out3 = _as_batch(logits), _as_batch(target)
+        batch, per_batch, v = z3.shape
+        acc = compute_dtype(logits.dtype)
+        it = inv_temperature
+        chunks, rows_max = _chunks(batch, per_batch, v)
+
+        def rows_of(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else t.reshape(batch, per_batch)
+
+        labels3, logprob3, grad3 = rows_of(labels), rows_of(summary.label_logprob), rows_of(grad_logprob)
+        grad_entropy3 = rows_of(grad_entropy)
+        entropy3 = rows_of(summary.entropy) if grad_entropy is not None else None
+        if grad_entropy is not None and entropy3 is None:
+            raise ValueError("row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
+        row_max3, log_sum3 = rows_of(summary.row_max), rows_of(summary.log_sum)
+        # The gradient of a chunk is formed in a scratch buffer; zero-signal rows are filled with 0
+        # there (NaN logits or not: masked_fill, no read-back) before the copy out.
+        scratch = logits.new_empty(rows_max * v, dtype=acc)
+        probs_buffer = logits.new_empty(rows_max * v, dtype=acc) if grad_entropy is not None else None
+        for bs, ts in chunks:
+            z = z3[bs, ts]
+            g = grad3[bs, ts].unsqueeze(-1)
+            active = g != 0
+            label = labels3[bs, ts].unsqueeze(-1)
+            has_label = (label >= 0) & (label < v)  # a label outside [0, V) adds no one-hot term
+            col = torch.where(has_label, label, 0)
+            lp = logprob3[bs, ts].unsqueeze(-1)
+            label_grad = -g * torch.expm1(lp)  # g (1 - p_y), accurate for confident tokens
+            log_probs = _shifted(z, row_max3[bs, ts].unsqueeze(-1), it, scratch[: z.numel()].view(z.shape))
+            log_probs.sub_(log_sum3[bs, ts].unsqueeze(-1))
+            if grad_entropy is None:
+                grad = log_probs.exp_().mul_(-g * it)  # -g p / tau
+            else:
+                ge = grad_entropy3[bs, ts].unsqueeze(-1)
+                ent = entropy3[bs, ts].unsqueeze(-1)
+                active = active | (ge != 0)
+                probs = torch.exp(log_probs, out=probs_buffer[: z.numel()].view(z.shape))
+                # -(g p + ge p (log p + H)) / tau, with p log p -> 0 at p == 0 (log p clamped finite).
+                grad = log_probs.clamp_(min=torch.finfo(acc).min).mul_(probs).mul_(-ge * it)
+                grad.addcmul_(probs, -(g + ge * ent) * it)
+                p_y = torch.exp(lp)
+                label_grad = label_grad - ge * p_y * (torch.where(p_y > 0, lp, 0.0) + ent)
+            # The label's entry replaces the column (rows without a label keep column 0 as is).
+            grad.scatter_(-1, col, torch.where(has_label, label_grad * it, grad.gather(-1, col)))
+            out3[bs, ts].copy_(grad.masked_fill_(~active, 0.0))
+        if target is not out:
+            out.copy_(target)
+
+
 # ----------------------------------------------------------------------------- registry
 
 BACKEND_NAMES = ("torch", "triton", "cpu", "cuda")
-_MODULES = {"torch": ("pytorch", "TorchBackend"), "triton": ("triton", "TritonBackend"),
+_MODULES = {"triton": ("triton", "TritonBackend"),
             "cpu": ("cpu", "CpuBackend"), "cuda": ("cuda", "CudaBackend")}
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch")}
 _AUTO_ORDER_DEFAULT = ("cpu", "torch")
 
 # Every backend a call may dispatch to, by key: the built-in ones by name, user instances under a
 # key of their own. The custom ops of tpo_kernels.ops take this key (a string) as an argument.
-_REGISTRY: Dict[str, Backend] = {}
+_REGISTRY: Dict[str, Backend] = {"torch": TorchBackend()}
 
 
 def _load(name: str) -> Backend:
@@ -206,32 +371,6 @@ def backend_status() -> dict:
 
 def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# ----------------------------------------------------------------------------- row layouts
-
-
-def rows_in_place(t: Tensor) -> bool:
-    """Whether a row kernel may read and write ``t`` where it lies: a ``[M, V]`` matrix or a ``[B,
-    T, V]`` view with unit column stride whose rows never overlap (a row stride of at least V,
-    batch entries apart). The native and Triton backends copy anything else before a kernel sees
-    it: overlapping rows (an ``expand``, a row stride below V) written in place would be stored by
-    several programs at once, and read after another program wrote them."""
-    if t.dim() not in (2, 3) or t.numel() == 0 or t.stride(-1) != 1:
-        return False
-    per_batch, vocab = t.shape[-2:]
-    step = t.stride(-2) if per_batch > 1 else vocab
-    return step >= vocab and (t.dim() == 2 or t.shape[0] == 1 or t.stride(0) >= (per_batch - 1) * step + vocab)
-
-
-def gradient_buffer(rows: Tensor, out: Tensor) -> Tensor:
-    """Where a row backward kernel reading ``rows`` (a layout :func:`rows_in_place` accepts) writes
-    the gradient for ``out``: ``out`` itself when it can be written in place (rows_in_place, the
-    dtype of ``rows`` and, if it starts where ``rows`` does, their layout, so that each row is read
-    before it is written), else a new buffer that the caller copies into ``out`` afterwards."""
-    direct = (out.dtype == rows.dtype and rows_in_place(out)
-              and (out.data_ptr() != rows.data_ptr() or out.stride() == rows.stride()))
-    return out if direct else torch.empty_like(rows)
 
 
 # The registry checks the one argument it resolves itself (so that backends/ imports nothing above it).
@@ -304,5 +443,5 @@ def backend_by_key(key: str) -> Backend:
     return _REGISTRY[key] if key in _REGISTRY else _load(key)
 
 
-__all__ = ["BACKEND_NAMES", "Backend", "backend_by_key", "backend_key", "backend_status",
-           "get_backend", "gradient_buffer", "resolve_backend_key", "rows_in_place", "triton_interpreter_enabled"]
+__all__ = ["BACKEND_NAMES", "Backend", "TorchBackend", "backend_by_key", "backend_key", "backend_status",
+           "get_backend", "resolve_backend_key", "triton_interpreter_enabled"]

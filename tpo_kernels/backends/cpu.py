@@ -23,7 +23,7 @@ from torch import Tensor
 from . import torch_kept
 from .kept_sets import KeptSets
 from .native import NativeBackend, as_rows, dtype_code, ptr
-from .row_summary import RowSummary, compute_dtype
+from .rows import RowSummary, compute_dtype
 
 
 class CpuBackend(NativeBackend):

@@ -30,7 +30,7 @@ from . import _reason
 from . import torch_candidates as torch_candidate_ops
 from . import torch_kept
 from .kept_sets import KeptSets
-from .row_summary import RowSummary
+from .rows import RowSummary
 from .native import DTYPE_CODES, NativeBackend, per_row, ptr
 
 

@@ -20,8 +20,9 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .row_summary import RowSummary, compute_dtype
-from . import Backend, gradient_buffer, rows_in_place
+from .rows import RowSummary, compute_dtype
+from . import Backend
+from .rows import gradient_buffer, rows_in_place
 
 # Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}

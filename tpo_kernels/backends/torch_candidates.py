@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .row_summary import compute_dtype
+from .rows import compute_dtype
 
 # Elements of one [states, K, H] temporary of the PyTorch fused-linear ops: 8 MiB of fp32, small
 # enough to stay in cache and to be reused by the allocator from chunk to chunk.

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kept_sets import KeptSets
-from .row_summary import RowSummary, compute_dtype
+from .rows import RowSummary, compute_dtype
 from .torch_candidates import _RunTargets
 
 # Elements of one [pairs, H] temporary of the linear forward: 8 MiB of fp32.

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import FLOAT_DTYPES
+from ..backends.rows import FLOAT_DTYPES, RowRequest
 from ..group_math import GroupRule
 from ..ops.group import LossWeights
-from ..ops.logprobs import RowRequest
 
 REDUCTIONS = ("mean", "sum", "none")
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # the ops, the agreement records and the labels hold int64

@@ -53,10 +53,10 @@ boundary and misaligns the next, which no loss can detect.
 rank holds a contiguous vocabulary shard of the lm_head (weight ``[V_r, H]``, bias ``[V_r]``) or of
 the logits (``[M, V_r]``), and the same tokens (hidden ``[M, H]`` and labels, replicated in the
 group). Each rank summarizes its shard per token as a
-:class:`~tpo_kernels.backends.row_summary.RowSummary` (row max, log-sum, the label's log-prob and
+:class:`~tpo_kernels.backends.rows.RowSummary` (row max, log-sum, the label's log-prob and
 whether the shard holds the label, the entropy on request); one all-gather of the ``[C, M]``
 partials (``C`` = 4 fields, 5 with the entropy) lets every rank merge them in rank order with
-:meth:`~tpo_kernels.backends.row_summary.RowSummary.merge` (deterministic, identical on every rank). The
+:meth:`~tpo_kernels.backends.rows.RowSummary.merge` (deterministic, identical on every rank). The
 backward is local on the shard (``dW``, ``db`` or the logits gradient of the shard) plus, for the
 fused path, the one all-reduce of ``dH`` that any tensor-parallel linear layer needs.
 

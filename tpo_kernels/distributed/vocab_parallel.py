@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary
+from ..backends.rows import RowSummary
 from ..checks import placement
 from ..plan.vocabulary import ShardRequest  # what a rank asked for, resolved by the plan
 from .collectives import all_gather_stacked, all_reduce_sum

@@ -15,7 +15,7 @@ op                                 computes                                     
 =================================  ===============================================  ==========
 
 Each op takes its stage's settings as one record, flattened at the op boundary by one method:
-:class:`~tpo_kernels.ops.logprobs.RowRequest` for the row ops,
+:class:`~tpo_kernels.backends.rows.RowRequest` for the row ops,
 :class:`~tpo_kernels.group_math.GroupRule` for the group op
 (:class:`~tpo_kernels.ops.group.LossWeights`: what the group stage applies around it).
 
@@ -26,7 +26,8 @@ backwards. The backend travels as a string key (:func:`tpo_kernels.backends.back
 
 from .candidates import candidate_logits, linear_candidate_logits
 from .linear import linear_logprobs
-from .logprobs import RowRequest, token_logprobs
+from ..backends.rows import RowRequest
+from .logprobs import token_logprobs
 from .tiles import HeadTiles, TilePolicy
 
 __all__ = ["HeadTiles", "RowRequest", "TilePolicy", "candidate_logits", "linear_candidate_logits", "linear_logprobs",

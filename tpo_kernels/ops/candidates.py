@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import compute_dtype
+from ..backends.rows import compute_dtype
 from ..backends import backend_by_key
 from ..group_math import pair_runs
 from ._tags import host_sync_tags

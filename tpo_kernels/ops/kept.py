@@ -31,10 +31,9 @@ from torch import Tensor
 
 from ..backends import backend_by_key
 from ..backends.kept_sets import KeptSets
-from ..backends.row_summary import FIELD_NAMES, OPTIONAL_FIELDS, RowSummary, compute_dtype, op_outputs
+from ..backends.rows import FIELD_NAMES, OPTIONAL_FIELDS, RowRequest, RowSummary, compute_dtype, op_outputs
 from ..group_math import pair_runs
 from ._tags import host_sync_tags
-from .logprobs import RowRequest
 
 
 def _kept(tensors: List[Tensor], width: int) -> KeptSets:

@@ -5,7 +5,7 @@ The tiled head (:class:`~tpo_kernels.ops.linear_head.TiledLinearHead`) does the 
 backward; this module registers the forward op and two backward ops (each with a fake
 implementation): ``linear_logprobs_backward``, which leaves the logits cache as it is, and
 ``linear_logprobs_backward_``, which may overwrite it with ``dz``; the autograd rule that joins
-them (it saves the forward's :class:`~tpo_kernels.backends.row_summary.RowSummary`, through its
+them (it saves the forward's :class:`~tpo_kernels.backends.rows.RowSummary`, through its
 ``to_op`` / ``from_op``, and the logits cache, and takes the second backward only when nothing
 reads the cache again: an eager backward that keeps no graph); and :func:`linear_logprobs`, which
 keeps the logits cache only when a gradient will be taken, as the policy's budget for the
@@ -19,11 +19,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary, compute_dtype, op_outputs
+from ..backends.rows import RowRequest, RowSummary, compute_dtype, op_outputs, row_gradients
 from ..backends import backend_by_key
 from ._tags import host_sync_tags
 from .linear_head import TiledLinearHead
-from .logprobs import RowRequest, row_gradients
 from .padded_rows import padded_count
 from .tiles import HeadTiles, TilePolicy, invariant_tile_shape
 
@@ -183,7 +182,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
                     request: RowRequest, tiles: "HeadTiles", backend: str,
                     cache_candidates: Optional[Tensor] = None) -> RowSummary:
     """The :class:`RowSummary` of ``softcap(scale * (hidden [M, H] @ weight.T (+ bias)))`` tempered
-    (the request's :class:`tpo_kernels.ops.logprobs.LogitTransform`) for int64 ``labels``
+    (the request's :class:`tpo_kernels.backends.rows.LogitTransform`) for int64 ``labels``
     (negative: skipped), in the compute dtype, with the per-token fields the request asks for;
     differentiable in hidden, weight, bias. ``tiles``: how the head cuts its work (its
     ``head_dtype``, its policy's ``batch_invariant``). The policy's

@@ -6,7 +6,7 @@ a vocabulary shard (:mod:`.vocab_shard`) run it.
 Logits exist one tile at a time (a block of tokens times a block of the vocabulary, at most
 ``chunk_size * V`` entries). The forward keeps, per token, the :class:`RowSummary` of the row ops
 (max and log-sum, the label's log-prob and, on request, the entropy), merged across vocabulary
-blocks with bounded terms only (:meth:`~tpo_kernels.backends.row_summary.RowSummary.merge`). The backward receives a
+blocks with bounded terms only (:meth:`~tpo_kernels.backends.rows.RowSummary.merge`). The backward receives a
 per-token gradient ``g`` (and ``ge`` for entropies), recomputes the logits of the tokens with a
 nonzero one only, tile by tile, turns them in place into ``dz`` with the backend's row backward
 (the forward's statistics cover the whole vocabulary, so a block's softmax is exact) and applies
@@ -22,7 +22,7 @@ conversion). Where that does not fit (or ``grad_accum_dtype`` asks for wider sum
 chunks and ``dW`` is summed over them in a per-block accumulator of that dtype. :class:`TilePolicy`
 holds these budgets per device; its ``batch_invariant`` tiles are one shape in any batch.
 
-With a logit soft cap (:class:`tpo_kernels.ops.logprobs.LogitTransform`) each tile is capped into a
+With a logit soft cap (:class:`tpo_kernels.backends.rows.LogitTransform`) each tile is capped into a
 compute-dtype buffer before the row op; the backward multiplies the row op's ``dz'`` by its derivative.
 
 Logits cache (``TilePolicy.logits_cache_bytes``; by default every counted row of a small
@@ -45,11 +45,10 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary, compute_dtype, row_flags
+from ..backends.rows import LogitTransform, RowSummary, compute_dtype, row_flags
 from ..backends import Backend
 from .tiles import (BackwardPlan, HeadTiles, TilePolicy, add_chunk_product, add_product, backward_plan, flat_tile,
                     full_precision_reduction, mask_indices, row_chunks, selected_rows, selection_size, tile_shape)
-from .logprobs import LogitTransform
 from .padded_rows import padded_backward, padded_forward
 
 __all__ = ["TiledLinearHead"]

@@ -6,7 +6,7 @@ backend's fused row backward.
 
 Forward (row op of the backend): ``lp[r] = log softmax(z[r] / tau)[y_r]`` and, on request, the
 entropy ``H[r]`` of ``softmax(z[r] / tau)``; 0 on rows whose label is negative (those rows are
-never read). The op returns the row op's whole :class:`~tpo_kernels.backends.row_summary.RowSummary`
+never read). The op returns the row op's whole :class:`~tpo_kernels.backends.rows.RowSummary`
 (flattened by its ``to_op``; see the row-op contract in :mod:`tpo_kernels.backends`), and the
 autograd rule keeps it for the backward. Backward,
 with ``p = softmax(z / tau)``::
@@ -17,7 +17,7 @@ for the incoming gradients ``g`` (of lp) and ``ge`` (of H). With ``inplace_backw
 gradient is written over the logits buffer, which saves a ``[M, V]`` tensor; the op marks the
 buffer as modified, so a second consumer of the same logits fails loudly.
 
-``logit_scale`` and ``logit_softcap`` transform the logits first (:class:`LogitTransform`, below):
+``logit_scale`` and ``logit_softcap`` transform the logits first (:class:`~tpo_kernels.backends.rows.LogitTransform`):
 a scale alone folds into ``inv_temperature``; a soft cap runs the row ops on capped row chunks.
 The fused head (:mod:`tpo_kernels.ops.linear`) takes the same transform from here.
 """
@@ -25,122 +25,14 @@ The fused head (:mod:`tpo_kernels.ops.linear`) takes the same transform from her
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import OPTIONAL_FIELDS, RowSummary, compute_dtype, op_outputs, row_flags
+from ..backends.rows import LogitTransform, RowRequest, RowSummary, compute_dtype, op_outputs, row_flags, row_gradients
 from ..backends import backend_by_key
 from .tiles import TilePolicy
-
-
-# ----------------------------------------------------------------------------- logit transform
-
-# Logit scaling and soft-capping, applied by the orchestration layer around unchanged row ops.
-#
-# Models transform their lm_head output before the softmax: Cohere multiplies it by
-# ``logit_scale``, Granite divides it by ``logits_scaling`` (``logit_scale = 1 / logits_scaling``),
-# Gemma 2/3 soft-cap it, ``c * tanh(z / c)`` (``final_logit_softcapping``). The log-probs are those of
-#
-#     z' = softcap(scale * z) / temperature,        softcap(x) = c * tanh(x / c)
-#
-# Without a cap the scale folds exactly into the row ops' ``inv_temperature`` (no extra pass). With
-# one, each chunk (logits path) or tile (fused-linear path) of raw logits is capped into a buffer in
-# the compute dtype, the row op runs on it, and the backward recomputes the chunk, runs the row
-# backward on it and applies the chain rule ``dz = dz' * scale * sech^2(scale * z / c)``. sech^2 is
-# ``4 t / (1 + t)^2`` with ``t = exp(-2 |x|)`` in (0, 1]: a few ulp where ``1 - tanh^2`` would
-# cancel, never overflowing, and 0 at +-inf logits.
-#
-# Chunk boundaries move with the logits' layout (a strided ``[B, T, V]`` view is walked one leading
-# index at a time, its contiguous copy in chunks of the flat ``[M, V]`` rows), so the transform uses
-# only ops whose every element gets the same bits wherever it sits in a chunk: IEEE arithmetic and
-# the functions PyTorch's CPU kernels evaluate with one vector routine up to the last element
-# (``tanh``, ``exp``). ``cosh`` is not one of them: its CPU kernel computes a chunk's tail with the
-# scalar libm ``cosh``, one ulp off the vector one, which made the capped gradient of a view differ
-# from its copy's.
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """``z -> softcap * tanh(scale * z / softcap)``, on chunks of raw logits."""
-
-    scale: float
-    softcap: float
-
-    def cap(self, z: Tensor, buffer: Tensor) -> Tensor:
-        """``softcap(scale * z)`` in a view of the flat ``buffer`` (its dtype: the compute dtype)."""
-        out = _view_like(buffer, z).copy_(z)
-        return out.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap)
-
-    def derivative(self, z: Tensor, buffer: Tensor, scratch: Tensor) -> Tensor:
-        """``d softcap(scale * z) / dz = scale * sech^2(x)``, ``x = scale * z / softcap``, in a view of
-        ``buffer`` (``scratch``: a buffer of the same size, overwritten). ``sech^2(x) = 4 t / (1 + t)^2``
-        with ``t = exp(-2 |x|)``."""
-        t = _view_like(buffer, z).copy_(z).mul_(self.scale / self.softcap).abs_().mul_(-2.0).exp_()
-        denominator = _view_like(scratch, z).copy_(t).add_(1.0).square_()
-        return t.mul_(4.0).div_(denominator).mul_(self.scale)
-
-    def differentiable(self, z: Tensor) -> Tensor:
-        """The transform in plain autograd, for the few gathered logits of token-level TPO."""
-        return torch.tanh(z * (self.scale / self.softcap)) * self.softcap
-
-
-def _view_like(buffer: Tensor, like: Tensor) -> Tensor:
-    return buffer[: like.numel()].view(like.shape)
-
-
-def row_transform(inv_temperature: float, logit_scale: float,
-                  logit_softcap: Optional[float]) -> Tuple[float, Optional[LogitTransform]]:
-    """``(factor, transform)``: the factor the row ops multiply the (capped) logits by, and the
-    transform they cannot fold into it. Without a cap the scale folds in: ``(scale / temperature,
-    None)``; with one the cap applies the scale: ``(1 / temperature, the transform)``."""
-    if logit_softcap is None:
-        return inv_temperature * logit_scale, None
-    return inv_temperature, LogitTransform(logit_scale, logit_softcap)
-
-
-@dataclass(frozen=True)
-class RowRequest:
-    """What a row op computes: the logit transform and temperature, and the optional per-token
-    fields of its :class:`RowSummary` asked for (``token_fields``, a sorted tuple of names from
-    :data:`OPTIONAL_FIELDS`, e.g. ``("entropy",)``). Built once by the plan and carried whole to
-    the ``torch.library`` boundary, where :meth:`to_op` flattens it into the ops' ``float[]``
-    argument; a new field travels without another edit on the way."""
-
-    inv_temperature: float = 1.0
-    logit_scale: float = 1.0
-    logit_softcap: Optional[float] = None  # None: no cap
-    token_fields: Tuple[str, ...] = ()
-
-    def wants(self, name: str) -> bool:
-        return name in self.token_fields
-
-    def row_flags(self) -> dict:
-        """The keywords of a backend's ``row_forward`` asking for the requested fields."""
-        return row_flags(self.token_fields)
-
-    def transform(self) -> Tuple[float, Optional["LogitTransform"]]:
-        """:func:`row_transform` of this request."""
-        return row_transform(self.inv_temperature, self.logit_scale, self.logit_softcap)
-
-    def folded(self) -> "RowRequest":
-        """The same request with the scale folded into ``inv_temperature`` (no cap): what a
-        vocabulary shard's row ops take."""
-        factor, _ = row_transform(self.inv_temperature, self.logit_scale, None)
-        return RowRequest(inv_temperature=factor, token_fields=self.token_fields)
-
-    def to_op(self) -> List[float]:
-        """``[inv_temperature, logit_scale, logit_softcap (0: none), one 0/1 per optional field]``."""
-        flags = [float(name in self.token_fields) for name in OPTIONAL_FIELDS]
-        return [float(self.inv_temperature), float(self.logit_scale), float(self.logit_softcap or 0.0), *flags]
-
-    @staticmethod
-    def from_op(values: List[float]) -> "RowRequest":
-        inv_temperature, scale, softcap, *flags = values
-        return RowRequest(inv_temperature=inv_temperature, logit_scale=scale, logit_softcap=softcap or None,
-                          token_fields=tuple(name for name, flag in zip(OPTIONAL_FIELDS, flags) if flag))
 
 
 def row_chunk(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -257,20 +149,6 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.request, ctx.fields = request, RowRequest.from_op(request).token_fields
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
-
-
-def row_gradients(counted: Tensor, summary: RowSummary, grad_logprobs: Optional[Tensor],
-                  grad_entropy: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-    """The incoming gradients of a summary's log-probs and entropies (None where none arrived)
-    as a row backward takes them: zero on rows that do not count (they were never read), in the
-    compute dtype; ``(grad_logprobs, grad_entropy)``, the second None when the summary has no
-    entropy or no entropy gradient arrives."""
-    logprobs = summary.label_logprob
-    grad_logprobs = torch.zeros_like(logprobs) if grad_logprobs is None else grad_logprobs
-    grad_logprobs = torch.where(counted, grad_logprobs.to(logprobs.dtype), 0.0)
-    if summary.entropy is None or grad_entropy is None:
-        return grad_logprobs, None
-    return grad_logprobs, torch.where(counted, grad_entropy.to(logprobs.dtype), 0.0)
 
 
 def _backward(ctx, *output_grads):

@@ -17,7 +17,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import RowSummary
+from ..backends.rows import RowSummary
 from .tiles import selection_size
 
 __all__ = ["padded_backward", "padded_count", "padded_forward", "padded_rows", "padded_summary"]

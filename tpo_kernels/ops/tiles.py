@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import compute_dtype
+from ..backends.rows import compute_dtype
 
 ROW_ALIGN = 16  # tile rows (the default chunk_size and balanced chunks are multiples of this)
 # Vocabulary blocks are multiples of 128 entries, so that a tile's rows (its matmul leading

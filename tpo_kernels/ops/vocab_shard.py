@@ -20,9 +20,8 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
-from ..backends.row_summary import RowSummary
+from ..backends.rows import RowRequest, RowSummary, row_gradients
 from .linear_head import TiledLinearHead
-from .logprobs import RowRequest, row_gradients
 from .tiles import HeadTiles
 
 

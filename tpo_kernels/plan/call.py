@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..backends.row_summary import compute_dtype
+from ..backends.rows import compute_dtype
 from ..backends import resolve_backend_key
 from ..ops import HeadTiles, RowRequest, TilePolicy
 from ..requests import CandidateRequest, Head, Logits, Logprobs, LogprobsRequest, Placement, SequenceRequest

@@ -1,6 +1,6 @@
 """The plan of a call: what its check pass (:mod:`tpo_kernels.plan.call`) hands the work, as
 frozen records built by keyword. A :class:`Plan` holds each stage's settings record
-(:class:`~tpo_kernels.ops.logprobs.RowRequest`, :class:`~tpo_kernels.group_math.GroupRule`,
+(:class:`~tpo_kernels.backends.rows.RowRequest`, :class:`~tpo_kernels.group_math.GroupRule`,
 :class:`~tpo_kernels.ops.group.LossWeights`, :class:`~tpo_kernels.checks.arguments.CallFlags`), the
 backend, the compute dtype, what the row op reads (:class:`LogitsRows`, :class:`HeadRows`,
 :class:`LogprobRows` or :class:`CandidateRows`), the flat labels, the prepared batch and, for a

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..row_summary import compute_dtype
+from ..rows import compute_dtype
 from .candidate_weight_grad import num_warps, weight_grad
 from .kernel_support import device_guard
 

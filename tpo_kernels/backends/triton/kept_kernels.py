@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..kept_sets import KeptSets
-from ..row_summary import RowSummary, compute_dtype
+from ..rows import RowSummary, compute_dtype
 from .candidate_kernels import pair_dots
 from .candidate_weight_grad import num_warps, weight_grad
 from .kernel_support import device_guard, expm1, log1p, use_libdevice

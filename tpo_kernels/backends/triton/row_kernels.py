@@ -67,8 +67,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import gradient_buffer
-from ..row_summary import RowSummary, compute_dtype
+from ..rows import gradient_buffer
+from ..rows import RowSummary, compute_dtype
 from .kernel_support import device_guard, expm1, log1p, scalar_from_parts, split_scalar, use_libdevice
 from .row_layout import (acc_type, aligned_base, batch_layout, chunk_geometry, chunk_threads, edge_tile, label_chunk,
                          load_chunk, pick_num_warps, row_batch, row_offset, row_sections, thread_max, thread_sum,

@@ -8,8 +8,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import rows_in_place, triton_interpreter_enabled
-from ..row_summary import compute_dtype
+from .. import triton_interpreter_enabled
+from ..rows import rows_in_place
+from ..rows import compute_dtype
 
 
 @triton.jit
