@@ -24,6 +24,7 @@ from tpo_kernels import kit, reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer, shuffle_groups  # noqa: E402
 from tpo_kernels.integrations.trl.generation_batch import tpo_scores_from_rewards  # noqa: E402
+from tpo_kernels.integrations.trl.request import TPORequest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -396,10 +397,11 @@ def test_tpo_head_applies_logit_multiplier_and_leaves_out_empty_completions(cast
     mask[1] = False  # one completion of group 0 has no counted token
     mask[4:8] = False  # group 1 has none at all
     scores = torch.randn(num_rows)
-    request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   group_ids=None, process_group=None, detached=None, score_eps=0.0, beta=0.0, eta=0.7, anchor=True,
-                   temperature=0.8, backend="cpu", cast_lm_head_to_fp32=cast_fp32, token_entropy=True,
-                   length_normalize=length_normalize)
+    request = TPORequest(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
+                        group_ids=None, process_group=None, detached=None, score_eps=0.0, beta=0.0, eta=0.7,
+                         anchor=True,
+                        temperature=0.8, backend="cpu", cast_lm_head_to_fp32=cast_fp32, token_entropy=True,
+                        length_normalize=length_normalize)
     out = tpo_trl.head._tpo_head(hidden_all, head, request, logit_scale=2.0)
 
     logits = 2.0 * head(hidden_all[:, prompt - 1 : -1].float()).double()
@@ -437,10 +439,11 @@ def test_tpo_head_matches_a_soft_capped_model():
     labels = input_ids[:, prompt:]
     mask = torch.ones(num_rows, length, dtype=torch.bool)
     scores = torch.randn(num_rows)
-    request = dict(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
-                   group_ids=None, process_group=None, detached=None, score_eps=0.0, beta=0.0, eta=0.7, anchor=True,
-                   temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=False,
-                   router_aux_loss=False, length_normalize=False)
+    request = TPORequest(labels=labels, mask=mask, scores=scores, group_size=4, old_logprobs=None, ref_logprobs=None,
+                        group_ids=None, process_group=None, detached=None, score_eps=0.0, beta=0.0, eta=0.7,
+                         anchor=True,
+                        temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=False,
+                        router_aux_loss=False, length_normalize=False)
     out = model(input_ids=input_ids, tpo_request=request)
     logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1].double()
     assert logits.abs().max() <= 2.0  # the model's logits are capped
@@ -467,15 +470,15 @@ def test_tpo_head_with_detached_rows_is_the_whole_groups_loss():
     ref = -torch.rand(num_rows, length) - 3.0
     settings = dict(temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=True)
     with torch.no_grad():
-        theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, dict(labels=labels[own:], mask=mask[own:],
-                                                                        **settings))
+        theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, TPORequest(
+            logprobs_only=True, labels=labels[own:], mask=mask[own:], **settings))
     detached = kit.LossRows(logprobs=theirs["token_logprobs"], token_entropy=theirs["token_entropy"], mask=mask[own:],
                             scores=scores[own:], group_ids=group_ids[own:], ref_logprobs=ref[own:])
     hidden = hidden_all[:own].clone().requires_grad_()
-    request = dict(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
-                   group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=ref[:own],
-                   detached=detached, score_eps=1e-6, beta=0.1, eta=0.7, anchor=True, length_normalize=False,
-                   **settings)
+    request = TPORequest(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
+                        group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=ref[:own],
+                        detached=detached, score_eps=1e-6, beta=0.1, eta=0.7, anchor=True, length_normalize=False,
+                        **settings)
     out = tpo_trl.head._tpo_head(hidden, head, request)
     out["loss"].backward()
 

@@ -16,6 +16,7 @@ from tpo_kernels import kit, reference  # noqa: E402
 from tpo_kernels.integrations import trl as tpo_trl  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig  # noqa: E402
 from tpo_kernels.integrations.trl.metrics import log_tpo_metrics  # noqa: E402
+from tpo_kernels.integrations.trl.request import TPORequest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -83,8 +84,8 @@ def test_grpo_metrics_read_this_micro_steps_rows():
     aux = dict(p=half, q=half, u=torch.tensor([1.0, -1.0, -1.0, 1.0]), token_entropy=entropy,
                token_logprobs=token_logprobs)
     out = dict(loss=torch.tensor(0.7), mask=mask, kept=mask.any(dim=1), aux=aux, ref_logprobs=ref)
-    request = dict(labels=torch.zeros(2, 3, dtype=torch.long), metric_group_ids=torch.tensor([0, 1, 0, 1]),
-                   token_entropy=True, beta=0.1, entropy_coef=0.25, process_group=None)
+    request = metrics_request(labels=torch.zeros(2, 3, dtype=torch.long), metric_group_ids=torch.tensor([0, 1, 0, 1]),
+                              beta=0.1, entropy_coef=0.25, process_group=None)
     metrics = collections.defaultdict(list)
     log_tpo_metrics(metrics, lambda tensor: tensor, out, request, entropy_bonus=True)
     diff = (ref - token_logprobs).double()
@@ -97,14 +98,21 @@ def test_grpo_metrics_read_this_micro_steps_rows():
     assert metrics["tpo/loss"] == [pytest.approx(0.7)]
 
 
+def metrics_request(labels, metric_group_ids, **fields):
+    """A loss call's request with the fields :func:`log_tpo_metrics` reads (the others neutral)."""
+    return TPORequest(labels=labels, mask=torch.ones(labels.shape, dtype=torch.bool), temperature=1.0, backend="cpu",
+                      cast_lm_head_to_fp32=False, token_entropy=True, scores=torch.zeros(labels.shape[0]),
+                      group_ids=metric_group_ids[: labels.shape[0]], metric_group_ids=metric_group_ids, **fields)
+
+
 def _loss_call(mask, entropy, loss, process_group):
     """A loss call's output and request as :func:`log_tpo_metrics` reads them (no detached rows)."""
     half = torch.full((mask.shape[0],), 0.5)
     aux = dict(p=half, q=half, u=torch.ones(mask.shape[0]), token_entropy=entropy,
                token_logprobs=torch.zeros(mask.shape))
     out = dict(loss=torch.tensor(loss), mask=mask, kept=mask.any(dim=1), aux=aux, ref_logprobs=None)
-    request = dict(labels=torch.zeros(mask.shape, dtype=torch.long), metric_group_ids=torch.tensor([0, 1]),
-                   token_entropy=True, beta=0.0, entropy_coef=0.5, process_group=process_group)
+    request = metrics_request(labels=torch.zeros(mask.shape, dtype=torch.long), metric_group_ids=torch.tensor([0, 1]),
+                              beta=0.0, entropy_coef=0.5, process_group=process_group)
     return out, request
 
 
@@ -161,15 +169,15 @@ def test_tpo_head_entropy_bonus_with_detached_rows():
     group_ids = torch.tensor([7, 9, 7, 9, 9, 7, 9, 7])
     settings = dict(temperature=0.8, backend="cpu", cast_lm_head_to_fp32=False, token_entropy=True)
     with torch.no_grad():
-        theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, dict(labels=labels[own:], mask=mask[own:],
-                                                                        **settings))
+        theirs = tpo_trl.head._tpo_logprobs(hidden_all[own:], head, TPORequest(
+            logprobs_only=True, labels=labels[own:], mask=mask[own:], **settings))
     detached = kit.LossRows(logprobs=theirs["token_logprobs"], token_entropy=theirs["token_entropy"], mask=mask[own:],
                             scores=scores[own:], group_ids=group_ids[own:], ref_logprobs=None)
     hidden = hidden_all[:own].clone().requires_grad_()
-    request = dict(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
-                   group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=None,
-                   detached=detached, score_eps=1e-6, beta=0.0, eta=0.7, anchor=True, length_normalize=False,
-                   entropy_coef=0.25, **settings)
+    request = TPORequest(labels=labels[:own], mask=mask[:own], scores=scores[:own], group_size=None,
+                         group_ids=group_ids[:own], process_group=None, old_logprobs=None, ref_logprobs=None,
+                         detached=detached, score_eps=1e-6, beta=0.0, eta=0.7, anchor=True, length_normalize=False,
+                         entropy_coef=0.25, **settings)
     out = tpo_trl.head._tpo_head(hidden, head, request)
     out["loss"].backward()
 

@@ -86,6 +86,11 @@ What the trainer does, and why it is exact:
   weight, in both ``p`` and ``q`` (the loss's ``seq_log_weights``); ``"token_truncate"`` is refused
   (per-token weights have no reading in the group softmax; the math: this folder's README.md).
   Without vLLM nothing changes.
+* **Top-k / top-p / min-p.** With transformers generation the sampler's kept set of every token
+  is recorded (a last logits processor) and every log-prob the loss reads (its own, the detached
+  rows', the old and reference ones, recomputed) is over it (``sampling_mask=``); nothing is
+  recorded or passed when nothing is truncated. With vLLM, whose kept sets TRL does not return, a
+  truncating config is refused (README.md beside this file).
 * **Entropy bonus.** ``entropy_coef`` trains ``loss - entropy_coef * H``, ``H`` the mean tempered
   token entropy of the loss call's counted tokens, from the loss's own vocabulary pass;
   ``use_adaptive_entropy`` runs TRL's controller on that entropy (same state, so TRL saves it in
@@ -127,7 +132,7 @@ GRPO's own loss settings (``loss_type``, ``epsilon*``, ``delta``, ``importance_s
 the SAPO / VESPO parameters, ``scale_rewards``) do not apply to TPO and are ignored; the options that would silently
 change the objective (``top_entropy_quantile < 1``, ``off_policy_mask_threshold``,
 ``use_bias_correction_kl`` with ``beta > 0``, ``vllm_importance_sampling_mode="token_truncate"`` with
-vLLM's correction on) are refused; this config
+vLLM's correction on, truncated sampling with vLLM) are refused; this config
 defaults ``use_bias_correction_kl`` to False (TPO's KL term is the plain k3 estimator). Not supported yet:
 vision-language models, DeepSpeed ZeRO-3.
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
+from .kept_sets import truncating_settings
+
 
 _BACKENDS = ("auto", "triton", "cuda", "cpu", "torch")
 
@@ -153,6 +155,21 @@ def _check_eval_layout(per_device: int, group_size: int, processes: int) -> None
     )
 
 
+def _check_vllm_truncation(args: GRPOConfig) -> None:
+    """vLLM samples a truncating config from each token's kept set, which TRL does not return: the
+    loss could not replay the sets, and full-vocabulary log-probs are not the sampler's."""
+    truncation = truncating_settings(args)
+    if not args.use_vllm or not truncation:
+        return
+    raise ValueError(
+        f"TargetPOTrainer does not support {', '.join(truncation)} with use_vllm=True: vLLM then samples each token "
+        "from the softmax renormalized over a kept set, which TRL does not pass back, so the loss would train on "
+        "full-vocabulary log-probs, not the sampler's distribution. Sample without truncation (top_p=1.0, "
+        "top_k=0, min_p=None), or generate with transformers (use_vllm=False), whose kept sets the trainer records "
+        "and replays."
+    )
+
+
 def check_tpo_args(args: GRPOConfig) -> None:
     """Raise ``ValueError`` for a configuration TPO cannot train exactly (see the module docstring)."""
     eta = args.tpo_eta
@@ -181,6 +198,7 @@ def check_tpo_args(args: GRPOConfig) -> None:
     if args.do_eval and args.eval_strategy != "no":
         _check_eval_layout(args.per_device_eval_batch_size, args.num_generations_eval or args.num_generations,
                            processes)
+    _check_vllm_truncation(args)
     refused = []
     accepted_modes = SAMPLER_MASK_MODES + SAMPLER_WEIGHT_MODES
     if sampler_correction_on(args) and args.vllm_importance_sampling_mode not in accepted_modes:

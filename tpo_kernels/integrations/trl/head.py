@@ -9,7 +9,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
-from ... import fused_linear_logprobs, fused_linear_tpo_loss, kit, tpo_loss_from_logprobs
+from ... import SamplingMask, fused_linear_logprobs, fused_linear_tpo_loss, kit, tpo_loss_from_logprobs
+from .request import TPORequest
 
 
 def _logit_multiplier(text_config) -> float:
@@ -47,9 +48,9 @@ def add_tpo_head(model) -> None:
         kwargs["use_cache"] = False
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
         backbone, head = self.base_model, self.get_output_embeddings()
-        if tpo_request.get("logprobs_only"):
+        if tpo_request.logprobs_only:
             return _tpo_logprobs(backbone(*args, **kwargs).last_hidden_state, head, tpo_request, **transform)
-        if not tpo_request["router_aux_loss"]:
+        if not tpo_request.router_aux_loss:
             return _tpo_head(backbone(*args, **kwargs).last_hidden_state, head, tpo_request, **transform)
         # MoE: the model's own forward computes its load-balancing loss from the router logits (as
         # for TRL's GRPOTrainer); its logits are kept for one position only, and the backbone's
@@ -97,55 +98,56 @@ def _head_tensors(hidden: Tensor, head, cast_fp32: bool):
     return hidden, weight, bias
 
 
-def _completion_hidden(hidden_all: Tensor, head, request: Dict[str, Any]):
+def _completion_hidden(hidden_all: Tensor, head, request: TPORequest):
     """The hidden states that predict the completion tokens (position t predicts token t), with
     the lm_head's weight and bias, in the head's compute dtype; labels and mask on their device."""
-    labels, mask = request["labels"], request["mask"]
+    labels, mask = request.labels, request.mask
     hidden = hidden_all[:, -labels.shape[1] - 1 : -1]
-    hidden, weight, bias = _head_tensors(hidden, head, request["cast_lm_head_to_fp32"])
+    hidden, weight, bias = _head_tensors(hidden, head, request.cast_lm_head_to_fp32)
     return hidden, weight, bias, labels.to(hidden.device), mask.to(hidden.device)
 
 
+def _kept_sets(request: TPORequest, device: torch.device) -> Optional[SamplingMask]:
+    """The request's kept sets on ``device`` (None: the full vocabulary)."""
+    kept = request.sampling_mask
+    if kept is None:
+        return None
+    return SamplingMask(token_ids=kept.token_ids.to(device), offsets=kept.offsets.to(device))
+
+
 def _vocab_pass(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, mask: Tensor,
-                request: Dict[str, Any], logit_scale: float, logit_softcap: Optional[float]):
+                request: TPORequest, logit_scale: float, logit_softcap: Optional[float]):
     """Tempered token log-probs (0 where the mask is off) and, with ``token_entropy``, their entropy
-    (else None), by the fused-linear kernel."""
+    (else None), by the fused-linear kernel; over each token's kept set with ``sampling_mask``."""
     with torch.autocast(hidden.device.type, enabled=False):
         out = fused_linear_logprobs(hidden, weight, labels.masked_fill(~mask, -100), bias=bias,
-                                    temperature=request["temperature"], logit_scale=logit_scale,
-                                    logit_softcap=logit_softcap, return_entropy=request["token_entropy"],
-                                    backend=request["backend"])
-    return out if request["token_entropy"] else (out, None)
+                                    temperature=request.temperature, logit_scale=logit_scale,
+                                    logit_softcap=logit_softcap, return_entropy=request.token_entropy,
+                                    backend=request.backend, sampling_mask=_kept_sets(request, hidden.device))
+    return out if request.token_entropy else (out, None)
 
 
-def _tpo_logprobs(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale: float = 1.0,
+def _tpo_logprobs(hidden_all: Tensor, head, request: TPORequest, *, logit_scale: float = 1.0,
                   logit_softcap: Optional[float] = None) -> Dict[str, Any]:
     """The completions' ``token_logprobs`` and ``token_entropy`` (see :func:`_vocab_pass`), as
     :func:`_tpo_head` computes them, for rows that enter another micro-step's loss call detached
-    (``request`` as there; only ``labels``, ``mask``, ``temperature``, ``backend``,
-    ``cast_lm_head_to_fp32`` and ``token_entropy`` are read)."""
+    (``request`` as there; only the fields of its vocabulary pass are read: ``labels``, ``mask``,
+    ``sampling_mask``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``, ``token_entropy``)."""
     hidden, weight, bias, labels, mask = _completion_hidden(hidden_all, head, request)
     token_logprobs, entropy = _vocab_pass(hidden, weight, bias, labels, mask, request, logit_scale, logit_softcap)
     return {"token_logprobs": token_logprobs, "token_entropy": entropy}
 
 
-def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale: float = 1.0,
+def _tpo_head(hidden_all: Tensor, head, request: TPORequest, *, logit_scale: float = 1.0,
               logit_softcap: Optional[float] = None) -> Dict[str, Any]:
     """The TPO loss of a micro-batch from the backbone's last hidden states ``[N, P + C, H]``; the
     model's logits are ``softcap(logit_scale * (hidden @ W.T + b))`` (see the public functions).
 
-    ``request`` holds ``labels`` ([N, C] completion ids), ``mask`` ([N, C] bool), ``scores`` ([N]),
-    ``group_size`` or ``group_ids`` with ``process_group`` (groups spanning processes),
-    ``old_logprobs`` / ``ref_logprobs`` ([N, C] or None), ``seq_log_weights`` ([N] or None), ``beta``,
-    ``eta``, ``anchor``,
-    ``score_eps``, ``length_normalize``, ``temperature``, ``backend``, ``cast_lm_head_to_fp32``,
-    ``token_entropy``, ``router_aux_loss`` (read by the patched forward: also return the model's MoE
-    load-balancing loss, as ``router_aux_loss``) and ``detached``: None, or the other rows of this
-    micro-step's groups (a group spanning micro-steps), a :class:`tpo_kernels.kit.LossRows` of
-    ``[D, C]`` / ``[D]`` token log-probs, ``token_entropy`` (on request), ``mask``, ``scores``,
-    ``group_ids``, ``old_logprobs``, ``ref_logprobs`` and ``seq_log_weights`` as the N rows carry them, which enter the
-    loss call after the N rows without gradient (:func:`tpo_kernels.kit.add_constant_members`; their
-    token log-probs computed under the same parameters; ``group_ids`` then required).
+    ``request``: a :class:`~.request.TPORequest` (its fields' meaning there). ``detached`` rows
+    (a group spanning micro-steps) enter the loss call after the N rows without gradient
+    (:func:`tpo_kernels.kit.add_constant_members`; their token log-probs computed under the same
+    parameters, on their own kept sets; ``group_ids`` then required). ``sampling_mask`` covers the
+    N rows only.
     Returns ``loss``, ``aux`` (tpo_kernels' aux, with ``token_entropy`` on request; None when no
     completion has a counted token), ``kept`` ([N (+ D)] bool: completions with a counted token and a
     weight above 0), and
@@ -155,14 +157,14 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     """
     hidden, weight, bias, labels, mask = _completion_hidden(hidden_all, head, request)
     device = hidden.device
-    scores = request["scores"].to(device)
-    old, ref = request["old_logprobs"], request["ref_logprobs"]
+    scores = request.scores.to(device)
+    old, ref = request.old_logprobs, request.ref_logprobs
     old = None if old is None else old.to(device)
     ref = None if ref is None else ref.to(device)
-    group_ids = None if request["group_ids"] is None else request["group_ids"].to(device)
-    log_weights = request.get("seq_log_weights")
+    group_ids = None if request.group_ids is None else request.group_ids.to(device)
+    log_weights = request.seq_log_weights
     log_weights = None if log_weights is None else log_weights.to(device)
-    detached = request["detached"]
+    detached = request.detached
     rows = None
     if detached is not None:
         # The same vocabulary pass on this micro-step's rows, then the group stage on whole groups:
@@ -177,32 +179,32 @@ def _tpo_head(hidden_all: Tensor, head, request: Dict[str, Any], *, logit_scale:
     if log_weights is not None:  # a weight of 0 leaves a completion out of its group
         kept = kept & (log_weights > float("-inf"))
     out: Dict[str, Any] = {"kept": kept, "mask": mask, "ref_logprobs": ref}
-    if request["process_group"] is None and not bool(kept.any()):
+    if request.process_group is None and not bool(kept.any()):
         # tpo_kernels refuses a batch without any counted token; return a differentiable zero
         # connected to every parameter the loss would touch, so that DDP / FSDP see them all.
         # (With groups spanning processes every process calls the loss: it gathers.)
         zero = hidden.sum() * 0.0 + weight.sum() * 0.0
         out.update(loss=zero if bias is None else zero + bias.sum() * 0.0, aux=None)
         return out
-    entropy_coef = float(request.get("entropy_coef", 0.0))
-    settings = dict(group_size=request["group_size"], process_group=request["process_group"], beta=request["beta"],
-                    eta=request["eta"], anchor=request["anchor"], score_eps=request["score_eps"],
-                    length_normalize=request["length_normalize"], reduction="mean", backend=request["backend"],
+    entropy_coef = float(request.entropy_coef)
+    settings = dict(group_size=request.group_size, process_group=request.process_group, beta=request.beta,
+                    eta=request.eta, anchor=request.anchor, score_eps=request.score_eps,
+                    length_normalize=request.length_normalize, reduction="mean", backend=request.backend,
                     return_aux=True)
     if rows is None:
         with torch.autocast(device.type, enabled=False):
             loss, aux = fused_linear_tpo_loss(
                 hidden, weight, labels, scores, bias=bias, mask=mask, group_ids=group_ids, old_logprobs=old,
-                ref_logprobs=ref, seq_log_weights=log_weights, temperature=request["temperature"],
+                ref_logprobs=ref, seq_log_weights=log_weights, temperature=request.temperature,
                 logit_scale=logit_scale,
-                logit_softcap=logit_softcap, return_entropy=request["token_entropy"], entropy_coef=entropy_coef,
-                **settings)
+                logit_softcap=logit_softcap, return_entropy=request.token_entropy, entropy_coef=entropy_coef,
+                sampling_mask=_kept_sets(request, device), **settings)
     else:
         loss, aux = tpo_loss_from_logprobs(**rows.loss_inputs(), **settings)
         if entropy_coef != 0.0:
             # H over the call's counted tokens (own and detached rows; every process's with
             # process_group), its gradient through this micro-step's rows only.
-            loss = loss - entropy_coef * kit.token_mean(rows.token_entropy, rows.mask, request["process_group"])
+            loss = loss - entropy_coef * kit.token_mean(rows.token_entropy, rows.mask, request.process_group)
         if rows.token_entropy is not None:
             aux["token_entropy"] = rows.token_entropy.detach()
     out.update(loss=loss, aux=aux)

@@ -1,6 +1,7 @@
-"""The private TRL methods and helpers TargetPOTrainer overrides or calls, and the signature each must
-have: checked on import, so that a TRL release that changes one fails there, naming it, instead of
-training wrongly (TRL 1.15 and 1.16 have these signatures)."""
+"""The private TRL methods and helpers TargetPOTrainer overrides or calls, the transformers generation
+method it patches, and the signature each must have: checked on import, so that a release that
+changes one fails there, naming it, instead of training wrongly (TRL 1.15 and 1.16 and transformers
+5.24 / 5.25 have these signatures)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Callable, Dict, Tuple
 GRPO_TRAINER_METHODS: Dict[str, Tuple[str, ...]] = {
     # overridden: the raw rewards kept for TPO's scores
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
-    # overridden: tpo_scores, tpo_group_ids, tpo_sampler_kept added to TRL's batch
+    # overridden: tpo_scores, tpo_group_ids, tpo_sampler_kept, the kept sets (replay.py) added to TRL's batch
     "_generate_and_score_completions": ("inputs",),
     # overridden: whole-group micro-batches instead of TRL's row shuffle
     "_prepare_inputs": ("generation_batch",),
@@ -28,6 +29,13 @@ HELPERS: Dict[str, Tuple[str, ...]] = {
 }
 
 
+# transformers.GenerationMixin methods patched on the policy: the kept-set recorder is appended to the
+# processor list it returns (kept_sets.install_kept_set_recorder), after the sampling warpers.
+GENERATION_METHODS: Dict[str, Tuple[str, ...]] = {
+    "_get_logits_processor": ("generation_config",),
+}
+
+
 def _required(func: Callable, skip_self: bool) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """(the parameter names, the names of those without a default), ``self`` dropped for methods."""
     params = list(inspect.signature(func).parameters.values())
@@ -39,11 +47,13 @@ def _required(func: Callable, skip_self: bool) -> Tuple[Tuple[str, ...], Tuple[s
     return names, required
 
 
-def signature_problems(grpo_trainer_cls=None, resolve=None) -> list:
+def signature_problems(grpo_trainer_cls=None, resolve=None, generation_cls=None) -> list:
     """One line per private method or helper whose signature is not the one relied on (empty when
-    all match). ``grpo_trainer_cls`` / ``resolve`` (dotted name -> object) for tests."""
+    all match). ``grpo_trainer_cls`` / ``resolve`` (dotted name -> object) / ``generation_cls`` for tests."""
     if grpo_trainer_cls is None:
         from trl import GRPOTrainer as grpo_trainer_cls
+    if generation_cls is None:
+        from transformers import GenerationMixin as generation_cls
     if resolve is None:
         import importlib
 
@@ -64,18 +74,22 @@ def signature_problems(grpo_trainer_cls=None, resolve=None) -> list:
 
     for name, expected in GRPO_TRAINER_METHODS.items():
         check(f"GRPOTrainer.{name}", getattr(grpo_trainer_cls, name, None), expected, True)
+    for name, expected in GENERATION_METHODS.items():
+        check(f"transformers.GenerationMixin.{name}", getattr(generation_cls, name, None), expected, True)
     for dotted, expected in HELPERS.items():
         check(dotted, resolve(dotted), expected, False)
     return problems
 
 
-def check_private_api(grpo_trainer_cls=None, resolve=None) -> None:
-    """Raise ``ImportError`` naming every private TRL method or helper whose signature changed."""
-    problems = signature_problems(grpo_trainer_cls, resolve)
+def check_private_api(grpo_trainer_cls=None, resolve=None, generation_cls=None) -> None:
+    """Raise ``ImportError`` naming every private TRL (or transformers) method or helper whose
+    signature changed."""
+    problems = signature_problems(grpo_trainer_cls, resolve, generation_cls)
     if problems:
         import trl
 
         raise ImportError(
             f"tpo_kernels.integrations.trl: TRL {trl.__version__} changed private GRPOTrainer API that TargetPOTrainer "
-            "overrides or calls: " + "; ".join(problems) + ". This TRL release is not supported."
+            "overrides or calls (or transformers changed the generation method it patches): " + "; ".join(problems)
+            + ". This release is not supported."
         )

@@ -25,10 +25,13 @@ from .config import (SAMPLER_MASK_MODES, SAMPLER_WEIGHT_MODES, TargetPOConfig, c
                      groups_split_over_processes, sampler_mode_refusal)
 from .generation_batch import padded_to_width, sampler_kept, shuffle_groups, take_rows, tpo_scores_from_rewards
 from .head import add_tpo_head, serve_trl_fused_head, trl_fused_head_missing
+from .kept_sets import KEPT_IDS
 from .metrics import log_tpo_metrics
+from .replay import KeptSetReplay
+from .request import TPORequest
 
 
-class TargetPOTrainer(GRPOTrainer):
+class TargetPOTrainer(KeptSetReplay, GRPOTrainer):
     """:class:`trl.GRPOTrainer` that trains with the Target Policy Optimization loss.
 
     Same constructor as ``GRPOTrainer``; ``args`` must be a :class:`TargetPOConfig` (default: one
@@ -66,6 +69,7 @@ class TargetPOTrainer(GRPOTrainer):
                                          cast_lm_head_to_fp32=bool(self.args.cast_lm_head_to_fp32),
                                          backend=self.args.tpo_backend)
         add_tpo_head(policy)
+        self._tpo_recorder_slot = self._kept_set_recording(policy)
         # The token log-probs of the current window's micro-batches, by place (see _detached_rows).
         self._tpo_window_key: Optional[int] = None
         self._tpo_window_rows: Dict[int, Any] = {}
@@ -113,7 +117,7 @@ class TargetPOTrainer(GRPOTrainer):
         group, numbered over the generation batch of all processes (TRL lays it out process after
         process, each prompt's completions consecutive), so that rows can move between micro-batches
         and processes."""
-        batch = super()._generate_and_score_completions(inputs)
+        batch = super()._generate_and_score_completions(inputs)  # with the kept sets (KeptSetReplay)
         rows = batch["completion_ids"].shape[0]
         first = self.accelerator.process_index * rows
         group_size = self._group_size("train" if self.model.training else "eval")
@@ -193,7 +197,8 @@ class TargetPOTrainer(GRPOTrainer):
         """The generation batch of every process, in process order: ``[rows, ...]`` tensors are
         padded to a common width (prompts on the left, completions on the right, as TRL pads them)
         and gathered; 0-dim tensors and None are kept."""
-        pad_ids = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id}
+        pad_ids = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id,
+                   KEPT_IDS: -1}
         group = self._world_group()
         out = {}
         for key, value in batch.items():
@@ -243,7 +248,7 @@ class TargetPOTrainer(GRPOTrainer):
         }
 
     def _tpo_request(self, inputs: Dict[str, Any], mode: str, detached: Optional[kit.LossRows] = None
-                     ) -> Dict[str, Any]:
+                     ) -> TPORequest:
         group_size = self._group_size(mode)
         split = self._groups_split(mode)
         num_rows = inputs["completion_ids"].shape[0] + (0 if detached is None else detached.num_rows)
@@ -259,27 +264,28 @@ class TargetPOTrainer(GRPOTrainer):
         # Groups spanning processes or micro-steps: global ids (gathered over the world group
         # when they span processes); whole groups in the micro-batch: consecutive blocks of K.
         by_ids = split or detached is not None
-        return {
-            "labels": inputs["completion_ids"],
-            "mask": self._token_mask(inputs),
-            "scores": scores,
-            "group_size": None if by_ids else group_size,
-            "group_ids": group_ids if by_ids else None,
-            "process_group": dist.group.WORLD if split else None,
-            "metric_group_ids": group_ids if detached is None else torch.cat([group_ids, detached.group_ids]),
-            "old_logprobs": self._old_logprobs(inputs, mode),
-            "ref_logprobs": inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            "seq_log_weights": inputs.get("tpo_seq_log_weights"),
-            "detached": detached,
-            "beta": float(self.beta),
-            "eta": float(self.args.tpo_eta),
-            "anchor": self.args.tpo_anchor,
-            "score_eps": float(self.args.tpo_score_eps),
-            "length_normalize": self.args.tpo_length_normalize,
-            "router_aux_loss": self.aux_loss_enabled,
-            "entropy_coef": self._applied_entropy_coef(),
+        return TPORequest(
+            labels=inputs["completion_ids"],
+            mask=self._token_mask(inputs),
+            sampling_mask=self._kept_sets(inputs),
+            scores=scores,
+            group_size=None if by_ids else group_size,
+            group_ids=group_ids if by_ids else None,
+            process_group=dist.group.WORLD if split else None,
+            metric_group_ids=group_ids if detached is None else torch.cat([group_ids, detached.group_ids]),
+            old_logprobs=self._old_logprobs(inputs, mode),
+            ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            seq_log_weights=inputs.get("tpo_seq_log_weights"),
+            detached=detached,
+            beta=float(self.beta),
+            eta=float(self.args.tpo_eta),
+            anchor=self.args.tpo_anchor,
+            score_eps=float(self.args.tpo_score_eps),
+            length_normalize=self.args.tpo_length_normalize,
+            router_aux_loss=self.aux_loss_enabled,
+            entropy_coef=self._applied_entropy_coef(),
             **self._head_settings(),
-        }
+        )
 
     # -- entropy bonus ------------------------------------------------------------------------
 
@@ -362,10 +368,14 @@ class TargetPOTrainer(GRPOTrainer):
                 seq_log_weights=batch.get("tpo_seq_log_weights")))
         return functools.reduce(kit.add_constant_members, parts)
 
-    def _token_logprobs_no_grad(self, model, batch: Dict[str, Any]):
-        """A micro-batch's token log-probs and entropy (None when the head computes none)."""
-        request = {"logprobs_only": True, "labels": batch["completion_ids"], "mask": self._token_mask(batch),
-                   **self._head_settings()}
+    def _token_logprobs_no_grad(self, model, batch: Dict[str, Any], entropy: Optional[bool] = None):
+        """A micro-batch's token log-probs and entropy (None when the head computes none; ``entropy``
+        overrides whether it does), on the rows' kept sets when they carry them."""
+        settings = self._head_settings()
+        if entropy is not None:
+            settings["token_entropy"] = entropy
+        request = TPORequest(logprobs_only=True, labels=batch["completion_ids"], mask=self._token_mask(batch),
+                             sampling_mask=self._kept_sets(batch), **settings)
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
