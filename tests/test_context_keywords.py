@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import tpo_kernels
-from tpo_kernels import pipeline
+from tpo_kernels.distributed import plans
 from tpo_kernels.checks.batches import BatchSplit, prepare_batch
 from tpo_kernels.checks.placement import check_context_batch, check_distinct_groups
 from tpo_kernels.plan import CheckedCall, RankGroups, check_call
@@ -220,7 +220,7 @@ def test_the_context_agreement_decides_on_no_counted_token_anywhere(one_rank):
     plan = plan_sequence(request, RankGroups(context=one_rank))  # no counted token here is not refused here
     with pytest.raises(ValueError, match="no completion has a counted token"):
         check_call(request)
-    context, failure = pipeline._agree_on_context(request, CheckedCall(plan=plan, failure=None,
+    context, failure = plans.agree_on_context(request, CheckedCall(plan=plan, failure=None,
                                                                        context_group=one_rank), None)
     assert context is None and isinstance(failure, ValueError)
     assert str(failure) == ("no completion has a counted token on any rank of context_parallel_group "

@@ -34,13 +34,13 @@ def _imports(path: pathlib.Path):
 @pytest.mark.parametrize("path", _modules("ops"), ids=lambda p: p.name)
 def test_ops_imports_neither_distributed_nor_validation(path):
     forbidden = [name for name in _imports(path)
-                 if name.startswith(("tpo_kernels.distributed", "tpo_kernels.checks", "tpo_kernels.pipeline"))]
+                 if name.startswith(("tpo_kernels.distributed", "tpo_kernels.checks", "tpo_kernels.functional"))]
     assert not forbidden, f"{path.name} imports {forbidden}"
 
 
 @pytest.mark.parametrize("path", _modules("backends"), ids=lambda p: p.name)
 def test_backends_import_nothing_above_them(path):
-    above = ("tpo_kernels.checks", "tpo_kernels.ops", "tpo_kernels.pipeline", "tpo_kernels.distributed",
+    above = ("tpo_kernels.checks", "tpo_kernels.ops", "tpo_kernels.distributed",
              "tpo_kernels.functional", "tpo_kernels.integrations")
     forbidden = [name for name in _imports(path) if name.startswith(above)]
     assert not forbidden, f"{path.name} imports {forbidden}"
@@ -66,7 +66,7 @@ def test_the_check_pass_and_its_checks_import_no_distributed(path):
     """The plan resolves the vocabulary itself (plan/vocabulary.py); distributed/ may read the plan,
     never the reverse: no import circle between the packages. checks/ holds primitive checks and
     imports nothing of plan/."""
-    above = ("tpo_kernels.distributed", "tpo_kernels.pipeline") + (
+    above = ("tpo_kernels.distributed", "tpo_kernels.functional") + (
         ("tpo_kernels.plan",) if path.parent.name == "checks" else ())
     forbidden = [name for name in _imports(path) if name.startswith(above)]
     assert not forbidden, f"{path.name} imports {forbidden}"

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tpo_kernels import pipeline
+from tpo_kernels.distributed import plans
 from tpo_kernels.checks.arguments import CallFlags, check_options
 from tpo_kernels.plan import check_call
 from tpo_kernels.group_math import GroupRule
@@ -53,9 +53,9 @@ def test_the_ranks_agree_on_every_field_of_the_stage_records():
                               batch=Batch(labels=labels, scores=scores, group_size=2), options=Options(eta=0.25),
                               placement=Placement())
     plan = check_call(request).plan
-    settings = pipeline._agreed_settings("tpo_loss", plan, {})
+    settings = plans.agreed_settings("tpo_loss", plan, {})
     for record_type in (RowRequest, GroupRule, LossWeights, CallFlags):
         for field in dataclasses.fields(record_type):
             assert field.name in settings, field.name
     assert settings["eta"] == 0.25
-    assert settings.keys() == pipeline._agreed_settings("tpo_loss", None, {}).keys()  # a failed rank's too
+    assert settings.keys() == plans.agreed_settings("tpo_loss", None, {}).keys()  # a failed rank's too

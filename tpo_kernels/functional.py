@@ -1,9 +1,17 @@
-"""The public functional API, in the style of ``torch.nn.functional``.
+"""The public functional API, in the style of ``torch.nn.functional``, and the one pipeline its
+functions run, for one rank and many (at the end of this module; token-level TPO's in
+:mod:`tpo_kernels.token_functional`).
 
-Every function states its call as a request and runs the one pipeline
-(:mod:`tpo_kernels.pipeline`): checks, the ranks' agreement when the call spans ranks, the row
-op (:mod:`tpo_kernels.ops`) and, for the losses, the group stage
-(:class:`tpo_kernels.ops.group.GroupObjective`).
+Every function states its call as a frozen request (:mod:`tpo_kernels.requests`); the pipeline
+
+1. runs the call's check pass (:func:`tpo_kernels.plan.check_call`: every check, the placement ones
+   included, before any work), which gives a frozen :class:`~tpo_kernels.plan.records.Plan`;
+2. when the call spans ranks, has them agree on their plans before any collective that could wait
+   on a peer (:mod:`tpo_kernels.distributed.plans`: vocabulary -> context -> data), which gives the
+   call its seams, or the same error on every rank;
+3. runs the row op (:mod:`tpo_kernels.ops`, on the whole vocabulary or this rank's shard) and, for
+   the losses, the group stage (:class:`tpo_kernels.ops.group.GroupObjective`: local completions,
+   per-completion sums over context ranks, rows gathered over data ranks), and assembles the aux.
 
 Shared keywords of the losses:
     eta: target temperature (> 0): ``q ∝ p_old · exp(u / eta)``.
@@ -67,14 +75,22 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import pipeline
+from .backends.rows import RowSummary
+from .distributed import plans
+from .group_math import GroupRule, group_sum, portable_group_targets
+from .ops import TilePolicy, linear_logprobs, token_logprobs
+from .ops.group import CompletionInputs, GroupObjective, RankSeams
+from .ops.kept import kept_row_summary, linear_kept_row_summary
+from .ops.tiles import EVERY_ROW
+from .ops.vocab_shard import shard_linear_logprobs, shard_logprobs
+from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .requests import (BackendArg, Batch, Head, Logits, Logprobs, LogprobsRequest, LossOutput, Options, Placement,
                        SequenceRequest)
-from .ops import TilePolicy
 from .token_functional import fused_linear_token_tpo_loss, token_tpo_loss  # token-level TPO, part of this API
 
 __all__ = ["fused_linear_logprobs", "fused_linear_token_tpo_loss", "fused_linear_tpo_loss", "selective_logprobs",
            "token_tpo_loss", "tpo_loss", "tpo_loss_from_logprobs"]
+
 
 
 def tpo_loss(
@@ -179,7 +195,7 @@ def tpo_loss(
             module docstring (logits ``[..., V_r]`` of a vocabulary shard; their gradient stays local;
             ``[N, T_r, V]`` / ``[M_r, V]`` logits of this rank's positions of every completion).
     """
-    return pipeline.sequence_loss(SequenceRequest(
+    return _sequence_loss(SequenceRequest(
         function="tpo_loss",
         source=Logits(logits=logits, inplace_backward=inplace_backward),
         batch=Batch(labels=labels, scores=scores, group_size=group_size, group_ids=group_ids,
@@ -237,7 +253,7 @@ def tpo_loss_from_logprobs(
     does not make. Add ``- coef * entropy`` from that pass yourself, or use :func:`tpo_loss` /
     :func:`fused_linear_tpo_loss`, which read it from their own pass.
     """
-    return pipeline.sequence_loss(SequenceRequest(
+    return _sequence_loss(SequenceRequest(
         function="tpo_loss_from_logprobs",
         source=Logprobs(logprobs=logprobs),
         batch=Batch(labels=None, scores=scores, group_size=group_size, group_ids=group_ids,
@@ -276,7 +292,7 @@ def selective_logprobs(
     ``sampling_mask``: each token's kept set, as in :func:`tpo_loss`: the log-probs (and entropies)
     over it (replay), 0 where a set is empty.
     """
-    return pipeline.selective_logprobs(LogprobsRequest(
+    return _logprobs(LogprobsRequest(
         function="selective_logprobs",
         source=Logits(logits=logits),
         labels=labels,
@@ -372,7 +388,7 @@ def fused_linear_tpo_loss(
     groups whose scores tie (on-policy, ``beta == 0``) cost no matmul. Double backward is not
     supported.
     """
-    return pipeline.sequence_loss(SequenceRequest(
+    return _sequence_loss(SequenceRequest(
         function="fused_linear_tpo_loss",
         source=Head(hidden=hidden, weight=weight, bias=bias, chunk_size=chunk_size, grad_accum_dtype=grad_accum_dtype,
                     tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes, head_dtype=head_dtype,
@@ -426,7 +442,7 @@ def fused_linear_logprobs(
     ``vocab_parallel_group`` and ``vocab_start_index`` for a vocabulary-sharded head as there.
     ``sampling_mask`` as in :func:`selective_logprobs`: |S| dot products per token, no logits tile.
     """
-    return pipeline.selective_logprobs(LogprobsRequest(
+    return _logprobs(LogprobsRequest(
         function="fused_linear_logprobs",
         source=Head(hidden=hidden, weight=weight, bias=bias, chunk_size=chunk_size, grad_accum_dtype=grad_accum_dtype,
                     tile_policy=tile_policy, logits_cache_bytes=logits_cache_bytes, head_dtype=head_dtype,
@@ -438,3 +454,130 @@ def fused_linear_logprobs(
         placement=Placement(vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index),
         sampling_mask=sampling_mask,
     ))
+
+
+# ----------------------------------------------------------------------------- row ops
+
+
+def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -> RowSummary:
+    """The row op's :class:`RowSummary` on the whole vocabulary, or on this rank's shard of it;
+    ``cache_candidates``: the tokens a fused head's logits cache may hold (None: every counted
+    token). Per-token log-probs a trainer computed come back as a summary of their own."""
+    request, rows = plan.row, plan.rows
+    if plan.kept is not None:  # replay: the row op over each token's kept set (no vocabulary shard here)
+        if isinstance(rows, LogitsRows):
+            return kept_row_summary(rows.matrix, plan.kept, request, plan.backend)
+        return linear_kept_row_summary(rows.hidden, rows.weight, rows.bias, plan.kept, request, plan.backend)
+    if isinstance(rows, LogprobRows):
+        counted = plan.labels >= 0
+        logprobs = torch.where(counted, rows.logprobs.reshape(-1).to(plan.dtype), 0.0)
+        unknown = logprobs.new_zeros(()).expand_as(logprobs)  # no row statistics: no vocabulary was read
+        return RowSummary(row_max=unknown, log_sum=unknown, label_logprob=logprobs, entropy=None, has_label=counted)
+    if shard is not None:  # a shard's row ops take the scale folded into 1/temperature (no cap)
+        if isinstance(rows, LogitsRows):
+            return shard_logprobs(rows.matrix, plan.labels, shard, request=request.folded(),
+                                  inplace_backward=rows.inplace_backward, backend=plan.backend)
+        return shard_linear_logprobs(rows.hidden, rows.weight, rows.bias, plan.labels, shard,
+                                     request=request.folded(), tiles=rows.tiles, backend=plan.backend)
+    if isinstance(rows, LogitsRows):
+        return token_logprobs(rows.matrix, plan.labels, request=request, inplace_backward=rows.inplace_backward,
+                              backend=plan.backend)
+    return linear_logprobs(rows.hidden, rows.weight, rows.bias, plan.labels, request=request, tiles=rows.tiles,
+                           backend=plan.backend, cache_candidates=cache_candidates)
+
+
+def _signal_tokens(plan: Plan, rule: GroupRule, seams: RankSeams) -> Optional[Tensor]:
+    """``[M]`` bool: the tokens of the groups that can carry a gradient, the candidates of a fused
+    head's logits cache of a bounded budget. On-policy with the anchor and no KL term, a group whose standardized
+    scores are all 0 (its scores tie) has ``q == p`` bit for bit, so its tokens' gradient is
+    exactly 0 and the backward never reads their logits: the cache's slots go to the others.
+    Decided from the scores alone by the group op of the same ``rule`` the loss runs (no
+    read-back). None (every counted token) when there is no cache, or when the gradient's support
+    is not known before the forward: off-policy, without the anchor, with a KL term, or with the
+    batch split over ranks (the groups gathered, or the completions' positions split)."""
+    weights, batch = plan.weights, plan.batch
+    if (not isinstance(plan.rows, HeadRows) or seams.gather is not None or seams.context is not None
+            or plan.kept is not None):  # replay caches no logits
+        return None
+    budget = plan.rows.tiles.policy.logits_cache_budget(plan.rows.weight.shape[0])
+    if not budget or budget >= EVERY_ROW:  # no cache, or one of every row: no slot to give away
+        return None
+    if not torch.is_grad_enabled():  # nothing is cached without a backward
+        return None
+    if (not rule.anchor or batch.old_seq_logprobs is not None or weights.beta > 0 or weights.entropy_coef > 0
+            or batch.layout.num_groups == 0):  # an entropy bonus gives every counted token a gradient
+        return None
+    layout = batch.layout
+    # u from the group op itself (u does not depend on the log-probs): one tie rule, not two.
+    u = portable_group_targets(torch.zeros(layout.num_tokens, dtype=torch.float64, device=plan.device), layout,
+                               batch.scores, seq_log_weights=batch.seq_log_weights, **rule.kernel_args()).u
+    signal = group_sum((u != 0).to(torch.float64), layout) > 0
+    return (layout.token_seq >= 0) & signal[layout.seq_group[layout.token_seq.clamp(min=0)]]
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+def _sequence_loss(request: SequenceRequest) -> LossOutput:
+    """Sequence-level TPO: row op, then the group stage over local completions, completions whose
+    positions are split over context ranks (their per-completion sums all-reduced), and/or
+    completions gathered from data ranks."""
+    checked = check_call(request)
+    plan, failure, data_parallel = checked.plan, checked.failure, checked.data_group
+    shard = gather = context = None
+    if checked.vocab_group is not None:
+        shard, failure = plans.agree_on_vocabulary(request, checked.vocab_group, plan, failure)
+    if checked.context_group is not None:
+        context, failure = plans.agree_on_context(request, checked, failure)
+    if data_parallel is not None:
+        prepared = None if plan is None else plan.batch
+        # With positions split, which completions are kept is known once their counts are summed.
+        kept_later = checked.context_group is not None and plan is not None and plan.flags.validate
+        local = plans.LocalGroups(count=0 if prepared is None else prepared.layout.num_seqs,
+                            any_kept=prepared is not None and (prepared.any_kept if context is None
+                                                               else context.any_counted),
+                            all_kept=None if kept_later else prepared is None or prepared.kept is None,
+                            group_size=None if plan is None else plan.group_size,
+                            group_ids=None if prepared is None else request.batch.group_ids)
+        context_ranks = 1 if checked.context_group is None else torch.distributed.get_world_size(checked.context_group)
+        gather, failure = plans.agree_on_groups(data_parallel, request.function, plan, failure, local,
+                                           extra={"context_parallel_group size": context_ranks})
+    if failure is not None:
+        raise failure
+
+    prepared = plan.batch
+    seams = RankSeams(gather=gather, context=context)
+    summary = _row_summary(plan, shard, _signal_tokens(plan, plan.rule, seams))
+    completions = CompletionInputs(scores=prepared.scores, seq_log_weights=prepared.seq_log_weights,
+                                   old_seq_logprobs=prepared.old_seq_logprobs,
+                                   old_token_sums=prepared.old_token_sums, kept=prepared.kept,
+                                   kept_after_sum=context is not None and plan.flags.validate)
+    objective = GroupObjective(
+        prepared.layout, completions, rule=plan.rule, weights=plan.weights, backend=plan.backend,
+        ref_logprobs=prepared.ref_logprobs, valid=prepared.labels >= 0, seams=seams,
+    )
+    loss = objective.forward(summary.label_logprob, summary.entropy)
+    if not plan.flags.return_aux:
+        return loss
+    aux = objective.aux()
+    aux["token_logprobs"] = aux["token_logprobs"].view(prepared.token_shape)
+    for name in plan.flags.returned_fields:  # e.g. aux["token_entropy"]
+        aux[f"token_{name}"] = getattr(summary, name).detach().view(prepared.token_shape)
+    return loss, aux
+
+
+def _logprobs(request: LogprobsRequest) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Per-token log-probs (and entropies) of the labels, over a whole or sharded vocabulary."""
+    checked = check_call(request)
+    plan, failure = checked.plan, checked.failure
+    shard = None
+    if checked.vocab_group is not None:
+        shard, failure = plans.agree_on_vocabulary(request, checked.vocab_group, plan, failure)
+    if failure is not None:
+        raise failure
+    summary = _row_summary(plan, shard)
+    shape = request.labels.shape
+    if not plan.flags.returned_fields:
+        return summary.label_logprob.view(shape)
+    return (summary.label_logprob.view(shape), *(getattr(summary, name).view(shape)
+                                                 for name in plan.flags.returned_fields))

@@ -1,4 +1,4 @@
-"""The frozen, typed request a public function hands to :mod:`tpo_kernels.pipeline`: the
+"""The frozen, typed request a public function hands to the pipeline (:mod:`tpo_kernels.functional`): the
 arguments as the user passed them (checked by the pipeline, not here), grouped by what they
 describe: the settings (:class:`Options`), where the data lives (:class:`Placement`), the source
 of the log-probs (:class:`Logits`, :class:`Head` or :class:`Logprobs`) and the batch; and the

@@ -4,11 +4,17 @@ Shared keywords as documented in :mod:`tpo_kernels.functional`."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import Tensor
 
-from . import pipeline
+from .backends.rows import RowRequest
+from .distributed import plans
+from .group_math import candidate_layout
+from .ops import candidate_logits, linear_candidate_logits
+from .ops.group import CompletionInputs, GroupObjective, RankSeams
+from .plan import check_call
+from .plan.call import rows_matrix
 from .requests import BackendArg, CandidateRequest, Head, Logits, LossOutput, Options, Placement
 
 
@@ -60,7 +66,7 @@ def token_tpo_loss(
             single-process gradient (see :mod:`tpo_kernels.distributed`). ``aux["state_loss"]``
             then covers every rank's states, ``aux["state_offset"]`` is this rank's first.
     """
-    return pipeline.candidate_loss(CandidateRequest(
+    return _candidate_loss(CandidateRequest(
         function="token_tpo_loss",
         source=Logits(logits=logits),
         candidates=candidates,
@@ -100,7 +106,7 @@ def fused_linear_token_tpo_loss(
     compute dtype and cast to the weight's dtype; the bias gradient likewise.
     Everything else as in :func:`token_tpo_loss`.
     """
-    return pipeline.candidate_loss(CandidateRequest(
+    return _candidate_loss(CandidateRequest(
         function="fused_linear_token_tpo_loss",
         source=Head(hidden=hidden, weight=weight, bias=bias),
         candidates=candidates,
@@ -111,3 +117,57 @@ def fused_linear_token_tpo_loss(
                         validate=validate, score_eps=score_eps),
         placement=Placement(process_group=process_group),
     ))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _candidate_loss(request: CandidateRequest) -> LossOutput:
+    """Token-level TPO: each state's K candidates form a group (states may be split over ranks)."""
+    checked = check_call(request)
+    plan, failure, data_parallel = checked.plan, checked.failure, checked.data_group
+    gather = None
+    if data_parallel is not None:
+        num_states, num_cand = (0, 0) if plan is None else tuple(plan.rows.candidates.shape)
+        local = plans.LocalGroups(count=num_states, any_kept=True, all_kept=True, per_item=num_cand, what="state")
+        gather, failure = plans.agree_on_groups(data_parallel, request.function, plan, failure, local,
+                                           extra={"candidates per state": num_cand})
+    if failure is not None:
+        raise failure
+
+    key, rows = plan.backend, plan.rows
+    source = request.source
+    if isinstance(source, Logits):
+        matrix, _ = rows_matrix(source.logits)
+        gather_logits = lambda inv_t: candidate_logits(matrix, rows.candidates, inv_temperature=inv_t,  # noqa: E731
+                                                       backend=key)
+    else:
+        gather_logits = lambda inv_t: linear_candidate_logits(source.hidden, source.weight, source.bias,  # noqa: E731
+                                                              rows.candidates, inv_temperature=inv_t, backend=key)
+    cand = transformed_candidates(gather_logits, plan.row)
+    num_states, num_cand = cand.shape
+    old = None if rows.old_logprobs is None else rows.old_logprobs.reshape(-1)
+    completions = CompletionInputs(scores=rows.scores.reshape(-1), old_seq_logprobs=old)
+    objective = GroupObjective(candidate_layout(num_states, num_cand, cand.device), completions, rule=plan.rule,
+                               weights=plan.weights, backend=key, seams=RankSeams(gather=gather))
+    loss = objective.forward(cand.reshape(-1))
+    if not plan.flags.return_aux:
+        return loss
+    aux = objective.aux()
+    state_loss = aux.pop("group_loss")
+    per_member = {name: aux[name].view(num_states, num_cand) for name in ("seq_logprobs", "p", "q", "u", "coef")}
+    per_member["candidate_logits"] = per_member.pop("seq_logprobs")
+    per_member["state_loss"] = state_loss
+    if gather is not None:
+        per_member["state_offset"] = aux["seq_offset"] // max(num_cand, 1)
+    return loss, per_member
+
+
+def transformed_candidates(gather: Callable[[float], Tensor], request: RowRequest) -> Tensor:
+    """Tempered candidate logits through the logit transform. ``gather(inv_temperature)`` gives
+    ``[R, K]`` candidate logits times that factor: the scale folds in without a cap; with one,
+    the raw logits are gathered and capped in plain autograd (``[R, K]`` entries only)."""
+    factor, transform = request.transform()
+    if transform is None:
+        return gather(factor)
+    return transform.differentiable(gather(1.0)) * factor

@@ -1,7 +1,7 @@
 """TPO across devices: groups split over data-parallel ranks, completions split over context-parallel
 ranks, and a vocabulary-parallel lm_head.
 
-This package holds the leaves the one pipeline (:mod:`tpo_kernels.pipeline`) calls when a call
+This package holds the leaves the one pipeline (:mod:`tpo_kernels.functional`) calls when a call
 spans ranks: the collectives, the agreement record every call exchanges before its first
 collective that could wait on a peer (:mod:`.agreement`: a local failure or a disagreement
 becomes the same error on every rank), the vocabulary shard seam (:class:`VocabShard`), the
