@@ -32,6 +32,7 @@ from torch import Tensor
 from .checks import placement
 from . import distributed
 from .checks.arguments import CallFlags
+from .checks.kept_sets import check_ids_below
 from .plan import HeadRows, LogitsRows, LogprobRows, Plan, check_call
 from .plan.call import rows_matrix
 from .group_math import GroupRule, candidate_layout, group_sum, portable_group_targets
@@ -114,6 +115,7 @@ def _agree_on_vocabulary(request, group, plan: Optional[Plan], failure: Optional
                                              [c["start"] for c in agreement.counts])
         # The labels are the same on every rank (their fingerprints agree): so is this verdict.
         placement.check_labels_below(plan.labels, shard.vocab_size, plan.flags.validate)
+        check_ids_below(plan.kept, shard.vocab_size, plan.flags.validate)  # sampling_mask: global ids
     except ValueError as error:
         return None, distributed.agreement.agreed(error)
     return shard, None
@@ -209,10 +211,12 @@ def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -
     ``cache_candidates``: the tokens a fused head's logits cache may hold (None: every counted
     token). Per-token log-probs a trainer computed come back as a summary of their own."""
     request, rows = plan.row, plan.rows
-    if plan.kept is not None:  # replay: the row op over each token's kept set (no vocabulary shard here)
+    if plan.kept is not None:  # replay: the row op over each token's kept set (a shard: its part, merged)
+        request = request if shard is None else request.folded()
         if isinstance(rows, LogitsRows):
-            return kept_row_summary(rows.matrix, plan.kept, request, plan.backend)
-        return linear_kept_row_summary(rows.hidden, rows.weight, rows.bias, plan.kept, request, plan.backend)
+            return kept_row_summary(rows.matrix, plan.kept, request, plan.backend, seam=shard)
+        return linear_kept_row_summary(rows.hidden, rows.weight, rows.bias, plan.kept, request, plan.backend,
+                                       seam=shard)
     if isinstance(rows, LogprobRows):
         counted = plan.labels >= 0
         logprobs = torch.where(counted, rows.logprobs.reshape(-1).to(plan.dtype), 0.0)
