@@ -150,8 +150,9 @@ def tpo_loss(
             over its kept set, renormalized; its gradient is 0 off the set. A token with an empty set
             does not count; a counted label outside its set is a ValueError (``validate=True``), else
             NaN. ``old_logprobs`` / ``ref_logprobs`` must be on the same sets. Per token, like the
-            labels (each context rank passes its own positions'); not with ``vocab_parallel_group``
-            nor ``logits_cache_bytes > 0``.
+            labels (each context rank passes its own positions'); with ``vocab_parallel_group`` (or
+            DTensor shards) in global vocabulary ids, the same on every rank; not with
+            ``logits_cache_bytes > 0``.
         entropy_coef: weight (finite, >= 0) of an entropy bonus: the loss becomes
             ``TPO - entropy_coef * H``, ``H`` the mean entropy of the counted tokens' tempered
             distributions, reduced as the KL term is (the token mean of the batch for ``"mean"``,
