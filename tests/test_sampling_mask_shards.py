@@ -297,7 +297,8 @@ def test_replay_on_vocabulary_shards_matches_one_process(world, name):
     tol = FP32_TOL if "float32" in name else FP64_TOL
     for rank, result in enumerate(per_rank):
         for what, (got, want) in result["pairs"].items():
-            torch.testing.assert_close(got, want, **tol, equal_nan="unchecked" in name, msg=lambda m, r=rank, w=what: f"rank {r}, {w}: {m}")
+            torch.testing.assert_close(got, want, **tol, equal_nan="unchecked" in name,
+                                       msg=lambda m, r=rank, w=what: f"rank {r}, {w}: {m}")
     if "unchecked" in name:  # the two tokens whose label is outside their set, and only they
         got = per_rank[0]["pairs"]["logprobs"][0].reshape(-1)
         assert torch.isnan(got).nonzero().view(-1).tolist() == [1, 2], got
