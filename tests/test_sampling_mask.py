@@ -325,17 +325,6 @@ def test_a_logits_cache_with_a_mask_is_refused():
                                  sampling_mask=tk.SamplingMask.from_lists(_sets(labels)))
 
 
-def test_a_vocabulary_shard_with_a_mask_is_refused():
-    """The check pass refuses a sharded vocabulary with a mask, naming both keywords (the shard
-    itself is resolved from vocab_parallel_group before this check; exercised on its rule here)."""
-    from tpo_kernels.plan.call import _checked_mask
-    from tpo_kernels.requests import Logits
-
-    logits, labels, _ = _batch()
-    with pytest.raises(ValueError, match="sampling_mask is not supported with vocab_parallel_group"):
-        _checked_mask(tk.SamplingMask.from_lists(_sets(labels)), Logits(logits=logits), True, "logits")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fullgraph_compile_with_a_padded_mask_matches_eager(backend):
     """The padded form is built without a read-back: with validate=False the calls trace into one

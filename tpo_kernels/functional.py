@@ -166,8 +166,9 @@ def tpo_loss(
             over its kept set, renormalized; its gradient is 0 off the set. A token with an empty set
             does not count; a counted label outside its set is a ValueError (``validate=True``), else
             NaN. ``old_logprobs`` / ``ref_logprobs`` must be on the same sets. Per token, like the
-            labels (each context rank passes its own positions'); not with ``vocab_parallel_group``
-            nor ``logits_cache_bytes > 0``.
+            labels (each context rank passes its own positions'); with ``vocab_parallel_group`` (or
+            DTensor shards) in global vocabulary ids, the same on every rank; not with
+            ``logits_cache_bytes > 0``.
         entropy_coef: weight (finite, >= 0) of an entropy bonus: the loss becomes
             ``TPO - entropy_coef * H``, ``H`` the mean entropy of the counted tokens' tempered
             distributions, reduced as the KL term is (the token mean of the batch for ``"mean"``,
@@ -464,10 +465,12 @@ def _row_summary(plan: Plan, shard, cache_candidates: Optional[Tensor] = None) -
     ``cache_candidates``: the tokens a fused head's logits cache may hold (None: every counted
     token). Per-token log-probs a trainer computed come back as a summary of their own."""
     request, rows = plan.row, plan.rows
-    if plan.kept is not None:  # replay: the row op over each token's kept set (no vocabulary shard here)
+    if plan.kept is not None:  # replay: the row op over each token's kept set (a shard: its part, merged)
+        request = request if shard is None else request.folded()
         if isinstance(rows, LogitsRows):
-            return kept_row_summary(rows.matrix, plan.kept, request, plan.backend)
-        return linear_kept_row_summary(rows.hidden, rows.weight, rows.bias, plan.kept, request, plan.backend)
+            return kept_row_summary(rows.matrix, plan.kept, request, plan.backend, seam=shard)
+        return linear_kept_row_summary(rows.hidden, rows.weight, rows.bias, plan.kept, request, plan.backend,
+                                       seam=shard)
     if isinstance(rows, LogprobRows):
         counted = plan.labels >= 0
         logprobs = torch.where(counted, rows.logprobs.reshape(-1).to(plan.dtype), 0.0)

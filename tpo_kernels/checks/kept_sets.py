@@ -11,7 +11,9 @@ checks depend on which tokens count:
    sets, adding its value checks to the call's :class:`~tpo_kernels.checks.batches.ValueChecks`
    (read back with the others: no read-back of its own): offsets from 0 to P without
    decreasing, ids in ``[0, V)`` (padded: or negative), no id twice in a set, and every counted
-   token's label in its set.
+   token's label in its set. With a vocabulary shard the ids are global (the whole vocabulary's,
+   the same on every rank): the upper bound is checked once the shards are placed
+   (:func:`check_ids_below`), and every rank checks the labels against the same sets.
 
 The pairs' rows are found by a binary search of the offsets instead of ``repeat_interleave`` of
 the counts: the search gives a row for any offsets, so malformed ones reach the value check (a
@@ -98,6 +100,15 @@ def check_sampling_mask(mask, token_shape: Tuple[int, ...], device: torch.device
     return CheckedMask(ids=ids, offsets=None, nonempty=(ids >= 0).any(-1))
 
 
+def check_ids_below(sets: Optional[KeptSets], vocab_size: int, validate: bool) -> None:
+    """The kept ids below the vocabulary size, once a sharded vocabulary's size is known (the
+    mask holds global ids, the same on every rank: so is this verdict; one read-back)."""
+    if validate and sets is not None and bool((sets.ids >= vocab_size).any()):
+        found = sets.ids[sets.ids >= vocab_size][0].item()
+        raise ValueError(f"{NAME} must hold token ids in [0, {vocab_size}) (global ids of the whole vocabulary, "
+                         f"the same on every rank of vocab_parallel_group); found {found}")
+
+
 def _require_values(checks, sets: KeptSets, width: Optional[int], vocab_size: Optional[int],
                     flat_labels: Tensor) -> None:
     ids, offsets = sets.ids, sets.offsets
@@ -130,4 +141,4 @@ def _label_outside_error(flat_labels: Tensor, outside: Tensor) -> ValueError:
                       f"is not in its kept set; a kept set must hold the token sampled from it")
 
 
-__all__ = ["CheckedMask", "check_sampling_mask"]
+__all__ = ["CheckedMask", "check_ids_below", "check_sampling_mask"]

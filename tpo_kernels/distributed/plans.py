@@ -17,6 +17,7 @@ from torch import Tensor
 from ..backends.rows import RowRequest
 from ..checks import placement
 from ..checks.arguments import CallFlags
+from ..checks.kept_sets import check_ids_below
 from ..group_math import GroupRule
 from ..ops.group import LossWeights
 from ..plan import HeadRows, Plan
@@ -93,6 +94,7 @@ def agree_on_vocabulary(request, group, plan: Optional[Plan], failure: Optional[
                                              [c["start"] for c in agreement.counts])
         # The labels are the same on every rank (their fingerprints agree): so is this verdict.
         placement.check_labels_below(plan.labels, shard.vocab_size, plan.flags.validate)
+        check_ids_below(plan.kept, shard.vocab_size, plan.flags.validate)  # sampling_mask: global ids
     except ValueError as error:
         return None, agreed(error)
     return shard, None

@@ -34,6 +34,7 @@ from ..backends.kept_sets import KeptSets
 from ..backends.rows import FIELD_NAMES, OPTIONAL_FIELDS, RowRequest, RowSummary, compute_dtype, op_outputs
 from ..group_math import pair_runs
 from ._tags import host_sync_tags
+from .vocab_shard import ShardSeam, shard_hidden, shard_ragged_summary
 
 
 def _kept(tensors: List[Tensor], width: int) -> KeptSets:
@@ -197,30 +198,43 @@ _ragged_logprobs.register_autograd(_backward_ragged, setup_context=_setup_ragged
 # ----------------------------------------------------------------------------- entry points
 
 
-def _ragged_summary(raw: Tensor, kept: KeptSets, request: RowRequest, backend: str) -> RowSummary:
+def _ragged_summary(raw: Tensor, kept: KeptSets, request: RowRequest, backend: str,
+                    seam: Optional[ShardSeam]) -> RowSummary:
     inv_temperature, transform = request.transform()
     # A hole (negative id) gathers -inf; the cap would map it to -cap, a finite logit in the set.
     z = raw if transform is None else torch.where(kept.ids >= 0, transform.differentiable(raw), raw)
-    tensors, width = kept.to_op()
     with_entropy = request.wants("entropy")
+    if seam is not None:  # this shard's part of each set, merged over the shards
+        return shard_ragged_summary(z, kept, seam, inv_temperature=inv_temperature, with_entropy=with_entropy,
+                                    backend=backend)
+    tensors, width = kept.to_op()
     out = _ragged_logprobs(z, tensors, width, float(inv_temperature), with_entropy, backend)
     return RowSummary.from_op(out, fields=("entropy",) if with_entropy else ())
 
 
-def kept_row_summary(logits: Tensor, kept: KeptSets, request: RowRequest, backend: str) -> RowSummary:
+def kept_row_summary(logits: Tensor, kept: KeptSets, request: RowRequest, backend: str,
+                     seam: Optional[ShardSeam] = None) -> RowSummary:
     """The :class:`RowSummary` of every row over its kept set, from ``[M, V]`` logits (or a
-    ``[B, T, V]`` view), differentiable in ``logits``. ``backend``: a key of the registry."""
+    ``[B, T, V]`` view), differentiable in ``logits``. ``backend``: a key of the registry. With a
+    ``seam``, ``logits`` is this rank's ``[M, V_r]`` vocabulary shard and ``kept`` holds global ids
+    (the same on every rank): the summary is over the whole sets (:mod:`.vocab_shard`; ``request``
+    without a soft cap, as a shard's row ops take it)."""
+    if seam is not None:
+        kept = kept.shard(seam.start, seam.size)
     tensors, width = kept.to_op()
-    return _ragged_summary(_kept_logits(logits, tensors, width, backend), kept, request, backend)
+    return _ragged_summary(_kept_logits(logits, tensors, width, backend), kept, request, backend, seam)
 
 
 def linear_kept_row_summary(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], kept: KeptSets,
-                            request: RowRequest, backend: str) -> RowSummary:
+                            request: RowRequest, backend: str, seam: Optional[ShardSeam] = None) -> RowSummary:
     """The same from ``hidden [M, H]`` and the head ``weight [V, H]`` (``bias [V]``), without forming
-    ``[M, V]``; differentiable in hidden, weight and bias."""
+    ``[M, V]``; differentiable in hidden, weight and bias. With a ``seam``, ``weight`` / ``bias`` are
+    this rank's shard (as in :func:`kept_row_summary`) and ``dH`` is summed over the shards."""
+    if seam is not None:
+        kept, hidden = kept.shard(seam.start, seam.size), shard_hidden(hidden, seam)
     tensors, width = kept.to_op()
     raw = _linear_kept_logits(hidden, weight, bias, tensors, width, backend)
-    return _ragged_summary(raw, kept, request, backend)
+    return _ragged_summary(raw, kept, request, backend, seam)
 
 
 __all__ = ["kept_row_summary", "linear_kept_row_summary"]

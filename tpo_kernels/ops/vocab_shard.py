@@ -9,6 +9,12 @@ autograd Functions: the seam's collectives run eagerly, never under ``torch.comp
 
 A counted row whose label lies on another shard is read with label 0 standing in (its log-prob
 unused) and gets no one-hot term in the backward.
+
+Replay over kept sets (:func:`shard_ragged_summary`, reached from :mod:`.kept`): each rank runs the
+ragged row op over its part of every set (:meth:`KeptSets.shard`: the ids on its range, shifted;
+a row with none has ``row_max = -inf`` and adds nothing to the merge), the seam merges the ranks'
+summaries into the whole sets', and the ragged backward runs on the rank's own ids with the merged
+summary; the fused head's ``dH`` is summed over the ranks (:func:`shard_hidden`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..backends import backend_by_key
+from ..backends.kept_sets import NOT_COUNTED, KeptSets
 from ..backends.rows import RowRequest, RowSummary, row_gradients
 from .linear_head import TiledLinearHead
 from .tiles import HeadTiles
@@ -131,3 +138,70 @@ def shard_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     of the head (weight ``[V_r, H]``, bias ``[V_r]``; ``request`` as in :func:`shard_logprobs`)."""
     outputs = _ShardLinearLogprobs.apply(hidden, weight, bias, labels, seam, request, tiles, backend)
     return RowSummary.from_op(outputs, fields=request.token_fields)
+
+
+# ----------------------------------------------------------------------------- kept sets (replay)
+
+
+class _ShardRagged(torch.autograd.Function):
+    """The whole kept sets' :class:`RowSummary` (its ``to_op`` tensors) from this rank's part of
+    them: ``kept_logits [P]`` gathered on this shard (holes off it), ``kept`` with local ids."""
+
+    @staticmethod
+    def forward(ctx, kept_logits, kept, seam, inv_temperature, with_entropy, key):
+        tensors, width = kept.to_op()
+        fields = ("entropy",) if with_entropy else ()
+        local = torch.ops.tpo_kernels.ragged_logprobs(kept_logits, tensors, width, inv_temperature, with_entropy, key)
+        counted = kept.label_slot != NOT_COUNTED  # the same rows on every shard (KeptSets.shard keeps them)
+        # has_label: the label is in this shard's part (the merge takes the label from that rank).
+        summary = seam.merge(RowSummary.from_op(local, fields=fields), inv_temperature).masked_fill(~counted, 0.0)
+        # A counted label in no shard's part (outside its set; validate=False): NaN, as on one rank
+        # (the merge would give the first shard's value, -inf where that shard holds none of the set).
+        outside = counted & ~summary.has_label
+        summary = dataclasses.replace(summary, label_logprob=summary.label_logprob.masked_fill(outside, float("nan")))
+        ctx.save_for_backward(kept_logits, *tensors, counted, *summary.to_op())
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        ctx.width, ctx.fields, ctx.inv_temperature, ctx.backend = width, fields, inv_temperature, key
+        return summary.to_op()
+
+    @staticmethod
+    def backward(ctx, *output_grads):
+        kept_logits, *rest = ctx.saved_tensors
+        tensors, counted, saved = rest[:4], rest[4], rest[5:]
+        summary = RowSummary.from_op(saved, fields=ctx.fields)
+        summary_grads = RowSummary.from_op(output_grads, fields=ctx.fields)
+        grad_logprobs, grad_entropy = row_gradients(counted, summary, summary_grads.label_logprob,
+                                                    summary_grads.entropy)
+        # The row backward of this shard's ids with the merged statistics (p over the whole set).
+        grad = torch.ops.tpo_kernels.ragged_logprobs_backward(kept_logits, list(tensors), ctx.width, list(saved),
+                                                             grad_logprobs, grad_entropy, ctx.inv_temperature,
+                                                             ctx.backend)
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def shard_ragged_summary(kept_logits: Tensor, kept: KeptSets, seam: ShardSeam, *, inv_temperature: float,
+                         with_entropy: bool, backend: str) -> RowSummary:
+    """The ragged row op over the whole kept sets from this rank's part ``kept`` (local ids, see
+    :meth:`KeptSets.shard`) and its raw ``kept_logits``, merged through the ``seam``;
+    differentiable in ``kept_logits`` (the backward local to the shard)."""
+    outputs = _ShardRagged.apply(kept_logits, kept, seam, float(inv_temperature), with_entropy, backend)
+    return RowSummary.from_op(outputs, fields=("entropy",) if with_entropy else ())
+
+
+class _SummedHiddenGrad(torch.autograd.Function):
+    """The identity forward; the backward sums ``dH`` over the shards (a column-parallel input)."""
+
+    @staticmethod
+    def forward(ctx, hidden, seam):
+        ctx.seam = seam
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_hidden):
+        return ctx.seam.sum_hidden_grad(grad_hidden.contiguous()), None
+
+
+def shard_hidden(hidden: Tensor, seam: ShardSeam) -> Tensor:
+    """``hidden`` as this rank's head shard reads it: its gradient, this shard's part of ``dH``,
+    becomes the sum over every shard's."""
+    return _SummedHiddenGrad.apply(hidden, seam)

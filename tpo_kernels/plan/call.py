@@ -255,15 +255,12 @@ def _check_rows(source: Source, sharded: bool, original) -> Tuple[RowSource, tor
     return rows, hidden.device, dtype, weight.shape[0]
 
 
-def _checked_mask(mask, source: Source, sharded: bool, input_name: str):
-    """The metadata-checked ``sampling_mask`` (None without one), refused where replay has no path:
-    a vocabulary shard (the shards' kept sets would merge like their statistics; not built) and a
-    fused head's logits cache (replay forms no logits tile to cache)."""
+def _checked_mask(mask, source: Source, input_name: str):
+    """The metadata-checked ``sampling_mask`` (None without one), refused with a fused head's
+    logits cache (replay forms no logits tile to cache). With a vocabulary shard the mask holds
+    global ids, the same on every rank: each rank replays its part of every set."""
     if mask is None:
         return None
-    if sharded:
-        raise ValueError("sampling_mask is not supported with vocab_parallel_group (or DTensor vocabulary shards); "
-                         "pass the whole vocabulary on each rank, or no sampling_mask")
     if isinstance(source, Head) and source.logits_cache_bytes:
         raise ValueError("logits_cache_bytes > 0 has nothing to cache with a sampling_mask (replay forms no logits "
                          "tile); leave logits_cache_bytes at 0")
@@ -342,8 +339,7 @@ def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
         row, rule, weights, flags, batch = check_options(request.options, batch)
         labels = request.batch.labels
         input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
-    sampling = None if isinstance(source, Logprobs) else _checked_mask(batch.sampling_mask, source, sharded,
-                                                                        input_name)
+    sampling = None if isinstance(source, Logprobs) else _checked_mask(batch.sampling_mask, source, input_name)
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(request.options.backend, device)
     prepared = prepare_batch(
@@ -369,12 +365,12 @@ def plan_logprobs(request: LogprobsRequest) -> Plan:
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(options.backend, device)
     input_name = "logits" if isinstance(rows, LogitsRows) else "hidden"
-    sampling = _checked_mask(request.sampling_mask, source, sharded, input_name)
+    sampling = _checked_mask(request.sampling_mask, source, input_name)
     checks = ValueChecks() if flags.validate else None
     labels = prepare_labels(request.labels, _token_shape(source), None if sharded else vocab_size, device,
                             input_name, ignore_index, flags.validate, checks=checks,
                             mask=None if sampling is None else sampling.nonempty)
-    kept = None if sampling is None else sampling.build(labels, vocab_size, checks)
+    kept = None if sampling is None else sampling.build(labels, None if sharded else vocab_size, checks)
     if checks is not None:
         checks.read()
     return Plan(row=row, rule=None, weights=None, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
