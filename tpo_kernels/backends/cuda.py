@@ -162,7 +162,9 @@ class CudaBackend(NativeBackend):
         code = dtype_code(hidden.dtype, "hidden")
         h = as_rows(hidden.reshape(-1, hidden.shape[-1]), "hidden")
         w = as_rows(weight, "weight")
-        b = None if bias is None else bias.contiguous()
+        b = None if bias is None else bias.reshape(-1).contiguous()
+        if b is not None and b.numel() != w.shape[0]:
+            raise ValueError(f"bias must have {w.shape[0]} elements (one per weight row), got {b.numel()}")
         if w.shape[0] == 0:  # no weight row: every pair is a hole or outside
             return torch_kept.kept_linear_forward(hidden, weight, kept, bias=bias)
         sets = self._device_sets(kept, h, h.shape[0])
