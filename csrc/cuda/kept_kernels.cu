@@ -3,11 +3,12 @@
 // fused head's kept dot products. The contract is tpo_abi.h's (KeptIndexArgs, RaggedRowArgs,
 // KeptDotArgs); the per-element and per-row arithmetic is row_math.h's, as in row_kernels.cu.
 //
-// Work split: one warp per row (4 rows per 128-thread block) for the gather,
-// the ragged row ops and the dot products; one block per row for the scatter, which zero-fills the
-// row's vocabulary first. Every sum has an order fixed by the row's own pairs (lane l takes the
-// pairs first + l + 32 k, then a fixed xor-shuffle tree), so a row's results do not depend on the
-// other rows of the call, and nothing uses float atomics: deterministic run to run.
+// Work split: one warp per row (4 rows per 128-thread block) for the gather, the ragged row ops and
+// the dot products; one block per row for the scatter, which zero-fills the row's vocabulary first.
+// Every sum has an order fixed by the row's own pairs (the row ops: lane l takes the pairs first + l
+// + 32 k, then a fixed xor-shuffle tree; the scatter: a row's duplicates in ascending pair order)
+// or by the hidden size (the dot products), so a row's results do not depend on the other rows of
+// the call, and nothing uses float atomics: deterministic run to run.
 //
 // Bounds: the CSR lives in device memory, where the binding cannot check it. Each kernel clamps a
 // row's range [offsets[r], offsets[r + 1]) into [0, num_pairs) (pair_range), reads a logit or weight
