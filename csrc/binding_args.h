@@ -215,6 +215,27 @@ inline KeptDotArgs kept_dot_args(Kwargs& in) {
   return a;
 }
 
+inline KeptIndexArgs kept_index_args(Kwargs& in, KeptIndexOp op) {
+  KeptIndexArgs a{};
+  a.dtype = in.small_integer("dtype");
+  a.rows = in.integer("rows");
+  a.vocab = in.integer("vocab");
+  a.row_stride = in.integer("row_stride");
+  a.rows_per_batch = in.optional_integer("rows_per_batch", a.rows);
+  a.batch_stride = in.optional_integer("batch_stride", 0);
+  a.ids = in.pointer<const int64_t>("ids");
+  a.offsets = in.pointer<const int64_t>("offsets");
+  a.num_pairs = in.integer("num_pairs");
+  if (op == KeptIndexOp::kGather) {
+    a.logits = in.pointer<const void>("logits");
+    a.kept_logits = in.pointer<void>("kept_logits");
+  } else {
+    a.grad = in.pointer<const void>("grad");
+    a.out = in.pointer<void>("out");
+  }
+  return a;
+}
+
 inline RaggedRowArgs ragged_row_args(Kwargs& in, RaggedOp op) {
   RaggedRowArgs a{};
   a.dtype = in.small_integer("dtype");
@@ -359,33 +380,17 @@ inline void check_args(const CandidateArgs& a, CandidateOp op) {
   check_pointer(a.candidates, "candidates");
 }
 
-// Host-side offsets (the CPU binding): they bound every pair the kernel reads and writes, so they
-// are checked value by value (ids are not: the kernel guards each one).
-inline void check_args(const KeptDotArgs& a) {
-  check_dtype(a.dtype);
-  check(a.rows >= 0, "rows must be >= 0, got " + std::to_string(a.rows));
-  check(a.num_pairs >= 0, "num_pairs must be >= 0, got " + std::to_string(a.num_pairs));
-  check(a.hidden_size >= 0, "hidden_size must be >= 0, got " + std::to_string(a.hidden_size));
-  check(a.vocab >= 1, "vocab must be >= 1, got " + std::to_string(a.vocab));
-  check(a.weight_row_stride >= a.hidden_size, "weight_row_stride must be >= hidden_size");
-  check(a.hidden_row_stride >= a.hidden_size, "hidden_row_stride must be >= hidden_size");
-  check_pointer(a.offsets, "offsets");
-  check(a.offsets[0] == 0, "offsets[0] must be 0, got " + std::to_string(a.offsets[0]));
-  for (int64_t r = 0; r < a.rows; ++r) {
-    check(a.offsets[r + 1] >= a.offsets[r], "offsets must not decrease (row " + std::to_string(r) + ")");
-  }
-  check(a.offsets[a.rows] == a.num_pairs, "offsets[rows] (" + std::to_string(a.offsets[a.rows]) +
-                                              ") must be num_pairs (" + std::to_string(a.num_pairs) + ")");
-  if (a.num_pairs == 0) return;
-  check_pointer(a.hidden, "hidden");
-  check_pointer(a.weight, "weight");
-  check_pointer(a.ids, "ids");
-  check_pointer(a.out, "out");
-}
+// Where a CSR's offsets live. kHost (the CPU binding): they bound every pair the kernels read and
+// write, so they are checked value by value. kDevice (the CUDA binding): the host cannot read them;
+// only the pointer is checked, and the kernels clamp each row's range to [0, num_pairs) (tpo_abi.h,
+// KeptDotArgs). Ids are checked by neither: the kernels guard each one.
+enum class OffsetsIn : int { kHost = 0, kDevice = 1 };
 
-// Host-side offsets: checked value by value, as for KeptDotArgs (label slots are guarded by the kernel).
-inline void check_offsets(const int64_t* offsets, int64_t rows, int64_t num_pairs) {
+// Offsets in host memory are checked value by value, in device memory the pointer only (OffsetsIn;
+// label slots are guarded by the kernels).
+inline void check_offsets(const int64_t* offsets, int64_t rows, int64_t num_pairs, OffsetsIn where) {
   check_pointer(offsets, "offsets");
+  if (where == OffsetsIn::kDevice) return;
   check(offsets[0] == 0, "offsets[0] must be 0, got " + std::to_string(offsets[0]));
   for (int64_t r = 0; r < rows; ++r) {
     check(offsets[r + 1] >= offsets[r], "offsets must not decrease (row " + std::to_string(r) + ")");
@@ -394,12 +399,28 @@ inline void check_offsets(const int64_t* offsets, int64_t rows, int64_t num_pair
                                         ") must be num_pairs (" + std::to_string(num_pairs) + ")");
 }
 
-inline void check_args(const RaggedRowArgs& a, RaggedOp op) {
+inline void check_args(const KeptDotArgs& a, OffsetsIn where = OffsetsIn::kHost) {
+  check_dtype(a.dtype);
+  check(a.rows >= 0, "rows must be >= 0, got " + std::to_string(a.rows));
+  check(a.num_pairs >= 0, "num_pairs must be >= 0, got " + std::to_string(a.num_pairs));
+  check(a.hidden_size >= 0, "hidden_size must be >= 0, got " + std::to_string(a.hidden_size));
+  check(a.vocab >= 1, "vocab must be >= 1, got " + std::to_string(a.vocab));
+  check(a.weight_row_stride >= a.hidden_size, "weight_row_stride must be >= hidden_size");
+  check(a.hidden_row_stride >= a.hidden_size, "hidden_row_stride must be >= hidden_size");
+  check_offsets(a.offsets, a.rows, a.num_pairs, where);
+  if (a.num_pairs == 0) return;
+  check_pointer(a.hidden, "hidden");
+  check_pointer(a.weight, "weight");
+  check_pointer(a.ids, "ids");
+  check_pointer(a.out, "out");
+}
+
+inline void check_args(const RaggedRowArgs& a, RaggedOp op, OffsetsIn where = OffsetsIn::kHost) {
   check(a.dtype == kFloat32 || a.dtype == kFloat64,
         "ragged row ops take dtype code 0 (float32) or 3 (float64), got " + std::to_string(a.dtype));
   check(a.rows >= 0 && a.num_pairs >= 0, "rows and num_pairs must be >= 0");
   check_inv_temperature(a.inv_temperature);
-  check_offsets(a.offsets, a.rows, a.num_pairs);
+  check_offsets(a.offsets, a.rows, a.num_pairs, where);
   if (a.rows == 0) return;
   check_pointer(a.label_slot, "label_slot");
   check_pointer(a.row_max, "row_max");
@@ -413,6 +434,25 @@ inline void check_args(const RaggedRowArgs& a, RaggedOp op) {
   check_pointer(a.kept_logits, "kept_logits");
   check_pointer(a.ids, "ids");
   if (op == RaggedOp::kBackward) check_pointer(a.out, "out");
+}
+
+// The CUDA binding's (offsets in device memory: the pointer is checked, the kernels clamp the ranges).
+inline void check_args(const KeptIndexArgs& a, KeptIndexOp op) {
+  check_dtype(a.dtype);
+  check_matrix(a.rows, a.vocab, a.row_stride);
+  check_batches(a.rows, a.rows_per_batch, a.batch_stride, "batch_stride");
+  check(a.num_pairs >= 0, "num_pairs must be >= 0, got " + std::to_string(a.num_pairs));
+  if (a.rows == 0) return;
+  check_offsets(a.offsets, a.rows, a.num_pairs, OffsetsIn::kDevice);
+  if (op == KeptIndexOp::kScatter) check_pointer(a.out, "out");  // zero-filled even without pairs
+  if (a.num_pairs == 0) return;
+  check_pointer(a.ids, "ids");
+  if (op == KeptIndexOp::kGather) {
+    check_pointer(a.logits, "logits");
+    check_pointer(a.kept_logits, "kept_logits");
+  } else {
+    check_pointer(a.grad, "grad");
+  }
 }
 
 inline void check_args(const GroupArgs& a) {
@@ -466,6 +506,15 @@ constexpr const char* kRaggedRowBackwardDoc =
     "ragged_row_backward(*, dtype, rows, num_pairs, kept_logits, ids, offsets, label_slot, inv_temperature, "
     "row_max, log_sum, logprob, entropy=0, grad_logprob, grad_entropy=0, out): out[p] = it (g (1[p = slot] - p) "
     "- ge p (log p + H)) on each row's pairs; 0 on holes, rows not counted and rows with g == ge == 0.";
+constexpr const char* kKeptGatherDoc =
+    "kept_gather(*, dtype, rows, vocab, row_stride, rows_per_batch=rows, batch_stride=0, ids, offsets, "
+    "num_pairs, logits, kept_logits): kept_logits[p] = logits[r, ids[p]] (raw, compute dtype) for the pairs p "
+    "of row r, offsets[r] <= p < offsets[r + 1], rows laid out as in row_forward; a negative id gives -inf, "
+    "an id >= vocab NaN (csrc/tpo_abi.h).";
+constexpr const char* kKeptScatterDoc =
+    "kept_scatter(*, dtype, rows, vocab, row_stride, rows_per_batch=rows, batch_stride=0, ids, offsets, "
+    "num_pairs, grad, out): out = 0 except out[r, c] = the sum of grad[p] over row r's pairs with ids[p] == c, "
+    "in ascending p (deterministic, no atomics); negative ids and ids >= vocab are not written.";
 constexpr const char* kKeptLinearForwardDoc =
     "kept_linear_forward(*, dtype, rows, hidden_size, vocab, hidden, hidden_row_stride, weight, "
     "weight_row_stride, bias=0, ids, offsets, num_pairs, out): out[p] = hidden[r] . weight[ids[p]] "

@@ -112,7 +112,10 @@ struct CandidateArgs {
 // summed in the compute dtype in a fixed order that depends on hidden_size only (16 lane sums,
 // then a fixed tree), so a pair's value does not depend on its row's position or its batch.
 // ids[p] < 0 is a hole: out[p] = -inf; ids[p] >= vocab: NaN (never read). offsets run from 0 to
-// num_pairs without decreasing (the binding checks them; it never checks ids).
+// num_pairs without decreasing (the CPU binding checks them; no binding checks ids). Offsets in
+// device memory cannot be checked on the host: the CUDA kernels clamp each row's pair range to
+// [0, num_pairs) instead (OffsetsIn::kDevice in binding_args.h), so malformed offsets read and
+// write no memory outside the [num_pairs] arrays (pairs then covered by no row are not written).
 struct KeptDotArgs {
   int dtype;                 // element type of hidden, weight and bias
   int64_t rows;
@@ -129,13 +132,43 @@ struct KeptDotArgs {
   void* out;                 // [num_pairs] compute dtype
 };
 
+// Kept gather / scatter (replay on the logits path): a [rows, vocab] matrix, or a batch of them laid
+// out as the row ops' (rows_per_batch, batch_stride), and the CSR pairs of its rows (ids, offsets
+// as in KeptDotArgs; row r's pairs are offsets[r] <= p < offsets[r + 1]):
+//   gather:  kept_logits[p] = matrix[r, ids[p]], raw, in the compute dtype; a hole (ids[p] < 0)
+//            gives -inf, an id >= vocab NaN (never read);
+//   scatter: out = 0 except out[r, c] = the sum of grad[p] (compute dtype) over row r's pairs with
+//            ids[p] == c, in ascending p from 0, rounded once to `dtype` (deterministic, no atomics);
+//            holes and ids >= vocab are never written.
+// Each op uses its own two pointers and leaves the other two null. CUDA only (the cpu backend
+// runs the PyTorch defaults).
+enum class KeptIndexOp : int { kGather = 0, kScatter = 1 };
+
+struct KeptIndexArgs {
+  int dtype;                 // element type of the matrix (logits or out)
+  int64_t rows;
+  int64_t vocab;
+  int64_t row_stride;
+  int64_t rows_per_batch;    // T >= 1 dividing rows (rows when not batched)
+  int64_t batch_stride;      // >= 0, elements between batch entries
+  const int64_t* ids;        // [num_pairs]
+  const int64_t* offsets;    // [rows + 1]
+  int64_t num_pairs;
+  const void* logits;        // gather: read
+  void* kept_logits;         // gather: written, [num_pairs] compute dtype
+  const void* grad;          // scatter: read, [num_pairs] compute dtype
+  void* out;                 // scatter: written (every element of the rows' vocab columns)
+};
+
 // Ragged row ops (replay): the row forward / backward above over ragged rows of the gathered kept
 // logits, row r = kept_logits[offsets[r] .. offsets[r + 1]) (raw, in the compute dtype `dtype`,
 // kFloat32 or kFloat64, as every [rows] array), its label at pair label_slot[r]: -1 the row does not
 // count (outputs 0, never read), -2 (or a slot outside the row) its label is not in the set (the
-// statistics computed, logprob NaN). Each row is summed sequentially in pair order, so a row's
-// results depend on its own pairs only. The backward writes out[p] for every pair: 0 on holes
-// (ids[p] < 0), on rows that do not count and on rows with g == ge == 0.
+// statistics computed, logprob NaN). Each row is summed in an order fixed by its own pairs alone
+// (the CPU: sequentially in pair order; CUDA: one warp per row, lane l over the pairs first + l +
+// 32 k, then a fixed shuffle tree), so a row's results do not depend on the other rows. The backward
+// writes out[p] for every pair: 0 on holes (ids[p] < 0), on rows that do not count and on rows with
+// g == ge == 0. Offsets as in KeptDotArgs (checked on the host, clamped on the device).
 enum class RaggedOp : int { kForward = 0, kBackward = 1 };
 
 struct RaggedRowArgs {

@@ -91,6 +91,154 @@ def test_row_kernel_pack_loops_are_short_enough_to_be_bound_by_memory():
         assert l.packs >= 4, (l.kernel, l.dtype, l.variant)  # several packs loaded before use
 
 
+KEPT_SET_OPS = ("kept_gather", "kept_scatter", "kept_linear_forward", "ragged_row_forward", "ragged_row_backward")
+
+
+@needs_cuda_extension
+@pytest.mark.parametrize("name", KEPT_SET_OPS)
+def test_the_extension_exports_the_kept_set_op_with_its_signature(name):
+    """The CUDA extension defines the kept-set op, documented by the signature binding_args.h
+    shares with the CPU extension (the CPU ops carry the same text where both define one)."""
+    doc = getattr(CUDA_EXTENSION, name).__doc__
+    assert f"{name}(*, dtype, rows, " in doc
+    assert "offsets" in doc and "num_pairs" in doc
+
+
+def _kept_call(name, **change):
+    """A call of the kept-set op `name` that the binding accepts without launching (no rows, host
+    addresses), with `change` applied."""
+    x = torch.zeros(8)
+    common = dict(dtype=0, rows=0, num_pairs=0, ids=x.data_ptr(), offsets=x.data_ptr(), device=0, stream=0)
+    fields = {
+        "kept_gather": dict(vocab=8, row_stride=8, logits=1, kept_logits=1),
+        "kept_scatter": dict(vocab=8, row_stride=8, grad=1, out=1),
+        "kept_linear_forward": dict(hidden_size=4, vocab=8, hidden=1, hidden_row_stride=4, weight=1,
+                                    weight_row_stride=4, out=1),
+        "ragged_row_forward": dict(kept_logits=1, label_slot=1, inv_temperature=1.0, row_max=1, log_sum=1,
+                                   logprob=1),
+        "ragged_row_backward": dict(kept_logits=1, label_slot=1, inv_temperature=1.0, row_max=1, log_sum=1,
+                                    logprob=1, grad_logprob=1, out=1),
+    }[name]
+    return {**common, **fields, **change}
+
+
+@needs_cuda_extension
+@pytest.mark.parametrize("name, change, message", [
+    ("kept_gather", {"row_stride": 7}, "row_stride"),
+    ("kept_gather", {"dtype": 4}, "dtype"),
+    ("kept_gather", {"rows": 2, "rows_per_batch": 3}, "rows_per_batch"),
+    ("kept_gather", {"rows": 2, "offsets": 0}, "offsets is a null pointer"),
+    ("kept_gather", {"rows": 2, "num_pairs": 3, "kept_logits": 0}, "kept_logits is a null pointer"),
+    ("kept_scatter", {"num_pairs": -1}, "num_pairs"),
+    ("kept_scatter", {"rows": 2, "out": 0}, "out is a null pointer"),
+    ("kept_scatter", {"rows": 2, "num_pairs": 3, "grad": 0}, "grad is a null pointer"),
+    ("kept_linear_forward", {"hidden_row_stride": 3}, "hidden_row_stride"),
+    ("kept_linear_forward", {"vocab": 0}, "vocab"),
+    ("ragged_row_forward", {"dtype": 2}, "float32.*float64"),
+    ("ragged_row_forward", {"inv_temperature": 0.0}, "inv_temperature"),
+    ("ragged_row_forward", {"rows": 2, "label_slot": 0}, "label_slot is a null pointer"),
+    ("ragged_row_backward", {"rows": 2, "grad_entropy": 1}, "grad_entropy needs entropy"),
+    ("ragged_row_backward", {"device": -1}, "device"),
+])
+def test_the_kept_set_bindings_reject_bad_arguments_before_launching(name, change, message):
+    with pytest.raises(ValueError, match=message):
+        getattr(CUDA_EXTENSION, name)(**_kept_call(name, **change))
+
+
+@needs_cuda_extension
+@pytest.mark.parametrize("name", KEPT_SET_OPS)
+def test_the_kept_set_bindings_take_device_and_stream(name):
+    getattr(CUDA_EXTENSION, name)(**_kept_call(name))  # no rows: checked, nothing to launch
+    with pytest.raises(TypeError, match="missing required keyword argument 'device'"):
+        getattr(CUDA_EXTENSION, name)(**{k: v for k, v in _kept_call(name).items() if k != "device"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_threads'"):
+        getattr(CUDA_EXTENSION, name)(**_kept_call(name), num_threads=1)
+
+
+@needs_cuda_extension
+def test_the_kept_set_bindings_never_read_the_offsets_on_the_host():
+    """The offsets are device memory: the binding checks the pointer, not the values (the kernels
+    clamp each row's range), so an address that is no host memory at all passes (the CPU binding
+    reads and checks every offset)."""
+    for name in KEPT_SET_OPS:
+        getattr(CUDA_EXTENSION, name)(**_kept_call(name, offsets=16))
+
+
+class _RecordingExtension:
+    """Stands in for _C_cuda on CPU tensors: records each call, then has the real binding check
+    its keywords (with no rows and no pairs, so that nothing is launched)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(**kwargs):
+            self.calls.append((name, kwargs))
+            getattr(CUDA_EXTENSION, name)(**{**kwargs, "rows": 0, "num_pairs": 0})
+
+        return call
+
+
+@pytest.fixture
+def recording_backend(monkeypatch):
+    from tpo_kernels.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(CudaBackend, "_launch_args", lambda self, t, what: {"device": 0, "stream": 0})
+    monkeypatch.setattr(CudaBackend, "unavailable_reason", lambda self: None)
+    backend = CudaBackend()
+    backend._ext = _RecordingExtension()
+    return backend
+
+
+@needs_cuda_extension
+def test_the_cuda_backend_launches_its_own_kept_set_kernels(recording_backend):
+    """Gather, scatter, ragged forward / backward and the kept dot products are the extension's
+    (the kernels' keywords accepted by the binding); the linear backward is not a CUDA kernel."""
+    from tpo_kernels.backends.kept_sets import KeptSets
+
+    be = recording_backend
+    kept = KeptSets.from_padded(torch.tensor([[3, -1], [5, 3], [1, 2]]), torch.tensor([3, 5, 2]))
+    z = be.kept_gather(torch.randn(3, 8), kept)
+    be.kept_scatter(torch.ones(6), kept, out=torch.empty(3, 8))
+    summary = be.ragged_row_forward(torch.zeros(6), kept, inv_temperature=1.0, with_entropy=True)
+    be.ragged_row_backward(torch.zeros(6), kept, summary, torch.ones(3), grad_entropy=torch.ones(3),
+                           inv_temperature=1.0, out=torch.empty(6))
+    be.kept_linear_forward(torch.randn(3, 4), torch.randn(8, 4), kept, bias=torch.randn(8))
+    calls = dict(be._ext.calls)
+    assert list(calls) == ["kept_gather", "kept_scatter", "ragged_row_forward", "ragged_row_backward",
+                           "kept_linear_forward"]
+    assert z.shape == (6,)
+    assert calls["kept_gather"]["rows"] == 3 and calls["kept_gather"]["num_pairs"] == 6
+    assert calls["kept_linear_forward"]["bias"] != 0 and calls["kept_linear_forward"]["vocab"] == 8
+    assert calls["ragged_row_backward"]["grad_entropy"] != 0 and calls["ragged_row_backward"]["entropy"] != 0
+
+
+@needs_cuda_extension
+def test_the_cuda_kept_gather_reads_a_batched_view_in_place(recording_backend):
+    """``logits[:, :-1]`` (rows that do not flatten) is passed as it lies, one launch."""
+    from tpo_kernels.backends.kept_sets import KeptSets
+
+    source = torch.randn(2, 4, 8)
+    view = source[:, :-1]
+    kept = KeptSets.from_padded(torch.zeros(6, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int64))
+    recording_backend.kept_gather(view, kept)
+    (_, call), = recording_backend._ext.calls
+    assert call["logits"] == view.data_ptr()
+    assert (call["rows"], call["rows_per_batch"], call["batch_stride"], call["row_stride"]) == (6, 3, 32, 8)
+
+
+@pytest.mark.parametrize("op", ["ragged_row_forward", "kept_gather"])
+def test_the_kept_set_ops_reject_host_tensors(op):
+    from tpo_kernels.backends.kept_sets import KeptSets
+
+    kept = KeptSets.from_padded(torch.tensor([[1, 2]]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="the cuda backend needs CUDA tensors"):
+        if op == "kept_gather":
+            cuda_backend().kept_gather(torch.zeros(1, 4), kept)
+        else:
+            cuda_backend().ragged_row_forward(torch.zeros(2), kept, inv_temperature=1.0, with_entropy=False)
+
+
 def test_group_op_rejects_host_tensors():
     layout = build_layout(6, torch.device("cpu"), padded_shape=(2, 3), group_size=2)
     with pytest.raises(ValueError, match="CUDA tensors, got token_logprobs on cpu"):

@@ -468,7 +468,8 @@ def test_linear_backward_ignores_holes_and_ids_outside_the_vocabulary(backend):
 
 
 @needs_triton
-def test_the_cuda_backend_runs_the_triton_kept_kernels_when_triton_is_usable():
+def test_the_cuda_backend_runs_the_triton_kept_linear_backward_when_triton_is_usable():
+    """The one kept-set op without a CUDA kernel (the others: tests/test_cuda_extension.py)."""
     from tpo_kernels.backends import torch_kept
     from tpo_kernels.backends.cuda import kept_ops
     from tpo_kernels.backends.triton import kept_kernels
@@ -536,3 +537,123 @@ def test_the_triton_kept_kernels_compile_for_sm80_and_sm90_without_spills(tmp_pa
     for arch in ("sm_80", "sm_90"):
         assert {r.kernel for r in rows if r.arch.startswith(arch)} == KEPT_KERNELS
     assert not [(r.kernel, r.arch, r.dtype) for r in rows if r.spilled]
+
+
+# ----------------------------------------------------------------------------- the CUDA kernels (GPU)
+
+CUDA_BACKENDS = backend_params("cuda")  # skipped without a GPU and the built extension
+
+
+def _to_cuda(kept):
+    return KeptSets(ids=kept.ids.cuda(), offsets=kept.offsets.cuda(), rows=kept.rows.cuda(),
+                    label_slot=kept.label_slot.cuda(), width=kept.width)
+
+
+def _cuda_sets(form, sets, labels):
+    return _to_cuda(_csr(sets, labels) if form == "csr" else _padded(sets, labels, width=110))
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inv_t", [1.0, 1 / 0.7])
+@pytest.mark.parametrize("form", ["csr", "padded"])
+def test_cuda_ragged_row_ops_match_torch_kept_and_the_reference(backend, dtype, inv_t, form):
+    from tpo_kernels.backends import torch_kept
+
+    sets, labels = _sets(40)
+    logits = _logits(40, dtype).cuda()
+    kept = _cuda_sets(form, sets, labels)
+    b = get_backend(backend, logits.device)
+    z = b.kept_gather(logits, kept)
+    assert torch.equal(z, torch_kept.kept_gather(logits, kept))
+    summary = b.ragged_row_forward(z, kept, inv_temperature=inv_t, with_entropy=True)
+    want = torch_kept.ragged_row_forward(z, kept, inv_temperature=inv_t, with_entropy=True)
+    for (name, got), (_, expected) in zip(summary.items(), want.items()):
+        torch.testing.assert_close(got, expected, **_tolerance(dtype), equal_nan=True, msg=name)
+    lp, ent = _reference(logits.cpu(), sets, labels, inv_t)
+    torch.testing.assert_close(summary.label_logprob.double().cpu(), lp, **_tolerance(dtype))
+    torch.testing.assert_close(summary.entropy.double().cpu(), ent, **_tolerance(dtype))
+    gen = torch.Generator().manual_seed(8)
+    g, ge = (torch.randn(40, generator=gen).to(z.dtype).cuda() for _ in range(2))
+    g[3] = ge[3] = 0.0  # a zero-signal row
+    for ge_arg in (None, ge):
+        got, expected = torch.empty_like(z), torch.empty_like(z)
+        b.ragged_row_backward(z, kept, want, g, grad_entropy=ge_arg, inv_temperature=inv_t, out=got)
+        torch_kept.ragged_row_backward(z, kept, want, g, grad_entropy=ge_arg, inv_temperature=inv_t, out=expected)
+        torch.testing.assert_close(got, expected, **_tolerance(dtype))
+        dense, dense_expected = torch.full_like(logits, 5.0), torch.empty_like(logits)
+        b.kept_scatter(got, kept, out=dense)
+        torch_kept.kept_scatter(got, kept, out=dense_expected)
+        assert torch.equal(dense, dense_expected)  # distinct ids: each written once, no sum to order
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_gather_and_scatter_of_a_shifted_view_match_torch_kept(backend, dtype):
+    """``logits[:, :-1]`` is read in place, its gradient written into a [B, T, V] view; rows hold
+    repeated ids, summed in pair order (deterministic)."""
+    from tpo_kernels.backends import torch_kept
+
+    source = _logits(4 * 6, torch.float32).view(4, 6, V).to(dtype).cuda()
+    view = source[:, :-1]
+    ids = torch.randint(0, 12, (20, 9), generator=torch.Generator().manual_seed(4))  # many repeats
+    ids[0, 2], ids[5, 0], ids[7, 8] = -1, V, V + 3  # a hole, ids outside the vocabulary
+    kept = _to_cuda(KeptSets.from_padded(ids, ids[:, 0]))
+    b = get_backend(backend, view.device)
+    z = b.kept_gather(view, kept)
+    torch.testing.assert_close(z, torch_kept.kept_gather(view, kept), rtol=0, atol=0, equal_nan=True)
+    grad = torch.randn(kept.num_pairs, dtype=z.dtype, generator=torch.Generator().manual_seed(5)).cuda()
+    outs = []
+    for _ in range(2):
+        out = torch.full((4, 6, V), 7.0, dtype=dtype, device="cuda")
+        b.kept_scatter(grad, kept, out=out[:, :-1])
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and (outs[0][:, -1] == 7.0).all()
+    expected = torch.empty(4, 5, V, dtype=torch.float64, device="cuda")
+    torch_kept.kept_scatter(grad.double(), kept, out=expected)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0][:, :-1].double(), expected, **tol)
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("hidden_size", [37, 256])
+def test_cuda_linear_forward_matches_torch_kept_whatever_the_alignment(backend, dtype, hidden_size):
+    """The dot products of a pair do not depend on where its rows lie: hidden rows off a 16-byte
+    boundary (element loads) give bitwise what aligned rows (vector loads) give."""
+    from tpo_kernels.backends import torch_kept
+
+    sets, labels = _sets(20, seed=9)
+    hidden, weight, bias = (t.cuda() for t in _linear(20, hidden_size, dtype))
+    kept = _to_cuda(_padded(sets, labels, width=110))
+    b = get_backend(backend, hidden.device)
+    got = b.kept_linear_forward(hidden, weight, kept, bias=bias)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype != torch.float64 else _tolerance(dtype)
+    torch.testing.assert_close(got, torch_kept.kept_linear_forward(hidden, weight, kept, bias=bias), **tol,
+                               equal_nan=True)
+    shifted = torch.zeros(20, hidden_size + 1, dtype=dtype, device="cuda")[:, 1:]
+    shifted.copy_(hidden)
+    assert torch.equal(b.kept_linear_forward(shifted, weight, kept, bias=bias), got)
+    first = _to_cuda(_padded(sets[:7], labels[:7], width=110))
+    assert torch.equal(b.kept_linear_forward(hidden[:7], weight, first, bias=bias), got[: first.num_pairs])
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_cuda_kernels_stay_in_bounds_of_malformed_sets(backend):
+    """Offsets and label slots on the device are not checked on the host: ranges past the pairs,
+    decreasing offsets and slots outside their row read and write nothing out of bounds (the
+    kernels clamp); a slot outside its row is the label-outside case."""
+    ids = torch.tensor([1, 2, 3, 4], device="cuda")
+    kept = KeptSets(ids=ids, offsets=torch.tensor([0, 2, 1, 99], device="cuda"), rows=torch.zeros(4, device="cuda"),
+                    label_slot=torch.tensor([7, 0, -5], device="cuda"))
+    logits = torch.randn(3, 8, device="cuda")
+    b = get_backend(backend, logits.device)
+    z = torch.randn(4, device="cuda")
+    summary = b.ragged_row_forward(z, kept, inv_temperature=1.0, with_entropy=True)
+    out = torch.zeros(4, device="cuda")
+    b.ragged_row_backward(z, kept, summary, torch.ones(3, device="cuda"), inv_temperature=1.0, out=out)
+    b.kept_scatter(z, KeptSets(ids=ids, offsets=torch.tensor([0, 3, 2, 4], device="cuda"), rows=kept.rows,
+                               label_slot=kept.label_slot), out=logits)
+    torch.cuda.synchronize()  # an out-of-bounds access would surface here
+    assert torch.isnan(summary.label_logprob).all()  # no row's slot lies in its (clamped) range
+    torch.testing.assert_close(summary.log_sum[0], torch.logsumexp(z[:2] - z[:2].max(), 0))

@@ -28,6 +28,14 @@ const char* candidate_forward(const CandidateArgs& args, const Launch& launch);
 const char* candidate_backward(const CandidateArgs& args, const Launch& launch);
 const char* group_targets(const GroupArgs& args, const Launch& launch);
 
+// Kept-set ops of replay (kept_kernels.cu). Their offsets live on the device too: each kernel
+// clamps a row's pair range to [0, num_pairs) and guards every id and label slot, so malformed
+// sets read and write nothing outside the arrays the struct describes.
+const char* kept_gather(const KeptIndexArgs& args, const Launch& launch);
+const char* kept_scatter(const KeptIndexArgs& args, const Launch& launch);
+const char* kept_linear_forward(const KeptDotArgs& args, const Launch& launch);
+const char* ragged_rows(const RaggedRowArgs& args, RaggedOp op, const Launch& launch);
+
 // Number of CUDA devices, or -1 with *error set when the driver/runtime is unusable.
 int device_count(const char** error);
 

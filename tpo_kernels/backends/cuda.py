@@ -7,14 +7,21 @@ are deterministic (one thread per row). The tensor preparation shared with the C
 in :mod:`.native`; every extension call gets the ``device`` and ``stream`` keywords from
 :meth:`CudaBackend._launch_args`.
 
-The fused-linear candidate ops (token-level TPO from hidden states) have no CUDA kernels: they
-are the Triton backend's kernels when Triton is usable in this process, else the PyTorch
-defaults (:func:`linear_candidate_ops`), so that ``backend="auto"``, which picks this backend on
-a GPU, runs the token-level path as a handful of fused launches rather than chunked PyTorch.
-Either way their results follow the backend contract (deterministic; weight rows summed in a
-fixed order), and they are tested as the Triton and PyTorch ops. The kept-set ops of replay (the
-ragged dot products and row ops) go the same way (:func:`kept_ops`); their gather and scatter
-are the PyTorch defaults.
+Kept-set ops of replay (``csrc/cuda/kept_kernels.cu``): the gather and the scatter of the logits
+path, the ragged row forward / backward and the fused head's dot products (``kept_linear_forward``)
+run in the extension, one launch each: one warp per row (one block per row for the scatter, which
+zero-fills the row first), each row summed in an order fixed by its own pairs, no float atomics
+(deterministic; a row's values do not depend on the other rows). The kept sets stay on the device
+unchecked (their values are checked by ``validate=True`` upstream): every kernel clamps a row's pair
+range to ``[0, P)`` and guards each id and label slot.
+
+What is not a CUDA kernel here: ``kept_linear_backward`` and the fused-linear candidate ops
+(token-level TPO from hidden states) are the Triton backend's kernels when Triton is usable in this
+process, else the PyTorch defaults (:func:`kept_ops`, :func:`linear_candidate_ops`), so that
+``backend="auto"``, which picks this backend on a GPU, runs them as a handful of fused launches
+rather than chunked PyTorch; ``kept_linear_forward`` with mixed dtypes (hidden, weight and bias not
+all one dtype) is the PyTorch default. Either way the results follow the backend contract
+(deterministic; weight rows summed in a fixed order).
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from . import _reason
 from . import torch_candidates as torch_candidate_ops
 from . import torch_kept
 from .kept_sets import KeptSets
-from .rows import RowSummary
-from .native import DTYPE_CODES, NativeBackend, per_row, ptr
+from .native import (DTYPE_CODES, NativeBackend, as_row_batch, as_rows, batch_args, dtype_code, matrix_args, per_row, ptr,
+                     row_stride)
+from .rows import RowSummary, compute_dtype
 
 
 def linear_candidate_ops(triton_unavailable: Optional[str]) -> ModuleType:
@@ -46,8 +54,9 @@ def linear_candidate_ops(triton_unavailable: Optional[str]) -> ModuleType:
 
 
 def kept_ops(triton_unavailable: Optional[str]) -> ModuleType:
-    """The module of the kept-set dot products and ragged row ops the cuda backend runs: the
-    Triton kernels when Triton is usable (``triton_unavailable is None``), else the PyTorch defaults."""
+    """The module whose ``kept_linear_backward`` the cuda backend runs (the other kept-set ops are
+    CUDA kernels): the Triton kernels when Triton is usable (``triton_unavailable is None``), else
+    the PyTorch defaults."""
     if triton_unavailable is None:
         from .triton import kept_kernels  # noqa: PLC0415 - imports Triton
 
@@ -100,9 +109,72 @@ class CudaBackend(NativeBackend):
             with_bias=with_bias,
         )
 
+    def _device_sets(self, kept: KeptSets, like: Tensor, rows: int) -> KeptSets:
+        """``kept`` as contiguous int64 tensors on ``like``'s device, for a call over ``rows`` rows."""
+        if kept.num_rows != rows:
+            raise ValueError(f"kept sets must cover {rows} rows, got {kept.num_rows}")
+        for t, what in ((kept.ids, "kept ids"), (kept.offsets, "kept offsets"), (kept.label_slot, "kept label_slot")):
+            self._same_device(t, like, what)
+        return KeptSets(ids=kept.ids.to(torch.int64).contiguous(), offsets=kept.offsets.to(torch.int64).contiguous(),
+                        rows=kept.rows, label_slot=kept.label_slot.to(torch.int64).contiguous(), width=kept.width)
+
+    def kept_gather(self, logits: Tensor, kept: KeptSets) -> Tensor:
+        """``[P]`` raw ``logits[row, id]`` in the compute dtype (hole: -inf; id >= V: NaN), from a
+        ``[M, V]`` matrix or a ``[B, T, V]`` view read in place."""
+        launch = self._launch_args(logits, "logits")
+        dtype_code(logits.dtype)
+        if logits.shape[-1] == 0:  # no column to read: every pair is a hole or outside
+            return torch_kept.kept_gather(logits, kept)
+        x = as_row_batch(logits)
+        sets = self._device_sets(kept, x, x.shape[:-1].numel())
+        out = torch.empty(sets.num_pairs, dtype=compute_dtype(x.dtype), device=x.device)
+        self.extension.kept_gather(**matrix_args(x), **batch_args(x), ids=ptr(sets.ids), offsets=ptr(sets.offsets),
+                                   num_pairs=sets.num_pairs, logits=ptr(x), kept_logits=ptr(out), **launch)
+        return out
+
+    def kept_scatter(self, grad: Tensor, kept: KeptSets, *, out: Tensor) -> None:
+        """``out`` zero except ``out[row, id]``, the sum of that row's pairs in ascending order."""
+        launch = self._launch_args(out, "out")
+        dtype_code(out.dtype, "out")
+        if out.numel() == 0:
+            return
+        target = as_row_batch(out, "out")  # out itself when the kernel can write it in place
+        sets = self._device_sets(kept, target, target.shape[:-1].numel())
+        values = grad.to(device=target.device, dtype=compute_dtype(target.dtype)).contiguous()
+        if values.numel() != sets.num_pairs:
+            raise ValueError(f"grad must have {sets.num_pairs} elements (one per pair), got {values.numel()}")
+        self.extension.kept_scatter(**matrix_args(target), **batch_args(target), ids=ptr(sets.ids),
+                                    offsets=ptr(sets.offsets), num_pairs=sets.num_pairs, grad=ptr(values),
+                                    out=ptr(target), **launch)
+        if target is not out:
+            out.copy_(target)
+
     def kept_linear_forward(self, hidden: Tensor, weight: Tensor, kept: KeptSets, *,
                             bias: Optional[Tensor] = None) -> Tensor:
-        return kept_ops(_reason("triton")).kept_linear_forward(hidden, weight, kept, bias=bias)
+        """``[P]`` raw ``hidden[row] . weight[id] + bias[id]`` by the extension (one warp per row, in an
+        order fixed by H alone); mixed dtypes take the PyTorch default."""
+        if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+            return torch_kept.kept_linear_forward(hidden, weight, kept, bias=bias)
+        launch = self._launch_args(hidden, "hidden")
+        for t, what in ((weight, "weight"), (bias, "bias")):
+            if t is not None:
+                self._same_device(t, hidden, what)
+        code = dtype_code(hidden.dtype, "hidden")
+        h = as_rows(hidden.reshape(-1, hidden.shape[-1]), "hidden")
+        w = as_rows(weight, "weight")
+        b = None if bias is None else bias.reshape(-1).contiguous()
+        if b is not None and b.numel() != w.shape[0]:
+            raise ValueError(f"bias must have {w.shape[0]} elements (one per weight row), got {b.numel()}")
+        if w.shape[0] == 0:  # no weight row: every pair is a hole or outside
+            return torch_kept.kept_linear_forward(hidden, weight, kept, bias=bias)
+        sets = self._device_sets(kept, h, h.shape[0])
+        out = torch.empty(sets.num_pairs, dtype=compute_dtype(hidden.dtype), device=hidden.device)
+        self.extension.kept_linear_forward(
+            dtype=code, rows=h.shape[0], hidden_size=w.shape[1], vocab=w.shape[0], hidden=ptr(h),
+            hidden_row_stride=row_stride(h), weight=ptr(w), weight_row_stride=row_stride(w), bias=ptr(b),
+            ids=ptr(sets.ids), offsets=ptr(sets.offsets), num_pairs=sets.num_pairs, out=ptr(out), **launch,
+        )
+        return out
 
     def kept_linear_backward(self, grad: Tensor, hidden: Tensor, weight: Tensor, kept: KeptSets, *,
                              runs: Optional[Tuple[Tensor, Tensor, Tensor]], with_hidden: bool, with_weight: bool,
@@ -111,16 +183,53 @@ class CudaBackend(NativeBackend):
             grad, hidden, weight, kept, runs=runs, with_hidden=with_hidden, with_weight=with_weight,
             with_bias=with_bias)
 
+    def _ragged_args(self, kept_logits: Tensor, kept: KeptSets, inv_temperature: float) -> dict:
+        launch = self._launch_args(kept_logits, "kept_logits")
+        if kept_logits.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"kept_logits must be float32 or float64 (the compute dtype), got {kept_logits.dtype}")
+        if kept_logits.numel() != kept.num_pairs:
+            raise ValueError(f"kept_logits must have {kept.num_pairs} elements (one per pair), got {kept_logits.numel()}")
+        return dict(dtype=dtype_code(kept_logits.dtype), rows=kept.num_rows, num_pairs=kept.num_pairs,
+                    kept_logits=ptr(kept_logits), ids=ptr(kept.ids), offsets=ptr(kept.offsets),
+                    label_slot=ptr(kept.label_slot), inv_temperature=float(inv_temperature), **launch)
+
     def ragged_row_forward(self, kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
                            with_entropy: bool) -> RowSummary:
-        return kept_ops(_reason("triton")).ragged_row_forward(kept_logits, kept, inv_temperature=inv_temperature,
-                                                              with_entropy=with_entropy)
+        """The ragged row forward by the extension: one warp per row."""
+        z = kept_logits.reshape(-1).contiguous()
+        sets = self._device_sets(kept, z, kept.num_rows)
+        row_max, log_sum, logprob = (torch.empty(sets.num_rows, dtype=z.dtype, device=z.device) for _ in range(3))
+        entropy = torch.empty(sets.num_rows, dtype=z.dtype, device=z.device) if with_entropy else None
+        self.extension.ragged_row_forward(**self._ragged_args(z, sets, inv_temperature), row_max=ptr(row_max),
+                                          log_sum=ptr(log_sum), logprob=ptr(logprob), entropy=ptr(entropy))
+        return RowSummary(row_max=row_max, log_sum=log_sum, label_logprob=logprob, entropy=entropy,
+                          has_label=sets.label_slot >= 0)
 
     def ragged_row_backward(self, kept_logits: Tensor, kept: KeptSets, summary: RowSummary, grad_logprob: Tensor,
                             *, grad_entropy: Optional[Tensor] = None, inv_temperature: float, out: Tensor) -> None:
-        kept_ops(_reason("triton")).ragged_row_backward(kept_logits, kept, summary, grad_logprob,
-                                                        grad_entropy=grad_entropy, inv_temperature=inv_temperature,
-                                                        out=out)
+        """The ragged row backward by the extension, into ``out [P]``."""
+        z = kept_logits.reshape(-1).contiguous()
+        sets = self._device_sets(kept, z, kept.num_rows)
+        self._same_device(out, z, "out")
+        if out.numel() != z.numel():
+            raise ValueError(f"out must have {z.numel()} elements (one per pair), got {out.numel()}")
+        if grad_entropy is not None and summary.entropy is None:
+            raise ValueError("ragged_row_backward: grad_entropy needs the forward's entropy (summary.entropy is None)")
+        rows = sets.num_rows
+
+        def values(t: Optional[Tensor], what: str) -> Optional[Tensor]:
+            return per_row(t, rows, z.dtype, z.device, what)
+
+        target = out if out.is_contiguous() and out.dtype == z.dtype else torch.empty_like(z)
+        self.extension.ragged_row_backward(
+            **self._ragged_args(z, sets, inv_temperature), row_max=ptr(values(summary.row_max, "summary.row_max")),
+            log_sum=ptr(values(summary.log_sum, "summary.log_sum")),
+            logprob=ptr(values(summary.label_logprob, "summary.label_logprob")),
+            entropy=ptr(values(summary.entropy if grad_entropy is not None else None, "summary.entropy")),
+            grad_logprob=ptr(values(grad_logprob, "grad_logprob")),
+            grad_entropy=ptr(values(grad_entropy, "grad_entropy")), out=ptr(target))
+        if target is not out:
+            out.copy_(target)
 
     def group_targets(
         self,
