@@ -73,25 +73,11 @@ class CpuBackend(NativeBackend):
         )
         return out
 
-    def _ragged_args(self, kept_logits: Tensor, kept: KeptSets, inv_temperature: float) -> dict:
-        launch = self._launch_args(kept_logits, "kept_logits")
-        if kept_logits.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"kept_logits must be float32 or float64 (the compute dtype), got {kept_logits.dtype}")
-        for t, what in ((kept.ids, "kept ids"), (kept.offsets, "kept offsets"), (kept.label_slot, "kept label_slot")):
-            self._same_device(t, kept_logits, what)
-        return dict(dtype=dtype_code(kept_logits.dtype), rows=kept.num_rows, num_pairs=kept.num_pairs,
-                    kept_logits=ptr(kept_logits), ids=ptr(kept.ids), offsets=ptr(kept.offsets),
-                    label_slot=ptr(kept.label_slot), inv_temperature=float(inv_temperature), **launch)
-
-    @staticmethod
-    def _contiguous_sets(kept: KeptSets) -> KeptSets:
-        return KeptSets(ids=kept.ids.to(torch.int64).contiguous(), offsets=kept.offsets.to(torch.int64).contiguous(),
-                        rows=kept.rows, label_slot=kept.label_slot.to(torch.int64).contiguous(), width=kept.width)
-
     def ragged_row_forward(self, kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
                            with_entropy: bool) -> RowSummary:
         """The ragged row forward by the extension: each row summed sequentially in pair order."""
-        z, kept = kept_logits.contiguous(), self._contiguous_sets(kept)
+        z = kept_logits.contiguous()
+        kept = self._device_sets(kept, z)
         row_max, log_sum, logprob = (torch.empty(kept.num_rows, dtype=z.dtype) for _ in range(3))
         entropy = torch.empty(kept.num_rows, dtype=z.dtype) if with_entropy else None
         self.extension.ragged_row_forward(**self._ragged_args(z, kept, inv_temperature), row_max=ptr(row_max),
@@ -102,7 +88,8 @@ class CpuBackend(NativeBackend):
     def ragged_row_backward(self, kept_logits: Tensor, kept: KeptSets, summary: RowSummary, grad_logprob: Tensor, *,
                             grad_entropy: Optional[Tensor] = None, inv_temperature: float, out: Tensor) -> None:
         """The ragged row backward by the extension, into ``out [P]``."""
-        z, kept = kept_logits.contiguous(), self._contiguous_sets(kept)
+        z = kept_logits.contiguous()
+        kept = self._device_sets(kept, z)
 
         def per_row(t: Optional[Tensor]) -> Optional[Tensor]:
             return None if t is None else t.to(z.dtype).contiguous()

@@ -109,15 +109,6 @@ class CudaBackend(NativeBackend):
             with_bias=with_bias,
         )
 
-    def _device_sets(self, kept: KeptSets, like: Tensor, rows: int) -> KeptSets:
-        """``kept`` as contiguous int64 tensors on ``like``'s device, for a call over ``rows`` rows."""
-        if kept.num_rows != rows:
-            raise ValueError(f"kept sets must cover {rows} rows, got {kept.num_rows}")
-        for t, what in ((kept.ids, "kept ids"), (kept.offsets, "kept offsets"), (kept.label_slot, "kept label_slot")):
-            self._same_device(t, like, what)
-        return KeptSets(ids=kept.ids.to(torch.int64).contiguous(), offsets=kept.offsets.to(torch.int64).contiguous(),
-                        rows=kept.rows, label_slot=kept.label_slot.to(torch.int64).contiguous(), width=kept.width)
-
     def kept_gather(self, logits: Tensor, kept: KeptSets) -> Tensor:
         """``[P]`` raw ``logits[row, id]`` in the compute dtype (hole: -inf; id >= V: NaN), from a
         ``[M, V]`` matrix or a ``[B, T, V]`` view read in place."""
@@ -182,16 +173,6 @@ class CudaBackend(NativeBackend):
         return kept_ops(_reason("triton")).kept_linear_backward(
             grad, hidden, weight, kept, runs=runs, with_hidden=with_hidden, with_weight=with_weight,
             with_bias=with_bias)
-
-    def _ragged_args(self, kept_logits: Tensor, kept: KeptSets, inv_temperature: float) -> dict:
-        launch = self._launch_args(kept_logits, "kept_logits")
-        if kept_logits.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"kept_logits must be float32 or float64 (the compute dtype), got {kept_logits.dtype}")
-        if kept_logits.numel() != kept.num_pairs:
-            raise ValueError(f"kept_logits must have {kept.num_pairs} elements (one per pair), got {kept_logits.numel()}")
-        return dict(dtype=dtype_code(kept_logits.dtype), rows=kept.num_rows, num_pairs=kept.num_pairs,
-                    kept_logits=ptr(kept_logits), ids=ptr(kept.ids), offsets=ptr(kept.offsets),
-                    label_slot=ptr(kept.label_slot), inv_temperature=float(inv_temperature), **launch)
 
     def ragged_row_forward(self, kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
                            with_entropy: bool) -> RowSummary:

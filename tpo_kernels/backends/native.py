@@ -20,9 +20,9 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .rows import RowSummary, compute_dtype
 from . import Backend
-from .rows import gradient_buffer, rows_in_place
+from .kept_sets import KeptSets
+from .rows import RowSummary, compute_dtype, gradient_buffer, rows_in_place
 
 # Element type codes: tpo::DType in csrc/tpo_abi.h.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -141,6 +141,28 @@ class NativeBackend(Backend):
         self._launch_args(t, what)
         if t.device != like.device:
             raise ValueError(f"{what} must be on {like.device}, got {t.device}")
+
+    def _device_sets(self, kept: KeptSets, like: Tensor, rows: Optional[int] = None) -> KeptSets:
+        """``kept`` as contiguous int64 tensors on ``like``'s device (the kernels read them through raw
+        pointers), for a call over ``rows`` rows when given."""
+        if rows is not None and kept.num_rows != rows:
+            raise ValueError(f"kept sets must cover {rows} rows, got {kept.num_rows}")
+        for t, what in ((kept.ids, "kept ids"), (kept.offsets, "kept offsets"), (kept.label_slot, "kept label_slot")):
+            self._same_device(t, like, what)
+        return KeptSets(ids=kept.ids.to(torch.int64).contiguous(), offsets=kept.offsets.to(torch.int64).contiguous(),
+                        rows=kept.rows, label_slot=kept.label_slot.to(torch.int64).contiguous(), width=kept.width)
+
+    def _ragged_args(self, kept_logits: Tensor, kept: KeptSets, inv_temperature: float) -> dict:
+        """The keywords of the extension's ragged row ops: ``kept_logits [P]`` in the compute dtype
+        and ``kept`` from :meth:`_device_sets`."""
+        launch = self._launch_args(kept_logits, "kept_logits")
+        if kept_logits.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"kept_logits must be float32 or float64 (the compute dtype), got {kept_logits.dtype}")
+        if kept_logits.numel() != kept.num_pairs:
+            raise ValueError(f"kept_logits must have {kept.num_pairs} elements (one per pair), got {kept_logits.numel()}")
+        return dict(dtype=dtype_code(kept_logits.dtype), rows=kept.num_rows, num_pairs=kept.num_pairs,
+                    kept_logits=ptr(kept_logits), ids=ptr(kept.ids), offsets=ptr(kept.offsets),
+                    label_slot=ptr(kept.label_slot), inv_temperature=float(inv_temperature), **launch)
 
     def row_forward(
         self, logits: Tensor, labels: Tensor, *, inv_temperature: float, with_entropy: bool
