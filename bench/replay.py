@@ -5,11 +5,15 @@ three heads side by side in interleaved rounds (medians):
 * ``kept``: the kept-set head (``ops.kept.linear_kept_row_summary``), kept sets drawn from the
   distribution prime-rl measured on H200 (median 2, mean ~8, p99 ~82, 45-48% singletons): size 1
   with probability 0.46, else ``min(512, 2 + floor(exp(1.7 + 1.3 Z)))``;
+* ``public``: the same kept sets through the public call, ``fused_linear_logprobs(...,
+  sampling_mask=SamplingMask(token_ids, offsets))`` with its checks (``validate=True``: offsets, ids,
+  labels in their sets, read back once) and the ``[V, H]`` weight gradient it allocates;
 * ``token``: the token-level candidate head (``ops.candidates.linear_candidate_logits`` and a
   log-softmax over the K candidates) at K = the kept sets' mean size, rounded.
 
 Usage: ``python bench/replay.py [--rows 4096 --hidden 512 --vocab 32768 --threads 2 --rounds 5]``.
-Prints each head's median time and the two ratios the replay targets are stated in.
+Prints each head's median time and the two ratios the replay targets are stated in, for the op and
+through the public call.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 
 import torch
 
-from tpo_kernels import fused_linear_logprobs
+from tpo_kernels import SamplingMask, fused_linear_logprobs
 from tpo_kernels.backends import resolve_backend_key
 from tpo_kernels.backends.kept_sets import KeptSets
 from tpo_kernels.ops.candidates import linear_candidate_logits
@@ -90,12 +94,18 @@ def main() -> None:
         h, w = leaves()
         linear_kept_row_summary(h, w, None, kept, RowRequest(), key).label_logprob.sum().backward()
 
+    mask = SamplingMask(token_ids=kept.ids, offsets=kept.offsets)
+
+    def public():
+        h, w = leaves()
+        fused_linear_logprobs(h, w, labels, sampling_mask=mask, backend=args.backend).sum().backward()
+
     def token():
         h, w = leaves()
         logits = linear_candidate_logits(h, w, None, candidates, inv_temperature=1.0, backend=key)
         torch.log_softmax(logits, -1)[:, 0].sum().backward()
 
-    heads = {"full": full, "kept": replay, "token": token}
+    heads = {"full": full, "kept": replay, "public": public, "token": token}
     times = {name: [] for name in heads}
     for fn in heads.values():  # warm-up
         fn()
@@ -109,6 +119,8 @@ def main() -> None:
         print(f"{name:6s} median {t * 1e3:9.2f} ms  (rounds: {', '.join(f'{x * 1e3:.1f}' for x in times[name])})")
     print(f"full / kept = {medians['full'] / medians['kept']:.1f}x (target >= 10x)")
     print(f"kept / token = {medians['kept'] / medians['token']:.2f}x (target <= 1.2x)")
+    print(f"through the public call: full / public = {medians['full'] / medians['public']:.1f}x, "
+          f"public / token = {medians['public'] / medians['token']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -96,13 +96,28 @@ def _tpo_loss(variant):
     return build
 
 
+def _kept_sets(torch, labels, vocab):
+    """Padded kept sets ``[N, T, 8]`` of top-k / top-p replay: the label, then distinct ids (the
+    label plus multiples of a prime, mod V), -1 past each set's size: 1 for about half the tokens,
+    else 2 to 8 (small sets, as samplers keep)."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = torch.where(torch.rand(labels.shape, generator=gen) < 0.46, 1,
+                        torch.randint(2, 9, labels.shape, generator=gen)).to(labels.device)
+    steps = torch.arange(8, device=labels.device)
+    ids = (labels[..., None] + steps * 7919) % vocab
+    return torch.where(steps < sizes[..., None], ids, -1)
+
+
 def _fused_linear_tpo_loss(variant):
     def build(torch, tk, backend, shape, device, dtype):
         n, t, k, v = shape["N"], shape["T"], shape["K"], shape["V"]
         labels, scores = _sequence_batch(torch, shape, device, dtype, sparse=variant == "sparse")
         hidden, weight = _head(torch, (n, t), shape, device, dtype)
-        # "cached": memory for every token's logits row in fp32, so the backward recomputes none
+        # "cached": memory for every token's logits row in fp32, so the backward recomputes none;
+        # "masked": replay of small kept sets (sampling_mask), |S| dot products per token
         extra = {"logits_cache_bytes": n * t * v * 4} if variant == "cached" else {}
+        if variant == "masked":
+            extra = {"sampling_mask": _kept_sets(torch, labels, v)}
         step = lambda hw: _backward(torch, tk.fused_linear_tpo_loss(  # noqa: E731
             hw[0], hw[1], labels, scores, group_size=k, backend=backend, **extra))
         return (lambda: _fresh(hidden, weight)), step
@@ -163,6 +178,7 @@ FUNCTIONS = [
     ("fused_linear_tpo_loss", _fused_linear_tpo_loss(None), True),
     ("fused_linear_tpo_loss/cached", _fused_linear_tpo_loss("cached"), False),
     ("fused_linear_tpo_loss/sparse", _fused_linear_tpo_loss("sparse"), False),
+    ("fused_linear_tpo_loss/masked", _fused_linear_tpo_loss("masked"), False),
     ("tpo_loss_from_logprobs", _tpo_loss_from_logprobs, True),
     ("token_tpo_loss", _token_tpo_loss, True),
     ("fused_linear_token_tpo_loss", _fused_linear_token_tpo_loss, True),
