@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import tpo_kernels
 from tpo_kernels.distributed import plans
-from tpo_kernels.checks.batches import BatchSplit, prepare_batch
+from tpo_kernels.checks.batches import BatchSplit, LabelSpace, prepare_batch
 from tpo_kernels.checks.placement import check_context_batch, check_distinct_groups
 from tpo_kernels.plan import CheckedCall, RankGroups, check_call
 from tpo_kernels.plan.call import plan_sequence
@@ -131,8 +131,8 @@ def test_the_check_pass_reports_no_context_group_for_one_rank(one_rank):
 
 
 def _prepare(split: BatchSplit, labels, scores, validate=True, length_normalize=False, **batch):
-    return prepare_batch(Batch(labels=labels, scores=scores, **{"group_size": K, **batch}), labels,
-                         tuple(labels.shape), vocab_size=V, device=torch.device("cpu"), acc=torch.float64,
+    space = LabelSpace(token_shape=tuple(labels.shape), vocab_size=V, device=torch.device("cpu"), dtype=torch.float64)
+    return prepare_batch(Batch(labels=labels, scores=scores, **{"group_size": K, **batch}), labels, space,
                          validate=validate, split=split, length_normalize=length_normalize)
 
 

@@ -107,6 +107,19 @@ OLD_LOGPROB_SLACK = 1e-2
 
 
 @dataclass(frozen=True)
+class LabelSpace:
+    """What the labels index: the shape they must have (the leading dims of the input), the
+    vocabulary (None: a shard's, bounded once the shards are placed), the device, the compute dtype
+    and the input's name (``logits``, ``hidden``, ``logprobs``) for the messages."""
+
+    token_shape: Tuple[int, ...]
+    vocab_size: Optional[int]
+    device: torch.device
+    dtype: torch.dtype
+    input_name: str = "logits"
+
+
+@dataclass(frozen=True)
 class BatchSplit:
     """How one rank's batch is a part of the whole: its ``completions`` are some of the batch's
     (split over data-parallel ranks), its ``positions`` some of each completion's (split over
@@ -241,7 +254,7 @@ def _require_log_probabilities(checks: ValueChecks, name: str, values: Tensor, s
         f"(more than rounding above 0: negative log-likelihoods, probabilities or logits?)"))
 
 
-def _check_float_values(name: str, x, device, input_name: str) -> None:
+def check_float_values(name: str, x, device, input_name: str) -> None:
     check_tensor(name, x, device, input_name)
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} must be a float tensor, got {x.dtype}")
@@ -250,12 +263,8 @@ def _check_float_values(name: str, x, device, input_name: str) -> None:
 def prepare_batch(
     batch,
     labels,
-    token_shape: Tuple[int, ...],
+    space: LabelSpace,
     *,
-    vocab_size: Optional[int],
-    device: torch.device,
-    acc: torch.dtype,
-    input_name: str = "logits",
     validate: bool = True,
     split: BatchSplit = BatchSplit(),
     length_normalize: bool = False,
@@ -267,8 +276,8 @@ def prepare_batch(
     ``batch``: the call's :class:`tpo_kernels.requests.Batch`, its scalars already checked with the
     settings (:func:`~tpo_kernels.checks.arguments.check_options`); ``labels`` in place of its own.
 
-    ``vocab_size`` None: a vocabulary shard's, not known yet (the upper bound of the labels is
-    checked once the shards are placed). ``split.completions``: this rank's completions of a batch
+    ``space``: what the labels index (``space.vocab_size`` None: a vocabulary shard's, not known yet;
+    the upper bound of the labels is checked once the shards are placed). ``split.completions``: this rank's completions of a batch
     split over ranks: it may hold no completion or none with a counted token, its layout has one
     group per completion, and ``kept`` / ``any_kept`` say which completions the gathered groups
     keep. ``split.positions``: this rank's positions of every completion: it may hold no counted
@@ -281,7 +290,8 @@ def prepare_batch(
     scores, group_size, group_ids, cu_seqlens, mask = (batch.scores, batch.group_size, batch.group_ids,
                                                        batch.cu_seqlens, batch.mask)
     ignore_index, old_logprobs, ref_logprobs, beta = batch.ignore_index, batch.old_logprobs, batch.ref_logprobs, batch.beta
-    token_shape = tuple(token_shape)
+    token_shape, vocab_size, device, acc, input_name = (tuple(space.token_shape), space.vocab_size, space.device,
+                                                        space.dtype, space.input_name)
     if len(token_shape) == 2:
         if cu_seqlens is not None:
             raise ValueError(
@@ -323,7 +333,7 @@ def prepare_batch(
     scores = check_scores(scores, (num_seqs,), device, input_name, acc, checks, "shape [N]", metadata_checked=True)
     log_weights = batch.seq_log_weights
     if log_weights is not None:  # log w: finite, or -inf for w = 0 (the completion is left out)
-        _check_float_values("seq_log_weights", log_weights, device, input_name)
+        check_float_values("seq_log_weights", log_weights, device, input_name)
         if tuple(log_weights.shape) != (num_seqs,):
             raise ValueError(f"seq_log_weights must have shape [N]=({num_seqs},), got {tuple(log_weights.shape)}")
         log_weights = log_weights.to(torch.float64).contiguous()
@@ -354,7 +364,7 @@ def prepare_batch(
     # in float64 like the group math (sums over long completions lose digits in fp32).
     old_seq = old_sums = None
     if old_logprobs is not None:
-        _check_float_values("old_logprobs", old_logprobs, device, input_name)
+        check_float_values("old_logprobs", old_logprobs, device, input_name)
         if tuple(old_logprobs.shape) == token_shape:
             old_tokens = torch.where(valid, old_logprobs.reshape(-1).to(torch.float64), 0.0)
             if validate:
@@ -384,7 +394,7 @@ def prepare_batch(
     if beta > 0:
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs ref_logprobs (per-token log-probs under the reference policy)")
-        _check_float_values("ref_logprobs", ref_logprobs, device, input_name)
+        check_float_values("ref_logprobs", ref_logprobs, device, input_name)
         if tuple(ref_logprobs.shape) != token_shape:
             raise ValueError(f"ref_logprobs must have the shape of labels {token_shape}, got {tuple(ref_logprobs.shape)}")
         ref_flat = torch.where(valid, ref_logprobs.reshape(-1).to(acc), 0.0)
@@ -410,41 +420,3 @@ def prepare_batch(
                               members=counted_seqs, **shape)
     return PreparedBatch(token_shape=token_shape, labels=flat_labels, layout=layout, scores=scores,
                          old_seq_logprobs=old_seq, beta=beta, ref_logprobs=ref_flat, seq_log_weights=log_weights, kept_sets=kept_sets)
-
-
-# ----------------------------------------------------------------------------- candidates
-
-
-def prepare_candidates(num_states: int, vocab_size: int, device: torch.device, acc: torch.dtype,
-                       candidates, scores, old_logprobs, input_name: str, validate: bool, whole: bool = True):
-    """Checked token-level inputs: ``(candidates int64 [R, K], scores, old_logprobs | None)``,
-    the float ones in float64 (the group math's dtype). ``whole=False``: this rank's part of
-    states split over ranks, which may be empty."""
-    if num_states == 0 and whole:
-        raise ValueError(f"{input_name} holds no state (R == 0)")
-    check_integer_tensor("candidates", candidates, device, input_name)
-    if candidates.dim() != 2 or candidates.shape[0] != num_states or candidates.shape[1] == 0:
-        raise ValueError(
-            f"candidates must have shape [R, K] with R={num_states} (the rows of {input_name}) and "
-            f"K >= 1, got {tuple(candidates.shape)}"
-        )
-    shape = tuple(candidates.shape)
-    checks = ValueChecks() if validate else None
-    if validate:
-        out_of_range = (candidates < 0) | (candidates >= vocab_size)
-        checks.require(~out_of_range.any(), lambda: ValueError(
-            f"candidates must hold token ids in [0, {vocab_size}); found {candidates[out_of_range][0].item()}"))
-    scores = check_scores(scores, shape, device, input_name, acc, checks, "the shape of candidates")
-    if old_logprobs is not None:
-        _check_float_values("old_logprobs", old_logprobs, device, input_name)
-        if tuple(old_logprobs.shape) != shape:
-            raise ValueError(
-                f"old_logprobs must have the shape of candidates {shape}, got {tuple(old_logprobs.shape)}"
-            )
-        old_logprobs = old_logprobs.to(torch.float64).contiguous()  # for the float64 group math
-        if validate:
-            checks.require(torch.isfinite(old_logprobs).all(),
-                           lambda: ValueError("old_logprobs must be finite (found NaN or inf)"))
-    if validate:
-        checks.read()
-    return candidates.to(torch.int64).contiguous(), scores, old_logprobs

@@ -27,7 +27,8 @@ from ..requests import Source
 from ..checks.arguments import (check_chunk_size, check_flag, check_float_tensor, check_grad_accum_dtype, check_head,
                                 check_head_dtype, check_logits, check_logits_cache, check_logits_source,
                                 check_options, check_row_options, check_tile_policy)
-from ..checks.batches import BatchSplit, ValueChecks, prepare_batch, prepare_candidates, prepare_labels
+from ..checks.batches import BatchSplit, LabelSpace, ValueChecks, prepare_batch, prepare_labels
+from ..checks.candidates import prepare_candidates
 from ..checks.kept_sets import check_sampling_mask
 from ..checks.placement import check_distinct_groups, check_group
 from .records import CandidateRows, CheckedCall, HeadRows, LogitsRows, LogprobRows, Plan, RankGroups, RowSource
@@ -342,9 +343,10 @@ def plan_sequence(request: SequenceRequest, groups: RankGroups) -> Plan:
     sampling = None if isinstance(source, Logprobs) else _checked_mask(batch.sampling_mask, source, input_name)
     _check_sharded_transform(row, sharded)
     key = resolve_backend_key(request.options.backend, device)
+    space = LabelSpace(token_shape=_token_shape(source), vocab_size=None if sharded else vocab_size, device=device,
+                       dtype=dtype, input_name=input_name)
     prepared = prepare_batch(
-        batch, labels, _token_shape(source), vocab_size=None if sharded else vocab_size, device=device, acc=dtype,
-        input_name=input_name, validate=flags.validate,
+        batch, labels, space, validate=flags.validate,
         split=BatchSplit(completions=groups.data is not None, positions=groups.context is not None),
         length_normalize=rule.length_normalize, logprobs=rows.logprobs if isinstance(rows, LogprobRows) else None,
         sampling=sampling,
@@ -390,10 +392,10 @@ def plan_candidates(request: CandidateRequest, data_parallel) -> Plan:
         dtype, input_name = compute_dtype(source.hidden.dtype), "hidden"
     row, rule, weights, flags, _ = check_options(options)
     key = resolve_backend_key(options.backend, device)
-    candidates, scores, old = prepare_candidates(
-        num_states, vocab_size, device, dtype, request.candidates, request.scores, request.old_logprobs,
-        input_name, flags.validate, whole=data_parallel is None,
-    )
+    space = LabelSpace(token_shape=(num_states,), vocab_size=vocab_size, device=device, dtype=dtype,
+                       input_name=input_name)
+    candidates, scores, old = prepare_candidates(request.candidates, request.scores, request.old_logprobs, space,
+                                                 validate=flags.validate, whole=data_parallel is None)
     rows = CandidateRows(input_name=input_name, candidates=candidates, scores=scores, old_logprobs=old)
     return Plan(row=row, rule=rule, weights=weights, flags=flags, backend=key, device=device, dtype=dtype, rows=rows,
                 labels=None)
