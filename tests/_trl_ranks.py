@@ -12,9 +12,10 @@ import torch
 
 from _trl_tiny import dataset, even_words
 
-# What the replay needs of a micro-batch (the rest of TRL's dict is not used by the loss).
+# What the replay needs of a micro-batch (the rest of TRL's dict is not used by the loss); the kept
+# sets when the sampler truncated (tpo_kernels.integrations.trl.kept_sets).
 RECORDED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tpo_scores", "tpo_group_ids",
-            "old_per_token_logps")
+            "old_per_token_logps", "tpo_kept_ids", "tpo_kept_counts")
 
 
 def trainer_config(output_dir: str, **overrides):
