@@ -31,12 +31,16 @@ def trainer_config(output_dir: str, **overrides):
 
 def train_layouts(rank: int, world: int, model_dir: str, output_dir: str,
                   layouts: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Train once per layout (config overrides) in this process of a gloo group; what each run
-    recorded."""
+    """Train once per layout (config overrides; ``rank_overrides``: ``{rank: overrides}`` of some
+    processes only) in this process of a gloo group; what each run recorded."""
     os.environ["LOCAL_RANK"] = str(rank)  # accelerate reads its place in the (already initialized) gloo group
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return {name: train_recorded(model_dir, os.path.join(output_dir, name), overrides)
-            for name, overrides in layouts.items()}
+    runs = {}
+    for name, overrides in layouts.items():
+        overrides = dict(overrides)
+        overrides.update(overrides.pop("rank_overrides", {}).get(rank, {}))
+        runs[name] = train_recorded(model_dir, os.path.join(output_dir, name), overrides)
+    return runs
 
 
 def train_recorded(model_dir: str, output_dir: str, overrides: Dict[str, Any]) -> Dict[str, Any]:

@@ -24,7 +24,9 @@ micro-steps). The moved and the micro-step-spanning layouts again with a truncat
 generated, and they travel with the rows between processes (of unequal widths: the gather pads them
 with -1); the replay is then over the recorded sets, which must be the sampler's rule on the
 sampling policy's logits for the rows they arrive with, and the full-vocabulary replay must miss
-both the loss and the step (the sets matter).
+both the loss and the step (the sets matter). And the moved layout where only process 0's sampler
+truncates (a suppressed token): process 1's rows then carry whole-vocabulary sets, so that both
+processes' batches have the same keys when rows move.
 
 On one process: 2 rows per micro-step with 2 accumulation steps (each group spans the step's two
 micro-steps), also with a generation reused for a second optimizer step (``num_iterations=2``: the
@@ -52,6 +54,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 WORLD, K, LR, TEMPERATURE = 2, 4, 0.5, 0.9
 TOP_K, TOP_P = 5, 0.85
+SUPPRESSED = 10  # a word id of the tiny tokenizer
 EVAL = dict(eval_prompts=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
 TRUNCATING = dict(top_k=TOP_K, top_p=TOP_P)
 LAYOUTS = {
@@ -63,6 +66,11 @@ LAYOUTS = {
     "split_moved_ga2_top_k_top_p": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, **EVAL,
                                         **TRUNCATING),
     "window_ga2_top_k_top_p": dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, **TRUNCATING),
+    # Only process 0's sampler truncates (a suppressed token): process 1's rows must still carry kept
+    # sets (the whole vocabulary), since rows move between processes key by key.
+    "split_moved_ga2_rank0_truncates": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                            rank_overrides={0: dict(generation_kwargs={"suppress_tokens": [
+                                                SUPPRESSED]})}),
 }
 TRUNCATING_LAYOUTS = [name for name, overrides in LAYOUTS.items() if "top_k" in overrides]
 ONE_PROCESS_LAYOUTS = {
@@ -302,3 +310,20 @@ def test_full_vocabulary_replay_misses_the_truncated_step(runs, layout):
     gap = max((taken[name].double() - (p.detach() - LR * p.grad)).abs().max().item()
               for name, p in model.named_parameters())
     assert gap > 1e-4
+
+
+def test_a_truncation_on_one_process_gives_the_others_rows_full_vocabulary_sets(runs):
+    """Process 0 suppresses a token, process 1 truncates nothing: every process's rows carry kept
+    sets (process 1's the whole vocabulary, process 0's all but the suppressed token), so the rows
+    move between processes with the same keys, and each step equals its replay over those sets."""
+    model_dir, results = runs
+    layout = "split_moved_ga2_rank0_truncates"
+    vocab = results[0][layout]["params_after"]["lm_head.weight"].shape[0]
+    sizes = {0: set(), 1: set()}
+    for result in results:
+        for record in result[layout]["micro_batches"]:
+            recorded, mask = _recorded_kept(record, vocab), record["completion_mask"].bool()
+            assert not recorded[:, :, SUPPRESSED][(record["tpo_group_ids"] == 0)].any()
+            for group, row_sizes, row_mask in zip(record["tpo_group_ids"].tolist(), recorded.sum(dim=-1), mask):
+                sizes[group].update(row_sizes[row_mask].tolist())  # process p generated group p
+    assert sizes == {0: {vocab - 1}, 1: {vocab}}
