@@ -71,7 +71,8 @@ class KeptSetRecorder:
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         finite = torch.isfinite(scores)
         self.vocab_size = scores.shape[-1]
-        # One read-back per step (transformers' sampling loop reads one back per step already).
+        # Read-backs per step: one (all kept), two on a truncating step (the check, then nonzero's
+        # size); transformers' sampling loop already waits for one per step (its stopping check).
         self.steps.append(None if bool(finite.all()) else finite.nonzero().to(torch.int32))
         return scores
 
