@@ -12,9 +12,10 @@ import torch
 
 from _trl_tiny import dataset, even_words
 
-# What the replay needs of a micro-batch (the rest of TRL's dict is not used by the loss).
+# What the replay needs of a micro-batch (the rest of TRL's dict is not used by the loss); the kept
+# sets when the sampler truncated (tpo_kernels.integrations.trl.kept_sets).
 RECORDED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tpo_scores", "tpo_group_ids",
-            "old_per_token_logps")
+            "old_per_token_logps", "tpo_kept_ids", "tpo_kept_counts")
 
 
 def trainer_config(output_dir: str, **overrides):
@@ -30,12 +31,16 @@ def trainer_config(output_dir: str, **overrides):
 
 def train_layouts(rank: int, world: int, model_dir: str, output_dir: str,
                   layouts: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Train once per layout (config overrides) in this process of a gloo group; what each run
-    recorded."""
+    """Train once per layout (config overrides; ``rank_overrides``: ``{rank: overrides}`` of some
+    processes only) in this process of a gloo group; what each run recorded."""
     os.environ["LOCAL_RANK"] = str(rank)  # accelerate reads its place in the (already initialized) gloo group
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return {name: train_recorded(model_dir, os.path.join(output_dir, name), overrides)
-            for name, overrides in layouts.items()}
+    runs = {}
+    for name, overrides in layouts.items():
+        overrides = dict(overrides)
+        overrides.update(overrides.pop("rank_overrides", {}).get(rank, {}))
+        runs[name] = train_recorded(model_dir, os.path.join(output_dir, name), overrides)
+    return runs
 
 
 def train_recorded(model_dir: str, output_dir: str, overrides: Dict[str, Any]) -> Dict[str, Any]:

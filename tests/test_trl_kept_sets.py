@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("tokenizers")
 
-from _trl_tiny import dataset, even_words  # noqa: E402
+from _trl_tiny import dataset, even_words, sampler_kept_sets  # noqa: E402
 
 from tpo_kernels import SamplingMask, reference  # noqa: E402
 from tpo_kernels.integrations.trl import TargetPOConfig, TargetPOTrainer  # noqa: E402
@@ -29,21 +29,6 @@ from tpo_kernels.integrations.trl.request import TPORequest  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 K, TOP_K, TOP_P, TAU = 4, 5, 0.9, 0.7
-
-
-def sampler_kept_sets(logits: torch.Tensor, top_k: int, top_p: float, temperature: float) -> torch.Tensor:
-    """[..., V] bool: the ids a top-k-then-top-p sampler keeps (transformers' order and rule: the k
-    largest tempered logits; of those, the smallest set of the most probable whose renormalized
-    mass reaches top_p, i.e. an id is dropped when the mass of the ids less probable than it,
-    itself included, is at most 1 - top_p)."""
-    z = logits.double() / temperature
-    kth = z.topk(top_k, dim=-1).values[..., -1:]
-    z = z.masked_fill(z < kth, float("-inf"))
-    probs, order = z.softmax(dim=-1).sort(dim=-1)  # ascending
-    dropped = probs.cumsum(dim=-1) <= 1 - top_p
-    dropped[..., -1] = False  # at least one id
-    keep = torch.zeros_like(dropped).scatter(-1, order, ~dropped)
-    return keep & (z > float("-inf"))
 
 
 class KeptSetTrainer(TargetPOTrainer):

@@ -73,8 +73,9 @@ def tpo_scores_from_rewards(rewards_per_func: Tensor, weights: Tensor, group_siz
     which the loss standardizes within the group under the tie rule. ``"normalize_then_sum"``: each
     reward is first standardized within the group by the losses' own rule
     (:func:`tpo_kernels.kit.standardize_scores`: population std; centered, undivided, when the std is
-    at most ``score_eps``; 0 when the group ties exactly), then weighted and summed. A completion no function scored gets its group's mean score (TRL's advantage 0: no
-    signal of its own); a group with no scored completion ties at 0.
+    at most ``score_eps``; 0 when the group ties exactly), then weighted and summed. A completion
+    no function scored gets its group's mean score (TRL's advantage 0: no signal of its own); a
+    group with no scored completion ties at 0.
     """
     rewards = rewards_per_func.double()
     weights = weights.to(rewards).view(1, 1, -1)

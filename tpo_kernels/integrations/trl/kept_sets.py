@@ -71,9 +71,14 @@ class KeptSetRecorder:
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         finite = torch.isfinite(scores)
         self.vocab_size = scores.shape[-1]
-        # One read-back per step (transformers' sampling loop reads one back per step already).
+        # Read-backs per step: one (all kept), two on a truncating step (the check, then nonzero's
+        # size); transformers' sampling loop already waits for one per step (its stopping check).
         self.steps.append(None if bool(finite.all()) else finite.nonzero().to(torch.int32))
         return scores
+
+    def truncated(self) -> bool:
+        """True when some step left some row less than the whole vocabulary."""
+        return any(step is not None for step in self.steps)
 
 
 class RecorderSlot:
@@ -105,15 +110,18 @@ def install_kept_set_recorder(model) -> RecorderSlot:
     return slot
 
 
-def kept_set_rows(recorder: KeptSetRecorder, token_mask: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+def kept_set_rows(recorder: KeptSetRecorder, token_mask: Tensor, *, always: bool = False
+                  ) -> Optional[Tuple[Tensor, Tensor]]:
     """``(tpo_kept_ids [N, P], tpo_kept_counts [N, C])`` (see the module docstring) of the recorded
     generation, for the completions' ``token_mask [N, C]`` (row n of the generation is row n of the
-    batch, step t its token t); None when no step truncated any row. Tokens outside ``token_mask``
-    get empty sets; steps beyond the recorded ones (padding) too."""
-    if all(step is None for step in recorder.steps):
+    batch, step t its token t); None when no step truncated any row, unless ``always`` (every set
+    then the whole vocabulary: another process's sampler truncated, and rows move between
+    processes with the same keys). Tokens outside ``token_mask`` get empty sets; steps beyond the
+    recorded ones (padding) too."""
+    if not recorder.truncated() and not always:
         return None
     num_rows, width = token_mask.shape
-    device, vocab = token_mask.device, recorder.vocab_size
+    device, vocab = token_mask.device, recorder.vocab_size or 0
     all_ids = torch.arange(vocab, device=device, dtype=torch.int32)
     rows, steps, ids = [], [], []
     for t, pairs in enumerate(recorder.steps[:width]):
@@ -133,7 +141,7 @@ def kept_set_rows(recorder: KeptSetRecorder, token_mask: Tensor) -> Optional[Tup
     totals = counts.sum(dim=1)
     first = totals.cumsum(0) - totals  # each row's first pair
     position = torch.arange(rows.numel(), device=device) - first[rows]
-    kept_ids = torch.full((num_rows, int(totals.max())), -1, dtype=torch.int32, device=device)
+    kept_ids = torch.full((num_rows, int(totals.max()) if num_rows else 0), -1, dtype=torch.int32, device=device)
     kept_ids[rows, position] = ids
     return kept_ids, counts.to(torch.int32)
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 from trl import GRPOTrainer
 
-from ... import SamplingMask
+from ... import SamplingMask, kit
 from .generation_batch import take_rows
 from .kept_sets import (KEPT_COUNTS, KEPT_IDS, KeptSetRecorder, RecorderSlot, install_kept_set_recorder,
                         kept_set_rows, sampling_mask_of, truncating_settings)
@@ -69,7 +70,7 @@ class KeptSetReplay(GRPOTrainer):
             batch = super()._generate_and_score_completions(inputs)
         finally:
             slot.recorder = None
-        kept = kept_set_rows(recorder, self._token_mask(batch))
+        kept = kept_set_rows(recorder, self._token_mask(batch), always=self._truncated_anywhere(recorder))
         if kept is None:
             return batch
         batch[KEPT_IDS], batch[KEPT_COUNTS] = kept
@@ -82,6 +83,17 @@ class KeptSetReplay(GRPOTrainer):
                                    "use beta=0.0")
             batch[key] = self._replayed_logprobs(model, batch).to(batch[key].dtype)
         return batch
+
+    def _truncated_anywhere(self, recorder: KeptSetRecorder) -> bool:
+        """Whether the sampler of any process truncated in this generation (one all-reduce of a
+        flag with several processes): then every process's rows carry kept sets, the whole
+        vocabulary where its own sampler truncated nothing, since the generation batch's rows move
+        between processes key by key (``_gather_generation_batch``) and their loss calls gather."""
+        truncated = recorder.truncated()
+        if self.accelerator.num_processes == 1:
+            return truncated
+        flag = torch.tensor([float(truncated)], device=self.accelerator.device)
+        return bool(kit.sum_over_ranks(flag, dist.group.WORLD, "kept_sets_recorded").item() > 0)
 
     def _replayed_logprobs(self, model, batch: Dict[str, Any]) -> torch.Tensor:
         """``model``'s token log-probs of the generation batch on its kept sets, in no-grad forwards of

@@ -195,8 +195,9 @@ class TargetPOTrainer(KeptSetReplay, GRPOTrainer):
 
     def _gather_generation_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         """The generation batch of every process, in process order: ``[rows, ...]`` tensors are
-        padded to a common width (prompts on the left, completions on the right, as TRL pads them)
-        and gathered; 0-dim tensors and None are kept."""
+        padded to a common width (prompts on the left, completions on the right, as TRL pads them;
+        kept ids with -1, kept counts with 0: no token) and gathered; 0-dim tensors and None are
+        kept. Every process must hold the same keys (one gather each, in the dict's order)."""
         pad_ids = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id,
                    KEPT_IDS: -1}
         group = self._world_group()
