@@ -27,7 +27,7 @@ import torch.distributed as dist
 import tpo_kernels
 from tpo_kernels import distributed as tpo_dist
 
-from _distributed_cases import _attempt, _leaf, _my_shard, _offsets
+from _distributed_cases import _attempt, _leaf, _my_shard, _offsets, attempt_bad_label_and_score
 
 VOCAB, HIDDEN = 37, 16
 _GROUP = None  # the ranks running the current cases (see run_all)
@@ -356,12 +356,7 @@ def failures_case(rank: int, world: int) -> dict:
     def attempt(name, fn):
         _attempt(outcomes, name, fn)
 
-    bad_labels = labels.clone()
-    bad_labels[0, 0] = VOCAB + 3
-    attempt("label_out_of_range", lambda: fused(labels=bad_labels if last else labels))
-    nan_scores = scores.clone()
-    nan_scores[1] = float("nan")
-    attempt("nan_score", lambda: fused(scores=nan_scores if last else scores))
+    attempt_bad_label_and_score(outcomes, fused, labels, scores, failing=last)
     attempt("scores_differ", lambda: fused(scores=scores + 1e-3 if last else scores))
     ids = batch["group_of"] * 5 + 2
     attempt("group_ids_differ", lambda: fused(group_size=None, group_ids=ids.flip(0) if last else ids))

@@ -500,6 +500,19 @@ def _attempt(outcomes: dict, name: str, fn) -> None:
         outcomes[name] = (type(exc).__name__, str(exc), time.monotonic() - start)
 
 
+def attempt_bad_label_and_score(outcomes: dict, fused, labels: torch.Tensor, scores: torch.Tensor, *,
+                                failing: bool) -> None:
+    """The bad inputs every failures case tries on its failing rank, the others passing theirs
+    unchanged: a label past the vocabulary (``label_out_of_range``) and a NaN score
+    (``nan_score``). ``fused(labels=..., scores=...)`` makes the call with one of them replaced."""
+    bad_labels = labels.clone()
+    bad_labels[0, 0] = VOCAB + 3
+    _attempt(outcomes, "label_out_of_range", lambda: fused(labels=bad_labels if failing else labels))
+    nan_scores = scores.clone()
+    nan_scores[1] = float("nan")
+    _attempt(outcomes, "nan_score", lambda: fused(scores=nan_scores if failing else scores))
+
+
 def failures_case(rank: int, world: int) -> dict:
     """Calls that fail on one rank (or whose ranks disagree): every rank must raise the same
     error, fast. Returns, per scenario, ``(error type, message, seconds)`` (None: no error)."""
@@ -521,12 +534,7 @@ def failures_case(rank: int, world: int) -> dict:
         return tpo_kernels.fused_linear_tpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"),
                                                  args.pop("scores"), **args)
 
-    bad_labels = labels.clone()
-    bad_labels[0, 0] = VOCAB + 3
-    attempt("label_out_of_range", lambda: fused(labels=bad_labels if last else labels))
-    nan_scores = scores.clone()
-    nan_scores[1] = float("nan")
-    attempt("nan_score", lambda: fused(scores=nan_scores if last else scores))
+    attempt_bad_label_and_score(outcomes, fused, labels, scores, failing=last)
     everything_masked = torch.full_like(labels, -100)
     attempt("no_counted_token_anywhere", lambda: fused(labels=everything_masked))
     attempt("compute_dtype", lambda: tpo_kernels.tpo_loss(

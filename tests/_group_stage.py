@@ -2,7 +2,7 @@
 it: token log-probs (``reference.token_logprobs``, plain autograd), the batch layout, the
 length-normalizing weights when asked, ``tpo_kernels::group_targets`` and the mean over groups.
 The tests of the group op's semantics (score_eps, length_normalize) compare it with
-``reference.tpo_loss``."""
+``reference.tpo_loss`` (``assert_matches_reference``)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,19 @@ def group_stage_loss(logits: Tensor, labels: Tensor, scores: Tensor, *, backend:
     rule = GroupRule(eta=eta, anchor=anchor, score_eps=score_eps, length_normalize=length_normalize)
     result = group_targets(token_lp, layout, scores.to(torch.float64), old_seq_logprobs=old_seq, rule=rule, backend=key)
     return result.group_loss.mean(), result
+
+
+def assert_matches_reference(logits: Tensor, labels: Tensor, scores: Tensor, *, backend: str, tol: float,
+                             **settings) -> tuple[GroupResult, dict]:
+    """``group_stage_loss`` on ``backend`` against ``reference.tpo_loss`` on the float64 logits with
+    the same ``settings``: the loss and its gradient in the logits agree at ``rtol = atol = tol``.
+    Returns the group op's result and the reference's aux, for the caller's per-completion checks."""
+    logits = logits.detach().requires_grad_(True)
+    loss, result = group_stage_loss(logits, labels, scores, backend=backend, **settings)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref_loss, aux = reference.tpo_loss(ref_logits, labels, scores, return_aux=True, **settings)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_logits)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=tol, atol=tol)
+    return result, aux

@@ -12,9 +12,6 @@ kernels run under the Triton interpreter.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,7 +22,8 @@ from tpo_kernels.backends import Backend
 from bench import kernel_report
 from tpo_kernels.group_math import pair_runs
 
-from _backends import DEVICE, ROOT, needs_triton, needs_triton_nvidia_compiler
+from _backends import DEVICE, needs_triton, needs_triton_nvidia_compiler
+from _triton_compile import assert_kernels_compile_without_spills, run_compiled_python
 
 pytestmark = needs_triton
 
@@ -263,11 +261,7 @@ def test_scatter_compiles_without_fused_multiply_add(tmp_path):
     product first (PyTorch's scatter_add adds the rounded ``g * inv_t``): the sm_90 PTX of the
     scatter has a multiply and no fma, in fp32 and fp64."""
     out = tmp_path / "ptx.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    result = subprocess.run([sys.executable, "-c", _SCATTER_PTX_SCRIPT, str(out)], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_compiled_python("-c", _SCATTER_PTX_SCRIPT, out)
     ptx = json.loads(out.read_text())
     assert sorted(ptx) == ["torch.float32", "torch.float64"]
     for dtype, text in ptx.items():
@@ -285,13 +279,4 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
     """The interpreter accepts programs the compiler may reject: the kernel report's launch capture
     compiles every candidate kernel as its launcher specializes it (no GPU needed), including the
     segment and combine passes of the weight gradient (the report's scenario has a long run)."""
-    out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(out)], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = [kernel_report.KernelRow.from_json(d) for d in json.loads(out.read_text())]
-    for arch in ("sm_80", "sm_90"):
-        assert {r.kernel for r in rows if r.arch.startswith(arch)} == KERNELS
-    assert not [(r.kernel, r.arch, r.dtype) for r in rows if r.spilled]
+    assert_kernels_compile_without_spills(_COMPILE_SCRIPT, KERNELS, tmp_path / "rows.json")

@@ -7,11 +7,7 @@ Rows are ragged (sets of 0..~100 ids), padded sets have holes (-1), a counted la
 gives a NaN log-prob with the statistics computed, and an empty set does not count.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,7 +17,8 @@ from tpo_kernels.backends import get_backend
 from tpo_kernels.backends.kept_sets import LABEL_OUTSIDE, NOT_COUNTED, KeptSets
 from tpo_kernels.group_math import pair_runs
 
-from _backends import ROOT, backend_params, needs_triton
+from _backends import backend_params, needs_triton
+from _triton_compile import assert_kernels_compile_without_spills
 
 BACKENDS = backend_params("torch", "cpu")  # gradchecks: many calls, not interpreted
 KERNEL_BACKENDS = BACKENDS + backend_params("triton")  # one call each (tiny: interpreted here)
@@ -527,16 +524,7 @@ def test_the_triton_kept_kernels_compile_for_sm80_and_sm90_without_spills(tmp_pa
 
     if kernel_report.triton_tool("cuobjdump") is None:
         pytest.skip("Triton's NVIDIA tools are absent")
-    out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(out)], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = [kernel_report.KernelRow.from_json(d) for d in json.loads(out.read_text())]
-    for arch in ("sm_80", "sm_90"):
-        assert {r.kernel for r in rows if r.arch.startswith(arch)} == KEPT_KERNELS
-    assert not [(r.kernel, r.arch, r.dtype) for r in rows if r.spilled]
+    assert_kernels_compile_without_spills(_COMPILE_SCRIPT, KEPT_KERNELS, tmp_path / "rows.json")
 
 
 # ----------------------------------------------------------------------------- the CUDA kernels (GPU)

@@ -6,9 +6,7 @@ report (every kernel, sm_80 and sm_90) runs in .ci/run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -16,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench import kernel_report as KR
+
+from _triton_compile import compiled_kernel_rows, run_compiled_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -394,11 +394,7 @@ def test_triton_launches_compiled_as_specialized_and_a_spill_found(tmp_path):
     (tmp_path / "spill_kernel.py").write_text(SPILL_KERNEL)
     (tmp_path / "run.py").write_text(TRITON_SCRIPT)
     out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(out), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_compiled_python(tmp_path / "run.py", out, tmp_path)
     rows = [KR.KernelRow.from_json(d) for d in json.loads(out.read_text())]
     by = {(r.kernel, r.used_by[0]): r for r in rows}
     fwd = by[("_row_forward_kernel", "row fwd+bwd V=151936")]
@@ -462,15 +458,10 @@ def test_triton_row_loops_issue_within_1_3x_of_the_cuda_kernels_per_element(tmp_
     from bench.kernel_report.loops import binary_loops
     from bench.kernel_report.parse import ROW_KERNELS
 
-    out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-c", ROW_LOOPS_SCRIPT, str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = compiled_kernel_rows(ROW_LOOPS_SCRIPT, tmp_path / "rows.json")
     cuda = {(l.kernel, l.dtype, l.variant): l.common_per_element for l in binary_loops(_built_cuda_with_sm90(), "90")}
     compared = set()
-    for row in (KR.KernelRow.from_json(d) for d in json.loads(out.read_text())):
+    for row in rows:
         variant = "entropy" if "ENTROPY=1" in row.spec or "ENTROPY_GRAD=1" in row.spec else "plain"
         key = (row.kernel.lstrip("_"), row.dtype, variant)
         (per_element,) = row.loop_insts_per_element

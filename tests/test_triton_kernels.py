@@ -7,9 +7,6 @@ input values, so they use the fp32 tolerance; bf16/fp16 gradients are rounded to
 on output, so they are compared at one output ulp (bf16 rtol=atol=1e-2, fp16 2e-3).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +17,7 @@ from tpo_kernels.backends import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
 from _backends import BACKEND_STATUS, DEVICE, backend_available, needs_triton_nvidia_compiler, stats_logprob_entropy
+from _triton_compile import run_compiled_python
 
 if not backend_available("triton"):
     pytest.skip(f"triton backend: {BACKEND_STATUS['triton']}", allow_module_level=True)
@@ -572,15 +570,5 @@ def test_kernels_compile_for_sm80_and_sm90():
     """The interpreter accepts some programs the compiler rejects: compile every kernel variant to
     a cubin (no GPU needed) with the interpreter switched off. Rows whose length is not a multiple
     of 16 still read (and, with out's rows aligned like the logits', write) 16 bytes at a time."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+    result = run_compiled_python("-c", _COMPILE_SCRIPT, timeout=300)
+    assert "compiled" in result.stdout
