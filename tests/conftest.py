@@ -44,6 +44,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# The shared helpers (tests/_*.py) assert too: pytest rewrites their asserts as it does the tests',
+# so a failing comparison inside one shows its values. Registered before any of them is imported.
+pytest.register_assert_rewrite(*sorted(path.stem for path in Path(__file__).parent.glob("_*.py")))
+
 import tpo_kernels  # noqa: E402
 from _backends import HAS_GPU  # noqa: E402
 
