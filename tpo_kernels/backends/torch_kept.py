@@ -99,12 +99,22 @@ def kept_linear_forward(hidden: Tensor, weight: Tensor, kept: KeptSets, *, bias:
     ids, hole, outside = _pair_ids(kept, weight.shape[0])
     num_pairs, hidden_size = kept.num_pairs, weight.shape[1]
     out = torch.empty(num_pairs, dtype=acc, device=hidden.device)
-    step = max(1, _CHUNK_ELEMENTS // max(hidden_size, 1))
-    for start in range(0, num_pairs, step):
-        pairs = slice(start, min(start + step, num_pairs))
-        w = weight.index_select(0, ids[pairs]).to(acc)
-        h = hidden.index_select(0, kept.rows[pairs]).to(acc)
-        out[pairs] = w.mul_(h).sum(-1)
+    width = kept.width
+    if width:  # uniform rows (the padded form, candidates): row r's pairs read hidden[r] uncopied
+        step = max(1, _CHUNK_ELEMENTS // max(width * hidden_size, 1))
+        hidden = hidden.reshape(-1, hidden_size)
+        for start in range(0, kept.num_rows, step):
+            rows = slice(start, min(start + step, kept.num_rows))
+            pairs = slice(rows.start * width, rows.stop * width)
+            w = weight.index_select(0, ids[pairs]).to(acc).view(-1, width, hidden_size)
+            out[pairs] = w.mul_(hidden[rows].to(acc).unsqueeze(1)).sum(-1).view(-1)
+    else:
+        step = max(1, _CHUNK_ELEMENTS // max(hidden_size, 1))
+        for start in range(0, num_pairs, step):
+            pairs = slice(start, min(start + step, num_pairs))
+            w = weight.index_select(0, ids[pairs]).to(acc)
+            h = hidden.index_select(0, kept.rows[pairs]).to(acc)
+            out[pairs] = w.mul_(h).sum(-1)
     if bias is not None:
         out += bias[ids].to(acc)
     return _mark(out, hole, outside)
