@@ -6,7 +6,7 @@
 // Python ints from tensor.data_ptr(); an optional pointer may be left out, None or 0). A missing,
 // unknown or ill-typed keyword raises TypeError; a struct that would make a kernel read or write
 // out of bounds (null pointers, negative or inconsistent sizes, a bad dtype code) raises
-// ValueError. Ids (labels, candidates) are not checked here: every kernel, CPU and CUDA, guards
+// ValueError. Ids (labels, kept ids) are not checked here: every kernel, CPU and CUDA, guards
 // each id where it touches memory (DESIGN.md, "Ids outside the vocabulary"), so that all backends
 // give the same results for an id outside [0, vocab) instead of one of them raising.
 //
@@ -178,25 +178,6 @@ inline RowBackwardArgs row_backward_args(Kwargs& in) {
   return a;
 }
 
-inline CandidateArgs candidate_args(Kwargs& in, CandidateOp op) {
-  CandidateArgs a{};
-  a.dtype = in.small_integer("dtype");
-  a.rows = in.integer("rows");
-  a.vocab = in.integer("vocab");
-  a.row_stride = in.integer("row_stride");
-  a.candidates = in.pointer<const int64_t>("candidates");
-  a.num_candidates = in.integer("num_candidates");
-  a.inv_temperature = in.real("inv_temperature");
-  if (op == CandidateOp::kForward) {
-    a.logits = in.pointer<const void>("logits");
-    a.cand_logits = in.pointer<void>("cand_logits");
-  } else {
-    a.grad_cand = in.pointer<const void>("grad_cand");
-    a.out = in.pointer<void>("out");
-  }
-  return a;
-}
-
 inline KeptDotArgs kept_dot_args(Kwargs& in) {
   KeptDotArgs a{};
   a.dtype = in.small_integer("dtype");
@@ -357,29 +338,6 @@ inline void check_args(const RowBackwardArgs& a) {
         "in-place backward needs out_row_stride == row_stride and out_batch_stride == batch_stride");
 }
 
-inline void check_args(const CandidateArgs& a, CandidateOp op) {
-  check_dtype(a.dtype);
-  check_matrix(a.rows, a.vocab, a.row_stride);
-  check_inv_temperature(a.inv_temperature);
-  check(a.num_candidates >= 0,
-        "num_candidates must be >= 0, got " + std::to_string(a.num_candidates));
-  // rows * num_candidates ids are read (each guarded by the kernel): the count must fit in int64.
-  check(a.num_candidates == 0 || a.rows <= std::numeric_limits<int64_t>::max() / a.num_candidates,
-        "rows x num_candidates overflows int64: rows " + std::to_string(a.rows) + ", num_candidates " +
-            std::to_string(a.num_candidates));
-  if (a.rows == 0) return;
-  if (op == CandidateOp::kForward) {
-    if (a.num_candidates == 0) return;
-    check_pointer(a.logits, "logits");
-    check_pointer(a.cand_logits, "cand_logits");
-  } else {
-    check_pointer(a.out, "out");  // zero-filled even without candidates
-    if (a.num_candidates == 0) return;
-    check_pointer(a.grad_cand, "grad_cand");
-  }
-  check_pointer(a.candidates, "candidates");
-}
-
 // Where a CSR's offsets live. kHost (the CPU binding): they bound every pair the kernels read and
 // write, so they are checked value by value. kDevice (the CUDA binding): the host cannot read them;
 // only the pointer is checked, and the kernels clamp each row's range to [0, num_pairs) (tpo_abi.h,
@@ -491,13 +449,6 @@ constexpr const char* kRowBackwardDoc =
     "out, out_row_stride, out_batch_stride=0): rows laid out as in row_forward; out[r, v] = it * "
     "(g (onehot - p) - ge p (log p + H)); out may be logits (in place); rows with g == ge == 0 "
     "are zero-filled without reading logits (csrc/tpo_abi.h).";
-constexpr const char* kCandidateForwardDoc =
-    "candidate_forward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
-    "inv_temperature, logits, cand_logits): cand_logits[r, k] = logits[r, candidates[r, k]] * it.";
-constexpr const char* kCandidateBackwardDoc =
-    "candidate_backward(*, dtype, rows, vocab, row_stride, candidates, num_candidates, "
-    "inv_temperature, grad_cand, out): out = 0 except out[r, candidates[r, k]] += grad_cand[r, k] "
-    "* it, duplicates summed in ascending k.";
 constexpr const char* kRaggedRowForwardDoc =
     "ragged_row_forward(*, dtype, rows, num_pairs, kept_logits, ids, offsets, label_slot, inv_temperature, "
     "row_max, log_sum, logprob, entropy=0): the row forward over row r = kept_logits[offsets[r]:offsets[r + 1]] "

@@ -3,9 +3,9 @@
 //
 // Each op reads its keyword arguments into its ABI struct (tpo_abi.h) and checks it
 // (binding_args.h: null pointers, sizes, dtype code) before the kernels touch anything. Ids
-// (labels, candidates) are guarded by the kernels themselves, as on the CUDA backend: a label
-// >= vocab gives NaN, a candidate outside [0, vocab) NaN or no write (DESIGN.md, "Ids outside the
-// vocabulary"). Every op also takes an optional
+// (labels, kept ids) are guarded by the kernels themselves, as on the CUDA backend: a label
+// >= vocab gives NaN, a kept id outside [0, vocab) -inf (a hole) or NaN (DESIGN.md, "Ids outside
+// the vocabulary"). Every op also takes an optional
 // num_threads (the cpu backend passes torch.get_num_threads(); csrc/cpu/parallel.h).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -22,7 +22,6 @@ namespace py = pybind11;
 
 namespace {
 
-using tpo::CandidateOp;
 using tpo::binding::Kwargs;
 
 // The thread budget of one call: num_threads when given, else the number of hardware threads.
@@ -54,26 +53,6 @@ void row_backward(const py::kwargs& kwargs) {
   tpo::binding::check_args(args);
   py::gil_scoped_release release;
   tpo::cpu::row_backward(args, threads);
-}
-
-void candidate_forward(const py::kwargs& kwargs) {
-  Kwargs in(kwargs, "candidate_forward");
-  const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kForward);
-  const int threads = num_threads(kwargs, in, "candidate_forward");
-  in.finish();
-  tpo::binding::check_args(args, CandidateOp::kForward);
-  py::gil_scoped_release release;
-  tpo::cpu::candidate_forward(args, threads);
-}
-
-void candidate_backward(const py::kwargs& kwargs) {
-  Kwargs in(kwargs, "candidate_backward");
-  const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kBackward);
-  const int threads = num_threads(kwargs, in, "candidate_backward");
-  in.finish();
-  tpo::binding::check_args(args, CandidateOp::kBackward);
-  py::gil_scoped_release release;
-  tpo::cpu::candidate_backward(args, threads);
 }
 
 void kept_linear_forward(const py::kwargs& kwargs) {
@@ -158,8 +137,6 @@ PYBIND11_MODULE(_C_cpu, m) {
       "num_threads (>= 1; default: the hardware threads): the most threads it runs on.";
   m.def("row_forward", &row_forward, tpo::binding::kRowForwardDoc);
   m.def("row_backward", &row_backward, tpo::binding::kRowBackwardDoc);
-  m.def("candidate_forward", &candidate_forward, tpo::binding::kCandidateForwardDoc);
-  m.def("candidate_backward", &candidate_backward, tpo::binding::kCandidateBackwardDoc);
   m.def("kept_linear_forward", &kept_linear_forward, tpo::binding::kKeptLinearForwardDoc);
   m.def("ragged_row_forward", &ragged_row_forward, tpo::binding::kRaggedRowForwardDoc);
   m.def("ragged_row_backward", &ragged_row_backward, tpo::binding::kRaggedRowBackwardDoc);

@@ -3,8 +3,8 @@
 // (torch.cuda.current_stream().cuda_stream). No torch headers, no torch C++ ABI.
 //
 // Each op reads its keyword arguments into its ABI struct (tpo_abi.h) plus `device` and `stream`,
-// and checks the struct (binding_args.h) before anything is launched. Ids (labels, candidates,
-// kept ids) and the kept sets' offsets and label slots live on the device and are not inspected
+// and checks the struct (binding_args.h) before anything is launched. Ids (labels, kept
+// ids) and the kept sets' offsets and label slots live on the device and are not inspected
 // here (OffsetsIn::kDevice): the kernels never dereference an out-of-range id and clamp every
 // row's pair range to [0, num_pairs) (cuda/launch.h).
 #include <pybind11/pybind11.h>
@@ -19,7 +19,6 @@ namespace py = pybind11;
 
 namespace {
 
-using tpo::CandidateOp;
 using tpo::binding::Kwargs;
 using tpo::binding::OffsetsIn;
 
@@ -54,26 +53,6 @@ void row_backward(const py::kwargs& kwargs) {
   tpo::binding::check_args(args);
   py::gil_scoped_release release;
   raise_if(tpo::cuda::row_backward(args, launch), "row_backward");
-}
-
-void candidate_forward(const py::kwargs& kwargs) {
-  Kwargs in(kwargs, "candidate_forward");
-  const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kForward);
-  const tpo::cuda::Launch launch = launch_args(in);
-  in.finish();
-  tpo::binding::check_args(args, CandidateOp::kForward);
-  py::gil_scoped_release release;
-  raise_if(tpo::cuda::candidate_forward(args, launch), "candidate_forward");
-}
-
-void candidate_backward(const py::kwargs& kwargs) {
-  Kwargs in(kwargs, "candidate_backward");
-  const tpo::CandidateArgs args = tpo::binding::candidate_args(in, CandidateOp::kBackward);
-  const tpo::cuda::Launch launch = launch_args(in);
-  in.finish();
-  tpo::binding::check_args(args, CandidateOp::kBackward);
-  py::gil_scoped_release release;
-  raise_if(tpo::cuda::candidate_backward(args, launch), "candidate_backward");
 }
 
 void group_targets(const py::kwargs& kwargs) {
@@ -150,8 +129,6 @@ PYBIND11_MODULE(_C_cuda, m) {
       "memory: not checked here, each kernel clamps a row's pairs to [0, num_pairs).";
   m.def("row_forward", &row_forward, tpo::binding::kRowForwardDoc);
   m.def("row_backward", &row_backward, tpo::binding::kRowBackwardDoc);
-  m.def("candidate_forward", &candidate_forward, tpo::binding::kCandidateForwardDoc);
-  m.def("candidate_backward", &candidate_backward, tpo::binding::kCandidateBackwardDoc);
   m.def("group_targets", &group_targets,
         "group_targets(*, dtype, num_groups, token_logprobs, seq_start, seq_len, group_offsets, "
         "group_members, scores, old_seq_logprobs=0, seq_log_weights=0, eta, score_eps, anchor, seq_logprobs, u, p, q, "

@@ -3,7 +3,7 @@
 // Everything here is a plain inline function usable on both sides: TPO_HD expands to
 // `__host__ __device__ __forceinline__` under nvcc and to `inline` for the host compiler, so the
 // CPU build (and therefore CPU CI) runs the very arithmetic the CUDA kernels use: the bf16/fp16
-// conversions, exp2, the online softmax, the gradient element and the candidate gather/scatter.
+// conversions, exp2, the online softmax, and the gradient element.
 //
 // Math, for one row z[0..V) of raw logits, inverse temperature it and label y:
 //   m     = max_v z_v                    (raw, so z - m is exact for nearby logits)
@@ -475,39 +475,6 @@ TPO_HD A grad_label(A lp, A g, A ge, A entropy, A inv_t) {
   const A p = acc_exp(lp);
   const A safe_lp = p > A(0) ? lp : -entropy;
   return (-g * acc_expm1(lp) - ge * p * (safe_lp + entropy)) * inv_t;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Candidate gather / scatter (token-level TPO)
-// ---------------------------------------------------------------------------------------------
-
-// logits[c] * it for one candidate id of a row; an id outside [0, vocab) is not dereferenced
-// and gives NaN.
-template <class T>
-TPO_HD acc_t<T> gather_candidate(const T* row, int64_t c, int64_t vocab, acc_t<T> it) {
-  return (c >= 0 && c < vocab) ? Elem<T>::load(row[c]) * it : acc_t<T>(quiet_nan_f());
-}
-
-// Scatter of one row's K candidate gradients into `row` (already zero): each distinct id c gets
-// the sum of grad[k] * it over the k with cand[k] == c, in ascending k starting from 0, as a
-// column-by-column scatter_add would; it is written once, so the result is deterministic with
-// no atomics. Ids outside [0, vocab) are ignored.
-template <class T>
-TPO_HD void scatter_candidates(const acc_t<T>* grad, const int64_t* cand, int64_t k,
-                               int64_t vocab, acc_t<T> it, T* row) {
-  using A = acc_t<T>;
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t c = cand[j];
-    if (c < 0 || c >= vocab) continue;
-    bool seen = false;  // already written with an earlier occurrence
-    for (int64_t i = 0; i < j; ++i) seen = seen || cand[i] == c;
-    if (seen) continue;
-    A acc = A(0);
-    for (int64_t i = j; i < k; ++i) {
-      if (cand[i] == c) acc += grad[i] * it;
-    }
-    row[c] = Elem<T>::store(acc);
-  }
 }
 
 }  // namespace tpo

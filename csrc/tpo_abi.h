@@ -8,7 +8,7 @@
 // Conventions shared by every struct:
 //  * pointers are raw addresses of host memory (CPU) or device memory (CUDA); an optional
 //    pointer is null when absent;
-//  * "compute dtype": per-row and per-candidate values are double for kFloat64 matrices and
+//  * "compute dtype": per-row and per-pair values are double for kFloat64 matrices and
 //    float for every other element type;
 //  * a [rows, vocab] matrix has unit column stride and `row_stride` elements between rows
 //    (row_stride >= vocab);
@@ -18,7 +18,7 @@
 //    b * batch_stride + t * row_stride (row_offset in row_math.h). A plain matrix is the batch of
 //    one: rows_per_batch = rows, batch_stride = 0 (the bindings' defaults). One launch covers
 //    the batch.
-//  * ids (labels, candidates) are int64; a negative label marks a row that is skipped. The
+//  * ids (labels, kept ids) are int64; a negative label marks a row that is skipped. The
 //    kernels guard every id against [0, vocab) where they touch memory (the bindings do not
 //    check ids): DESIGN.md, "Ids outside the vocabulary".
 #pragma once
@@ -81,29 +81,6 @@ struct RowBackwardArgs {
   void* out;                 // [rows, vocab], out_row_stride between rows
   int64_t out_row_stride;
   int64_t out_batch_stride;  // >= 0, elements between out's batch entries
-};
-
-// Candidate ops of token-level TPO, K = num_candidates ids per row of a [rows, vocab] matrix:
-//   forward (gather):  cand_logits[r, k] = logits[r, candidates[r, k]] * it
-//   backward (scatter): out = 0 except out[r, c] = sum over k with candidates[r, k] == c of
-//                       grad_cand[r, k] * it, summed in ascending k (deterministic).
-// The matrix (logits for the forward, out for the backward) has `dtype`, `vocab` columns and
-// `row_stride`; the [rows, K] arrays are contiguous, in the compute dtype. Each op uses its own
-// two pointers and leaves the other two null.
-enum class CandidateOp : int { kForward = 0, kBackward = 1 };
-
-struct CandidateArgs {
-  int dtype;                 // element type of the [rows, vocab] matrix
-  int64_t rows;
-  int64_t vocab;
-  int64_t row_stride;
-  const int64_t* candidates; // [rows, num_candidates]
-  int64_t num_candidates;
-  double inv_temperature;
-  const void* logits;        // forward: read
-  void* cand_logits;         // forward: written
-  const void* grad_cand;     // backward: read
-  void* out;                 // backward: written
 };
 
 // Kept-set dot products (sampling-mask replay on the fused head): for each row r and each pair p

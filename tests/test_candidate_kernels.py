@@ -1,9 +1,10 @@
-"""The Triton candidate kernels of token-level TPO, op by op (the losses built on them are tested
-end to end in test_token_level.py), and where the cuda backend gets its fused-linear candidate ops.
+"""The Triton kept-set kernels on token-level TPO's candidates (``[R, K]`` ids as kept sets of K
+pairs per row, :meth:`KeptSets.from_candidates`), op by op (the losses built on them are tested end
+to end in test_token_level.py; ragged sets in test_kept_kernels.py).
 
-Logits path: equal to the PyTorch default ops bit for bit in fp32 / fp64 (same order of sums, each
-product rounded before its sum: the compiled scatter has no FMA; the interpreter's bf16 / fp16
-casts may round one output ulp differently), duplicates summed in
+Logits path: equal to the PyTorch default ops bit for bit in fp32 / fp64 (same order of sums; the
+op multiplies by ``inv_t`` before the scatter, so each product is rounded before its sum; the
+interpreter's bf16 / fp16 casts may round one output ulp differently), duplicates summed in
 ascending k order, any strides of ``out``. Fused-linear path: dH, dW and db against float64 sums
 over the (state, candidate) pairs, at 1e-5 (fp32) and 1e-12 (fp64), on uniform and skewed
 candidates whose runs cross the weight-gradient segments (64 pairs) in every way; bitwise
@@ -11,19 +12,18 @@ repeatable. Kernels compile for sm_80 / sm_90 without spills. Shapes stay small:
 kernels run under the Triton interpreter.
 """
 
-import json
 import textwrap
 
 import pytest
 import torch
 
-import tpo_kernels.backends.torch_candidates as torch_ops
-from tpo_kernels.backends import Backend
+import tpo_kernels.backends.torch_kept as torch_ops
 from bench import kernel_report
+from tpo_kernels.backends.kept_sets import KeptSets
 from tpo_kernels.group_math import pair_runs
 
-from _backends import DEVICE, needs_triton, needs_triton_nvidia_compiler
-from _triton_compile import assert_kernels_compile_without_spills, run_compiled_python
+from _backends import DEVICE, needs_triton
+from _triton_compile import assert_kernels_compile_without_spills
 
 pytestmark = needs_triton
 
@@ -34,14 +34,17 @@ SEGMENT = 64  # candidate_weight_grad.SEGMENT_PAIRS, spelled out: the cases belo
 
 @pytest.fixture(scope="module")
 def ck():
-    from tpo_kernels.backends.triton import candidate_kernels
+    from tpo_kernels.backends.triton import kept_kernels
 
-    return candidate_kernels
+    return kept_kernels
+
+
+def _sets(cands):
+    return KeptSets.from_candidates(cands)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_gather_and_scatter_match_default_ops(ck, dtype):
-    default = Backend()
     gen = torch.Generator().manual_seed(12)
     num_states, num_cand, vocab = 5, 6, 1500
     logits = torch.randn(num_states, vocab, generator=gen).to(dtype).to(DEVICE)
@@ -49,14 +52,15 @@ def test_gather_and_scatter_match_default_ops(ck, dtype):
     cands[0, 3] = cands[0, 1]
     cands[1] = vocab - 1
     cands = cands.to(DEVICE)
+    kept = _sets(cands)
+    got = ck.kept_gather(logits, kept)
+    assert torch.equal(got, torch_ops.kept_gather(logits, kept))
     for inv_t in (1.0, 1 / 0.7):
-        got = ck.candidate_forward(logits, cands, inv_temperature=inv_t)
-        assert torch.equal(got, default.candidate_forward(logits, cands, inv_temperature=inv_t))
-        grad = torch.randn(num_states, num_cand, generator=gen, dtype=got.dtype).to(DEVICE)
+        grad = torch.randn(num_states * num_cand, generator=gen, dtype=got.dtype).to(DEVICE) * inv_t
         out = torch.full_like(logits, float("nan"))
         expected = torch.empty_like(logits)
-        ck.candidate_backward(grad, cands, inv_temperature=inv_t, out=out)
-        default.candidate_backward(grad, cands, inv_temperature=inv_t, out=expected)
+        ck.kept_scatter(grad, kept, out=out)
+        torch_ops.kept_scatter(grad, kept, out=expected)
         if dtype in (torch.float32, torch.float64) or DEVICE.type == "cuda":
             assert torch.equal(out, expected)
         else:  # the interpreter's float -> bf16/fp16 cast may round differently: one output ulp
@@ -67,7 +71,7 @@ def test_gather_and_scatter_match_default_ops(ck, dtype):
 
 def test_scatter_sums_duplicates_in_ascending_k_order(ck):
     """Sums that depend on the order: (0 + 1e8 + 1) - 1e8 is 0 in fp32, any other order gives 1
-    or 2. K = 70 spans two 64-lane chunks, with copies of one id in both."""
+    or 2. K = 70 spans five 16-lane blocks, with copies of one id in the first and the last."""
     grad = torch.zeros(2, 70)
     cands = torch.arange(70).repeat(2, 1)
     cands[0, [3, 10, 66]] = 7
@@ -75,9 +79,10 @@ def test_scatter_sums_duplicates_in_ascending_k_order(ck):
     cands[1, [5, 69]] = 0
     grad[1, [0, 5, 69]] = torch.tensor([1.0, 1e8, -1e8])
     out = torch.full((2, 80), float("nan"), device=DEVICE)
-    ck.candidate_backward(grad.to(DEVICE), cands.to(DEVICE), inv_temperature=1.0, out=out)
+    kept = _sets(cands.to(DEVICE))
+    ck.kept_scatter(grad.reshape(-1).to(DEVICE), kept, out=out)
     expected = torch.empty_like(out)
-    torch_ops.candidate_backward(grad.to(DEVICE), cands.to(DEVICE), inv_temperature=1.0, out=expected)
+    torch_ops.kept_scatter(grad.reshape(-1).to(DEVICE), kept, out=expected)
     assert torch.equal(out, expected)
     assert out[0, 7] == 0 and out[1, 0] == 0
     assert bool((out[:, 70:] == 0).all())  # ids no candidate holds: zero, not left as they were
@@ -87,7 +92,7 @@ def test_scatter_into_strided_out(ck):
     cands = torch.tensor([[1, 1, 4], [0, 2, 3]], device=DEVICE)
     grad = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], device=DEVICE)
     out = torch.full((5, 2), float("nan"), device=DEVICE).T  # [2, 5], column stride 2
-    ck.candidate_backward(grad, cands, inv_temperature=0.5, out=out)
+    ck.kept_scatter(grad.reshape(-1) * 0.5, _sets(cands), out=out)
     expected = torch.tensor([[0.0, 1.5, 0.0, 0.0, 1.5], [2.0, 0.0, 2.5, 3.0, 0.0]], device=DEVICE)
     assert torch.equal(out, expected)
 
@@ -140,8 +145,9 @@ def test_linear_backward_matches_pair_sums(ck, case, dtype, hidden_size):
     args = [t.to(DEVICE) for t in (grad, hidden, weight, cands)]
     runs = pair_runs(args[3])
     for with_hidden, with_weight, with_bias in ((True, True, True), (False, False, True), (False, True, False)):
-        dhidden, dweight, dbias = ck.candidate_linear_backward(
-            *args, runs=runs, with_hidden=with_hidden, with_weight=with_weight, with_bias=with_bias
+        dhidden, dweight, dbias = ck.kept_linear_backward(
+            args[0].reshape(-1), args[1], args[2], _sets(args[3]), runs=runs, with_hidden=with_hidden,
+            with_weight=with_weight, with_bias=with_bias,
         )
         for got, expected, wanted in ((dhidden, expected_h, with_hidden), (dweight, expected_w, with_weight),
                                       (dbias, expected_b, with_bias)):
@@ -158,8 +164,8 @@ def test_linear_forward_matches_default_op(ck, dtype):
     hidden = torch.randn(6, 40, generator=gen, dtype=dtype).to(DEVICE)
     weight = torch.randn(29, 40, generator=gen, dtype=dtype).to(DEVICE)
     bias = torch.randn(29, generator=gen, dtype=dtype).to(DEVICE)
-    got = ck.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=0.8)
-    expected = torch_ops.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=0.8)
+    got = ck.kept_linear_forward(hidden, weight, _sets(cands), bias=bias)
+    expected = torch_ops.kept_linear_forward(hidden, weight, _sets(cands), bias=bias)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
@@ -172,45 +178,9 @@ def test_linear_backward_is_bitwise_repeatable(ck, case):
     weight = torch.randn(29, 40, generator=gen).to(DEVICE)
     grad = torch.randn(cands.shape, generator=gen).to(DEVICE)
     flags = dict(runs=pair_runs(cands), with_hidden=True, with_weight=True, with_bias=True)
-    first = ck.candidate_linear_backward(grad, hidden, weight, cands, **flags)
-    second = ck.candidate_linear_backward(grad, hidden, weight, cands, **flags)
+    first = ck.kept_linear_backward(grad.reshape(-1), hidden, weight, _sets(cands), **flags)
+    second = ck.kept_linear_backward(grad.reshape(-1), hidden, weight, _sets(cands), **flags)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-
-
-# ----------------------------------------------------------------------------- the cuda backend
-
-
-def test_cuda_backend_takes_triton_linear_ops_when_triton_is_usable(ck):
-    from tpo_kernels.backends.cuda import linear_candidate_ops
-
-    assert linear_candidate_ops(None) is ck
-    assert linear_candidate_ops("no CUDA device") is torch_ops
-
-
-def test_cuda_backend_linear_ops_run_the_chosen_module(ck, monkeypatch):
-    """CudaBackend's fused-linear candidate ops call the Triton launchers (Triton is usable here:
-    on a GPU, or under the interpreter), forwarding every argument."""
-    from tpo_kernels.backends.cuda import CudaBackend
-
-    calls = []
-
-    def spy(name):
-        def record(*args, **kwargs):
-            calls.append((name, len(args), sorted(kwargs)))
-            return name
-
-        return record
-
-    monkeypatch.setattr(ck, "candidate_linear_forward", spy("forward"))
-    monkeypatch.setattr(ck, "candidate_linear_backward", spy("backward"))
-    backend = CudaBackend()
-    t = torch.zeros(1)
-    assert backend.candidate_linear_forward(t, t, t, bias=None, inv_temperature=1.0) == "forward"
-    assert backend.candidate_linear_backward(
-        t, t, t, t, runs=None, with_hidden=True, with_weight=False, with_bias=False
-    ) == "backward"
-    assert calls == [("forward", 3, ["bias", "inv_temperature"]),
-                     ("backward", 4, ["runs", "with_bias", "with_hidden", "with_weight"])]
 
 
 # ----------------------------------------------------------------------------- GPU code generation
@@ -228,55 +198,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     """
 )
 
-_SCATTER_PTX_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import JITFunction
-    from bench.kernel_report.triton import _CompileOnlyDriver
-    from tpo_kernels.backends.triton import candidate_kernels as ck
-
-    driver.set_active(_CompileOnlyDriver(90))
-    original_run, ptx = JITFunction.run, {}
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        ptx[str(kwargs.get("grad_ptr", args[0]).dtype)] = kernel.asm["ptx"]
-        return kernel
-
-    JITFunction.run = compile_only
-    for dtype in (torch.float32, torch.float64):
-        cands = torch.randint(0, 40, (3, 6))
-        ck.candidate_backward(torch.ones(3, 6, dtype=dtype), cands, inv_temperature=1 / 0.7,
-                              out=torch.empty(3, 40, dtype=dtype))
-    json.dump(ptx, open(sys.argv[1], "w"))
-    """
-)
-
-
-@needs_triton_nvidia_compiler
-def test_scatter_compiles_without_fused_multiply_add(tmp_path):
-    """The bitwise match with the default ops holds on a GPU only if ``acc + g * inv_t`` rounds the
-    product first (PyTorch's scatter_add adds the rounded ``g * inv_t``): the sm_90 PTX of the
-    scatter has a multiply and no fma, in fp32 and fp64."""
-    out = tmp_path / "ptx.json"
-    run_compiled_python("-c", _SCATTER_PTX_SCRIPT, out)
-    ptx = json.loads(out.read_text())
-    assert sorted(ptx) == ["torch.float32", "torch.float64"]
-    for dtype, text in ptx.items():
-        assert "fma." not in text, dtype
-        assert ("mul.rn.f32" if dtype == "torch.float32" else "mul.rn.f64") in text
-
-
-KERNELS = {"_candidate_gather_kernel", "_candidate_scatter_kernel", "_candidate_dot_kernel",
-           "_candidate_dot_hidden_grad_kernel", "_weight_grad_run_kernel", "_weight_grad_segment_kernel",
-           "_weight_grad_combine_kernel"}
+KERNELS = {"_kept_gather_kernel", "_kept_scatter_kernel", "_kept_dot_kernel", "_kept_hidden_grad_kernel",
+           "_weight_grad_run_kernel", "_weight_grad_segment_kernel", "_weight_grad_combine_kernel"}
 
 
 @pytest.mark.skipif(kernel_report.triton_tool("cuobjdump") is None, reason="Triton's NVIDIA tools are absent")
 def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
     """The interpreter accepts programs the compiler may reject: the kernel report's launch capture
-    compiles every candidate kernel as its launcher specializes it (no GPU needed), including the
+    compiles every kernel the candidates run as its launcher specializes it (no GPU needed), including the
     segment and combine passes of the weight gradient (the report's scenario has a long run)."""
     assert_kernels_compile_without_spills(_COMPILE_SCRIPT, KERNELS, tmp_path / "rows.json")

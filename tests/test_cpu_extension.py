@@ -1,5 +1,5 @@
 """The C++ CPU extension (``tpo_kernels._C_cpu``, backend ``cpu``) against the torch backend and
-plain float64 math: the shared row_math.h helpers, row forward / backward, candidate ops, and
+plain float64 math: the shared row_math.h helpers, row forward / backward and
 the binding's argument checks. Tolerances: see tests/_native_helpers.py."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tpo_kernels.backends.rows import RowSummary, compute_dtype
-from tpo_kernels.backends import torch_candidates
 from tpo_kernels.backends import get_backend
 from tpo_kernels.backends import TorchBackend
 
@@ -386,47 +385,6 @@ def test_deterministic_and_thread_count():
 
 
 # ----------------------------------------------------------------------------------------------
-# Candidate ops
-# ----------------------------------------------------------------------------------------------
-
-
-@needs_cpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_candidate_ops_match_torch(dtype):
-    logits, _ = make_rows(9, 300, dtype)
-    cand = torch.randint(0, 300, (9, 6))
-    cand[0] = torch.tensor([5, 5, 7, 5, 7, 9])  # duplicates accumulate in ascending k order
-    it = 1.0 / 0.9
-    got = cpu_backend().candidate_forward(logits, cand, inv_temperature=it)
-    want = torch_candidates.candidate_forward(logits, cand, inv_temperature=it)
-    assert got.dtype == want.dtype and torch.equal(got, want)
-    grad = torch.randn(9, 6, dtype=compute_dtype(dtype))
-    out_got = torch.full_like(logits, 7.0)
-    cpu_backend().candidate_backward(grad, cand, inv_temperature=it, out=out_got)
-    out_want = torch.empty_like(logits)
-    torch_candidates.candidate_backward(grad, cand, inv_temperature=it, out=out_want)
-    assert torch.equal(out_got, out_want)
-    # Row-strided and transposed outputs receive the same values (written through a copy or
-    # directly with the row stride); the columns beyond the view are left alone.
-    wide = torch.full((9, 400), 3.0, dtype=dtype)
-    cpu_backend().candidate_backward(grad, cand, inv_temperature=it, out=wide[:, :300])
-    assert torch.equal(wide[:, :300], out_want) and (wide[:, 300:] == 3.0).all()
-    transposed = torch.empty(300, 9, dtype=dtype).t()
-    cpu_backend().candidate_backward(grad, cand, inv_temperature=it, out=transposed)
-    assert torch.equal(transposed, out_want)
-
-
-@needs_cpu
-def test_candidate_ops_without_candidates():
-    logits, _ = make_rows(4, 30, torch.float32)
-    none = torch.empty(4, 0, dtype=torch.int64)
-    assert cpu_backend().candidate_forward(logits, none, inv_temperature=1.0).shape == (4, 0)
-    out = torch.full_like(logits, 2.0)
-    cpu_backend().candidate_backward(torch.empty(4, 0), none, inv_temperature=1.0, out=out)
-    assert (out == 0).all()
-
-
-# ----------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------
 
@@ -515,12 +473,6 @@ def test_binding_rejects_bad_arguments():
                          row_max=out.data_ptr(), log_sum=out.data_ptr(), logprob=out.data_ptr(),
                          grad_logprob=out.data_ptr(), grad_entropy=out.data_ptr(),
                          inv_temperature=1.0, out=x.data_ptr(), out_row_stride=8)
-    with pytest.raises(ValueError, match="num_candidates"):
-        ext.candidate_forward(dtype=0, rows=4, vocab=8, row_stride=8, candidates=lab.data_ptr(), num_candidates=-1,
-                              inv_temperature=1.0, logits=x.data_ptr(), cand_logits=out.data_ptr())
-    with pytest.raises(ValueError, match="grad_cand is a null pointer"):
-        ext.candidate_backward(dtype=0, rows=4, vocab=8, row_stride=8, candidates=lab.data_ptr(), num_candidates=1,
-                               inv_temperature=1.0, grad_cand=0, out=x.data_ptr())
     # Python-side pointer-boundary checks.
     with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
         forward(cpu_backend(), x.int(), lab, with_entropy=False)
@@ -535,8 +487,6 @@ def test_binding_rejects_bad_arguments():
         backward(cpu_backend(), x, lab, summary, out, torch.empty(4, 9))
     with pytest.raises(ValueError, match=r"summary.row_max must have 4 elements \(one per row\)"):
         backward(cpu_backend(), x, lab, dataclasses.replace(summary, row_max=torch.zeros(3)), out, torch.empty_like(x))
-    with pytest.raises(ValueError, match=r"candidates must be \[4, K\]"):
-        cpu_backend().candidate_forward(x, lab, inv_temperature=1.0)
     with pytest.raises(ValueError, match="CPU tensors|cpu"):
         if HAS_GPU:
             forward(cpu_backend(), x.cuda(), lab.cuda(), with_entropy=False)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tpo_kernels.backends.rows import compute_dtype
-from tpo_kernels.backends import torch_candidates
+from tpo_kernels.backends import torch_kept
+from tpo_kernels.backends.kept_sets import KeptSets
 from tpo_kernels.backends import TorchBackend
 from tpo_kernels.group_math import build_layout, portable_group_targets as torch_group_targets
 
@@ -351,25 +352,27 @@ def test_skipped_rows_and_invalid_labels_are_not_read():
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_candidate_ops_match_torch_and_are_deterministic(dtype):
+def test_candidate_gather_and_scatter_match_torch_and_are_deterministic(dtype):
+    """Token-level candidates as kept sets of 8 pairs per row (many duplicates) through the
+    extension's kept-set gather and scatter."""
     logits, _ = make_rows(300, 5000, dtype, device="cuda")
     cand = torch.randint(0, 40, (300, 8), device="cuda")  # many duplicates
-    grad = torch.randn(300, 8, dtype=compute_dtype(dtype), device="cuda")
+    kept = KeptSets.from_candidates(cand)
+    grad = torch.randn(300 * 8, dtype=compute_dtype(dtype), device="cuda")
     be = cuda_backend()
-    got = be.candidate_forward(logits, cand, inv_temperature=1.3)
-    assert torch.equal(got, torch_candidates.candidate_forward(logits, cand, inv_temperature=1.3))
+    assert torch.equal(be.kept_gather(logits, kept), torch_kept.kept_gather(logits, kept))
     outs = []
     for _ in range(2):
         out = torch.full_like(logits, 5.0)
-        be.candidate_backward(grad, cand, inv_temperature=1.3, out=out)
+        be.kept_scatter(grad, kept, out=out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     want = torch.empty_like(logits)
-    torch_candidates.candidate_backward(grad, cand, inv_temperature=1.3, out=want)
+    torch_kept.kept_scatter(grad, kept, out=want)
     torch.testing.assert_close(outs[0], want, **grad_tol(dtype))
     # A row-strided output is zeroed and written row by row; the columns beyond it stay.
     wide = torch.full((300, 5100), 5.0, dtype=dtype, device="cuda")
-    be.candidate_backward(grad, cand, inv_temperature=1.3, out=wide[:, :5000])
+    be.kept_scatter(grad, kept, out=wide[:, :5000])
     assert torch.equal(wide[:, :5000], outs[0]) and (wide[:, 5000:] == 5.0).all()
 
 

@@ -5,8 +5,8 @@ view's width, not its row stride:
 
 * row forward: a label ``>= V`` gives NaN for all of its row's outputs, a negative one 0;
 * row backward: a label outside ``[0, V)`` adds no one-hot term;
-* candidate gather and dot: NaN for a candidate outside ``[0, V)``;
-* candidate scatter, dW and db: no write for it; dH: no contribution from it;
+* candidate gather and dot (the custom ops, on the kept-set ops): NaN for a candidate outside ``[0, V)``;
+* the kept-set scatter, dW and db on the candidates: no write for it; dH: no contribution from it;
 * nothing outside the view (the padding, the rows around it) is read into a result or written.
 
 Every backend follows it, the cpu backend included (its binding does not check ids; its kernels
@@ -21,9 +21,11 @@ import pytest
 import torch
 
 import tpo_kernels
-from tpo_kernels.backends import get_backend
+from tpo_kernels.backends import backend_key, get_backend
+from tpo_kernels.backends.kept_sets import KeptSets
 from tpo_kernels.backends.rows import RowSummary
 from tpo_kernels.group_math import pair_runs
+from tpo_kernels.ops import candidate_logits, linear_candidate_logits
 
 from _backends import DEVICE, DEVICE_BACKENDS, INTERPRETED_BACKENDS, needs_triton
 
@@ -138,7 +140,7 @@ def test_candidate_gather_gives_nan_for_ids_outside_the_vocabulary(backend):
     rows = 3
     parent, logits = _padded(rows, torch.Generator().manual_seed(3))
     cands = _candidates(rows)
-    got = ops.candidate_forward(logits, cands, inv_temperature=INV_T)
+    got = candidate_logits(logits, cands, inv_temperature=INV_T, backend=backend_key(ops))
     valid = (cands >= 0) & (cands < V)
     assert torch.isnan(got[~valid]).all()
     expected = logits.gather(1, cands.clamp(0, V - 1)) * INV_T
@@ -155,7 +157,7 @@ def test_candidate_scatter_does_not_write_ids_outside_the_vocabulary(backend):
     grad = torch.linspace(1.0, 2.0, rows * NUM_CAND, device=DEVICE).view(rows, NUM_CAND)
 
     def call():
-        ops.candidate_backward(grad, cands, inv_temperature=INV_T, out=out)
+        ops.kept_scatter((grad * INV_T).reshape(-1), KeptSets.from_candidates(cands), out=out)
 
     call()
     expected = torch.zeros(rows, V, device=DEVICE)
@@ -204,7 +206,7 @@ def _assert_weight_padding_untouched(weight_parent, bias_parent):
 def test_candidate_dot_gives_nan_for_ids_outside_the_vocabulary(backend):
     ops = get_backend(backend, DEVICE)
     weight_parent, weight, bias_parent, bias, hidden, cands = _linear_case(torch.Generator().manual_seed(5))
-    got = ops.candidate_linear_forward(hidden, weight, cands, bias=bias, inv_temperature=INV_T)
+    got = linear_candidate_logits(hidden, weight, bias, cands, inv_temperature=INV_T, backend=backend_key(ops))
     valid = (cands >= 0) & (cands < V)
     assert torch.isnan(got[~valid]).all()
     ids = cands.clamp(0, V - 1)
@@ -238,8 +240,9 @@ def test_candidate_linear_backward_ignores_ids_outside_the_vocabulary(backend):
     ops = get_backend(backend, DEVICE)
     weight_parent, weight, bias_parent, bias, hidden, cands = _linear_case(torch.Generator().manual_seed(6))
     grad = _linear_grad(cands)
-    dhidden, dweight, dbias = ops.candidate_linear_backward(
-        grad, hidden, weight, cands, runs=pair_runs(cands), with_hidden=True, with_weight=True, with_bias=True
+    dhidden, dweight, dbias = ops.kept_linear_backward(
+        grad.reshape(-1), hidden, weight, KeptSets.from_candidates(cands), runs=pair_runs(cands), with_hidden=True,
+        with_weight=True, with_bias=True,
     )
     expected = _expected_linear_grads(grad, hidden, weight, cands)
     for got, want in zip((dhidden, dweight, dbias), expected):
@@ -257,8 +260,9 @@ def test_candidate_linear_backward_leaves_the_first_and_last_rows_zero_without_t
     weight_parent, weight, bias_parent, bias, hidden, cands = _linear_case(torch.Generator().manual_seed(9))
     cands = torch.where(cands == 0, 1, torch.where(cands == V - 1, V - 2, cands))
     grad = _linear_grad(cands)
-    _, dweight, dbias = ops.candidate_linear_backward(
-        grad, hidden, weight, cands, runs=pair_runs(cands), with_hidden=False, with_weight=True, with_bias=True
+    _, dweight, dbias = ops.kept_linear_backward(
+        grad.reshape(-1), hidden, weight, KeptSets.from_candidates(cands), runs=pair_runs(cands), with_hidden=False,
+        with_weight=True, with_bias=True,
     )
     _, want_dweight, want_dbias = _expected_linear_grads(grad, hidden, weight, cands)
     assert torch.equal(dweight[[0, V - 1]], torch.zeros_like(dweight[[0, V - 1]]))
@@ -277,8 +281,9 @@ def test_candidate_linear_backward_with_a_one_row_vocabulary_writes_only_its_tok
     cands = torch.tensor([[-2, 0], [1, 0], [0, 1]], device=DEVICE)
     valid = cands == 0
     grad = torch.where(valid, torch.tensor([[0.0, 0.5], [0.0, -1.5], [2.0, 0.0]], device=DEVICE), float("nan"))
-    _, dweight, dbias = ops.candidate_linear_backward(
-        grad, hidden, weight, cands, runs=pair_runs(cands), with_hidden=False, with_weight=True, with_bias=True
+    _, dweight, dbias = ops.kept_linear_backward(
+        grad.reshape(-1), hidden, weight, KeptSets.from_candidates(cands), runs=pair_runs(cands), with_hidden=False,
+        with_weight=True, with_bias=True,
     )
     g = torch.where(valid, grad, 0.0).double().sum(1)
     torch.testing.assert_close(dweight.double(), (g[:, None] * hidden.double()).sum(0, keepdim=True),
@@ -299,7 +304,8 @@ def test_triton_weight_grad_does_not_write_ids_outside_the_vocabulary():
     dweight, dbias = dweight_parent[2 : V + 2], dbias_parent[2 : V + 2]
     dweight.zero_()
     dbias.zero_()
-    weight_grad(grad, hidden, cands, pair_runs(cands), dweight, dbias, V)
+    weight_grad(grad.reshape(-1), hidden, cands.reshape(-1), KeptSets.from_candidates(cands).rows, pair_runs(cands),
+                dweight, dbias, V)
     _, want_dweight, want_dbias = _expected_linear_grads(grad, hidden, weight, cands)
     torch.testing.assert_close(dweight.double(), want_dweight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dbias.double(), want_dbias, rtol=1e-5, atol=1e-6)

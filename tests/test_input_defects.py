@@ -55,15 +55,3 @@ def test_cpu_set_isa_refuses_unknown_names(name):
     with pytest.raises(ValueError, match="set_isa: name must be 'generic', 'avx2', 'avx512'"):
         _C_cpu.set_isa(name)
     assert _C_cpu.isa() == before  # unchanged
-
-
-@needs_cpu
-def test_cpu_candidate_op_refuses_a_candidate_count_that_overflows_int64():
-    """rows x num_candidates > 2^63: refused before the id check would read past the buffer."""
-    from tpo_kernels import _C_cpu
-
-    ids, buf = torch.zeros(4, dtype=torch.int64), torch.zeros(4)
-    with pytest.raises(ValueError, match="rows x num_candidates overflows int64"):
-        _C_cpu.candidate_forward(dtype=0, rows=2**40, vocab=4, row_stride=4, candidates=ids.data_ptr(),
-                                 num_candidates=2**30, inv_temperature=1.0, logits=buf.data_ptr(),
-                                 cand_logits=buf.data_ptr())

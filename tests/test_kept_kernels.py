@@ -13,9 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from tpo_kernels.backends import get_backend
+from tpo_kernels.backends import backend_key, get_backend
 from tpo_kernels.backends.kept_sets import LABEL_OUTSIDE, NOT_COUNTED, KeptSets
 from tpo_kernels.group_math import pair_runs
+from tpo_kernels.ops import candidate_logits
 
 from _backends import backend_params, needs_triton
 from _triton_compile import assert_kernels_compile_without_spills
@@ -147,13 +148,22 @@ def test_padded_sets_with_holes_equal_their_csr(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_uniform_offsets_are_the_candidate_gather(backend):
-    """Dense sets (offsets = K * arange) gather what the token-level candidate op gathers."""
+def test_candidates_are_sets_of_uniform_width(backend):
+    """Token-level candidates ``[R, K]`` are kept sets of K pairs per row (offsets = K * arange, ids a
+    view of the candidates): the candidate op is the kept-set gather, tempered, NaN at a negative id
+    (the dense contract has no holes)."""
     logits = _logits(10, torch.float32)
     cand = torch.randint(0, V, (10, 6), generator=torch.Generator().manual_seed(2))
-    kept = KeptSets.from_padded(cand, cand[:, 0])
+    cand[3, 2] = -1
+    kept = KeptSets.from_candidates(cand)
+    padded = KeptSets.from_padded(cand, cand[:, 0])
+    assert kept.ids.data_ptr() == cand.data_ptr() and kept.width == 6
+    assert torch.equal(kept.offsets, padded.offsets) and torch.equal(kept.rows, padded.rows)
     b = get_backend(backend, logits.device)
-    assert torch.equal(b.kept_gather(logits, kept).view(10, 6), b.candidate_forward(logits, cand, inv_temperature=1.0))
+    got = candidate_logits(logits, cand, inv_temperature=1 / 0.7, backend=backend_key(b))
+    want = logits.gather(1, cand.clamp(min=0)) * (1 / 0.7)
+    want[3, 2] = float("nan")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def _grad_reference(logits, sets, labels, g, ge, inv_t):

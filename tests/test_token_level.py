@@ -1,8 +1,8 @@
 """Token-level TPO: token_tpo_loss and fused_linear_token_tpo_loss against
 reference.token_tpo_loss (full-vocab log_softmax, gather, Eq. 1-3 with autograd), gradcheck,
 exact zeros for tied states, determinism, and no [R, V] tensor on the fused-linear path, on every
-backend with candidate ops of its own. The Triton candidate kernels op by op:
-test_candidate_kernels.py. Bad inputs: see test_validation.py.
+backend (the candidate ops are the backends' kept-set ops on K pairs per state). The kernels op by
+op: test_candidate_kernels.py, test_kept_kernels.py. Bad inputs: see test_validation.py.
 
 Tolerances: float64 inputs are compared at 1e-10 (everything is computed in float64); float32
 at 1e-5; bf16 inputs are compared with a float64 reference run on the same (bf16-rounded)
@@ -12,18 +12,19 @@ values, at 1e-5 for the loss (fp32 math) and 2e-2 for gradients rounded to bf16 
 import pytest
 import torch
 
-import tpo_kernels.backends.torch_candidates as candidate_ops
+import tpo_kernels.backends.torch_kept as kept_ops
 from tpo_kernels import fused_linear_token_tpo_loss, reference, token_tpo_loss
 from tpo_kernels.backends import Backend
+from tpo_kernels.backends.kept_sets import KeptSets
 from tpo_kernels.group_math import pair_runs
 
 from _backends import DEVICE, backend_params, needs_triton
 from _dispatch import OutputSizes
 
-# Backends whose own candidate ops run the logits path on CPU tensors; the Triton candidate
+# Backends whose own kept-set gather / scatter run the logits path on CPU tensors; the Triton
 # kernels come in as "triton-kernels" (see the logits_backend fixture).
 LOGITS_BACKENDS = backend_params("torch", "cpu")
-# Backends with candidate linear ops of their own (the fused-linear path; cuda's are Triton's).
+# Backends with kept-set dot products of their own (the fused-linear path).
 LINEAR_BACKENDS = backend_params("torch", "triton", "cuda")
 
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 2e-2)}
@@ -62,13 +63,13 @@ def _backward_weights(loss, gen):
 
 
 def _triton_candidate_backend():
-    """A backend whose candidate ops are the Triton launchers: the wiring TritonBackend gets."""
-    from tpo_kernels.backends.triton import candidate_kernels
+    """A backend whose gather / scatter are the Triton launchers: the wiring TritonBackend gets."""
+    from tpo_kernels.backends.triton import kept_kernels
 
     class TritonCandidates(Backend):
         name = "triton-candidates"
-        candidate_forward = staticmethod(candidate_kernels.candidate_forward)
-        candidate_backward = staticmethod(candidate_kernels.candidate_backward)
+        kept_gather = staticmethod(kept_kernels.kept_gather)
+        kept_scatter = staticmethod(kept_kernels.kept_scatter)
 
         def supports_device(self, device):
             return True
@@ -78,7 +79,7 @@ def _triton_candidate_backend():
 
 @pytest.fixture(params=LOGITS_BACKENDS + [pytest.param("triton-kernels", marks=needs_triton, id="triton-kernels")])
 def logits_backend(request):
-    """Backend for token_tpo_loss; "triton-kernels" is a Backend instance whose candidate ops
+    """Backend for token_tpo_loss; "triton-kernels" is a Backend instance whose gather / scatter
     are the Triton launchers."""
     if request.param == "triton-kernels":
         return _triton_candidate_backend()
@@ -235,7 +236,7 @@ def test_torch_scatter_rounds_each_sum_once_over_chunks_of_states():
     for k in range(num_cand):
         dense.scatter_add_(1, cands[:, k : k + 1], grad[:, k : k + 1] * (1 / 0.7))
     out = torch.full((num_states, vocab), float("nan"), dtype=torch.bfloat16)
-    candidate_ops.candidate_backward(grad, cands, inv_temperature=1 / 0.7, out=out)
+    kept_ops.kept_scatter((grad * (1 / 0.7)).reshape(-1), KeptSets.from_candidates(cands), out=out)
     assert torch.equal(out, dense.to(torch.bfloat16))
 
 
@@ -365,8 +366,9 @@ def test_torch_weight_gradient_sums_pairs_in_order():
     hidden, weight, _, cands, _ = _linear_inputs(torch.float64, False, gen, num_states=7, vocab=6)
     grad = torch.randn(cands.shape, generator=gen, dtype=torch.float64)
     runs = pair_runs(cands)
-    dhidden, dweight, dbias = candidate_ops.candidate_linear_backward(
-        grad, hidden, weight, cands, runs=runs, with_hidden=True, with_weight=True, with_bias=True
+    dhidden, dweight, dbias = kept_ops.kept_linear_backward(
+        grad.reshape(-1), hidden, weight, KeptSets.from_candidates(cands), runs=runs, with_hidden=True,
+        with_weight=True, with_bias=True,
     )
     expected_w = torch.zeros_like(weight)
     expected_b = torch.zeros(weight.shape[0], dtype=torch.float64)

@@ -31,7 +31,6 @@ def op_of_kernel(kernel: str) -> str:
 # makes the frame from it, and ptxas 12.8, 12.9 and 13.0 agree.
 # (Triton major.minor, kernel, arch, dtype, specialization) -> (local bytes, LDL/STL instructions)
 KNOWN_TRITON_LOCAL_MEMORY = {
-    ("3.6", "_candidate_dot_kernel", "sm_90", "fp16", "HAS_BIAS=0 BLOCK_K=8 BLOCK_H=512 warps=8 not%16:num_cand"): (8, 2),
     ("3.6", "_group_targets_kernel", "sm_90", "fp32", "HAS_OLD=1 ANCHOR=1 BLOCK_K=8 BLOCK_T=128 warps=4"): (8, 2),
 }
 

@@ -37,6 +37,7 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
     its launcher takes, at representative shapes (see the module docstring)."""
     import torch
 
+    from tpo_kernels.backends.kept_sets import KeptSets
     from tpo_kernels.group_math import build_layout, pair_runs
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -78,10 +79,9 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
                                     lambda b, f=row_ops_unaligned: f(b, entropy=True)))
 
             def candidates(backend, dt=dt, acc=acc, vocab=vocab):
-                cand = torch.randint(0, vocab, (4, num_cand))
-                backend.candidate_forward(torch.randn(4, vocab).to(dt), cand, inv_temperature=1.0)
-                backend.candidate_backward(torch.ones(4, num_cand, dtype=acc), cand, inv_temperature=1.0,
-                                           out=torch.empty(4, vocab, dtype=dt))
+                kept = KeptSets.from_candidates(torch.randint(0, vocab, (4, num_cand)))
+                backend.kept_gather(torch.randn(4, vocab).to(dt), kept)
+                backend.kept_scatter(torch.ones(4 * num_cand, dtype=acc), kept, out=torch.empty(4, vocab, dtype=dt))
 
             out.append(Scenario(f"candidate gather/scatter K={num_cand} V={vocab}", name, candidates))
 
@@ -92,9 +92,10 @@ def triton_scenarios(vocabs: Sequence[int] = DEFAULT_VOCABS, dtypes: Sequence[st
             b = torch.randn(rows_w).to(dt) if bias else None
             cand = torch.randint(0, rows_w, (states, num_cand))
             cand[:, : num_cand // 2] = 5  # one token's run longer than a weight-gradient segment
-            backend.candidate_linear_forward(h, w, cand, bias=b, inv_temperature=1.0)
-            backend.candidate_linear_backward(torch.ones(states, num_cand, dtype=acc), h, w, cand, runs=pair_runs(cand),
-                                              with_hidden=True, with_weight=True, with_bias=bias)
+            kept = KeptSets.from_candidates(cand)
+            backend.kept_linear_forward(h, w, kept, bias=b)
+            backend.kept_linear_backward(torch.ones(states * num_cand, dtype=acc), h, w, kept, runs=pair_runs(cand),
+                                         with_hidden=True, with_weight=True, with_bias=bias)
 
         out.append(Scenario(f"candidate linear K={num_cand} H={hidden}", name, linear))
         out.append(Scenario(f"candidate linear K={num_cand} H={hidden} bias", name, lambda b, f=linear: f(b, bias=True)))

@@ -222,50 +222,5 @@ void ragged_rows(const RaggedRowArgs& args, RaggedOp op, int num_threads) {
   });
 }
 
-// Gathers and scatters of K values per row: no vectorization to gain, baseline code only; the
-// per-row work is the shared row_math.h code the CUDA kernels run.
-void candidate_forward(const CandidateArgs& args, int num_threads) {
-  // K gathers per row: the work is rows * K elements.
-  const int64_t per_row = args.num_candidates;
-  const int threads = plan_threads(args.rows, per_row, num_threads);
-  visit_dtype(args.dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    using A = acc_t<T>;
-    const T* logits = static_cast<const T*>(args.logits);
-    A* out = static_cast<A*>(args.cand_logits);
-    const int64_t k = args.num_candidates;
-    const A it = static_cast<A>(args.inv_temperature);
-    parallel_rows(args.rows, per_row, threads, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* row = logits + r * args.row_stride;
-        for (int64_t j = 0; j < k; ++j) {
-          out[r * k + j] = gather_candidate(row, args.candidates[r * k + j], args.vocab, it);
-        }
-      }
-    });
-  });
-}
-
-void candidate_backward(const CandidateArgs& args, int num_threads) {
-  // Every row is written whole (zeros, then K scatters): the work is rows * vocab elements.
-  const int64_t per_row = args.vocab;
-  const int threads = plan_threads(args.rows, per_row, num_threads);
-  visit_dtype(args.dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    using A = acc_t<T>;
-    const A* grad = static_cast<const A*>(args.grad_cand);
-    T* out = static_cast<T*>(args.out);
-    const int64_t k = args.num_candidates;
-    const A it = static_cast<A>(args.inv_temperature);
-    parallel_rows(args.rows, per_row, threads, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        T* row = out + r * args.row_stride;
-        memset(static_cast<void*>(row), 0, static_cast<size_t>(args.vocab) * sizeof(T));
-        scatter_candidates(grad + r * k, args.candidates + r * k, k, args.vocab, it, row);
-      }
-    });
-  });
-}
-
 }  // namespace cpu
 }  // namespace tpo

@@ -10,8 +10,6 @@ namespace cpu {
 
 void row_forward(const RowForwardArgs& args, int num_threads);
 void row_backward(const RowBackwardArgs& args, int num_threads);
-void candidate_forward(const CandidateArgs& args, int num_threads);
-void candidate_backward(const CandidateArgs& args, int num_threads);
 void kept_linear_forward(const KeptDotArgs& args, int num_threads);
 void ragged_rows(const RaggedRowArgs& args, RaggedOp op, int num_threads);
 

@@ -5,8 +5,8 @@
 //
 // The structs are checked by the binding (binding_args.h) except for the ids, which live in
 // device memory: the kernels never dereference an id outside [0, vocab). A label >= vocab gives
-// NaN outputs for its row, an out-of-range candidate gives a NaN candidate logit in the forward
-// and is ignored by the backward.
+// NaN outputs for its row, a kept id outside [0, vocab) gives -inf (a hole) or NaN in the gather
+// and is ignored by the scatter.
 #pragma once
 
 #include <stdint.h>
@@ -24,8 +24,6 @@ struct Launch {
 
 const char* row_forward(const RowForwardArgs& args, const Launch& launch);
 const char* row_backward(const RowBackwardArgs& args, const Launch& launch);
-const char* candidate_forward(const CandidateArgs& args, const Launch& launch);
-const char* candidate_backward(const CandidateArgs& args, const Launch& launch);
 const char* group_targets(const GroupArgs& args, const Launch& launch);
 
 // Kept-set ops of replay (kept_kernels.cu). Their offsets live on the device too: each kernel

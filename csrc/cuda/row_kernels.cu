@@ -1,4 +1,5 @@
-// CUDA row ops (layer 1): row forward / backward and the token-level candidate gather / scatter.
+// CUDA row ops (layer 1): row forward / backward (the kept-set ops, token-level candidates among
+// them, are kept_kernels.cu's).
 // One block per row for the vocab-sized passes (rows of a batched [B, T, V] view too: one launch,
 // row r = b * T + t at b * batch_stride + t * row_stride): 16-byte loads where the row is aligned (scalar
 // head/tail otherwise), several packs in flight per thread, per-thread online softmax in base 2
@@ -264,35 +265,6 @@ __global__ void __launch_bounds__(kBlock, (min_blocks_per_sm<T, kBlock>()))
 }
 
 // ---------------------------------------------------------------------------------------------
-// Candidate gather / scatter (token-level TPO)
-// ---------------------------------------------------------------------------------------------
-
-template <class T>
-__global__ void candidate_forward_kernel(const T* __restrict__ logits, int64_t rows,
-                                         int64_t vocab, int64_t row_stride,
-                                         const int64_t* __restrict__ candidates, int64_t k,
-                                         acc_t<T> it, acc_t<T>* __restrict__ out) {
-  const int64_t total = rows * k;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[idx] = gather_candidate(logits + (idx / k) * row_stride, candidates[idx], vocab, it);
-  }
-}
-
-// One thread per row walks its K candidates in ascending order (row_math.h), so duplicates are
-// summed in a fixed order (deterministic) with no atomics.
-template <class T>
-__global__ void candidate_backward_kernel(const acc_t<T>* __restrict__ grad,
-                                          const int64_t* __restrict__ candidates, int64_t rows,
-                                          int64_t k, int64_t vocab, int64_t row_stride,
-                                          acc_t<T> it, T* __restrict__ out) {
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    scatter_candidates(grad + row * k, candidates + row * k, k, vocab, it, out + row * row_stride);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------
 
@@ -358,38 +330,6 @@ void launch_row_backward(const RowBackwardArgs& a, cudaStream_t stream) {
   });
 }
 
-unsigned elementwise_grid(int64_t work, int block) {
-  const int64_t blocks = (work + block - 1) / block;
-  const int64_t cap = 65535LL * 64;  // grid-stride loops cover the rest
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
-}
-
-template <class T>
-void launch_candidate_forward(const CandidateArgs& a, cudaStream_t stream) {
-  using A = acc_t<T>;
-  constexpr int kBlock = 256;
-  candidate_forward_kernel<T><<<elementwise_grid(a.rows * a.num_candidates, kBlock), kBlock, 0,
-                                stream>>>(
-      static_cast<const T*>(a.logits), a.rows, a.vocab, a.row_stride, a.candidates,
-      a.num_candidates, static_cast<A>(a.inv_temperature), static_cast<A*>(a.cand_logits));
-}
-
-template <class T>
-const char* launch_candidate_backward(const CandidateArgs& a, cudaStream_t stream) {
-  using A = acc_t<T>;
-  constexpr int kBlock = 128;
-  const cudaError_t err =
-      cudaMemset2DAsync(a.out, static_cast<size_t>(a.row_stride) * sizeof(T), 0,
-                        static_cast<size_t>(a.vocab) * sizeof(T), static_cast<size_t>(a.rows),
-                        stream);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
-  if (a.num_candidates == 0) return nullptr;
-  candidate_backward_kernel<T><<<elementwise_grid(a.rows, kBlock), kBlock, 0, stream>>>(
-      static_cast<const A*>(a.grad_cand), a.candidates, a.rows, a.num_candidates, a.vocab,
-      a.row_stride, static_cast<A>(a.inv_temperature), static_cast<T*>(a.out));
-  return launch_status();
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -414,25 +354,6 @@ const char* row_backward(const RowBackwardArgs& args, const Launch& launch) {
     launch_row_backward<typename decltype(tag)::type>(args, as_stream(launch));
   });
   return launch_status();
-}
-
-const char* candidate_forward(const CandidateArgs& args, const Launch& launch) {
-  if (args.rows == 0 || args.num_candidates == 0) return nullptr;
-  DeviceGuard guard(launch.device);
-  if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
-  visit_dtype(args.dtype, [&](auto tag) {
-    launch_candidate_forward<typename decltype(tag)::type>(args, as_stream(launch));
-  });
-  return launch_status();
-}
-
-const char* candidate_backward(const CandidateArgs& args, const Launch& launch) {
-  if (args.rows == 0) return nullptr;
-  DeviceGuard guard(launch.device);
-  if (guard.status() != cudaSuccess) return cudaGetErrorString(guard.status());
-  return visit_dtype(args.dtype, [&](auto tag) {
-    return launch_candidate_backward<typename decltype(tag)::type>(args, as_stream(launch));
-  });
 }
 
 int device_count(const char** error) {

@@ -17,7 +17,8 @@ cpu > torch on CPU tensors. A :class:`Backend` instance may be passed wherever a
 accepted (e.g. a backend of your own, or one wrapped for testing).
 
 **The contract.** Every backend implements the vocabulary-sized row ops (layer 1), the
-candidate ops of token-level TPO and, optionally, a fused group op (layer 2).
+kept-set ops (a few ids per row: sampling-mask replay, and token-level TPO's candidates) and,
+optionally, a fused group op (layer 2).
 
 Row ops (``M`` rows of a ``[M, V]`` logits matrix, or ``M = B T`` rows of a ``[B, T, V]`` view
 whose rows do not flatten into one row stride, such as ``logits[:, :-1]``: row ``b T + t``, read
@@ -59,34 +60,23 @@ has the logits' shape; tensors first, settings keyword-only):
   than ``logits`` (the fused-linear path passes a vocabulary block with the summary of the whole
   row and block-local labels).
 
-Candidate ops (token-level TPO; ``R`` states with ``K`` candidate token ids each):
-
-* ``candidate_forward(logits, candidates, *, inv_temperature) -> [R, K]``:
-  ``logits[r, candidates[r, k]] * inv_t`` in the compute dtype (NaN for an id outside ``[0, V)``).
-* ``candidate_backward(grad_cand, candidates, *, inv_temperature, out)``: ``out`` (``[R, V]``,
-  the logits' dtype) becomes zero except ``out[r, candidates[r, k]] += grad_cand[r, k] * inv_t``;
-  repeated candidates accumulate in ascending k order (deterministic); an id outside ``[0, V)``
-  is not written.
-* ``candidate_linear_forward(hidden, weight, candidates, *, bias=None, inv_temperature)``:
-  ``(hidden[r] . weight[y[r, k]] + bias[y[r, k]]) * inv_t`` without forming ``[R, V]`` (NaN for
-  an id outside ``[0, V)``, ``V = weight.shape[0]``).
-* ``candidate_linear_backward(grad, hidden, weight, candidates, *, runs, with_hidden,
-  with_weight, with_bias) -> (dhidden, dweight, dbias)``, each None unless requested, for
-  ``grad`` = dLoss/d(untempered candidate logit); ``runs`` is
-  :func:`tpo_kernels.group_math.pair_runs` (needed for the weight and bias gradients), so that
-  weight rows are summed in a fixed order. An id outside ``[0, V)`` adds nothing to dhidden (its
-  grad is ignored) and is not written in dweight / dbias.
-
-Kept-set ops (sampling-mask replay; ``kept`` a :class:`~tpo_kernels.backends.kept_sets.KeptSets`
-of ``P`` (row, id) pairs over ``M`` rows; a negative id is a hole: no entry):
+Kept-set ops (``kept`` a :class:`~tpo_kernels.backends.kept_sets.KeptSets` of ``P`` (row, id)
+pairs over ``M`` rows; a negative id is a hole: no entry). Sampling-mask replay runs all six;
+token-level TPO's ``[R, K]`` candidates are kept sets of K pairs per row (``offsets = K arange(R +
+1)``, :meth:`~tpo_kernels.backends.kept_sets.KeptSets.from_candidates`) through the first four
+(:mod:`tpo_kernels.ops.candidates` adds the temperature and its NaN for a negative id):
 
 * ``kept_gather(logits, kept) -> [P]``: raw ``logits[row, id]`` in the compute dtype from ``[M, V]``
   or a ``[B, T, V]`` view (hole: ``-inf``; id ``>= V``: NaN).
 * ``kept_scatter(grad, kept, *, out)``: ``out`` zero except ``out[row, id]``, the sum of that row's
-  pairs in ascending order; holes and ids outside ``[0, V)`` are never written.
+  pairs (duplicate ids: candidates drawn with replacement) in ascending order in ``grad``'s dtype,
+  rounded to ``out``'s once; holes and ids outside ``[0, V)`` are never written.
 * ``kept_linear_forward(hidden, weight, kept, *, bias=None) -> [P]``: raw ``h[row] . W[id] + b[id]``.
-* ``kept_linear_backward(grad, hidden, weight, kept, *, runs, with_hidden, with_weight, with_bias)``:
-  as ``candidate_linear_backward``, ``runs = pair_runs(kept.ids)``.
+* ``kept_linear_backward(grad, hidden, weight, kept, *, runs, with_hidden, with_weight, with_bias)
+  -> (dhidden, dweight, dbias)``, each None unless requested, for ``grad [P]`` = dLoss/d(raw kept
+  logit); ``runs = pair_runs(kept.ids)`` (:func:`tpo_kernels.group_math.pair_runs`, needed for the
+  weight and bias gradients), so that weight rows are summed in a fixed order. A hole or an id
+  outside ``[0, V)`` adds nothing to dhidden (its grad is ignored) and is not written in dweight / dbias.
 * ``ragged_row_forward(kept_logits, kept, *, inv_temperature, with_entropy) -> RowSummary`` and
   ``ragged_row_backward(kept_logits, kept, summary, grad_logprob, *, grad_entropy=None,
   inv_temperature, out)``: the row ops above over row ``r = kept_logits[offsets[r]:offsets[r+1]]``
@@ -103,8 +93,7 @@ seq_log_weights=None, eta, anchor, score_eps=0.0) -> GroupResult`` (see :mod:`tp
 the results come back in the dtype of the token log-probs, with ``coef = p - q`` formed before
 the rounding (``None`` lets the caller take the difference of the rounded p and q).
 
-The base class supplies PyTorch implementations of the candidate ops
-(:mod:`tpo_kernels.backends.torch_candidates`), of the kept-set ops
+The base class supplies PyTorch implementations of the kept-set ops
 (:mod:`tpo_kernels.backends.torch_kept`) and of the group op; a backend overrides what it has
 kernels for. Inputs reaching a backend have validated metadata: 2-D logits (3-D for the row
 ops) with unit column stride, int64 ids, one device. Id values are checked only with ``validate=True``, so every op
@@ -123,7 +112,7 @@ import torch
 from torch import Tensor
 
 from .. import group_math
-from . import torch_candidates, torch_kept
+from . import torch_kept
 from .rows import RowSummary, compute_dtype, gradient_buffer
 
 class Backend:
@@ -157,10 +146,6 @@ class Backend:
         raise NotImplementedError
 
     # PyTorch defaults; plain functions, so a backend overrides one by assigning its own.
-    candidate_forward = staticmethod(torch_candidates.candidate_forward)
-    candidate_backward = staticmethod(torch_candidates.candidate_backward)
-    candidate_linear_forward = staticmethod(torch_candidates.candidate_linear_forward)
-    candidate_linear_backward = staticmethod(torch_candidates.candidate_linear_backward)
     group_targets = staticmethod(group_math.portable_group_targets)
     kept_gather = staticmethod(torch_kept.kept_gather)
     kept_scatter = staticmethod(torch_kept.kept_scatter)

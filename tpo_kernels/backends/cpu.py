@@ -8,9 +8,11 @@ use OpenMP threads (they collapsed on a loaded machine): csrc/cpu/parallel.h.
 
 The tensor preparation shared with the CUDA backend lives in :mod:`.native`; the extension
 functions take no other launch arguments. The group op is the portable PyTorch one. Of the
-kept-set ops (sampling-mask replay), the fused head's dot products and the ragged row ops run
-in the extension (one call each, where the PyTorch defaults take a dozen ``[P]``-sized ops, each
-waking ATen's threads); the gather, scatter and linear backward are the PyTorch defaults.
+kept-set ops (sampling-mask replay; token-level TPO's candidates), the fused head's dot products
+and the ragged row ops run in the extension (one call each, where the PyTorch defaults take a dozen
+``[P]``-sized ops, each waking ATen's threads); the gather (one indexing op), the scatter (a fill
+and one ``index_put_``: the fill is the work) and the linear backward (``embedding_bag`` sums) are
+the PyTorch defaults.
 """
 
 from __future__ import annotations

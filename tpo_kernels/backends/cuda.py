@@ -2,22 +2,20 @@
 current CUDA stream through raw device pointers (no torch C++ ABI involved).
 
 Row ops: one block per row, 16-byte loads, fp32 accumulation (fp64 for fp64 logits). The group
-op is one block per group (``csrc/cuda/group_kernel.cu``). The candidate ops of the logits path
-are deterministic (one thread per row). The tensor preparation shared with the CPU backend lives
-in :mod:`.native`; every extension call gets the ``device`` and ``stream`` keywords from
-:meth:`CudaBackend._launch_args`.
+op is one block per group (``csrc/cuda/group_kernel.cu``). The tensor preparation shared with the
+CPU backend lives in :mod:`.native`; every extension call gets the ``device`` and ``stream``
+keywords from :meth:`CudaBackend._launch_args`.
 
-Kept-set ops of replay (``csrc/cuda/kept_kernels.cu``): the gather and the scatter of the logits
-path, the ragged row forward / backward and the fused head's dot products (``kept_linear_forward``)
-run in the extension, one launch each: one warp per row (one block per row for the scatter, which
+Kept-set ops of replay and of token-level TPO's candidates (``csrc/cuda/kept_kernels.cu``): the
+gather and the scatter of the logits path, the ragged row forward / backward and the fused head's
+dot products (``kept_linear_forward``) run in the extension, one launch each: one warp per row (one block per row for the scatter, which
 zero-fills the row first), each row summed in an order fixed by its own pairs, no float atomics
 (deterministic; a row's values do not depend on the other rows). The kept sets stay on the device
 unchecked (their values are checked by ``validate=True`` upstream): every kernel clamps a row's pair
 range to ``[0, P)`` and guards each id and label slot.
 
-What is not a CUDA kernel here: ``kept_linear_backward`` and the fused-linear candidate ops
-(token-level TPO from hidden states) are the Triton backend's kernels when Triton is usable in this
-process, else the PyTorch defaults (:func:`kept_ops`, :func:`linear_candidate_ops`), so that
+What is not a CUDA kernel here: ``kept_linear_backward`` is the Triton backend's kernel when
+Triton is usable in this process, else the PyTorch default (:func:`kept_ops`), so that
 ``backend="auto"``, which picks this backend on a GPU, runs them as a handful of fused launches
 rather than chunked PyTorch; ``kept_linear_forward`` with mixed dtypes (hidden, weight and bias not
 all one dtype) is the PyTorch default. Either way the results follow the backend contract
@@ -34,23 +32,11 @@ from torch import Tensor
 
 from ..group_math import BatchLayout, GroupResult
 from . import _reason
-from . import torch_candidates as torch_candidate_ops
 from . import torch_kept
 from .kept_sets import KeptSets
 from .native import (DTYPE_CODES, NativeBackend, as_row_batch, as_rows, batch_args, dtype_code, matrix_args, per_row, ptr,
                      row_stride)
 from .rows import RowSummary, compute_dtype
-
-
-def linear_candidate_ops(triton_unavailable: Optional[str]) -> ModuleType:
-    """The module whose ``candidate_linear_forward`` / ``candidate_linear_backward`` the cuda
-    backend runs, given the Triton backend's ``unavailable_reason()``: the Triton kernels when it
-    is None, else the PyTorch defaults."""
-    if triton_unavailable is None:
-        from .triton import candidate_kernels  # noqa: PLC0415 - imports Triton
-
-        return candidate_kernels
-    return torch_candidate_ops
 
 
 def kept_ops(triton_unavailable: Optional[str]) -> ModuleType:
@@ -91,23 +77,6 @@ class CudaBackend(NativeBackend):
             raise ValueError(f"the cuda backend needs CUDA tensors, got {what} on {t.device}")
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         return dict(device=index, stream=torch.cuda.current_stream(index).cuda_stream)
-
-    def candidate_linear_forward(
-        self, hidden: Tensor, weight: Tensor, candidates: Tensor, *, bias: Optional[Tensor] = None,
-        inv_temperature: float,
-    ) -> Tensor:
-        return linear_candidate_ops(_reason("triton")).candidate_linear_forward(
-            hidden, weight, candidates, bias=bias, inv_temperature=inv_temperature
-        )
-
-    def candidate_linear_backward(
-        self, grad: Tensor, hidden: Tensor, weight: Tensor, candidates: Tensor, *,
-        runs: Optional[Tuple[Tensor, Tensor, Tensor]], with_hidden: bool, with_weight: bool, with_bias: bool,
-    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        return linear_candidate_ops(_reason("triton")).candidate_linear_backward(
-            grad, hidden, weight, candidates, runs=runs, with_hidden=with_hidden, with_weight=with_weight,
-            with_bias=with_bias,
-        )
 
     def kept_gather(self, logits: Tensor, kept: KeptSets) -> Tensor:
         """``[P]`` raw ``logits[row, id]`` in the compute dtype (hole: -inf; id >= V: NaN), from a

@@ -15,6 +15,10 @@ used. :class:`KeptSets` carries the sets as a CSR over the ``M`` rows of a call:
   its set (statistics computed, label log-prob NaN, ``has_label`` False);
 * ``width``: ``S`` for the padded form, None for a CSR.
 
+Token-level TPO's ``[R, K]`` candidate ids are the padded form with ``S = K`` (:meth:`KeptSets.from_candidates`):
+the candidate ops are the kept-set ops on it, a negative candidate id (no holes in the dense contract)
+mapped to NaN by the caller (:mod:`tpo_kernels.ops.candidates`).
+
 The argument checks build it; the kernels take it whole, and the custom ops flatten it at the
 ``torch.library`` boundary (:meth:`KeptSets.to_op` / :meth:`KeptSets.from_op`).
 """
@@ -99,6 +103,19 @@ class KeptSets:
         present = (flat >= 0).sum(1)
         slots = label_slots(pair_ids, rows, labels.reshape(-1).to(device=device, dtype=torch.int64), present)
         return KeptSets(ids=pair_ids, offsets=offsets, rows=rows, label_slot=slots, width=width)
+
+    @staticmethod
+    def from_candidates(candidates: Tensor) -> "KeptSets":
+        """The ``[R, K]`` candidate ids of token-level TPO as sets of K pairs per row (``offsets = K
+        arange(R + 1)``): ids a view of ``candidates`` (contiguous int64: no copy), no label (every
+        row NOT_COUNTED; the gather, scatter and dot products read no label). No read-back."""
+        num_rows, width = candidates.shape
+        device = candidates.device
+        ids = candidates.to(torch.int64).reshape(-1)
+        offsets = torch.arange(num_rows + 1, device=device) * width
+        rows = torch.arange(num_rows, device=device).repeat_interleave(width)
+        label_slot = torch.full((num_rows,), NOT_COUNTED, dtype=torch.int64, device=device)
+        return KeptSets(ids=ids, offsets=offsets, rows=rows, label_slot=label_slot, width=width)
 
 
 def label_slots(ids: Tensor, rows: Tensor, labels: Tensor, present: Tensor) -> Tensor:

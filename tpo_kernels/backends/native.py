@@ -6,7 +6,7 @@ Both extensions take keyword arguments only, named like the fields of the argume
 ``stream``. This module prepares the tensors once for both: 2-D row-major views (row stride >= V,
 unit column stride; anything else is copied with ``.contiguous()``) and, for the row ops, ``[B, T,
 V]`` views whose rows do not flatten (``logits[:, :-1]``: read in place, one launch with a batch
-stride), int64 labels and candidates,
+stride), int64 labels,
 per-row values in the compute dtype, every tensor on the device of the one the kernel reads.
 These pointer-boundary checks raise ``ValueError`` / ``TypeError``; the extensions re-check what
 could make a kernel touch memory it should not. A subclass supplies the extension and
@@ -95,21 +95,12 @@ def labels_vector(labels: Tensor, rows: int, device) -> Tensor:
     return per_row(labels, rows, torch.int64, device, "labels")
 
 
-def candidate_ids(candidates: Tensor, rows: int, device) -> Tensor:
-    """``candidates`` as a contiguous int64 ``[rows, K]`` tensor on ``device``."""
-    if candidates.dtype.is_floating_point or candidates.dtype.is_complex or candidates.dtype == torch.bool:
-        raise TypeError(f"candidates must be an integer tensor, got {candidates.dtype}")
-    if candidates.dim() != 2 or candidates.shape[0] != rows:
-        raise ValueError(f"candidates must be [{rows}, K], got {tuple(candidates.shape)}")
-    return candidates.to(device=device, dtype=torch.int64).contiguous()
-
-
 def ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
 class NativeBackend(Backend):
-    """Row and candidate ops through a compiled extension. Subclasses set ``name`` and implement
+    """Row ops (and the ragged ones' shared preparation) through a compiled extension. Subclasses set ``name`` and implement
     :meth:`_import_extension`, :meth:`unavailable_reason`, :meth:`supports_device` and
     :meth:`_launch_args`."""
 
@@ -223,39 +214,6 @@ class NativeBackend(Backend):
             log_sum=ptr(log_sum), logprob=ptr(lp), grad_logprob=ptr(g), grad_entropy=ptr(ge), entropy=ptr(ent),
             inv_temperature=float(inv_temperature), out=ptr(target), out_row_stride=row_stride(target),
             out_batch_stride=batch_args(target)["batch_stride"], **launch,
-        )
-        if target is not out:
-            out.copy_(target)
-
-    def candidate_forward(self, logits: Tensor, candidates: Tensor, *, inv_temperature: float) -> Tensor:
-        launch = self._launch_args(logits, "logits")
-        dtype_code(logits.dtype)
-        x = as_rows(logits)
-        rows = x.shape[0]
-        cand = candidate_ids(candidates, rows, x.device)
-        k = cand.shape[1]
-        out = torch.empty(rows, k, dtype=compute_dtype(x.dtype), device=x.device)
-        self.extension.candidate_forward(
-            **matrix_args(x), candidates=ptr(cand), num_candidates=k,
-            inv_temperature=float(inv_temperature), logits=ptr(x), cand_logits=ptr(out), **launch,
-        )
-        return out
-
-    def candidate_backward(
-        self, grad_cand: Tensor, candidates: Tensor, *, inv_temperature: float, out: Tensor
-    ) -> None:
-        launch = self._launch_args(out, "out")
-        dtype_code(out.dtype, "out")
-        target = as_rows(out, "out")
-        rows = target.shape[0]
-        cand = candidate_ids(candidates, rows, out.device)
-        k = cand.shape[1]
-        grad = grad_cand.to(device=out.device, dtype=compute_dtype(out.dtype)).contiguous()
-        if grad.shape != cand.shape:
-            raise ValueError(f"grad_cand must be {tuple(cand.shape)}, got {tuple(grad_cand.shape)}")
-        self.extension.candidate_backward(
-            **matrix_args(target), candidates=ptr(cand), num_candidates=k,
-            inv_temperature=float(inv_temperature), grad_cand=ptr(grad), out=ptr(target), **launch,
         )
         if target is not out:
             out.copy_(target)

@@ -14,6 +14,7 @@ outside the vocabulary (gathered as NaN, never written, adds nothing to ``dH``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -22,9 +23,9 @@ from torch import Tensor
 
 from .kept_sets import KeptSets
 from .rows import RowSummary, compute_dtype
-from .torch_candidates import _RunTargets
 
-# Elements of one [pairs, H] temporary of the linear forward: 8 MiB of fp32.
+# Elements of one [pairs, H] temporary of the linear forward, or of one [rows, V] accumulator of the
+# scatter: 8 MiB of fp32.
 _CHUNK_ELEMENTS = 1 << 21
 
 
@@ -58,20 +59,37 @@ def kept_gather(logits: Tensor, kept: KeptSets) -> Tensor:
     return _mark(values.to(compute_dtype(logits.dtype)), hole, outside)
 
 
+def _row_index(rows: Tensor, t: Tensor) -> Tuple[Tensor, ...]:
+    """The index of rows ``rows`` of ``t``: ``[M, V]``, or row ``b T + t`` of a ``[B, T, V]`` view."""
+    if t.dim() == 3:
+        per_batch = t.shape[1]
+        return torch.div(rows, per_batch, rounding_mode="floor"), rows % per_batch
+    return (rows,)
+
+
 def kept_scatter(grad: Tensor, kept: KeptSets, *, out: Tensor) -> None:
     """``out`` (the logits' shape and dtype) becomes 0 except ``out[row, id]``, the sum of that row's
-    pairs in ascending order; holes and ids outside ``[0, V)`` are never written (they add an exact
-    +0.0 to column 0 of their row, which starts at +0.0)."""
+    pairs in ascending order (``index_put_`` accumulates duplicates in index order: serially on the
+    CPU, after a stable sort on CUDA); holes and ids outside ``[0, V)`` are never written (they add an
+    exact +0.0 to column 0 of their row, which starts at +0.0). A lower-precision ``out`` of the
+    padded form (token-level candidates: duplicate ids) gets its sums from a ``grad``-dtype
+    accumulator of one chunk of rows at a time (8 MiB), rounded once; a CSR (replay: a set holds no
+    id twice) is added into ``out`` directly."""
     vocab = out.shape[-1]
     ids, hole, outside = _pair_ids(kept, vocab)
-    values = torch.where(hole | outside, 0.0, grad).to(out.dtype)
-    out.zero_()
-    if out.dim() == 3:
-        per_batch = out.shape[1]
-        index = (torch.div(kept.rows, per_batch, rounding_mode="floor"), kept.rows % per_batch, ids)
-    else:
-        index = (kept.rows, ids)
-    out.index_put_(index, values, accumulate=True)
+    values = torch.where(hole | outside, 0.0, grad)
+    width = kept.width
+    if width is None or out.dtype == values.dtype or kept.num_rows == 0:
+        out.zero_()
+        out.index_put_(_row_index(kept.rows, out) + (ids,), values.to(out.dtype), accumulate=True)
+        return
+    step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, kept.num_rows, step):
+        stop = min(start + step, kept.num_rows)
+        pairs = slice(start * width, stop * width)
+        acc = values.new_zeros(stop - start, vocab)
+        acc.index_put_((kept.rows[pairs] - start, ids[pairs]), values[pairs], accumulate=True)
+        out[_row_index(torch.arange(start, stop, device=out.device), out)] = acc.to(out.dtype)
 
 
 def kept_linear_forward(hidden: Tensor, weight: Tensor, kept: KeptSets, *, bias: Optional[Tensor] = None) -> Tensor:
@@ -81,12 +99,22 @@ def kept_linear_forward(hidden: Tensor, weight: Tensor, kept: KeptSets, *, bias:
     ids, hole, outside = _pair_ids(kept, weight.shape[0])
     num_pairs, hidden_size = kept.num_pairs, weight.shape[1]
     out = torch.empty(num_pairs, dtype=acc, device=hidden.device)
-    step = max(1, _CHUNK_ELEMENTS // max(hidden_size, 1))
-    for start in range(0, num_pairs, step):
-        pairs = slice(start, min(start + step, num_pairs))
-        w = weight.index_select(0, ids[pairs]).to(acc)
-        h = hidden.index_select(0, kept.rows[pairs]).to(acc)
-        out[pairs] = w.mul_(h).sum(-1)
+    width = kept.width
+    if width:  # uniform rows (the padded form, candidates): row r's pairs read hidden[r] uncopied
+        step = max(1, _CHUNK_ELEMENTS // max(width * hidden_size, 1))
+        hidden = hidden.reshape(-1, hidden_size)
+        for start in range(0, kept.num_rows, step):
+            rows = slice(start, min(start + step, kept.num_rows))
+            pairs = slice(rows.start * width, rows.stop * width)
+            w = weight.index_select(0, ids[pairs]).to(acc).view(-1, width, hidden_size)
+            out[pairs] = w.mul_(hidden[rows].to(acc).unsqueeze(1)).sum(-1).view(-1)
+    else:
+        step = max(1, _CHUNK_ELEMENTS // max(hidden_size, 1))
+        for start in range(0, num_pairs, step):
+            pairs = slice(start, min(start + step, num_pairs))
+            w = weight.index_select(0, ids[pairs]).to(acc)
+            h = hidden.index_select(0, kept.rows[pairs]).to(acc)
+            out[pairs] = w.mul_(h).sum(-1)
     if bias is not None:
         out += bias[ids].to(acc)
     return _mark(out, hole, outside)
@@ -133,6 +161,48 @@ def kept_linear_backward(
             dbias = torch.zeros(vocab, dtype=weight.dtype, device=weight.device)
             targets.write(dbias, sums)
     return dhidden, dweight, dbias
+
+
+@dataclass
+class _RunTargets:
+    """Where the runs' sums go: ``out[tokens[i]] = sums[i]`` for every run whose token is in
+    ``[0, V)``, nothing for the others, as plain (non-accumulating) writes of distinct rows.
+
+    The runs' tokens are distinct and sorted, so clamping them to ``[0, V - 1]`` sends the runs
+    below 0 to row 0 and those at or above V to row V - 1, and only those two rows can receive
+    more than one run (in no defined order). Each of the two is then written once more, with the
+    run of its own token (found by a binary search of the sorted tokens) or 0 when that token has
+    no run: two rows of work, no pass over ``[runs, H]`` and no read-back.
+    """
+
+    slots: Tensor  # [runs]: the row each run is written to, its token clamped to [0, V - 1]
+    edge_rows: Tensor  # [2]: rows 0 and V - 1
+    edge_runs: Tensor  # [2]: the run holding each edge row's token, if any
+    edge_present: Tensor  # [2]: whether that run's token is the edge row's
+
+    @staticmethod
+    def of(tokens: Tensor, vocab: int) -> "_RunTargets":
+        tokens = tokens.to(torch.int64)  # index_copy_ takes int64 rows
+        last_row = max(vocab - 1, 0)
+        # [0, V - 1] made on the device: a host tensor's copy would wait for the device's queue.
+        edge_rows = torch.arange(2, device=tokens.device) * last_row
+        edge_runs = torch.searchsorted(tokens, edge_rows).clamp_(max=max(tokens.numel() - 1, 0))
+        return _RunTargets(
+            slots=tokens.clamp(0, last_row),
+            edge_rows=edge_rows,
+            edge_runs=edge_runs,
+            edge_present=tokens[edge_runs] == edge_rows if tokens.numel() else edge_rows < 0,
+        )
+
+    def write(self, out: Tensor, sums: Tensor) -> None:
+        """Write the in-vocabulary runs' ``sums`` (``[runs]`` or ``[runs, H]``) into the
+        zero-filled ``out`` (``[V]`` or ``[V, H]``); every other row stays 0."""
+        if self.slots.numel() == 0 or out.shape[0] == 0:
+            return
+        out.index_copy_(0, self.slots, sums.to(out.dtype))
+        present = self.edge_present.view(-1, *([1] * (sums.dim() - 1)))
+        edges = torch.where(present, sums.index_select(0, self.edge_runs), 0.0)
+        out.index_copy_(0, self.edge_rows, edges.to(out.dtype))
 
 
 def _label_values(values: Tensor, kept: KeptSets) -> Tuple[Tensor, Tensor]:

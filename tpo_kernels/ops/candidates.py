@@ -6,6 +6,13 @@ vocabulary-sized work). ``tpo_kernels::linear_candidate_logits`` computes the sa
 states as K dot products per state, ``(h[r] . W[y] + b[y]) / tau``, so that nothing of size
 ``[R, V]`` exists; its backward gives ``dH``, ``dW`` (rows of the candidate ids) and ``db``,
 with weight rows summed in a fixed order (:func:`tpo_kernels.group_math.pair_runs`).
+
+Both run on the backends' kept-set ops: ``[R, K]`` candidates are kept sets of K pairs per row
+(:meth:`KeptSets.from_candidates`, uniform offsets, ids a view), so each operation has one kernel
+per backend. Two things are the dense contract's own, applied here on ``[R, K]`` values: the
+temperature (``c = raw * inv_t``; the backward scatters ``dc * inv_t``, each product rounded before
+the ascending sum of duplicates), and a negative id, which has no hole meaning here: its logit is
+NaN (the kept-set ops' ``-inf`` replaced), and it is not written and adds nothing to ``dH``, as a hole.
 """
 
 from __future__ import annotations
@@ -17,13 +24,24 @@ from torch import Tensor
 
 from ..backends.rows import compute_dtype
 from ..backends import backend_by_key
+from ..backends.kept_sets import KeptSets
 from ..group_math import pair_runs
 from ._tags import host_sync_tags
 
 
+def _tempered(raw: Tensor, candidates: Tensor, inv_temperature: float) -> Tensor:
+    """``[R, K]`` candidate logits from the kept-set ops' raw ``[R K]`` values: ``raw * inv_t``,
+    NaN for a negative id (a hole's ``-inf`` otherwise); ids ``>= V`` are NaN already."""
+    cand = raw.view(candidates.shape)
+    if inv_temperature != 1.0:
+        cand = cand.mul_(inv_temperature)
+    return cand.masked_fill_(candidates < 0, float("nan"))
+
+
 @torch.library.custom_op("tpo_kernels::candidate_logits", mutates_args=())
 def _candidate_logits(logits: Tensor, candidates: Tensor, inv_temperature: float, backend: str) -> Tensor:
-    return backend_by_key(backend).candidate_forward(logits, candidates, inv_temperature=inv_temperature)
+    raw = backend_by_key(backend).kept_gather(logits, KeptSets.from_candidates(candidates))
+    return _tempered(raw, candidates, inv_temperature)
 
 
 @_candidate_logits.register_fake
@@ -35,7 +53,8 @@ def _(logits, candidates, inv_temperature, backend):
 def _candidate_logits_backward(grad: Tensor, candidates: Tensor, vocab_size: int, dtype: torch.dtype,
                                inv_temperature: float, backend: str) -> Tensor:
     out = grad.new_empty(candidates.shape[0], vocab_size, dtype=dtype)
-    backend_by_key(backend).candidate_backward(grad, candidates, inv_temperature=inv_temperature, out=out)
+    grad = grad.reshape(-1) if inv_temperature == 1.0 else grad.reshape(-1) * inv_temperature
+    backend_by_key(backend).kept_scatter(grad, KeptSets.from_candidates(candidates), out=out)
     return out
 
 
@@ -64,9 +83,8 @@ _candidate_logits.register_autograd(_backward_gather, setup_context=_setup_gathe
 @torch.library.custom_op("tpo_kernels::linear_candidate_logits", mutates_args=())
 def _linear_candidate_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], candidates: Tensor,
                              inv_temperature: float, backend: str) -> Tensor:
-    return backend_by_key(backend).candidate_linear_forward(
-        hidden, weight, candidates, bias=bias, inv_temperature=inv_temperature
-    )
+    raw = backend_by_key(backend).kept_linear_forward(hidden, weight, KeptSets.from_candidates(candidates), bias=bias)
+    return _tempered(raw, candidates, inv_temperature)
 
 
 @_linear_candidate_logits.register_fake
@@ -79,10 +97,10 @@ def _(hidden, weight, bias, candidates, inv_temperature, backend):
 def _linear_candidate_logits_backward(grad: Tensor, hidden: Tensor, weight: Tensor, candidates: Tensor,
                                       needs_hidden: bool, needs_weight: bool, needs_bias: bool,
                                       backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    runs = pair_runs(candidates) if needs_weight or needs_bias else None
-    grads = backend_by_key(backend).candidate_linear_backward(
-        grad, hidden, weight, candidates, runs=runs, with_hidden=needs_hidden, with_weight=needs_weight,
-        with_bias=needs_bias,
+    runs = pair_runs(candidates) if needs_weight or needs_bias else None  # pairs numbered r K + k: the flat ids'
+    grads = backend_by_key(backend).kept_linear_backward(
+        grad.reshape(-1), hidden, weight, KeptSets.from_candidates(candidates), runs=runs, with_hidden=needs_hidden,
+        with_weight=needs_weight, with_bias=needs_bias,
     )
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 

@@ -1,4 +1,5 @@
-"""Triton backend: row ops, candidate ops, the kept-set head and the group op as Triton kernels.
+"""Triton backend: row ops, kept-set ops (replay, and token-level TPO's candidates) and the group op
+as Triton kernels.
 
 Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``,
 slow; meant for tests). Importing this module imports Triton; the backend registry imports it
@@ -13,7 +14,7 @@ import torch
 
 from .. import triton_interpreter_enabled
 from .. import Backend
-from . import candidate_kernels, group_kernel, kept_kernels, row_kernels
+from . import group_kernel, kept_kernels, row_kernels
 
 
 class TritonBackend(Backend):
@@ -21,13 +22,9 @@ class TritonBackend(Backend):
 
     row_forward = staticmethod(row_kernels.row_forward)
     row_backward = staticmethod(row_kernels.row_backward)
-    candidate_forward = staticmethod(candidate_kernels.candidate_forward)
-    candidate_backward = staticmethod(candidate_kernels.candidate_backward)
-    candidate_linear_forward = staticmethod(candidate_kernels.candidate_linear_forward)
-    candidate_linear_backward = staticmethod(candidate_kernels.candidate_linear_backward)
     group_targets = staticmethod(group_kernel.fused_group_targets)
-    # Kept sets: the fused head's ragged dot products and the ragged row ops as kernels; the
-    # gather and scatter of the logits path are the PyTorch defaults.
+    kept_gather = staticmethod(kept_kernels.kept_gather)
+    kept_scatter = staticmethod(kept_kernels.kept_scatter)
     kept_linear_forward = staticmethod(kept_kernels.kept_linear_forward)
     kept_linear_backward = staticmethod(kept_kernels.kept_linear_backward)
     ragged_row_forward = staticmethod(kept_kernels.ragged_row_forward)

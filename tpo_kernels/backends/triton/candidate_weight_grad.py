@@ -1,8 +1,8 @@
-"""The weight and bias gradients of the Triton fused-linear candidate ops: for the (r, k) pairs
-stably sorted by token id (:func:`tpo_kernels.group_math.pair_runs`; the pairs of token ``v`` form one
-run),
+"""The weight and bias gradients of the Triton kept-set dot products (the fused head of replay and
+of token-level TPO's candidates): for the (row, id) pairs p stably sorted by id
+(:func:`tpo_kernels.group_math.pair_runs`; the pairs of token ``v`` form one run),
 
-    dW[v] = sum over the run of v of grad[r, k] * h[r],    db[v] = sum over the run of grad[r, k]
+    dW[v] = sum over the run of v of grad[p] * h[rows[p]],    db[v] = sum over the run of grad[p]
 
 without atomics and in a fixed order. Walking a run pair by pair in one program would make the
 most frequent token (a Zipf-like head: "the", ",") the critical path, so the sorted pair list is
@@ -17,7 +17,7 @@ by its own program, in tiles of pairs reduced by a fixed tree:
 3. one program per segment sums the partial rows of the run crossing its end, in segment order.
 
 (1) and (2) are independent; each segment holds at most one piece of each kind, so the partials
-take ``2 ceil(R K / SEGMENT_PAIRS)`` rows of H in the compute dtype. Every sum runs in a fixed
+take ``2 ceil(P / SEGMENT_PAIRS)`` rows of H in the compute dtype. Every sum runs in a fixed
 order: results are bitwise reproducible.
 
 Ids: the pairs are addressed by their position (always in range); a run's token id is used only
@@ -36,13 +36,11 @@ SEGMENT_PAIRS = 64  # pairs per segment: the most any program of passes 1 and 2 
 
 
 @triton.jit
-def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride, num_cand, cols,
-              in_h, HAS_WEIGHT: tl.constexpr, HAS_PAIR_ROWS: tl.constexpr, PAIR_TILE: tl.constexpr,
-              BLOCK_H: tl.constexpr):
-    """``(sum g * h[state], sum g)`` over the sorted pairs ``start <= j < stop``, ``PAIR_TILE``
-    pairs at a time (each tile reduced by a fixed tree, the tiles in ascending order). A pair's
-    state is ``pair // num_cand`` (K candidates per state), or ``pair_rows[pair]`` with
-    ``HAS_PAIR_ROWS`` (ragged kept sets)."""
+def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride, cols, in_h,
+              HAS_WEIGHT: tl.constexpr, PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``(sum g * h[row], sum g)`` over the sorted pairs ``start <= j < stop``, ``PAIR_TILE``
+    pairs at a time (each tile reduced by a fixed tree, the tiles in ascending order); a pair's
+    row is ``pair_rows[pair]``."""
     acc_ty = grad_ptr.dtype.element_ty
     lanes = tl.arange(0, PAIR_TILE)
     dw = tl.zeros([BLOCK_H], dtype=acc_ty)
@@ -53,10 +51,7 @@ def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, 
         pair = tl.load(pair_order_ptr + j, mask=in_j, other=0)
         g = tl.load(grad_ptr + pair, mask=in_j, other=0.0)
         if HAS_WEIGHT:
-            if HAS_PAIR_ROWS:
-                state = tl.load(pair_rows_ptr + pair, mask=in_j, other=0)
-            else:
-                state = pair // num_cand
+            state = tl.load(pair_rows_ptr + pair, mask=in_j, other=0)
             rows = hidden_ptr + state[:, None] * hidden_row_stride
             h = tl.load(rows + cols[None, :], mask=in_j[:, None] & in_h[None, :], other=0.0).to(acc_ty)
             dw += tl.sum(g[:, None] * h, axis=0)
@@ -67,9 +62,9 @@ def _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, 
 @triton.jit
 def _weight_grad_run_kernel(
     grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, run_offsets_ptr, run_tokens_ptr, dweight_ptr, dbias_ptr,
-    partial_w_ptr, partial_b_ptr, crossing_run_ptr, hidden_row_stride, vocab, num_cand, hidden_size,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAIR_ROWS: tl.constexpr, SEGMENT: tl.constexpr,
-    PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
+    partial_w_ptr, partial_b_ptr, crossing_run_ptr, hidden_row_stride, vocab, hidden_size,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENT: tl.constexpr, PAIR_TILE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # One program per (run, column block): the run's pairs up to the end of its first segment.
     # A run ending there is final; otherwise this is partial row 2 * segment + 1.
@@ -81,8 +76,8 @@ def _weight_grad_run_kernel(
     stop = tl.minimum(end, (segment + 1) * SEGMENT)
     cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_h = cols < hidden_size
-    dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride,
-                       num_cand, cols, in_h, HAS_WEIGHT, HAS_PAIR_ROWS, PAIR_TILE, BLOCK_H)
+    dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride, cols,
+                       in_h, HAS_WEIGHT, PAIR_TILE, BLOCK_H)
     if stop == end:
         token = tl.load(run_tokens_ptr + run)
         if (token >= 0) & (token < vocab):  # a token outside [0, vocab) is never written
@@ -103,26 +98,26 @@ def _weight_grad_run_kernel(
 
 @triton.jit
 def _weight_grad_segment_kernel(
-    grad_ptr, hidden_ptr, candidates_ptr, pair_order_ptr, pair_rows_ptr, partial_w_ptr, partial_b_ptr,
-    hidden_row_stride, num_cand, num_pairs, hidden_size, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_PAIR_ROWS: tl.constexpr, SEGMENT: tl.constexpr, PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
+    grad_ptr, hidden_ptr, ids_ptr, pair_order_ptr, pair_rows_ptr, partial_w_ptr, partial_b_ptr,
+    hidden_row_stride, num_pairs, hidden_size, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SEGMENT: tl.constexpr, PAIR_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # One program per (segment s >= 1, column block): when the run holding the segment's first
     # pair began in an earlier segment, its pairs in this segment become partial row 2 * s.
     segment = tl.program_id(0).to(tl.int64) + 1
     block = tl.program_id(1)
     start = segment * SEGMENT
-    token = tl.load(candidates_ptr + tl.load(pair_order_ptr + start))
-    if tl.load(candidates_ptr + tl.load(pair_order_ptr + start - 1)) == token:
+    token = tl.load(ids_ptr + tl.load(pair_order_ptr + start))
+    if tl.load(ids_ptr + tl.load(pair_order_ptr + start - 1)) == token:
         # Tokens are sorted: the run's pairs are a prefix of the segment.
         j = start + tl.arange(0, SEGMENT)
         in_j = j < num_pairs
-        same = tl.load(candidates_ptr + tl.load(pair_order_ptr + j, mask=in_j, other=0), mask=in_j, other=-1) == token
+        same = tl.load(ids_ptr + tl.load(pair_order_ptr + j, mask=in_j, other=0), mask=in_j, other=-1) == token
         stop = start + tl.sum(same.to(tl.int64), axis=0)
         cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
         in_h = cols < hidden_size
         dw, db = _pair_sum(grad_ptr, hidden_ptr, pair_order_ptr, pair_rows_ptr, start, stop, hidden_row_stride,
-                           num_cand, cols, in_h, HAS_WEIGHT, HAS_PAIR_ROWS, PAIR_TILE, BLOCK_H)
+                           cols, in_h, HAS_WEIGHT, PAIR_TILE, BLOCK_H)
         if HAS_WEIGHT:
             tl.store(partial_w_ptr + 2 * segment * hidden_size + cols, dw, mask=in_h)
         if HAS_BIAS:
@@ -172,21 +167,21 @@ def num_warps(tile: int) -> int:
 def weight_grad(
     grad: Tensor,
     hidden: Tensor,
-    candidates: Tensor,
+    ids: Tensor,
+    pair_rows: Tensor,
     runs: Tuple[Tensor, Tensor, Tensor],
     dweight: Optional[Tensor],
     dbias: Optional[Tensor],
     vocab: int,
-    pair_rows: Optional[Tensor] = None,
 ) -> None:
-    """Write the candidate rows of ``dweight`` [V, H] and ``dbias`` [V] (each None when not
-    wanted; the other rows are left as they are) for ``grad`` [R, K] (compute dtype), contiguous
-    ``hidden`` and ``candidates``, ``runs = pair_runs(candidates)`` and ``vocab`` = the weight's rows
-(tokens outside ``[0, vocab)`` are not written); see the module docstring. Ragged kept sets pass
-    their flat ids as ``[P, 1]`` candidates and each pair's row as ``pair_rows`` ``[P]``."""
+    """Write the rows of ``dweight`` [V, H] and ``dbias`` [V] that the pairs' ids name (each None
+    when not wanted; the other rows are left as they are) for ``grad`` [P] (compute dtype),
+    contiguous ``hidden``, ``ids`` [P] and each pair's row ``pair_rows`` [P], ``runs =
+    pair_runs(ids)`` and ``vocab`` = the weight's rows (tokens outside ``[0, vocab)`` are not
+    written); see the module docstring."""
     order, run_tokens, run_offsets = runs
     num_pairs, num_runs = order.numel(), run_tokens.numel()
-    num_cand, hidden_size = candidates.shape[1], hidden.shape[1]
+    hidden_size = hidden.shape[1]
     with_weight, with_bias = dweight is not None, dbias is not None
     block_h = min(triton.next_power_of_2(max(hidden_size, 1)), 1024)
     col_blocks = triton.cdiv(hidden_size, block_h) if with_weight else 1  # db alone: one block
@@ -197,19 +192,16 @@ def weight_grad(
     crossing_run = torch.full((num_segments,), -1, dtype=torch.int32, device=grad.device)
     dweight = dweight if with_weight else grad  # placeholder pointers when not requested
     dbias = dbias if with_bias else grad
-    has_rows = pair_rows is not None
-    pair_rows = pair_rows if has_rows else order  # a placeholder pointer without rows
     flags = dict(HAS_WEIGHT=with_weight, SEGMENT=SEGMENT_PAIRS, BLOCK_H=block_h, num_warps=num_warps(tile * block_h))
     _weight_grad_run_kernel[(num_runs, col_blocks)](
         grad, hidden, order, pair_rows, run_offsets, run_tokens, dweight, dbias, partial_w, partial_b, crossing_run,
-        hidden.stride(0), vocab, num_cand, hidden_size, HAS_BIAS=with_bias, HAS_PAIR_ROWS=has_rows, PAIR_TILE=tile,
-        **flags,
+        hidden.stride(0), vocab, hidden_size, HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
     )
     if num_segments == 1:
         return  # no run crosses a segment boundary: no partials
     _weight_grad_segment_kernel[(num_segments - 1, col_blocks)](
-        grad, hidden, candidates, order, pair_rows, partial_w, partial_b, hidden.stride(0), num_cand, num_pairs,
-        hidden_size, HAS_BIAS=with_bias, HAS_PAIR_ROWS=has_rows, PAIR_TILE=tile, **flags,
+        grad, hidden, ids, order, pair_rows, partial_w, partial_b, hidden.stride(0), num_pairs, hidden_size,
+        HAS_BIAS=with_bias, PAIR_TILE=tile, **flags,
     )
     # The last segment's end is the end of the pairs: no run crosses it.
     _weight_grad_combine_kernel[(num_segments - 1, col_blocks)](

@@ -1,13 +1,23 @@
-"""Triton kept-set ops of the fused head (sampling-mask replay): ragged dot products and their
-gradients, without forming ``[M, V]`` or gathering ``[P, H]``.
+"""Triton kept-set ops (sampling-mask replay, and token-level TPO's candidates as kept sets of K
+pairs per row): the gather and scatter of the logits path, the fused head's ragged dot products and
+their gradients (without forming ``[M, V]`` or gathering ``[P, H]``), the ragged row ops.
 
 With ``kept`` a CSR of (row, id) pairs (:class:`~tpo_kernels.backends.kept_sets.KeptSets`)::
 
-    forward   z[p]  = h[r] . W[ids[p]] + b[ids[p]]          for the pairs p of row r
+    gather    z[p]  = logits[r, ids[p]]                     for the pairs p of row r
+    scatter   out[r, :] = 0;  out[r, v] = sum of g[p] over the pairs p of row r with ids[p] == v
+    forward   z[p]  = h[r] . W[ids[p]] + b[ids[p]]
     dH[r]     = sum over the pairs p of row r of g[p] W[ids[p]]
     dW, db    : per token, the sorted runs of :func:`tpo_kernels.group_math.pair_runs` (the
                 candidate ops' segmented sums, :mod:`.candidate_weight_grad`, with each pair's
                 row read from the record's ``rows``)
+
+The scatter zero-fills ``out`` (one fill, any strides), then lane p of a row's program sums
+``g[q]`` over the row's pairs q with ``ids[q] == ids[p]`` in ascending q (n * n work for a row of n
+pairs, independent of V) and only the first lane holding an id stores it, cast to the output dtype
+once: duplicates (candidates drawn with replacement) sum in ascending order, bit for bit like the
+PyTorch default (on CPU the Triton interpreter's cast to bf16 / fp16 may round the last bit
+differently), and no two lanes write one element.
 
 One program per row on a 1-D grid walks its pairs ``offsets[r] .. offsets[r + 1]`` in blocks of
 ``BLOCK_K = 16`` (a set of 2048 ids is 128 trips), the hidden dimension in ``BLOCK_H`` columns. A
@@ -29,12 +39,69 @@ from torch import Tensor
 
 from ..kept_sets import KeptSets
 from ..rows import RowSummary, compute_dtype
-from .candidate_kernels import pair_dots
 from .candidate_weight_grad import num_warps, weight_grad
 from .kernel_support import device_guard, expm1, log1p, use_libdevice
 
 BLOCK_K = 16
 BLOCK_ROW = 64
+
+
+@triton.jit
+def _kept_gather_kernel(logits_ptr, ids_ptr, offsets_ptr, out_ptr, row_stride, rows_per_batch, batch_stride, vocab,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + (row // rows_per_batch) * batch_stride + (row % rows_per_batch) * row_stride
+    lanes = tl.arange(0, BLOCK)
+    start = tl.load(offsets_ptr + row)
+    end = tl.load(offsets_ptr + row + 1)
+    for block in range(start, end, BLOCK):
+        p = block + lanes
+        in_row = p < end
+        ids = tl.load(ids_ptr + p, mask=in_row, other=-1)
+        in_vocab = in_row & (ids >= 0) & (ids < vocab)
+        z = tl.load(base + ids, mask=in_vocab, other=0.0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + p, tl.where(ids < 0, float("-inf"), tl.where(in_vocab, z, float("nan"))), mask=in_row)
+
+
+@triton.jit
+def _kept_scatter_kernel(grad_ptr, ids_ptr, offsets_ptr, out_ptr, row_stride, col_stride, rows_per_batch,
+                         batch_stride, vocab, BLOCK: tl.constexpr):
+    # ``out`` is already zero (module docstring: n * n work per row, the first lane of an id stores).
+    row = tl.program_id(0).to(tl.int64)
+    base = out_ptr + (row // rows_per_batch) * batch_stride + (row % rows_per_batch) * row_stride
+    lanes = tl.arange(0, BLOCK)
+    start = tl.load(offsets_ptr + row)
+    end = tl.load(offsets_ptr + row + 1)
+    for block in range(start, end, BLOCK):
+        p = block + lanes
+        ids = tl.load(ids_ptr + p, mask=p < end, other=-1)
+        acc = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
+        first = (p < end) & (ids >= 0) & (ids < vocab)  # holes and ids outside [0, vocab): never written
+        for q in range(start, end):
+            same = ids == tl.load(ids_ptr + q)
+            acc = tl.where(same, acc + tl.load(grad_ptr + q), acc)
+            first = first & ~(same & (q < p))
+        tl.store(base + ids * col_stride, acc.to(out_ptr.dtype.element_ty), mask=first)
+
+
+@triton.jit
+def pair_dots(h_row, weight_ptr, bias_ptr, out_ptr, ids, in_vocab, weight_row_stride, hidden_size,
+              HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``h_row . W[ids[k]] (+ b[ids[k]])`` for a block of ``BLOCK_K`` ids, in ``out_ptr``'s dtype,
+    the hidden dimension in ``BLOCK_H`` columns; 0 where not ``in_vocab`` (never dereferenced)."""
+    acc_ty = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_H)
+    w_rows = weight_ptr + ids.to(tl.int64)[:, None] * weight_row_stride
+    dot = tl.zeros([BLOCK_K], dtype=acc_ty)
+    for h_start in range(0, hidden_size, BLOCK_H):
+        c = h_start + cols
+        in_h = c < hidden_size
+        h = tl.load(h_row + c, mask=in_h, other=0.0).to(acc_ty)
+        w = tl.load(w_rows + c[None, :], mask=in_vocab[:, None] & in_h[None, :], other=0.0).to(acc_ty)
+        dot += tl.sum(w * h[None, :], axis=1)
+    if HAS_BIAS:
+        dot += tl.load(bias_ptr + ids, mask=in_vocab, other=0.0).to(acc_ty)
+    return dot
 
 
 @triton.jit
@@ -171,6 +238,44 @@ def _scale(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((1,), value, dtype=dtype, device=device)  # exact in float64; no host-to-device copy
 
 
+def _batch_layout(t: Tensor) -> Tuple[int, int, int]:
+    """``(row_stride, rows_per_batch, batch_stride)`` of ``[M, V]`` or a ``[B, T, V]`` view: row
+    ``b T + t`` starts at ``b batch_stride + t row_stride``."""
+    if t.dim() == 2:
+        return t.stride(0), max(t.shape[0], 1), 0
+    return t.stride(1), max(t.shape[1], 1), t.stride(0)
+
+
+def kept_gather(logits: Tensor, kept: KeptSets) -> Tensor:
+    """``[P]`` raw ``logits[row, id]`` in the compute dtype from ``[M, V]`` or a ``[B, T, V]`` view
+    (read in place; hole: ``-inf``, id ``>= V``: NaN)."""
+    out = torch.empty(kept.num_pairs, dtype=compute_dtype(logits.dtype), device=logits.device)
+    if kept.num_rows == 0 or kept.num_pairs == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    with device_guard(logits):
+        _kept_gather_kernel[(kept.num_rows,)](
+            logits, kept.ids.contiguous(), kept.offsets.contiguous(), out, *_batch_layout(logits), logits.shape[-1],
+            BLOCK=BLOCK_K, num_warps=1,
+        )
+    return out
+
+
+def kept_scatter(grad: Tensor, kept: KeptSets, *, out: Tensor) -> None:
+    """``out`` (``[M, V]`` or ``[B, T, V]``, any strides) becomes zero except ``out[row, id]``, the
+    sum of that row's pairs in ascending order in ``grad``'s dtype, cast to ``out``'s once."""
+    out.zero_()
+    if kept.num_rows == 0 or kept.num_pairs == 0:
+        return
+    row_stride, rows_per_batch, batch_stride = _batch_layout(out)
+    with device_guard(out):
+        _kept_scatter_kernel[(kept.num_rows,)](
+            grad.contiguous(), kept.ids.contiguous(), kept.offsets.contiguous(), out, row_stride, out.stride(-1),
+            rows_per_batch, batch_stride, out.shape[-1], BLOCK=BLOCK_K, num_warps=1,
+        )
+
+
 def ragged_row_forward(kept_logits: Tensor, kept: KeptSets, *, inv_temperature: float,
                        with_entropy: bool) -> RowSummary:
     """The row-op contract over the ragged rows of ``kept_logits`` [P] (raw, compute dtype)."""
@@ -266,9 +371,9 @@ def kept_linear_backward(
                 hidden_size, BLOCK_K=BLOCK_K, BLOCK_H=block_h, num_warps=num_warps(BLOCK_K * block_h),
             )
         if with_weight or with_bias:
-            weight_grad(grad, hidden, kept.ids.reshape(-1, 1), runs, dweight, dbias, vocab,
-                        pair_rows=kept.rows.contiguous())
+            weight_grad(grad, hidden, kept.ids.contiguous(), kept.rows.contiguous(), runs, dweight, dbias, vocab)
     return dhidden, dweight, dbias
 
 
-__all__ = ["kept_linear_backward", "kept_linear_forward", "ragged_row_backward", "ragged_row_forward"]
+__all__ = ["kept_gather", "kept_linear_backward", "kept_linear_forward", "kept_scatter", "ragged_row_backward",
+           "ragged_row_forward"]
