@@ -37,15 +37,19 @@ from .kernel_support import device_guard, scalar_from_parts, split_scalar
 
 
 @triton.jit
-def _masked_softmax(x, valid):
-    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0; no valid
-    lane, a group whose every weight is 0: p = 0 everywhere, log p = -inf)."""
+def _masked_softmax(x, valid, MAY_BE_EMPTY: tl.constexpr):
+    """softmax and log-softmax of ``x`` over the ``valid`` lanes (invalid lanes: p = 0).
+    ``MAY_BE_EMPTY`` (with weights only: a group whose every weight is 0 has no valid lane): then
+    p = 0 everywhere and log p = -inf, as the portable group math gives."""
     x = tl.where(valid, x, float("-inf"))
     top = tl.max(x, axis=0)
-    shifted = x - tl.where(top == float("-inf"), 0.0, top)
+    if MAY_BE_EMPTY:
+        top = tl.where(top == float("-inf"), 0.0, top)
+    shifted = x - top
     e = tl.exp(shifted)
     total = tl.sum(e, axis=0)
-    total = tl.where(total == 0.0, 1.0, total)
+    if MAY_BE_EMPTY:
+        total = tl.where(total == 0.0, 1.0, total)
     return e / total, shifted - tl.log(total)
 
 
@@ -104,7 +108,10 @@ def _group_targets_kernel(
     # min/2) / spread in [0, 1]: exact differences of nearby scores, no overflow or underflow.
     # A near tie, std(s) = 2 spread std(x) <= score_eps, keeps s - mean = 2 spread (x - mean(x)).
     scores = tl.load(scores_ptr + member, mask=valid, other=0.0).to(tl.float64)
-    count = tl.maximum(tl.sum(valid.to(tl.float64), axis=0), 1.0)  # 0 valid lanes: every w is 0
+    if HAS_WEIGHTS:  # the members with w > 0; none when every w is 0
+        count = tl.maximum(tl.sum(valid.to(tl.float64), axis=0), 1.0)
+    else:
+        count = size.to(tl.float64)
     s_max = tl.max(tl.where(valid, scores, float("-inf")), axis=0)
     s_min = tl.min(tl.where(valid, scores, float("inf")), axis=0)
     tied = s_max == s_min
@@ -134,8 +141,8 @@ def _group_targets_kernel(
     if HAS_WEIGHTS:  # one same add into both softmax inputs
         policy = ell + lw
         base = base + lw
-    p, log_p = _masked_softmax(policy, valid)
-    q, _ = _masked_softmax(base + u * inv_eta, valid)
+    p, log_p = _masked_softmax(policy, valid, HAS_WEIGHTS)
+    q, _ = _masked_softmax(base + u * inv_eta, valid, HAS_WEIGHTS)
     # Invalid lanes and q == 0 count 0 (the limit, not 0 * -inf where log p = -inf).
     group_loss = -tl.sum(q * tl.where(q > 0, log_p, 0.0), axis=0)
 
